@@ -1,0 +1,18 @@
+//! Matrix primitives for Spindle. Nothing in this crate does I/O.
+//!
+//! - [`canonical`]: canonical JSON (spec appendix "Canonical JSON"), via ruma.
+//! - [`keys`]: the server's ed25519 signing key and JSON signing/verification.
+//! - [`pdu`]: building a PDU (content hash, signature, reference-hash event id) for
+//!   room versions 10, 11 and 12, and parsing stored PDUs.
+//! - [`room_version`]: which room versions we serve and their rules.
+//! - [`trie`]: the content-addressed state trie (a HAMT addressed by blake3).
+//! - [`auth`]: authorization of an event against room state, delegated to ruma-state-res.
+
+pub mod auth;
+pub mod canonical;
+pub mod keys;
+pub mod pdu;
+pub mod room_version;
+pub mod trie;
+
+pub use ruma;

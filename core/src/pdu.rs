@@ -1,0 +1,420 @@
+//! PDUs: building, hashing, signing and parsing (spec: server-server API "PDUs",
+//! "Calculating the reference hash for an event", room versions 10/11/12).
+//!
+//! A [`Pdu`] is always backed by the exact canonical JSON bytes that were signed; the
+//! parsed fields are a convenience view. The event id is not part of the JSON (room
+//! versions 3+): it is `$` + the unpadded URL-safe base64 of the reference hash.
+
+use std::sync::Arc;
+
+use ruma::{
+    CanonicalJsonObject, CanonicalJsonValue, MilliSecondsSinceUnixEpoch, OwnedEventId,
+    OwnedRoomId, OwnedUserId, RoomId, UInt, UserId,
+    events::TimelineEventType,
+    room_version_rules::RoomVersionRules,
+};
+use serde_json::value::RawValue;
+
+use crate::{canonical, keys::ServerKey, room_version};
+
+/// Largest PDU the spec allows, in bytes of canonical JSON (spec: "Size limits").
+pub const MAX_PDU_BYTES: usize = 65_536;
+
+/// Errors building or parsing a PDU.
+#[derive(Debug, thiserror::Error)]
+pub enum PduError {
+    /// The room version is not one we serve.
+    #[error("unsupported room version {0}")]
+    UnsupportedRoomVersion(String),
+    /// The PDU exceeds [`MAX_PDU_BYTES`].
+    #[error("event is too large ({0} bytes, limit 65536)")]
+    TooLarge(usize),
+    /// The JSON is not a valid PDU (missing or mistyped field, not canonical).
+    #[error("invalid PDU: {0}")]
+    Invalid(String),
+}
+
+/// What a PDU is made from, before hashes, signatures and the event id exist.
+#[derive(Debug, Clone)]
+pub struct PduTemplate {
+    /// Room version of the room (decides redaction, id format and auth rules).
+    pub room_version: String,
+    /// The room, or `None` for the create event of a v12 room (its id comes from it).
+    pub room_id: Option<OwnedRoomId>,
+    /// Sending user (local).
+    pub sender: OwnedUserId,
+    /// Event type, e.g. `m.room.message`.
+    pub kind: String,
+    /// State key for state events.
+    pub state_key: Option<String>,
+    /// The event content (a JSON object).
+    pub content: serde_json::Value,
+    /// The event this one redacts (`m.room.redaction` only).
+    pub redacts: Option<OwnedEventId>,
+    /// Exactly one entry (the room head) for every event but the create event.
+    pub prev_events: Vec<OwnedEventId>,
+    /// Selected by the room version's auth-event selection rules.
+    pub auth_events: Vec<OwnedEventId>,
+    /// Depth: one more than the prev event's.
+    pub depth: u64,
+    /// Sender's origin timestamp in milliseconds since the Unix epoch.
+    pub origin_server_ts: u64,
+}
+
+/// A signed PDU, with its id, room id and a parsed view of its fields.
+#[derive(Debug, Clone)]
+pub struct Pdu {
+    /// `$` + reference hash.
+    pub event_id: OwnedEventId,
+    /// The room (for a v12 create event: derived from its own reference hash).
+    pub room_id: OwnedRoomId,
+    /// Sender.
+    pub sender: OwnedUserId,
+    /// Event type.
+    pub kind: TimelineEventType,
+    /// State key, for state events.
+    pub state_key: Option<String>,
+    /// Content, as raw JSON.
+    pub content: Box<RawValue>,
+    /// Origin server timestamp.
+    pub origin_server_ts: MilliSecondsSinceUnixEpoch,
+    /// Depth.
+    pub depth: u64,
+    /// Prev events (one for our own events).
+    pub prev_events: Vec<OwnedEventId>,
+    /// Auth events.
+    pub auth_events: Vec<OwnedEventId>,
+    /// The redacted event, for `m.room.redaction` (top-level in v10, in content in v11+).
+    pub redacts: Option<OwnedEventId>,
+    /// The room's version.
+    pub room_version: String,
+    /// Canonical JSON of the signed PDU (what the journal stores).
+    pub json: Arc<[u8]>,
+    room_id_in_json: bool,
+}
+
+fn rules(version: &str) -> Result<RoomVersionRules, PduError> {
+    room_version::rules(version).ok_or_else(|| PduError::UnsupportedRoomVersion(version.to_owned()))
+}
+
+fn reference_id(object: &CanonicalJsonObject, rules: &RoomVersionRules) -> Result<String, PduError> {
+    ruma::signatures::reference_hash(object, rules).map_err(|e| match e {
+        ruma::signatures::JsonError::PduTooLarge => PduError::TooLarge(MAX_PDU_BYTES + 1),
+        other => PduError::Invalid(other.to_string()),
+    })
+}
+
+impl PduTemplate {
+    /// Hashes, signs and ids the event (spec: "Signing events" and "Calculating the
+    /// reference hash"). Errors if the version is unsupported, the content is not a
+    /// canonical JSON object, or the result exceeds [`MAX_PDU_BYTES`].
+    pub fn build(self, key: &ServerKey) -> Result<Pdu, PduError> {
+        let rules = rules(&self.room_version)?;
+        let content = match canonical::to_object(self.content.clone()) {
+            Ok(c) => c,
+            Err(e) => return Err(PduError::Invalid(format!("content: {e}"))),
+        };
+        let mut obj = CanonicalJsonObject::new();
+        let ids = |v: &[OwnedEventId]| {
+            CanonicalJsonValue::Array(v.iter().map(|e| CanonicalJsonValue::String(e.to_string())).collect())
+        };
+        let mut content = content;
+        if let Some(redacts) = &self.redacts {
+            if rules.redaction.content_field_redacts {
+                content.insert("redacts".into(), CanonicalJsonValue::String(redacts.to_string()));
+            } else {
+                obj.insert("redacts".into(), CanonicalJsonValue::String(redacts.to_string()));
+            }
+        }
+        obj.insert("auth_events".into(), ids(&self.auth_events));
+        obj.insert("content".into(), CanonicalJsonValue::Object(content));
+        obj.insert("depth".into(), CanonicalJsonValue::Integer(UInt::try_from(self.depth).map_err(|_| PduError::Invalid("depth".into()))?.into()));
+        obj.insert(
+            "origin_server_ts".into(),
+            CanonicalJsonValue::Integer(UInt::try_from(self.origin_server_ts).map_err(|_| PduError::Invalid("ts".into()))?.into()),
+        );
+        obj.insert("prev_events".into(), ids(&self.prev_events));
+        if let Some(room_id) = &self.room_id {
+            obj.insert("room_id".into(), CanonicalJsonValue::String(room_id.to_string()));
+        }
+        obj.insert("sender".into(), CanonicalJsonValue::String(self.sender.to_string()));
+        if let Some(sk) = &self.state_key {
+            obj.insert("state_key".into(), CanonicalJsonValue::String(sk.clone()));
+        }
+        obj.insert("type".into(), CanonicalJsonValue::String(self.kind.clone()));
+
+        ruma::signatures::hash_and_sign_event(key.server_name(), key.pair(), &mut obj, &rules.redaction)
+            .map_err(|e| match e {
+                ruma::signatures::JsonError::PduTooLarge => PduError::TooLarge(canonical::to_bytes(&obj).len()),
+                other => PduError::Invalid(other.to_string()),
+            })?;
+        let json = canonical::to_bytes(&obj);
+        if json.len() > MAX_PDU_BYTES {
+            return Err(PduError::TooLarge(json.len()));
+        }
+        let hash = reference_id(&obj, &rules)?;
+        let event_id = OwnedEventId::try_from(format!("${hash}")).map_err(|e| PduError::Invalid(e.to_string()))?;
+        let room_id = match self.room_id {
+            Some(r) => r,
+            None => OwnedRoomId::try_from(format!("!{hash}")).map_err(|e| PduError::Invalid(e.to_string()))?,
+        };
+        Pdu::parse(&json, &self.room_version, Some(event_id), Some(room_id))
+    }
+}
+
+fn field<'a>(obj: &'a CanonicalJsonObject, name: &str) -> Result<&'a CanonicalJsonValue, PduError> {
+    obj.get(name).ok_or_else(|| PduError::Invalid(format!("missing field `{name}`")))
+}
+
+fn string_field(obj: &CanonicalJsonObject, name: &str) -> Result<String, PduError> {
+    field(obj, name)?
+        .as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| PduError::Invalid(format!("field `{name}` is not a string")))
+}
+
+fn id_list(obj: &CanonicalJsonObject, name: &str) -> Result<Vec<OwnedEventId>, PduError> {
+    field(obj, name)?
+        .as_array()
+        .ok_or_else(|| PduError::Invalid(format!("field `{name}` is not an array")))?
+        .iter()
+        .map(|v| {
+            v.as_str()
+                .and_then(|s| OwnedEventId::try_from(s).ok())
+                .ok_or_else(|| PduError::Invalid(format!("bad event id in `{name}`")))
+        })
+        .collect()
+}
+
+impl Pdu {
+    /// Parses stored canonical JSON. `event_id` is recomputed from the reference hash
+    /// when not given; `room_id` must be given for v12 create events (the JSON has none).
+    pub fn parse(
+        json: &[u8],
+        room_version: &str,
+        event_id: Option<OwnedEventId>,
+        room_id: Option<OwnedRoomId>,
+    ) -> Result<Pdu, PduError> {
+        let rules = rules(room_version)?;
+        let obj = canonical::from_bytes(json).map_err(|e| PduError::Invalid(e.to_string()))?;
+        let hash = match &event_id {
+            Some(_) => None,
+            None => Some(reference_id(&obj, &rules)?),
+        };
+        let event_id = match (event_id, &hash) {
+            (Some(id), _) => id,
+            (None, Some(h)) => OwnedEventId::try_from(format!("${h}")).map_err(|e| PduError::Invalid(e.to_string()))?,
+            (None, None) => unreachable!(),
+        };
+        let room_id_in_json = obj.contains_key("room_id");
+        let room_id = match obj.get("room_id").and_then(|v| v.as_str()) {
+            Some(r) => OwnedRoomId::try_from(r).map_err(|e| PduError::Invalid(e.to_string()))?,
+            None => match room_id {
+                Some(r) => r,
+                None => OwnedRoomId::try_from(format!("!{}", &event_id.as_str()[1..]))
+                    .map_err(|e| PduError::Invalid(e.to_string()))?,
+            },
+        };
+        let sender = OwnedUserId::try_from(string_field(&obj, "sender")?).map_err(|e| PduError::Invalid(e.to_string()))?;
+        let kind = TimelineEventType::from(string_field(&obj, "type")?);
+        let state_key = match obj.get("state_key") {
+            None => None,
+            Some(v) => Some(v.as_str().ok_or_else(|| PduError::Invalid("state_key".into()))?.to_owned()),
+        };
+        let content_obj = field(&obj, "content")?
+            .as_object()
+            .ok_or_else(|| PduError::Invalid("content is not an object".into()))?;
+        let content = serde_json::value::to_raw_value(content_obj).map_err(|e| PduError::Invalid(e.to_string()))?;
+        let ts = field(&obj, "origin_server_ts")?
+            .as_integer()
+            .and_then(|i| UInt::try_from(i64::from(i)).ok())
+            .ok_or_else(|| PduError::Invalid("origin_server_ts".into()))?;
+        let depth = field(&obj, "depth")?
+            .as_integer()
+            .and_then(|i| u64::try_from(i64::from(i)).ok())
+            .ok_or_else(|| PduError::Invalid("depth".into()))?;
+        let redacts = obj
+            .get("redacts")
+            .or_else(|| content_obj.get("redacts"))
+            .and_then(|v| v.as_str())
+            .and_then(|s| OwnedEventId::try_from(s).ok());
+        Ok(Pdu {
+            event_id,
+            room_id,
+            sender,
+            kind,
+            state_key,
+            content,
+            origin_server_ts: MilliSecondsSinceUnixEpoch(ts),
+            depth,
+            prev_events: id_list(&obj, "prev_events")?,
+            auth_events: id_list(&obj, "auth_events")?,
+            redacts,
+            room_version: room_version.to_owned(),
+            json: json.into(),
+            room_id_in_json,
+        })
+    }
+
+    /// The content as a `serde_json::Value`.
+    pub fn content_value(&self) -> serde_json::Value {
+        serde_json::from_str(self.content.get()).unwrap_or(serde_json::Value::Null)
+    }
+
+    /// Whether this is a state event.
+    pub fn is_state(&self) -> bool {
+        self.state_key.is_some()
+    }
+
+    /// The event in the client format (spec: client-server API "Room Event Format"),
+    /// with the given `unsigned` object (omitted when `None`).
+    pub fn to_client_event(&self, unsigned: Option<serde_json::Value>) -> serde_json::Value {
+        self.render(self.content_value(), unsigned)
+    }
+
+    /// The event as a client sees it after redaction (content stripped per the room
+    /// version's redaction algorithm), with `unsigned.redacted_because` set.
+    pub fn to_redacted_client_event(&self, redaction: &Pdu) -> serde_json::Value {
+        let content = self.redacted_content();
+        let unsigned = serde_json::json!({ "redacted_because": redaction.to_client_event(None) });
+        self.render(content, Some(unsigned))
+    }
+
+    /// Content kept by the redaction algorithm of this room version.
+    pub fn redacted_content(&self) -> serde_json::Value {
+        let Some(rules) = room_version::rules(&self.room_version) else { return serde_json::json!({}) };
+        let Ok(mut content) = canonical::to_object(self.content_value()) else { return serde_json::json!({}) };
+        ruma::canonical_json::redact_content_in_place(&mut content, &rules.redaction, self.kind.to_string());
+        serde_json::to_value(content).unwrap_or_else(|_| serde_json::json!({}))
+    }
+
+    fn render(&self, content: serde_json::Value, unsigned: Option<serde_json::Value>) -> serde_json::Value {
+        let mut ev = serde_json::json!({
+            "content": content,
+            "event_id": self.event_id,
+            "origin_server_ts": self.origin_server_ts,
+            "room_id": self.room_id,
+            "sender": self.sender,
+            "type": self.kind.to_string(),
+        });
+        let map = ev.as_object_mut().expect("object");
+        if let Some(sk) = &self.state_key {
+            map.insert("state_key".into(), sk.clone().into());
+        }
+        if let Some(r) = &self.redacts {
+            // v11 moved `redacts` into content; we keep the top-level copy for older clients.
+            map.insert("redacts".into(), r.to_string().into());
+        }
+        if let Some(u) = unsigned {
+            map.insert("unsigned".into(), u);
+        }
+        ev
+    }
+
+    /// The PDU as sent over federation (the signed JSON, which has no event id).
+    pub fn federation_json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.json).unwrap_or(serde_json::Value::Null)
+    }
+}
+
+impl ruma::state_res::Event for Pdu {
+    type Id = OwnedEventId;
+
+    fn event_id(&self) -> &Self::Id {
+        &self.event_id
+    }
+    fn room_id(&self) -> Option<&RoomId> {
+        if self.room_id_in_json { Some(&self.room_id) } else { None }
+    }
+    fn sender(&self) -> &UserId {
+        &self.sender
+    }
+    fn origin_server_ts(&self) -> MilliSecondsSinceUnixEpoch {
+        self.origin_server_ts
+    }
+    fn event_type(&self) -> &TimelineEventType {
+        &self.kind
+    }
+    fn content(&self) -> &RawValue {
+        &self.content
+    }
+    fn state_key(&self) -> Option<&str> {
+        self.state_key.as_deref()
+    }
+    fn prev_events(&self) -> Box<dyn DoubleEndedIterator<Item = &Self::Id> + '_> {
+        Box::new(self.prev_events.iter())
+    }
+    fn auth_events(&self) -> Box<dyn DoubleEndedIterator<Item = &Self::Id> + '_> {
+        Box::new(self.auth_events.iter())
+    }
+    fn redacts(&self) -> Option<&Self::Id> {
+        self.redacts.as_ref()
+    }
+    fn rejected(&self) -> bool {
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn template(version: &str, room: Option<&str>) -> PduTemplate {
+        PduTemplate {
+            room_version: version.into(),
+            room_id: room.map(|r| OwnedRoomId::try_from(r).unwrap()),
+            sender: OwnedUserId::try_from("@alice:example.org").unwrap(),
+            kind: "m.room.create".into(),
+            state_key: Some(String::new()),
+            content: serde_json::json!({"room_version": version}),
+            redacts: None,
+            prev_events: vec![],
+            auth_events: vec![],
+            depth: 1,
+            origin_server_ts: 1_700_000_000_000,
+        }
+    }
+
+    #[test]
+    fn event_id_is_reference_hash_and_stable_across_parse() {
+        let key = ServerKey::generate("example.org");
+        let pdu = template("10", Some("!abc:example.org")).build(&key).unwrap();
+        assert_eq!(pdu.event_id.as_str().len(), 44); // '$' + 43 chars of unpadded base64
+        let reparsed = Pdu::parse(&pdu.json, "10", None, None).unwrap();
+        assert_eq!(reparsed.event_id, pdu.event_id);
+        assert_eq!(reparsed.room_id.as_str(), "!abc:example.org");
+        // The signature and content hash verify with ruma.
+        let obj = canonical::from_bytes(&pdu.json).unwrap();
+        let verified = ruma::signatures::verify_event(&key.public_key_map(), &obj, &room_version::rules("10").unwrap()).unwrap();
+        assert_eq!(verified, ruma::signatures::Verified::All);
+    }
+
+    #[test]
+    fn v12_room_id_comes_from_create_event() {
+        let key = ServerKey::generate("example.org");
+        let pdu = template("12", None).build(&key).unwrap();
+        assert_eq!(&pdu.room_id.as_str()[1..], &pdu.event_id.as_str()[1..]);
+        assert!(!String::from_utf8_lossy(&pdu.json).contains("room_id"));
+    }
+
+    #[test]
+    fn oversized_event_is_refused() {
+        let key = ServerKey::generate("example.org");
+        let mut t = template("11", Some("!abc:example.org"));
+        t.kind = "m.room.message".into();
+        t.state_key = None;
+        t.content = serde_json::json!({"body": "x".repeat(70_000)});
+        assert!(matches!(t.build(&key), Err(PduError::TooLarge(_))));
+    }
+
+    #[test]
+    fn redaction_keeps_only_allowed_keys() {
+        let key = ServerKey::generate("example.org");
+        let mut t = template("11", Some("!abc:example.org"));
+        t.kind = "m.room.member".into();
+        t.state_key = Some("@alice:example.org".into());
+        t.content = serde_json::json!({"membership": "join", "displayname": "Alice"});
+        let pdu = t.build(&key).unwrap();
+        assert_eq!(pdu.redacted_content(), serde_json::json!({"membership": "join"}));
+    }
+}

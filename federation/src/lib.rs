@@ -1,0 +1,1 @@
+//! Server-Server API: the server signing key and the key server endpoint

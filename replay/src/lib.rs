@@ -1,0 +1,1 @@
+//! Rebuild and verify projections from the journal
