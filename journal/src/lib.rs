@@ -1,1 +1,493 @@
-//! The only writer: accepts signed commands, authorizes, builds PDUs, appends durably to the fjall journal
+//! The journal: Spindle's only writer (BRIEF §2).
+//!
+//! It accepts [`SignedCommand`]s, verifies their signature, authorizes room events
+//! against each room's own write model (the aggregate: auth-relevant state and head),
+//! builds the PDU (exactly one `prev_event`, the room head), and appends records
+//! durably. Appends from all rooms go through one group-commit appender that batches
+//! whatever is queued into one write and one fsync; no lock is held across an fsync.
+//!
+//! Positions: every record has a global position (1, 2, 3, ...). Positions are
+//! allocated and enqueued under a short critical section so the appender always writes
+//! them in order; [`Journal::durable_head`] is published (watch channel) only after the
+//! fsync that covers it, and readers never see past it.
+
+pub mod command;
+pub mod record;
+pub mod store;
+
+use std::{
+    collections::{HashMap, HashSet},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use ruma::{OwnedEventId, OwnedRoomId, OwnedUserId};
+use spindle_core::{keys::ServerKey, pdu::{Pdu, PduError, PduTemplate}, room_version};
+use tokio::sync::watch;
+
+pub use command::{CommandBody, CommandEnvelope, EventSpec, SignedCommand};
+pub use record::{Fact, Record, RecordKind, RECORD_FORMAT};
+pub use store::{FjallStore, JournalStore};
+
+/// Why a command was refused. Each maps to one Matrix error in the API.
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    /// The auth rules (or a journal-level rule) forbid it: `M_FORBIDDEN`.
+    #[error("{0}")]
+    Forbidden(String),
+    /// The room does not exist here: `M_NOT_FOUND`.
+    #[error("unknown room {0}")]
+    UnknownRoom(String),
+    /// The user id is taken: `M_USER_IN_USE`.
+    #[error("user id already taken")]
+    UserInUse,
+    /// The event exceeds 65536 bytes: `M_TOO_LARGE`.
+    #[error("{0}")]
+    TooLarge(String),
+    /// Malformed content or ids: `M_BAD_JSON`.
+    #[error("{0}")]
+    BadJson(String),
+    /// Unsupported room version: `M_UNSUPPORTED_ROOM_VERSION`.
+    #[error("unsupported room version {0}")]
+    UnsupportedRoomVersion(String),
+    /// The command signature did not verify (a bug or tampering, never client input).
+    #[error("command signature invalid")]
+    BadSignature,
+    /// Storage failure.
+    #[error("storage: {0}")]
+    Storage(String),
+}
+
+impl From<PduError> for JournalError {
+    fn from(e: PduError) -> Self {
+        match e {
+            PduError::TooLarge(_) => JournalError::TooLarge(e.to_string()),
+            PduError::UnsupportedRoomVersion(v) => JournalError::UnsupportedRoomVersion(v),
+            PduError::Invalid(m) => JournalError::BadJson(m),
+        }
+    }
+}
+
+/// What a successful command produced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// Position of the last record written (wait for projections to reach it to read
+    /// your own write).
+    pub position: u64,
+    /// Room of the events, if any.
+    pub room_id: Option<OwnedRoomId>,
+    /// Ids of the events built, in order.
+    pub event_ids: Vec<OwnedEventId>,
+}
+
+/// Event types the aggregate keeps: what the auth rules can look up.
+const AUTH_TYPES: [&str; 5] =
+    ["m.room.create", "m.room.power_levels", "m.room.join_rules", "m.room.member", "m.room.third_party_invite"];
+
+/// The journal's per-room write model: head and auth-relevant state. Restored from
+/// the room's own records at start-up.
+struct RoomAggregate {
+    version: String,
+    head: Option<(OwnedEventId, u64)>,
+    auth_state: HashMap<(String, String), Arc<Pdu>>,
+    /// (user, device, txn id) -> (event id, position) for idempotent sends.
+    txns: HashMap<(String, String, String), (OwnedEventId, u64)>,
+}
+
+impl RoomAggregate {
+    fn new(version: &str) -> Self {
+        Self { version: version.to_owned(), head: None, auth_state: HashMap::new(), txns: HashMap::new() }
+    }
+
+    fn apply(&mut self, pdu: Arc<Pdu>) {
+        self.head = Some((pdu.event_id.clone(), pdu.depth));
+        if let Some(sk) = &pdu.state_key {
+            let kind = pdu.kind.to_string();
+            if AUTH_TYPES.contains(&kind.as_str()) {
+                self.auth_state.insert((kind, sk.clone()), pdu);
+            }
+        }
+    }
+}
+
+struct Pending {
+    records: Vec<Record>,
+}
+
+/// Counters for counting tests (BRIEF §3.9): fsyncs and records read.
+#[derive(Debug, Default)]
+pub struct JournalStats {
+    /// fsyncs performed by the appender.
+    pub fsyncs: AtomicU64,
+    /// records appended.
+    pub appended: AtomicU64,
+    /// records read by tailers.
+    pub records_read: AtomicU64,
+}
+
+/// The journal handle (cheap to clone).
+#[derive(Clone)]
+pub struct Journal {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    key: Arc<ServerKey>,
+    store: Arc<dyn JournalStore>,
+    rooms: parking_lot::Mutex<HashMap<OwnedRoomId, Arc<tokio::sync::Mutex<RoomAggregate>>>>,
+    users: parking_lot::Mutex<HashSet<String>>,
+    /// Allocation of positions + enqueue happen together under this lock (held for
+    /// nanoseconds; never across I/O) so the appender receives records in order.
+    enqueue: parking_lot::Mutex<(u64, std::sync::mpsc::Sender<Pending>)>,
+    durable: watch::Receiver<u64>,
+    stats: Arc<JournalStats>,
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+fn random_id(len: usize) -> String {
+    use rand::Rng;
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
+    let mut rng = rand::rng();
+    (0..len).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect()
+}
+
+impl Journal {
+    /// Opens the journal on a store, restores every room aggregate by replaying the
+    /// log, and starts the group-commit appender thread.
+    pub fn open(store: Arc<dyn JournalStore>, key: Arc<ServerKey>) -> Result<Journal, JournalError> {
+        let mut rooms: HashMap<OwnedRoomId, RoomAggregate> = HashMap::new();
+        let mut users = HashSet::new();
+        let mut head = 0;
+        let mut after = 0;
+        loop {
+            let batch = store.read_after(after, 4096).map_err(JournalError::Storage)?;
+            if batch.is_empty() {
+                break;
+            }
+            for rec in batch {
+                after = rec.position;
+                head = rec.position;
+                match rec.kind {
+                    RecordKind::Event => {
+                        let Some(pdu) = rec.pdu() else {
+                            return Err(JournalError::Storage(format!("unreadable PDU at position {}", rec.position)));
+                        };
+                        let agg = rooms.entry(pdu.room_id.clone()).or_insert_with(|| RoomAggregate::new(&pdu.room_version));
+                        if let (Some(txn), Some(dev)) = (&rec.txn_id, &rec.device_id) {
+                            agg.txns.insert((rec.principal.clone(), dev.clone(), txn.clone()), (pdu.event_id.clone(), rec.position));
+                        }
+                        agg.apply(Arc::new(pdu));
+                    }
+                    RecordKind::Fact => {
+                        if let Some(Fact::AccountRegistered { user_id, .. }) = rec.fact() {
+                            users.insert(user_id);
+                        }
+                    }
+                }
+            }
+        }
+        let (durable_tx, durable_rx) = watch::channel(head);
+        let (tx, rx) = std::sync::mpsc::channel::<Pending>();
+        let stats = Arc::new(JournalStats::default());
+        {
+            let store = store.clone();
+            let stats = stats.clone();
+            std::thread::Builder::new()
+                .name("journal-appender".into())
+                .spawn(move || appender(store, rx, durable_tx, stats))
+                .map_err(|e| JournalError::Storage(e.to_string()))?;
+        }
+        Ok(Journal {
+            inner: Arc::new(Inner {
+                key,
+                store,
+                rooms: parking_lot::Mutex::new(
+                    rooms.into_iter().map(|(k, v)| (k, Arc::new(tokio::sync::Mutex::new(v)))).collect(),
+                ),
+                users: parking_lot::Mutex::new(users),
+                enqueue: parking_lot::Mutex::new((head, tx)),
+                durable: durable_rx,
+                stats,
+            }),
+        })
+    }
+
+    /// The server's signing key (the API signs command envelopes with it).
+    pub fn key(&self) -> &Arc<ServerKey> {
+        &self.inner.key
+    }
+
+    /// The highest position that is on disk.
+    pub fn durable_head(&self) -> u64 {
+        *self.inner.durable.borrow()
+    }
+
+    /// A watch on the durable head, for tailers.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.inner.durable.clone()
+    }
+
+    /// Counters for counting tests.
+    pub fn stats(&self) -> &JournalStats {
+        &self.inner.stats
+    }
+
+    /// Reads up to `limit` durable records after position `after`, in order.
+    pub fn read_after(&self, after: u64, limit: usize) -> Result<Vec<Record>, JournalError> {
+        let head = self.durable_head();
+        if after >= head {
+            return Ok(Vec::new());
+        }
+        let limit = limit.min((head - after) as usize);
+        let recs = self.inner.store.read_after(after, limit).map_err(JournalError::Storage)?;
+        self.inner.stats.records_read.fetch_add(recs.len() as u64, Ordering::Relaxed);
+        Ok(recs.into_iter().filter(|r| r.position <= head).collect())
+    }
+
+    /// Whether a room exists (has a create event in the journal).
+    pub fn room_exists(&self, room_id: &str) -> bool {
+        ruma::RoomId::parse(room_id).map(|r| self.inner.rooms.lock().contains_key(&*r)).unwrap_or(false)
+    }
+
+    /// Verifies, authorizes and durably appends a command. Returns once the records
+    /// are fsynced.
+    pub async fn submit(&self, cmd: SignedCommand) -> Result<Outcome, JournalError> {
+        let bytes = cmd.envelope.canonical_bytes().map_err(JournalError::BadJson)?;
+        self.inner.key.verify_bytes(&bytes, &cmd.signature).map_err(|_| JournalError::BadSignature)?;
+        let outcome = match &cmd.envelope.body {
+            CommandBody::Fact { fact } => self.append_fact(&cmd, fact)?,
+            CommandBody::SendEvent { room_id, event, txn_id } => {
+                self.send_event(&cmd, room_id, event, txn_id.as_deref()).await?
+            }
+            CommandBody::CreateRoom { room_version, events } => self.create_room(&cmd, room_version, events).await?,
+        };
+        self.wait_durable(outcome.position).await?;
+        Ok(outcome)
+    }
+
+    async fn wait_durable(&self, position: u64) -> Result<(), JournalError> {
+        let mut rx = self.inner.durable.clone();
+        rx.wait_for(|h| *h >= position).await.map_err(|_| JournalError::Storage("appender stopped".into()))?;
+        Ok(())
+    }
+
+    fn base_record(&self, cmd: &SignedCommand, kind: RecordKind, payload: Vec<u8>) -> Record {
+        Record {
+            format: RECORD_FORMAT,
+            position: 0,
+            appended_at: now_ms(),
+            kind,
+            room_id: None,
+            event_id: None,
+            room_version: None,
+            principal: cmd.envelope.principal.clone(),
+            device_id: cmd.envelope.device_id.clone(),
+            txn_id: None,
+            command_signature: cmd.signature.clone(),
+            payload,
+        }
+    }
+
+    /// Allocates positions for `records` and hands them to the appender, in order.
+    fn enqueue(&self, mut records: Vec<Record>) -> u64 {
+        let mut guard = self.inner.enqueue.lock();
+        for r in &mut records {
+            guard.0 += 1;
+            r.position = guard.0;
+        }
+        let last = guard.0;
+        if guard.1.send(Pending { records }).is_err() {
+            tracing::error!("journal appender is gone; refusing to continue");
+            std::process::abort();
+        }
+        last
+    }
+
+    fn append_fact(&self, cmd: &SignedCommand, fact: &Fact) -> Result<Outcome, JournalError> {
+        let payload = serde_json::to_vec(fact).map_err(|e| JournalError::BadJson(e.to_string()))?;
+        let rec = self.base_record(cmd, RecordKind::Fact, payload);
+        let position = if let Fact::AccountRegistered { user_id, .. } = fact {
+            let mut users = self.inner.users.lock();
+            if !users.insert(user_id.clone()) {
+                return Err(JournalError::UserInUse);
+            }
+            self.enqueue(vec![rec])
+        } else {
+            self.enqueue(vec![rec])
+        };
+        Ok(Outcome { position, room_id: None, event_ids: vec![] })
+    }
+
+    /// Builds one event on top of the aggregate's head and authorizes it.
+    fn build_event(
+        &self,
+        agg: &RoomAggregate,
+        room_id: Option<&OwnedRoomId>,
+        sender: &OwnedUserId,
+        spec: &EventSpec,
+        ts: u64,
+    ) -> Result<Pdu, JournalError> {
+        let rules = room_version::rules(&agg.version)
+            .ok_or_else(|| JournalError::UnsupportedRoomVersion(agg.version.clone()))?;
+        if !spec.content.is_object() {
+            return Err(JournalError::BadJson("content must be a JSON object".into()));
+        }
+        let content_raw = serde_json::value::to_raw_value(&spec.content).map_err(|e| JournalError::BadJson(e.to_string()))?;
+        let auth_types = spindle_core::auth::auth_types(&rules, &spec.kind, sender, spec.state_key.as_deref(), &content_raw)
+            .map_err(JournalError::BadJson)?;
+        let mut auth_events = Vec::new();
+        for (t, k) in &auth_types {
+            if let Some(p) = agg.auth_state.get(&(t.clone(), k.clone())) {
+                if !auth_events.contains(&p.event_id) {
+                    auth_events.push(p.event_id.clone());
+                }
+            }
+        }
+        let (prev_events, depth) = match &agg.head {
+            Some((id, d)) => (vec![id.clone()], d + 1),
+            None => (vec![], 1),
+        };
+        let redacts = match &spec.redacts {
+            Some(r) => Some(OwnedEventId::try_from(r.as_str()).map_err(|e| JournalError::BadJson(e.to_string()))?),
+            None => None,
+        };
+        let pdu = PduTemplate {
+            room_version: agg.version.clone(),
+            room_id: room_id.cloned(),
+            sender: sender.clone(),
+            kind: spec.kind.clone(),
+            state_key: spec.state_key.clone(),
+            content: spec.content.clone(),
+            redacts,
+            prev_events,
+            auth_events,
+            depth,
+            origin_server_ts: ts,
+        }
+        .build(&self.inner.key)?;
+        let auth_map: HashMap<OwnedEventId, &Pdu> =
+            agg.auth_state.values().filter(|p| pdu.auth_events.contains(&p.event_id)).map(|p| (p.event_id.clone(), &**p)).collect();
+        spindle_core::auth::authorize(&rules, &pdu, &auth_map, |t, k| {
+            agg.auth_state.get(&(t.to_owned(), k.to_owned())).map(|p| &**p)
+        })
+        .map_err(JournalError::Forbidden)?;
+        Ok(pdu)
+    }
+
+    fn event_record(&self, cmd: &SignedCommand, pdu: &Pdu, txn_id: Option<&str>) -> Record {
+        let mut rec = self.base_record(cmd, RecordKind::Event, pdu.json.to_vec());
+        rec.room_id = Some(pdu.room_id.to_string());
+        rec.event_id = Some(pdu.event_id.to_string());
+        rec.room_version = Some(pdu.room_version.clone());
+        rec.txn_id = txn_id.map(str::to_owned);
+        rec
+    }
+
+    fn sender_of(cmd: &SignedCommand) -> Result<OwnedUserId, JournalError> {
+        OwnedUserId::try_from(cmd.envelope.principal.as_str()).map_err(|e| JournalError::BadJson(e.to_string()))
+    }
+
+    async fn send_event(
+        &self,
+        cmd: &SignedCommand,
+        room_id: &str,
+        spec: &EventSpec,
+        txn_id: Option<&str>,
+    ) -> Result<Outcome, JournalError> {
+        let sender = Self::sender_of(cmd)?;
+        let room = OwnedRoomId::try_from(room_id).map_err(|_| JournalError::UnknownRoom(room_id.to_owned()))?;
+        let agg = self.inner.rooms.lock().get(&room).cloned().ok_or_else(|| JournalError::UnknownRoom(room_id.to_owned()))?;
+        let mut agg = agg.lock().await;
+        let txn_key = match (txn_id, &cmd.envelope.device_id) {
+            (Some(t), Some(d)) => Some((cmd.envelope.principal.clone(), d.clone(), t.to_owned())),
+            _ => None,
+        };
+        if let Some(k) = &txn_key {
+            if let Some((event_id, position)) = agg.txns.get(k) {
+                return Ok(Outcome { position: *position, room_id: Some(room), event_ids: vec![event_id.clone()] });
+            }
+        }
+        let pdu = self.build_event(&agg, Some(&room), &sender, spec, cmd.envelope.issued_at)?;
+        let rec = self.event_record(cmd, &pdu, txn_id);
+        let position = self.enqueue(vec![rec]);
+        if let Some(k) = txn_key {
+            agg.txns.insert(k, (pdu.event_id.clone(), position));
+        }
+        let event_id = pdu.event_id.clone();
+        agg.apply(Arc::new(pdu));
+        Ok(Outcome { position, room_id: Some(room), event_ids: vec![event_id] })
+    }
+
+    async fn create_room(&self, cmd: &SignedCommand, version: &str, events: &[EventSpec]) -> Result<Outcome, JournalError> {
+        if room_version::rules(version).is_none() {
+            return Err(JournalError::UnsupportedRoomVersion(version.to_owned()));
+        }
+        let sender = Self::sender_of(cmd)?;
+        if events.first().map(|e| e.kind.as_str()) != Some("m.room.create") {
+            return Err(JournalError::BadJson("the first event of a room must be m.room.create".into()));
+        }
+        let mut agg = RoomAggregate::new(version);
+        let server = self.inner.key.server_name().to_owned();
+        let mut room_id = if room_version::room_id_from_create(version) {
+            None
+        } else {
+            Some(OwnedRoomId::try_from(format!("!{}:{}", random_id(18), server)).map_err(|e| JournalError::BadJson(e.to_string()))?)
+        };
+        let mut pdus = Vec::with_capacity(events.len());
+        for spec in events {
+            let pdu = self.build_event(&agg, room_id.as_ref(), &sender, spec, cmd.envelope.issued_at)?;
+            if room_id.is_none() {
+                room_id = Some(pdu.room_id.clone());
+            }
+            let pdu = Arc::new(pdu);
+            agg.apply(pdu.clone());
+            pdus.push(pdu);
+        }
+        let room_id = room_id.expect("create event gives the room id");
+        let records: Vec<Record> = pdus.iter().map(|p| self.event_record(cmd, p, None)).collect();
+        let agg = Arc::new(tokio::sync::Mutex::new(agg));
+        let _guard = agg.lock().await;
+        {
+            let mut rooms = self.inner.rooms.lock();
+            if rooms.contains_key(&room_id) {
+                return Err(JournalError::Forbidden("room id collision".into()));
+            }
+            rooms.insert(room_id.clone(), agg.clone());
+        }
+        let position = self.enqueue(records);
+        Ok(Outcome { position, room_id: Some(room_id), event_ids: pdus.iter().map(|p| p.event_id.clone()).collect() })
+    }
+}
+
+/// The group-commit loop: take everything queued, write it in one batch, fsync once,
+/// publish the new durable head. A storage failure aborts the process: the in-memory
+/// aggregates are ahead of the disk and only a restart (replay) makes them true again.
+fn appender(
+    store: Arc<dyn JournalStore>,
+    rx: std::sync::mpsc::Receiver<Pending>,
+    durable: watch::Sender<u64>,
+    stats: Arc<JournalStats>,
+) {
+    while let Ok(first) = rx.recv() {
+        let mut records = first.records;
+        while records.len() < 1024 {
+            match rx.try_recv() {
+                Ok(more) => records.extend(more.records),
+                Err(_) => break,
+            }
+        }
+        let last = records.last().map(|r| r.position).unwrap_or(0);
+        if let Err(e) = store.append(&records) {
+            tracing::error!(error = %e, "journal append failed; aborting to protect acknowledged writes");
+            std::process::abort();
+        }
+        stats.fsyncs.fetch_add(1, Ordering::Relaxed);
+        stats.appended.fetch_add(records.len() as u64, Ordering::Relaxed);
+        durable.send_replace(last);
+    }
+}

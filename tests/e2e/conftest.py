@@ -223,7 +223,7 @@ def spindle(spindle_bin, tmp_path_factory) -> SpindleServer:
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if report.failed:
+    if report.failed and "prerequisite step" not in str(report.longrepr):
         for server in _SERVERS:
             report.sections.append(
                 (f"spindle on port {server.port} (data {server.data_dir})", server.logs())

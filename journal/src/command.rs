@@ -1,0 +1,86 @@
+//! Commands: what the API (and later federation) asks the journal to do.
+//!
+//! Every command travels in a [`SignedCommand`]: the envelope (principal, device,
+//! time, body) signed with the server key. The journal verifies the signature before
+//! it authorizes anything and keeps it in the record, so the audit trail shows who
+//! asked for each change.
+
+use serde::{Deserialize, Serialize};
+use spindle_core::keys::ServerKey;
+
+use crate::record::Fact;
+
+/// One event to build in a room.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct EventSpec {
+    /// Event type.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// State key (state events only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_key: Option<String>,
+    /// Content object.
+    pub content: serde_json::Value,
+    /// For `m.room.redaction`: the event to redact.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redacts: Option<String>,
+}
+
+/// What the command asks for.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum CommandBody {
+    /// Create a room: the first event must be `m.room.create`; the rest (creator's
+    /// join, power levels, preset state, initial state, name, topic, invites) follow in
+    /// order, all sent by the principal.
+    CreateRoom { room_version: String, events: Vec<EventSpec> },
+    /// Send one event into an existing room as the principal.
+    SendEvent {
+        room_id: String,
+        event: EventSpec,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        txn_id: Option<String>,
+    },
+    /// Record a non-room fact.
+    Fact { fact: Fact },
+}
+
+/// The signed part of a command.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct CommandEnvelope {
+    /// The user (or server name) asking.
+    pub principal: String,
+    /// The device the request came from.
+    pub device_id: Option<String>,
+    /// When the request arrived, ms since the Unix epoch; becomes `origin_server_ts`.
+    pub issued_at: u64,
+    /// What to do.
+    pub body: CommandBody,
+}
+
+/// A command with the server key's signature over its canonical JSON.
+#[derive(Debug, Clone)]
+pub struct SignedCommand {
+    /// The signed envelope.
+    pub envelope: CommandEnvelope,
+    /// Unpadded base64 ed25519 signature of [`CommandEnvelope::canonical_bytes`].
+    pub signature: String,
+}
+
+impl CommandEnvelope {
+    /// Canonical JSON of the envelope (what is signed). Errors when the body holds
+    /// values canonical JSON forbids (floats, integers beyond 2^53).
+    pub fn canonical_bytes(&self) -> Result<Vec<u8>, String> {
+        let value = serde_json::to_value(self).map_err(|e| e.to_string())?;
+        let obj = spindle_core::canonical::to_object(value).map_err(|e| e.to_string())?;
+        Ok(spindle_core::canonical::to_bytes(&obj))
+    }
+}
+
+impl SignedCommand {
+    /// Signs an envelope with the server key.
+    pub fn sign(key: &ServerKey, envelope: CommandEnvelope) -> Result<SignedCommand, String> {
+        let bytes = envelope.canonical_bytes()?;
+        Ok(SignedCommand { signature: key.sign_bytes(&bytes), envelope })
+    }
+}

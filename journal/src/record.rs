@@ -1,0 +1,159 @@
+//! The journal record: the one durable unit of truth (BRIEF §3.1).
+//!
+//! A record is an rkyv-encoded envelope. Room events carry the PDU's canonical JSON
+//! bytes; every other fact carries a small JSON document ([`Fact`]). The envelope
+//! format is versioned ([`RECORD_FORMAT`]) so a later release can read old journals.
+
+use rkyv::{Archive, Deserialize, Serialize};
+
+/// Version of the record envelope. Bump on any layout change and keep a reader for
+/// every older version.
+pub const RECORD_FORMAT: u16 = 1;
+
+/// What a record holds.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub enum RecordKind {
+    /// A room event; `payload` is the signed PDU's canonical JSON.
+    Event,
+    /// A non-room fact; `payload` is a JSON [`Fact`].
+    Fact,
+}
+
+/// One journal record, exactly as stored (key: the global position, big-endian u64).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct Record {
+    /// [`RECORD_FORMAT`] at the time of writing.
+    pub format: u16,
+    /// Global stream position (1-based, contiguous).
+    pub position: u64,
+    /// Server wall clock at append, ms since the Unix epoch (for audit only; projections
+    /// never read the clock, they read this).
+    pub appended_at: u64,
+    /// Event or fact.
+    pub kind: RecordKind,
+    /// Room of an event record.
+    pub room_id: Option<String>,
+    /// Event id of an event record.
+    pub event_id: Option<String>,
+    /// Room version of an event record.
+    pub room_version: Option<String>,
+    /// Who asked: a local user id (or the server name for server-originated facts).
+    pub principal: String,
+    /// The device that asked, when a client did.
+    pub device_id: Option<String>,
+    /// Client transaction id, for idempotent sends.
+    pub txn_id: Option<String>,
+    /// Command envelope signature (unpadded base64, server key) kept for the audit trail.
+    pub command_signature: String,
+    /// Canonical JSON of the PDU, or JSON of the [`Fact`].
+    pub payload: Vec<u8>,
+}
+
+impl Record {
+    /// Encodes the record with rkyv.
+    pub fn encode(&self) -> Vec<u8> {
+        rkyv::to_bytes::<rkyv::rancor::Error>(self).expect("record encodes").into_vec()
+    }
+
+    /// Decodes and validates stored bytes. Errors on torn or foreign bytes.
+    pub fn decode(bytes: &[u8]) -> Result<Record, String> {
+        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
+        aligned.extend_from_slice(bytes);
+        rkyv::from_bytes::<Record, rkyv::rancor::Error>(&aligned).map_err(|e| e.to_string())
+    }
+
+    /// Parses the payload of a fact record.
+    pub fn fact(&self) -> Option<Fact> {
+        match self.kind {
+            RecordKind::Fact => serde_json::from_slice(&self.payload).ok(),
+            RecordKind::Event => None,
+        }
+    }
+
+    /// Parses the PDU of an event record.
+    pub fn pdu(&self) -> Option<spindle_core::pdu::Pdu> {
+        match self.kind {
+            RecordKind::Event => {
+                let event_id = self.event_id.as_deref().and_then(|e| ruma::OwnedEventId::try_from(e).ok());
+                let room_id = self.room_id.as_deref().and_then(|r| ruma::OwnedRoomId::try_from(r).ok());
+                spindle_core::pdu::Pdu::parse(&self.payload, self.room_version.as_deref()?, event_id, room_id).ok()
+            }
+            RecordKind::Fact => None,
+        }
+    }
+}
+
+/// Non-room facts (BRIEF §3.1). Serialized as JSON with a `type` tag; unknown fields
+/// are kept out on purpose so a fact's meaning never depends on a later reading.
+#[derive(serde::Serialize, serde::Deserialize, Debug, Clone, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Fact {
+    /// A local account was created. `password_hash` is an argon2 PHC string.
+    AccountRegistered { user_id: String, password_hash: Option<String> },
+    /// A device was created (or logged in again with the same id).
+    DeviceCreated { user_id: String, device_id: String, display_name: Option<String> },
+    /// A device's display name changed.
+    DeviceRenamed { user_id: String, device_id: String, display_name: Option<String> },
+    /// A device was deleted; its tokens are revoked with it.
+    DeviceDeleted { user_id: String, device_id: String },
+    /// An access token was issued. Only the blake3 hash of the token is stored.
+    TokenIssued { user_id: String, device_id: String, token_hash: String },
+    /// An access token was revoked (logout).
+    TokenRevoked { token_hash: String },
+    /// A filter was stored (spec: `POST /user/{userId}/filter`).
+    FilterCreated { user_id: String, filter_id: String, filter: serde_json::Value },
+    /// Global (`room_id: None`) or per-room account data was set.
+    AccountDataSet { user_id: String, room_id: Option<String>, data_type: String, content: serde_json::Value },
+    /// A receipt (`m.read`, `m.read.private`) was set; `ts` is the server's time.
+    ReceiptSet {
+        user_id: String,
+        room_id: String,
+        event_id: String,
+        receipt_type: String,
+        thread_id: Option<String>,
+        ts: u64,
+    },
+    /// Profile fields changed. `None` leaves a field as it was; `Some(None)` clears it.
+    ProfileSet {
+        user_id: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        displayname: Option<Option<String>>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        avatar_url: Option<Option<String>>,
+    },
+    /// A room alias was created.
+    AliasSet { alias: String, room_id: String, creator: String },
+    /// A room alias was deleted.
+    AliasDeleted { alias: String },
+    /// A user forgot a room they left.
+    RoomForgotten { user_id: String, room_id: String },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_and_rejects_torn_bytes() {
+        let rec = Record {
+            format: RECORD_FORMAT,
+            position: 42,
+            appended_at: 1,
+            kind: RecordKind::Fact,
+            room_id: None,
+            event_id: None,
+            room_version: None,
+            principal: "@a:x".into(),
+            device_id: Some("D".into()),
+            txn_id: None,
+            command_signature: "sig".into(),
+            payload: serde_json::to_vec(&Fact::TokenRevoked { token_hash: "h".into() }).unwrap(),
+        };
+        let bytes = rec.encode();
+        assert_eq!(Record::decode(&bytes).unwrap(), rec);
+        assert_eq!(rec.fact(), Some(Fact::TokenRevoked { token_hash: "h".into() }));
+        assert!(Record::decode(&bytes[..bytes.len() - 3]).is_err());
+    }
+}
