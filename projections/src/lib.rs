@@ -1,1 +1,81 @@
-//! The projection runtime and every read model, each tailing the journal from its own checkpoint
+//! Spindle's read models. Every projection tails the journal from its own checkpoint
+//! ([`runtime`]), keeps its own tables in the projections database ([`store`]) and can
+//! be deleted and rebuilt by replay with byte-identical contents (BRIEF §3.2).
+//!
+//! | projection | job |
+//! |---|---|
+//! | [`timeline::Timeline`] | events by id, room stream index (room, position), redactions, recency |
+//! | [`state::State`] | state trie after every event, current state, room metadata |
+//! | [`membership::Memberships`] | memberships per user and per room, per-user change log |
+//! | [`accounts::Accounts`] | accounts, devices, access tokens (hashed), profiles |
+//! | [`user_data::Filters`] | sync filters |
+//! | [`user_data::AccountData`] | global and per-room account data |
+//! | [`user_data::Receipts`] | receipts and unread counts (running-count index) |
+//! | [`user_data::Aliases`] | room aliases |
+
+pub mod accounts;
+pub mod membership;
+pub mod runtime;
+pub mod state;
+pub mod store;
+pub mod timeline;
+pub mod user_data;
+
+use std::{path::Path, sync::Arc};
+
+use spindle_journal::Journal;
+
+pub use runtime::{Projection, Runtime};
+pub use store::ProjectionDb;
+
+/// Every projection, opened on one database, plus the runtime that feeds them.
+#[derive(Clone)]
+pub struct Projections {
+    /// Events and room stream index.
+    pub timeline: Arc<timeline::Timeline>,
+    /// State trie.
+    pub state: Arc<state::State>,
+    /// Memberships.
+    pub membership: Arc<membership::Memberships>,
+    /// Accounts, devices, tokens, profiles.
+    pub accounts: Arc<accounts::Accounts>,
+    /// Filters.
+    pub filters: Arc<user_data::Filters>,
+    /// Account data.
+    pub account_data: Arc<user_data::AccountData>,
+    /// Receipts and unread counts.
+    pub receipts: Arc<user_data::Receipts>,
+    /// Aliases.
+    pub aliases: Arc<user_data::Aliases>,
+    /// The runtime (checkpoints, waiting).
+    pub runtime: Runtime,
+    /// The database (counters).
+    pub db: ProjectionDb,
+}
+
+impl Projections {
+    /// Opens every projection in `dir` and starts tailing `journal`.
+    pub fn start(dir: &Path, journal: Journal) -> Result<Projections, String> {
+        let db = ProjectionDb::open(dir)?;
+        let timeline = Arc::new(timeline::Timeline::open(&db)?);
+        let state = Arc::new(state::State::open(&db)?);
+        let membership = Arc::new(membership::Memberships::open(&db)?);
+        let accounts = Arc::new(accounts::Accounts::open(&db)?);
+        let filters = Arc::new(user_data::Filters::open(&db)?);
+        let account_data = Arc::new(user_data::AccountData::open(&db)?);
+        let receipts = Arc::new(user_data::Receipts::open(&db)?);
+        let aliases = Arc::new(user_data::Aliases::open(&db)?);
+        let all: Vec<Arc<dyn Projection>> = vec![
+            timeline.clone(),
+            state.clone(),
+            membership.clone(),
+            accounts.clone(),
+            filters.clone(),
+            account_data.clone(),
+            receipts.clone(),
+            aliases.clone(),
+        ];
+        let runtime = Runtime::start(journal, db.clone(), all);
+        Ok(Projections { timeline, state, membership, accounts, filters, account_data, receipts, aliases, runtime, db })
+    }
+}

@@ -211,8 +211,8 @@ def spindle(spindle_bin, tmp_path_factory) -> SpindleServer:
     server = SpindleServer(spindle_bin, root, free_loopback_port())
     server.write_config()
     _SERVERS.append(server)
-    server.start()
     try:
+        server.start()
         yield server
     finally:
         server.stop()
@@ -223,7 +223,10 @@ def spindle(spindle_bin, tmp_path_factory) -> SpindleServer:
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if report.failed and "prerequisite step" not in str(report.longrepr):
+    text = str(report.longrepr) if report.failed else ""
+    # Not for steps that failed only because an earlier one did, nor when the message
+    # already carries the logs (a server that would not start).
+    if report.failed and "prerequisite step" not in text and "spindle start #" not in text:
         for server in _SERVERS:
             report.sections.append(
                 (f"spindle on port {server.port} (data {server.data_dir})", server.logs())

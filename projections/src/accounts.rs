@@ -1,0 +1,182 @@
+//! Accounts projection: users, devices, access tokens (by hash) and profiles.
+//!
+//! Tables:
+//! - `users`: user id -> [`Account`] JSON
+//! - `devices`: user, 0x00, device -> [`Device`] JSON
+//! - `tokens`: token hash -> [`TokenOwner`] JSON
+//! - `device_tokens`: user, 0x00, device, 0x00, token hash -> empty (to revoke a device's tokens)
+//! - `profiles`: user id -> [`Profile`] JSON
+
+use serde::{Deserialize, Serialize};
+use spindle_journal::{Fact, Record};
+
+use crate::{
+    runtime::Projection,
+    store::{ApplyCtx, ProjectionDb, Table, key},
+};
+
+/// A local account.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Account {
+    /// argon2 PHC string, if the account has a password.
+    pub password_hash: Option<String>,
+}
+
+/// A device.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Device {
+    /// Device display name.
+    pub display_name: Option<String>,
+}
+
+/// Who an access token belongs to.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct TokenOwner {
+    /// User id.
+    pub user_id: String,
+    /// Device id.
+    pub device_id: String,
+}
+
+/// Profile fields (spec: client-server API "Profiles").
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct Profile {
+    /// Display name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub displayname: Option<String>,
+    /// Avatar `mxc://` URI.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub avatar_url: Option<String>,
+}
+
+/// The accounts projection.
+pub struct Accounts {
+    users: Table,
+    devices: Table,
+    tokens: Table,
+    device_tokens: Table,
+    profiles: Table,
+}
+
+impl Accounts {
+    /// Opens the tables.
+    pub fn open(db: &ProjectionDb) -> Result<Accounts, String> {
+        Ok(Accounts {
+            users: db.table("accounts", "users")?,
+            devices: db.table("accounts", "devices")?,
+            tokens: db.table("accounts", "tokens")?,
+            device_tokens: db.table("accounts", "device_tokens")?,
+            profiles: db.table("accounts", "profiles")?,
+        })
+    }
+
+    /// The account, if registered.
+    pub fn user(&self, user_id: &str) -> Option<Account> {
+        serde_json::from_slice(&self.users.get(user_id.as_bytes())?).ok()
+    }
+
+    /// Resolves a token hash (one point read).
+    pub fn token(&self, token_hash: &str) -> Option<TokenOwner> {
+        serde_json::from_slice(&self.tokens.get(token_hash.as_bytes())?).ok()
+    }
+
+    /// A user's devices, ordered by device id.
+    pub fn devices(&self, user_id: &str) -> Vec<(String, Device)> {
+        let prefix = key::prefix(&[user_id]);
+        self.devices
+            .scan_prefix(&prefix, usize::MAX)
+            .into_iter()
+            .filter_map(|(k, v)| Some((String::from_utf8_lossy(&k[prefix.len()..]).into_owned(), serde_json::from_slice(&v).ok()?)))
+            .collect()
+    }
+
+    /// One device.
+    pub fn device(&self, user_id: &str, device_id: &str) -> Option<Device> {
+        serde_json::from_slice(&self.devices.get(&key::join(&[user_id, device_id]))?).ok()
+    }
+
+    /// Token hashes issued to a device and not revoked.
+    pub fn device_token_hashes(&self, user_id: &str, device_id: &str) -> Vec<String> {
+        let prefix = key::prefix(&[user_id, device_id]);
+        self.device_tokens
+            .scan_prefix(&prefix, usize::MAX)
+            .into_iter()
+            .map(|(k, _)| String::from_utf8_lossy(&k[prefix.len()..]).into_owned())
+            .collect()
+    }
+
+    /// The user's profile (empty if never set).
+    pub fn profile(&self, user_id: &str) -> Profile {
+        self.profiles.get(user_id.as_bytes()).and_then(|v| serde_json::from_slice(&v).ok()).unwrap_or_default()
+    }
+
+    fn revoke(&self, ctx: &ApplyCtx, token_hash: &str) {
+        if let Some(owner) = ctx.get(&self.tokens, token_hash.as_bytes()).and_then(|v| serde_json::from_slice::<TokenOwner>(&v).ok()) {
+            ctx.delete(&self.device_tokens, key::join(&[&owner.user_id, &owner.device_id, token_hash]));
+        }
+        ctx.delete(&self.tokens, token_hash.as_bytes().to_vec());
+    }
+}
+
+impl Projection for Accounts {
+    fn name(&self) -> &'static str {
+        "accounts"
+    }
+
+    fn tables(&self) -> Vec<Table> {
+        vec![self.users.clone(), self.devices.clone(), self.tokens.clone(), self.device_tokens.clone(), self.profiles.clone()]
+    }
+
+    fn apply(&self, ctx: &mut ApplyCtx, record: &Record) -> Result<(), String> {
+        let Some(fact) = record.fact() else { return Ok(()) };
+        let json = |v: &dyn erased::Ser| v.to_vec();
+        match fact {
+            Fact::AccountRegistered { user_id, password_hash } => {
+                ctx.put(&self.users, user_id.into_bytes(), json(&Account { password_hash }));
+            }
+            Fact::DeviceCreated { user_id, device_id, display_name } | Fact::DeviceRenamed { user_id, device_id, display_name } => {
+                ctx.put(&self.devices, key::join(&[&user_id, &device_id]), json(&Device { display_name }));
+            }
+            Fact::DeviceDeleted { user_id, device_id } => {
+                ctx.delete(&self.devices, key::join(&[&user_id, &device_id]));
+                let prefix = key::prefix(&[&user_id, &device_id]);
+                for (k, _) in ctx.scan_prefix(&self.device_tokens, &prefix) {
+                    let hash = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();
+                    self.revoke(ctx, &hash);
+                }
+            }
+            Fact::TokenIssued { user_id, device_id, token_hash } => {
+                ctx.put(&self.tokens, token_hash.clone().into_bytes(), json(&TokenOwner { user_id: user_id.clone(), device_id: device_id.clone() }));
+                ctx.put(&self.device_tokens, key::join(&[&user_id, &device_id, &token_hash]), Vec::new());
+            }
+            Fact::TokenRevoked { token_hash } => self.revoke(ctx, &token_hash),
+            Fact::ProfileSet { user_id, displayname, avatar_url } => {
+                let mut p: Profile = ctx
+                    .get(&self.profiles, user_id.as_bytes())
+                    .and_then(|v| serde_json::from_slice(&v).ok())
+                    .unwrap_or_default();
+                if let Some(d) = displayname {
+                    p.displayname = d;
+                }
+                if let Some(a) = avatar_url {
+                    p.avatar_url = a;
+                }
+                ctx.put(&self.profiles, user_id.into_bytes(), json(&p));
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// Tiny helper so `apply` can serialize any of the row types the same way.
+mod erased {
+    pub trait Ser {
+        fn to_vec(&self) -> Vec<u8>;
+    }
+    impl<T: serde::Serialize> Ser for T {
+        fn to_vec(&self) -> Vec<u8> {
+            serde_json::to_vec(self).expect("rows serialize")
+        }
+    }
+}

@@ -1,0 +1,173 @@
+//! The projection runtime: each projection tails the journal from its own checkpoint
+//! on its own thread, applying runs of records and committing its tables and new
+//! checkpoint in one atomic batch (BRIEF §2).
+//!
+//! Readers wait explicitly: [`Runtime::wait_for`] blocks (bounded) until every
+//! projection has applied a position, and [`Runtime::applied`] is the highest position
+//! every projection has applied, which is what sync tokens are built from (tokens never
+//! run ahead, BRIEF §3.6).
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use spindle_journal::{Journal, Record};
+use tokio::sync::watch;
+
+use crate::store::{ApplyCtx, ProjectionDb, Table};
+
+/// Records applied per batch (one commit each).
+const BATCH: usize = 512;
+
+/// A read model built from the journal. `apply` must be deterministic: no clocks, no
+/// randomness, only the record and the projection's own tables.
+pub trait Projection: Send + Sync + 'static {
+    /// Unique name; prefixes the projection's keyspaces and names its checkpoint.
+    fn name(&self) -> &'static str;
+    /// Every table the projection owns (for digests and rebuilds).
+    fn tables(&self) -> Vec<Table>;
+    /// Applies one record, staging writes in `ctx`.
+    fn apply(&self, ctx: &mut ApplyCtx, record: &Record) -> Result<(), String>;
+    /// Reloads in-memory caches from the tables (at start-up).
+    fn reload(&self) {}
+}
+
+struct Slot {
+    projection: Arc<dyn Projection>,
+    checkpoint: AtomicU64,
+}
+
+/// Runs every projection and answers "has everything applied position P yet".
+#[derive(Clone)]
+pub struct Runtime {
+    slots: Arc<Vec<Slot>>,
+    applied_tx: Arc<watch::Sender<u64>>,
+    db: ProjectionDb,
+}
+
+impl Runtime {
+    /// Starts one tailing thread per projection. Each resumes from its checkpoint.
+    pub fn start(journal: Journal, db: ProjectionDb, projections: Vec<Arc<dyn Projection>>) -> Runtime {
+        let slots: Vec<Slot> = projections
+            .into_iter()
+            .map(|p| {
+                p.reload();
+                Slot { checkpoint: AtomicU64::new(db.checkpoint(p.name())), projection: p }
+            })
+            .collect();
+        let min = slots.iter().map(|s| s.checkpoint.load(Ordering::Acquire)).min().unwrap_or(0);
+        let (tx, _) = watch::channel(min);
+        let rt = Runtime { slots: Arc::new(slots), applied_tx: Arc::new(tx), db };
+        for i in 0..rt.slots.len() {
+            let rt2 = rt.clone();
+            let journal = journal.clone();
+            let name = rt.slots[i].projection.name();
+            std::thread::Builder::new()
+                .name(format!("proj-{name}"))
+                .spawn(move || rt2.tail(i, journal))
+                .expect("spawn projection thread");
+        }
+        rt
+    }
+
+    fn tail(&self, i: usize, journal: Journal) {
+        let slot = &self.slots[i];
+        let mut head_rx = journal.subscribe();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        loop {
+            let cp = slot.checkpoint.load(Ordering::Acquire);
+            let records = match journal.read_after(cp, BATCH) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::error!(projection = slot.projection.name(), error = %e, "journal read failed");
+                    std::thread::sleep(Duration::from_millis(200));
+                    continue;
+                }
+            };
+            if records.is_empty() {
+                let done = rt.block_on(async {
+                    head_rx.wait_for(|h| *h > cp).await.is_err()
+                });
+                if done {
+                    return;
+                }
+                continue;
+            }
+            let mut ctx = ApplyCtx::new();
+            let mut last = cp;
+            for rec in &records {
+                if let Err(e) = slot.projection.apply(&mut ctx, rec) {
+                    // A record a projection cannot apply is a bug in the projection; the
+                    // record is skipped (logged) so one bad record cannot stall reads.
+                    tracing::error!(projection = slot.projection.name(), position = rec.position, error = %e, "apply failed");
+                }
+                last = rec.position;
+            }
+            if let Err(e) = ctx.commit(&self.db, slot.projection.name(), last) {
+                tracing::error!(projection = slot.projection.name(), error = %e, "projection commit failed");
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            }
+            slot.checkpoint.store(last, Ordering::Release);
+            let min = self.slots.iter().map(|s| s.checkpoint.load(Ordering::Acquire)).min().unwrap_or(0);
+            self.applied_tx.send_if_modified(|v| {
+                if min > *v {
+                    *v = min;
+                    true
+                } else {
+                    false
+                }
+            });
+        }
+    }
+
+    /// The highest position every projection has applied.
+    pub fn applied(&self) -> u64 {
+        *self.applied_tx.borrow()
+    }
+
+    /// A watch on [`Runtime::applied`] (long-poll `/sync` wakes on it).
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.applied_tx.subscribe()
+    }
+
+    /// Waits until every projection has applied `position`, at most `timeout`.
+    /// Returns whether it got there.
+    pub async fn wait_for(&self, position: u64, timeout: Duration) -> bool {
+        let mut rx = self.applied_tx.subscribe();
+        tokio::time::timeout(timeout, rx.wait_for(|p| *p >= position)).await.map(|r| r.is_ok()).unwrap_or(false)
+    }
+
+    /// Checkpoint of each projection, by name.
+    pub fn checkpoints(&self) -> Vec<(&'static str, u64)> {
+        self.slots.iter().map(|s| (s.projection.name(), s.checkpoint.load(Ordering::Acquire))).collect()
+    }
+
+    /// blake3 digest of every table of every projection, by name (BRIEF §3.2: a
+    /// rebuild from position 0 must reproduce these exactly).
+    pub fn digests(&self) -> Vec<(&'static str, String)> {
+        self.slots.iter().map(|s| (s.projection.name(), digest(&*s.projection))).collect()
+    }
+}
+
+/// Digest of one projection's tables: table names and every (key, value), length-prefixed.
+pub fn digest(p: &dyn Projection) -> String {
+    let mut h = blake3::Hasher::new();
+    let mut tables = p.tables();
+    tables.sort_by(|a, b| a.name().cmp(b.name()));
+    for t in tables {
+        h.update(t.name().as_bytes());
+        h.update(&[0]);
+        for (k, v) in t.all() {
+            h.update(&(k.len() as u64).to_le_bytes());
+            h.update(&k);
+            h.update(&(v.len() as u64).to_le_bytes());
+            h.update(&v);
+        }
+    }
+    h.finalize().to_hex().to_string()
+}

@@ -1,0 +1,172 @@
+//! State projection: the content-addressed state trie after every event, each room's
+//! current state root, and room metadata.
+//!
+//! Tables:
+//! - `nodes`: trie node hash -> encoded node (shared by every room and every version)
+//! - `event_roots`: event id -> state root before (32 bytes) ++ state root after (32 bytes)
+//! - `current`: room id -> current state root
+//! - `rooms`: room id -> [`RoomMeta`] JSON
+//!
+//! Point lookups read one path of the trie (depth + 1 node reads); nothing here
+//! materializes a whole room's state unless asked for all of it.
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use spindle_core::trie::{self, NodeHash, NodeStore, Root};
+use spindle_journal::{Record, RecordKind};
+
+use crate::{
+    runtime::Projection,
+    store::{ApplyCtx, ProjectionDb, Table},
+};
+
+/// Per-room facts fixed at creation.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct RoomMeta {
+    /// Room version.
+    pub room_version: String,
+    /// The create event's id.
+    pub create_event_id: String,
+    /// The create event's sender.
+    pub creator: String,
+}
+
+struct TableNodes<'a>(&'a Table);
+
+impl NodeStore for TableNodes<'_> {
+    fn get_node(&self, hash: &NodeHash) -> Option<Arc<[u8]>> {
+        self.0.get(hash).map(Arc::from)
+    }
+    fn put_node(&self, _hash: NodeHash, _bytes: Vec<u8>) {
+        debug_assert!(false, "query-side node store is read-only");
+    }
+}
+
+struct CtxNodes<'a> {
+    ctx: &'a ApplyCtx,
+    table: &'a Table,
+}
+
+impl NodeStore for CtxNodes<'_> {
+    fn get_node(&self, hash: &NodeHash) -> Option<Arc<[u8]>> {
+        self.ctx.get(self.table, hash).map(Arc::from)
+    }
+    fn put_node(&self, hash: NodeHash, bytes: Vec<u8>) {
+        self.ctx.put(self.table, hash.to_vec(), bytes);
+    }
+}
+
+/// The state projection.
+pub struct State {
+    nodes: Table,
+    event_roots: Table,
+    current: Table,
+    rooms: Table,
+}
+
+fn root_from(bytes: &[u8]) -> Option<Root> {
+    Root::from_bytes(bytes)
+}
+
+impl State {
+    /// Opens the tables.
+    pub fn open(db: &ProjectionDb) -> Result<State, String> {
+        Ok(State {
+            nodes: db.table("state", "nodes")?,
+            event_roots: db.table("state", "event_roots")?,
+            current: db.table("state", "current")?,
+            rooms: db.table("state", "rooms")?,
+        })
+    }
+
+    /// The room's metadata, if the room exists.
+    pub fn room(&self, room_id: &str) -> Option<RoomMeta> {
+        serde_json::from_slice(&self.rooms.get(room_id.as_bytes())?).ok()
+    }
+
+    /// The room's current state root.
+    pub fn current_root(&self, room_id: &str) -> Option<Root> {
+        root_from(&self.current.get(room_id.as_bytes())?)
+    }
+
+    /// State roots (before, after) an event.
+    pub fn roots_at(&self, event_id: &str) -> Option<(Root, Root)> {
+        let v = self.event_roots.get(event_id.as_bytes())?;
+        if v.len() != 64 {
+            return None;
+        }
+        Some((root_from(&v[..32])?, root_from(&v[32..])?))
+    }
+
+    /// Point lookup: the event id holding `(event_type, state_key)` at `root`.
+    pub fn lookup(&self, root: Root, event_type: &str, state_key: &str) -> Option<String> {
+        trie::lookup(&TableNodes(&self.nodes), root, event_type, state_key)
+            .ok()
+            .flatten()
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
+    }
+
+    /// Every (type, state key, event id) at `root`, ordered.
+    pub fn entries(&self, root: Root) -> Vec<(String, String, String)> {
+        trie::entries(&TableNodes(&self.nodes), root)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(t, k, v)| (t, k, String::from_utf8_lossy(&v).into_owned()))
+            .collect()
+    }
+
+    /// Entries of one type at `root` (state key, event id).
+    pub fn entries_of_type(&self, root: Root, event_type: &str) -> Vec<(String, String)> {
+        trie::entries_of_type(&TableNodes(&self.nodes), root, event_type)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
+            .collect()
+    }
+
+    /// Changes between two roots, cost proportional to the difference.
+    pub fn diff(&self, from: Root, to: Root) -> Vec<trie::Change> {
+        trie::diff(&TableNodes(&self.nodes), from, to).unwrap_or_default()
+    }
+}
+
+impl Projection for State {
+    fn name(&self) -> &'static str {
+        "state"
+    }
+
+    fn tables(&self) -> Vec<Table> {
+        vec![self.nodes.clone(), self.event_roots.clone(), self.current.clone(), self.rooms.clone()]
+    }
+
+    fn apply(&self, ctx: &mut ApplyCtx, record: &Record) -> Result<(), String> {
+        if record.kind != RecordKind::Event {
+            return Ok(());
+        }
+        let pdu = record.pdu().ok_or("unreadable PDU")?;
+        let room = pdu.room_id.to_string();
+        let before = ctx.get(&self.current, room.as_bytes()).and_then(|v| root_from(&v)).unwrap_or_else(Root::empty);
+        let after = match &pdu.state_key {
+            Some(sk) => {
+                let store = CtxNodes { ctx, table: &self.nodes };
+                trie::insert(&store, before, &pdu.kind.to_string(), sk, pdu.event_id.as_str().as_bytes())
+                    .map_err(|e| e.to_string())?
+            }
+            None => before,
+        };
+        if pdu.kind.to_string() == "m.room.create" {
+            let meta = RoomMeta {
+                room_version: pdu.room_version.clone(),
+                create_event_id: pdu.event_id.to_string(),
+                creator: pdu.sender.to_string(),
+            };
+            ctx.put(&self.rooms, room.clone().into_bytes(), serde_json::to_vec(&meta).map_err(|e| e.to_string())?);
+        }
+        let mut roots = before.0.to_vec();
+        roots.extend_from_slice(&after.0);
+        ctx.put(&self.event_roots, pdu.event_id.to_string().into_bytes(), roots);
+        ctx.put(&self.current, room.into_bytes(), after.0.to_vec());
+        Ok(())
+    }
+}

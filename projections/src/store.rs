@@ -1,0 +1,257 @@
+//! Projection storage: one fjall database (`<data>/projections`) shared by every
+//! projection, each owning its own keyspaces (`<projection>.<table>`) plus its row in
+//! the `checkpoints` keyspace. A projection's writes for a run of records and its new
+//! checkpoint are committed in one atomic batch.
+//!
+//! Reads during apply go through [`ApplyCtx`], which overlays the batch's pending
+//! writes on the committed data, so a record can read what an earlier record of the
+//! same batch wrote.
+
+use std::{
+    collections::BTreeMap,
+    path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use fjall::{Database, Keyspace, KeyspaceCreateOptions};
+
+/// Store counters for counting tests (BRIEF §3.9): point reads and rows scanned.
+#[derive(Debug, Default)]
+pub struct StoreStats {
+    /// Point reads (`get`).
+    pub reads: AtomicU64,
+    /// Rows returned by range scans.
+    pub rows_scanned: AtomicU64,
+}
+
+impl StoreStats {
+    /// Total store reads so far (point reads + rows scanned).
+    pub fn total(&self) -> u64 {
+        self.reads.load(Ordering::Relaxed) + self.rows_scanned.load(Ordering::Relaxed)
+    }
+}
+
+/// The projections database.
+#[derive(Clone)]
+pub struct ProjectionDb {
+    pub(crate) db: Database,
+    pub(crate) checkpoints: Keyspace,
+    pub(crate) stats: Arc<StoreStats>,
+}
+
+impl ProjectionDb {
+    /// Opens (or creates) the projections database in `dir`. Commits are not fsynced
+    /// individually: projections are rebuildable and each batch is atomic, so a crash
+    /// only rewinds a checkpoint.
+    pub fn open(dir: &Path) -> Result<ProjectionDb, String> {
+        let db = Database::builder(dir).open().map_err(|e| e.to_string())?;
+        let checkpoints = db.keyspace("checkpoints", KeyspaceCreateOptions::default).map_err(|e| e.to_string())?;
+        Ok(ProjectionDb { db, checkpoints, stats: Arc::new(StoreStats::default()) })
+    }
+
+    /// Opens one table of a projection.
+    pub fn table(&self, projection: &str, name: &str) -> Result<Table, String> {
+        let ks = self
+            .db
+            .keyspace(&format!("{projection}.{name}"), KeyspaceCreateOptions::default)
+            .map_err(|e| e.to_string())?;
+        Ok(Table { ks, stats: self.stats.clone(), id: Arc::from(format!("{projection}.{name}")) })
+    }
+
+    /// The checkpoint (last applied position) of a projection; 0 if it never ran.
+    pub fn checkpoint(&self, projection: &str) -> u64 {
+        match self.checkpoints.get(projection) {
+            Ok(Some(v)) if v.len() == 8 => u64::from_be_bytes(v[..8].try_into().expect("8 bytes")),
+            _ => 0,
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &Arc<StoreStats> {
+        &self.stats
+    }
+}
+
+/// One keyspace of a projection, with counted reads.
+#[derive(Clone)]
+pub struct Table {
+    ks: Keyspace,
+    stats: Arc<StoreStats>,
+    id: Arc<str>,
+}
+
+impl Table {
+    /// Point read.
+    pub fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
+        self.stats.reads.fetch_add(1, Ordering::Relaxed);
+        self.ks.get(key).ok().flatten().map(|v| v.to_vec())
+    }
+
+    /// Ascending scan of keys starting with `prefix`, at most `limit` rows.
+    pub fn scan_prefix(&self, prefix: &[u8], limit: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let mut out = Vec::new();
+        for kv in self.ks.prefix(prefix) {
+            if out.len() >= limit {
+                break;
+            }
+            if let Ok((k, v)) = kv.into_inner() {
+                out.push((k.to_vec(), v.to_vec()));
+            }
+        }
+        self.stats.rows_scanned.fetch_add(out.len() as u64, Ordering::Relaxed);
+        out
+    }
+
+    /// Scan of `[start, end)` ascending (or descending when `reverse`), at most `limit` rows.
+    pub fn scan_range(&self, start: &[u8], end: &[u8], reverse: bool, limit: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let iter = self.ks.range(start.to_vec()..end.to_vec());
+        let rows: Box<dyn Iterator<Item = fjall::Guard>> = if reverse { Box::new(iter.rev()) } else { Box::new(iter) };
+        let out: Vec<(Vec<u8>, Vec<u8>)> = rows
+            .filter_map(|kv| kv.into_inner().ok())
+            .take(limit)
+            .map(|(k, v)| (k.to_vec(), v.to_vec()))
+            .collect();
+        self.stats.rows_scanned.fetch_add(out.len() as u64, Ordering::Relaxed);
+        out
+    }
+
+    /// The table's full name (`<projection>.<table>`).
+    pub fn name(&self) -> &str {
+        &self.id
+    }
+
+    /// Every row, for digests and snapshots.
+    pub(crate) fn all(&self) -> impl Iterator<Item = (Vec<u8>, Vec<u8>)> + '_ {
+        self.ks.iter().filter_map(|kv| kv.into_inner().ok()).map(|(k, v)| (k.to_vec(), v.to_vec()))
+    }
+}
+
+type Hook = Box<dyn FnOnce() + Send>;
+
+/// The write context of one batch: staged writes (readable back), the checkpoint,
+/// and hooks that run after the commit (to refresh in-memory caches so they never run
+/// ahead of the committed checkpoint).
+pub struct ApplyCtx {
+    overlay: parking_lot::Mutex<BTreeMap<(Arc<str>, Vec<u8>), (Table, Option<Vec<u8>>)>>,
+    hooks: Vec<Hook>,
+}
+
+impl Default for ApplyCtx {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ApplyCtx {
+    /// An empty context.
+    pub fn new() -> Self {
+        ApplyCtx { overlay: parking_lot::Mutex::new(BTreeMap::new()), hooks: Vec::new() }
+    }
+
+    /// Reads a key, seeing this batch's staged writes first.
+    pub fn get(&self, table: &Table, key: &[u8]) -> Option<Vec<u8>> {
+        if let Some((_, v)) = self.overlay.lock().get(&(table.id.clone(), key.to_vec())) {
+            return v.clone();
+        }
+        table.get(key)
+    }
+
+    /// Rows with keys starting with `prefix`: committed rows merged with this batch's
+    /// staged writes and deletes, ascending. Keeps apply independent of batch boundaries.
+    pub fn scan_prefix(&self, table: &Table, prefix: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let mut rows: BTreeMap<Vec<u8>, Vec<u8>> = table.scan_prefix(prefix, usize::MAX).into_iter().collect();
+        for ((id, k), (_, v)) in self.overlay.lock().iter() {
+            if **id == *table.id && k.starts_with(prefix) {
+                match v {
+                    Some(v) => rows.insert(k.clone(), v.clone()),
+                    None => rows.remove(k),
+                };
+            }
+        }
+        rows.into_iter().collect()
+    }
+
+    /// Only this batch's staged (not deleted) rows under `prefix`, ascending.
+    pub fn staged_prefix(&self, table: &Table, prefix: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
+        self.overlay
+            .lock()
+            .iter()
+            .filter(|((id, k), _)| **id == *table.id && k.starts_with(prefix))
+            .filter_map(|((_, k), (_, v))| v.clone().map(|v| (k.clone(), v)))
+            .collect()
+    }
+
+    /// Stages a write.
+    pub fn put(&self, table: &Table, key: Vec<u8>, value: Vec<u8>) {
+        self.overlay.lock().insert((table.id.clone(), key), (table.clone(), Some(value)));
+    }
+
+    /// Stages a delete.
+    pub fn delete(&self, table: &Table, key: Vec<u8>) {
+        self.overlay.lock().insert((table.id.clone(), key), (table.clone(), None));
+    }
+
+    /// Runs `f` after the batch is committed.
+    pub fn after_commit(&mut self, f: impl FnOnce() + Send + 'static) {
+        self.hooks.push(Box::new(f));
+    }
+
+    /// Commits staged writes and the checkpoint atomically, then runs the hooks.
+    pub fn commit(self, db: &ProjectionDb, projection: &str, checkpoint: u64) -> Result<(), String> {
+        let mut batch = db.db.batch();
+        for ((_, key), (table, value)) in self.overlay.into_inner() {
+            match value {
+                Some(v) => batch.insert(&table.ks, key, v),
+                None => batch.remove(&table.ks, key),
+            }
+        }
+        batch.insert(&db.checkpoints, projection, checkpoint.to_be_bytes());
+        batch.commit().map_err(|e| e.to_string())?;
+        for hook in self.hooks {
+            hook();
+        }
+        Ok(())
+    }
+}
+
+/// Key helpers: components joined by 0x00 (ids never contain NUL), positions as
+/// big-endian u64 so byte order is numeric order.
+pub mod key {
+    /// Joins string parts with 0x00.
+    pub fn join(parts: &[&str]) -> Vec<u8> {
+        let mut k = Vec::new();
+        for (i, p) in parts.iter().enumerate() {
+            if i > 0 {
+                k.push(0);
+            }
+            k.extend_from_slice(p.as_bytes());
+        }
+        k
+    }
+
+    /// `parts` joined, then 0x00, then the position.
+    pub fn with_pos(parts: &[&str], pos: u64) -> Vec<u8> {
+        let mut k = join(parts);
+        k.push(0);
+        k.extend_from_slice(&pos.to_be_bytes());
+        k
+    }
+
+    /// `parts` joined plus a trailing 0x00 (a prefix for scans).
+    pub fn prefix(parts: &[&str]) -> Vec<u8> {
+        let mut k = join(parts);
+        k.push(0);
+        k
+    }
+
+    /// The trailing big-endian position of a key.
+    pub fn trailing_pos(k: &[u8]) -> u64 {
+        if k.len() < 8 {
+            return 0;
+        }
+        u64::from_be_bytes(k[k.len() - 8..].try_into().expect("8 bytes"))
+    }
+}
