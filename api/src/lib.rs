@@ -1,1 +1,146 @@
-//! Axum Client-Server API: reads only projections, writes only by submitting commands to the journal
+//! The Client-Server API (spec v1.19), served with axum.
+//!
+//! Reads come only from projections ([`spindle_projections::Projections`]); writes go
+//! only through signed commands to the journal ([`spindle_journal::Journal`]). After a
+//! write the handler waits (bounded) until the projections have applied its position,
+//! so the client's next read sees it (read-your-writes, BRIEF §3.5).
+
+pub mod account;
+pub mod error;
+pub mod extract;
+pub mod rooms;
+pub mod read;
+pub mod sync;
+pub mod typing;
+pub mod visibility;
+
+use std::{collections::HashMap, sync::Arc, time::Duration};
+
+use axum::{
+    Router,
+    http::{HeaderValue, Method, header},
+    response::IntoResponse,
+};
+use spindle_core::keys::ServerKey;
+use spindle_journal::{CommandBody, CommandEnvelope, Journal, Outcome, SignedCommand};
+use spindle_projections::Projections;
+use tower_http::cors::{Any, CorsLayer};
+
+pub use error::{ApiResult, MatrixError};
+
+/// How long a handler waits for projections to catch up with its own write.
+pub const READ_YOUR_WRITES_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// API settings (a subset of the server config).
+#[derive(Debug, Clone)]
+pub struct ApiConfig {
+    /// The server name, e.g. `localhost:8008`.
+    pub server_name: String,
+    /// Base URL clients should use (served in `/.well-known/matrix/client`).
+    pub public_base_url: String,
+    /// Open registration with `m.login.dummy`.
+    pub registration_open: bool,
+    /// Registration tokens accepted with `m.login.registration_token`.
+    pub registration_tokens: Vec<String>,
+    /// Largest request body, bytes (bigger: 413 `M_TOO_LARGE`).
+    pub max_request_bytes: usize,
+    /// Largest `/sync` long-poll `timeout`, ms.
+    pub max_sync_timeout_ms: u64,
+}
+
+/// Everything a handler needs.
+#[derive(Clone)]
+pub struct AppState {
+    /// The journal (writes).
+    pub journal: Journal,
+    /// The projections (reads).
+    pub projections: Projections,
+    /// The server key (signs command envelopes).
+    pub key: Arc<ServerKey>,
+    /// Settings.
+    pub config: Arc<ApiConfig>,
+    /// Ephemeral typing notifications.
+    pub typing: typing::Typing,
+    /// `/sync` room summaries cached by state root.
+    pub summaries: Arc<parking_lot::Mutex<HashMap<[u8; 32], serde_json::Value>>>,
+}
+
+impl AppState {
+    /// Builds the state.
+    pub fn new(journal: Journal, projections: Projections, config: ApiConfig) -> AppState {
+        let key = journal.key().clone();
+        AppState {
+            journal,
+            projections,
+            key,
+            config: Arc::new(config),
+            typing: typing::Typing::default(),
+            summaries: Arc::default(),
+        }
+    }
+
+    /// Signs and submits a command as `principal`/`device`, then waits until every
+    /// projection has applied it.
+    pub async fn submit(&self, principal: &str, device_id: Option<&str>, body: CommandBody) -> ApiResult<Outcome> {
+        let envelope = CommandEnvelope {
+            principal: principal.to_owned(),
+            device_id: device_id.map(str::to_owned),
+            issued_at: now_ms(),
+            body,
+        };
+        let cmd = SignedCommand::sign(&self.key, envelope).map_err(MatrixError::bad_json)?;
+        let outcome = self.journal.submit(cmd).await?;
+        self.wait_for(outcome.position).await?;
+        Ok(outcome)
+    }
+
+    /// Waits (bounded) for the projections to reach `position`.
+    pub async fn wait_for(&self, position: u64) -> ApiResult<()> {
+        if self.projections.runtime.wait_for(position, READ_YOUR_WRITES_TIMEOUT).await {
+            Ok(())
+        } else {
+            Err(MatrixError::internal("projections did not catch up in time"))
+        }
+    }
+
+    /// Our server name.
+    pub fn server_name(&self) -> &str {
+        &self.config.server_name
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// The whole Client-Server router, with CORS (spec: "Web Browser Clients"), the body
+/// limit, and Matrix errors for unknown endpoints and methods.
+pub fn router(state: AppState) -> Router {
+    let cors = CorsLayer::new()
+        .allow_origin(Any)
+        .allow_methods([Method::GET, Method::POST, Method::PUT, Method::DELETE, Method::OPTIONS])
+        .allow_headers([
+            header::HeaderName::from_static("x-requested-with"),
+            header::CONTENT_TYPE,
+            header::AUTHORIZATION,
+        ]);
+    let limit = state.config.max_request_bytes;
+    Router::new()
+        .merge(account::routes())
+        .merge(rooms::routes())
+        .merge(read::routes())
+        .merge(sync::routes())
+        .merge(typing::routes())
+        .fallback(|| async { MatrixError::unrecognized() })
+        .method_not_allowed_fallback(|| async {
+            MatrixError::new(axum::http::StatusCode::METHOD_NOT_ALLOWED, "M_UNRECOGNIZED", "Unrecognized request method")
+        })
+        .with_state(state)
+        .layer(axum::extract::DefaultBodyLimit::max(limit))
+        .layer(cors)
+        .layer(axum::middleware::map_response(|mut resp: axum::response::Response| async move {
+            resp.headers_mut().entry(header::CONTENT_TYPE).or_insert(HeaderValue::from_static("application/json"));
+            resp.into_response()
+        }))
+}

@@ -7,7 +7,7 @@
 //! - `user_log`: user, 0x00, position BE -> room id
 
 use serde::{Deserialize, Serialize};
-use spindle_journal::{Record, RecordKind};
+use spindle_journal::{Fact, Record, RecordKind};
 
 use crate::{
     runtime::Projection,
@@ -31,6 +31,9 @@ pub struct Membership {
     /// `avatar_url` from the member event.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub avatar_url: Option<String>,
+    /// The user forgot the room (spec: `/forget`); cleared by the next member event.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub forgotten: bool,
 }
 
 /// The membership projection.
@@ -105,6 +108,14 @@ impl Projection for Memberships {
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &Record) -> Result<(), String> {
+        if let Some(Fact::RoomForgotten { user_id, room_id }) = record.fact() {
+            let k = key::join(&[&user_id, &room_id]);
+            if let Some(mut m) = ctx.get(&self.user_rooms, &k).and_then(|v| decode(&v)) {
+                m.forgotten = true;
+                ctx.put(&self.user_rooms, k, serde_json::to_vec(&m).map_err(|e| e.to_string())?);
+            }
+            return Ok(());
+        }
         if record.kind != RecordKind::Event {
             return Ok(());
         }
@@ -121,6 +132,7 @@ impl Projection for Memberships {
             sender: pdu.sender.to_string(),
             displayname: content.get("displayname").and_then(|v| v.as_str()).map(str::to_owned),
             avatar_url: content.get("avatar_url").and_then(|v| v.as_str()).map(str::to_owned),
+            forgotten: false,
         };
         let room = pdu.room_id.to_string();
         let bytes = serde_json::to_vec(&m).map_err(|e| e.to_string())?;

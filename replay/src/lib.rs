@@ -1,1 +1,88 @@
-//! Rebuild and verify projections from the journal
+//! Rebuilding and verifying projections from the journal (BRIEF §3.2: projections are
+//! disposable). All verbs here are offline: they open the data directory themselves,
+//! so the server must be stopped (fjall's lock file refuses a second opener).
+
+use std::{path::Path, sync::Arc, time::Duration};
+
+use anyhow::{Context, anyhow};
+use spindle_journal::{FjallStore, Journal};
+use spindle_projections::Projections;
+
+/// Opens the journal of a data directory (replaying its room aggregates).
+pub fn open_journal(data_dir: &Path, server_name: &str) -> anyhow::Result<Journal> {
+    let key = spindle_federation::load_or_create_key(data_dir, server_name).map_err(|e| anyhow!(e))?;
+    let store = FjallStore::open(&data_dir.join("journal"))
+        .map_err(|e| anyhow!(e))
+        .with_context(|| format!("opening the journal in {} (is the server still running?)", data_dir.display()))?;
+    Journal::open(Arc::new(store), Arc::new(key)).map_err(|e| anyhow!(e.to_string()))
+}
+
+/// Waits until every projection has applied the journal's head.
+pub async fn catch_up(projections: &Projections, journal: &Journal) -> anyhow::Result<()> {
+    let head = journal.durable_head();
+    // Generous: rebuilding a large journal takes a while; progress is in the log.
+    if !projections.runtime.wait_for(head, Duration::from_secs(24 * 3600)).await {
+        return Err(anyhow!("projections did not reach position {head}"));
+    }
+    Ok(())
+}
+
+/// Deletes every projection of `data_dir` and rebuilds them from position 0.
+/// Returns each projection's digest.
+pub async fn rebuild_all(data_dir: &Path, server_name: &str) -> anyhow::Result<Vec<(&'static str, String)>> {
+    let dir = data_dir.join("projections");
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+    }
+    let journal = open_journal(data_dir, server_name)?;
+    let projections = Projections::start(&dir, journal.clone()).map_err(|e| anyhow!(e))?;
+    catch_up(&projections, &journal).await?;
+    Ok(projections.runtime.digests())
+}
+
+/// One projection's live digest next to a fresh rebuild's.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verification {
+    /// Projection name.
+    pub projection: &'static str,
+    /// Digest of the live tables (after catching up).
+    pub live: String,
+    /// Digest of a rebuild from position 0 in a scratch directory.
+    pub rebuilt: String,
+}
+
+/// Rebuilds every projection into a scratch directory and compares digests with the
+/// live ones (both caught up to the same head).
+pub async fn verify(data_dir: &Path, server_name: &str) -> anyhow::Result<Vec<Verification>> {
+    let journal = open_journal(data_dir, server_name)?;
+    let live = Projections::start(&data_dir.join("projections"), journal.clone()).map_err(|e| anyhow!(e))?;
+    catch_up(&live, &journal).await?;
+    let scratch = tempfile_dir(data_dir)?;
+    let rebuilt = Projections::start(&scratch, journal.clone()).map_err(|e| anyhow!(e))?;
+    catch_up(&rebuilt, &journal).await?;
+    let out = live
+        .runtime
+        .digests()
+        .into_iter()
+        .zip(rebuilt.runtime.digests())
+        .map(|((name, live), (_, rebuilt))| Verification { projection: name, live, rebuilt })
+        .collect();
+    let _ = std::fs::remove_dir_all(&scratch);
+    Ok(out)
+}
+
+fn tempfile_dir(data_dir: &Path) -> anyhow::Result<std::path::PathBuf> {
+    let dir = data_dir.join(format!("verify-{}", std::process::id()));
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)?;
+    }
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+/// Each projection's checkpoint and the journal head.
+pub async fn status(data_dir: &Path, server_name: &str) -> anyhow::Result<(u64, Vec<(&'static str, u64)>)> {
+    let journal = open_journal(data_dir, server_name)?;
+    let projections = Projections::start(&data_dir.join("projections"), journal.clone()).map_err(|e| anyhow!(e))?;
+    Ok((journal.durable_head(), projections.runtime.checkpoints()))
+}

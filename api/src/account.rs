@@ -1,0 +1,479 @@
+//! Accounts and sessions: versions, well-known, capabilities, registration (UIA),
+//! login, logout, whoami, profile, account data and filters.
+
+use axum::{
+    Json, Router,
+    extract::{Path, State},
+    http::StatusCode,
+    routing::{get, post},
+};
+use serde_json::{Value, json};
+use spindle_journal::{CommandBody, Fact};
+
+use crate::{
+    ApiResult, AppState, MatrixError,
+    extract::{JsonObject, Query, Requester, opt_str, token_hash},
+};
+
+/// Spec versions advertised by `/versions`.
+pub const SPEC_VERSIONS: [&str; 12] =
+    ["v1.1", "v1.2", "v1.3", "v1.4", "v1.5", "v1.6", "v1.7", "v1.8", "v1.9", "v1.10", "v1.11", "v1.12"];
+
+pub(crate) fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/_matrix/client/versions", get(versions))
+        .route("/.well-known/matrix/client", get(well_known))
+        .route("/_matrix/client/v3/capabilities", get(capabilities))
+        .route("/_matrix/client/v3/register", post(register))
+        .route("/_matrix/client/v3/register/available", get(register_available))
+        .route("/_matrix/client/v3/login", get(login_flows).post(login))
+        .route("/_matrix/client/v3/logout", post(logout))
+        .route("/_matrix/client/v3/logout/all", post(logout_all))
+        .route("/_matrix/client/v3/account/whoami", get(whoami))
+        .route("/_matrix/client/v3/profile/{user_id}", get(profile))
+        .route("/_matrix/client/v3/profile/{user_id}/{field}", get(profile_field).put(set_profile_field))
+        .route("/_matrix/client/v3/user/{user_id}/account_data/{data_type}", get(get_account_data).put(put_account_data))
+        .route(
+            "/_matrix/client/v3/user/{user_id}/rooms/{room_id}/account_data/{data_type}",
+            get(get_room_account_data).put(put_room_account_data),
+        )
+        .route("/_matrix/client/v3/user/{user_id}/filter", post(create_filter))
+        .route("/_matrix/client/v3/user/{user_id}/filter/{filter_id}", get(get_filter))
+}
+
+async fn versions() -> Json<Value> {
+    Json(json!({ "versions": SPEC_VERSIONS, "unstable_features": {} }))
+}
+
+async fn well_known(State(s): State<AppState>) -> Json<Value> {
+    Json(json!({ "m.homeserver": { "base_url": s.config.public_base_url } }))
+}
+
+async fn capabilities(_r: Requester) -> Json<Value> {
+    let available: serde_json::Map<String, Value> =
+        spindle_core::room_version::SUPPORTED.iter().map(|v| (v.to_string(), json!("stable"))).collect();
+    Json(json!({
+        "capabilities": {
+            "m.change_password": { "enabled": false },
+            "m.room_versions": { "default": spindle_core::room_version::DEFAULT_ROOM_VERSION, "available": available },
+            "m.set_displayname": { "enabled": true },
+            "m.set_avatar_url": { "enabled": true },
+            "m.3pid_changes": { "enabled": false },
+            "m.get_login_token": { "enabled": false },
+        }
+    }))
+}
+
+/// Localpart rules (spec: "User Identifiers": `a-z 0-9 . _ = - / +`).
+fn valid_localpart(l: &str) -> bool {
+    !l.is_empty() && l.bytes().all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'=' | b'-' | b'/' | b'+'))
+}
+
+fn random_string(len: usize) -> String {
+    use rand::Rng;
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut rng = rand::rng();
+    (0..len).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect()
+}
+
+fn full_user_id(s: &AppState, localpart_or_id: &str) -> String {
+    if localpart_or_id.starts_with('@') {
+        localpart_or_id.to_owned()
+    } else {
+        format!("@{}:{}", localpart_or_id.to_lowercase(), s.server_name())
+    }
+}
+
+fn uia_flows(s: &AppState) -> Vec<Value> {
+    let mut flows = Vec::new();
+    if s.config.registration_open {
+        flows.push(json!({ "stages": ["m.login.dummy"] }));
+    }
+    if !s.config.registration_tokens.is_empty() {
+        flows.push(json!({ "stages": ["m.login.registration_token"] }));
+    }
+    flows
+}
+
+async fn hash_password(password: String) -> ApiResult<String> {
+    tokio::task::spawn_blocking(move || {
+        use argon2::{PasswordHasher, password_hash::SaltString};
+        let bytes: [u8; 16] = rand::random();
+        let salt = SaltString::encode_b64(&bytes)?;
+        argon2::Argon2::default().hash_password(password.as_bytes(), &salt).map(|h| h.to_string())
+    })
+    .await
+    .map_err(|e| MatrixError::internal(e.to_string()))?
+    .map_err(|e| MatrixError::internal(e.to_string()))
+}
+
+async fn verify_password(password: String, hash: String) -> bool {
+    tokio::task::spawn_blocking(move || {
+        use argon2::{PasswordVerifier, password_hash::PasswordHash};
+        PasswordHash::new(&hash).map(|h| argon2::Argon2::default().verify_password(password.as_bytes(), &h).is_ok()).unwrap_or(false)
+    })
+    .await
+    .unwrap_or(false)
+}
+
+/// Issues a device (if new) and an access token; returns (device id, token).
+async fn start_session(
+    s: &AppState,
+    user_id: &str,
+    device_id: Option<String>,
+    display_name: Option<String>,
+) -> ApiResult<(String, String)> {
+    let device_id = device_id.unwrap_or_else(|| random_string(10));
+    if s.projections.accounts.device(user_id, &device_id).is_none() {
+        s.submit(
+            user_id,
+            Some(&device_id),
+            CommandBody::Fact { fact: Fact::DeviceCreated { user_id: user_id.into(), device_id: device_id.clone(), display_name } },
+        )
+        .await?;
+    }
+    let token = format!("spt_{}", random_string(40));
+    s.submit(
+        user_id,
+        Some(&device_id),
+        CommandBody::Fact {
+            fact: Fact::TokenIssued { user_id: user_id.into(), device_id: device_id.clone(), token_hash: token_hash(&token) },
+        },
+    )
+    .await?;
+    Ok((device_id, token))
+}
+
+async fn register(State(s): State<AppState>, q: Query, JsonObject(body): JsonObject) -> ApiResult<axum::response::Response> {
+    use axum::response::IntoResponse;
+    if q.get("kind") == Some("guest") {
+        return Err(MatrixError::forbidden("Guest access is disabled"));
+    }
+    let flows = uia_flows(&s);
+    if flows.is_empty() {
+        return Err(MatrixError::forbidden("Registration is disabled"));
+    }
+    let username = opt_str(&body, "username")?;
+    if let Some(u) = &username {
+        let local = u.to_lowercase();
+        if !valid_localpart(&local) || local.len() > 200 {
+            return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_INVALID_USERNAME", "Username contains invalid characters"));
+        }
+        if s.projections.accounts.user(&full_user_id(&s, &local)).is_some() {
+            return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_USER_IN_USE", "User ID already taken."));
+        }
+    }
+    let password = opt_str(&body, "password")?;
+    if password.as_ref().is_some_and(|p| p.len() > 512) {
+        return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_WEAK_PASSWORD", "Password too long"));
+    }
+    // User-interactive auth (spec: "User-Interactive Authentication API").
+    let session = body
+        .get("auth")
+        .and_then(|a| a.get("session"))
+        .and_then(|v| v.as_str())
+        .map(str::to_owned)
+        .unwrap_or_else(|| random_string(24));
+    let challenge = |err: Option<MatrixError>| {
+        let mut body = json!({ "flows": flows, "params": {}, "session": session, "completed": [] });
+        if let Some(e) = err {
+            body["errcode"] = json!(e.errcode);
+            body["error"] = json!(e.error);
+        }
+        (StatusCode::UNAUTHORIZED, Json(body))
+    };
+    let auth_type = body.get("auth").and_then(|a| a.get("type")).and_then(|v| v.as_str());
+    let passed = match auth_type {
+        Some("m.login.dummy") if s.config.registration_open => true,
+        Some("m.login.registration_token") if !s.config.registration_tokens.is_empty() => {
+            let token = body.get("auth").and_then(|a| a.get("token")).and_then(|v| v.as_str()).unwrap_or("");
+            if !s.config.registration_tokens.iter().any(|t| t == token) {
+                return Ok(challenge(Some(MatrixError::forbidden("Invalid registration token"))).into_response());
+            }
+            true
+        }
+        _ => false,
+    };
+    if !passed {
+        return Ok(challenge(None).into_response());
+    }
+    let localpart = match username {
+        Some(u) => u.to_lowercase(),
+        None => random_string(12).to_lowercase(),
+    };
+    let user_id = full_user_id(&s, &localpart);
+    let password_hash = match password {
+        Some(p) => Some(hash_password(p).await?),
+        None => None,
+    };
+    s.submit(&user_id, None, CommandBody::Fact { fact: Fact::AccountRegistered { user_id: user_id.clone(), password_hash } })
+        .await?;
+    if body.get("inhibit_login").and_then(|v| v.as_bool()) == Some(true) {
+        return Ok(Json(json!({ "user_id": user_id, "home_server": s.server_name() })).into_response());
+    }
+    let (device_id, token) = start_session(
+        &s,
+        &user_id,
+        opt_str(&body, "device_id")?,
+        opt_str(&body, "initial_device_display_name")?,
+    )
+    .await?;
+    Ok(Json(json!({
+        "user_id": user_id,
+        "access_token": token,
+        "device_id": device_id,
+        "home_server": s.server_name(),
+    }))
+    .into_response())
+}
+
+async fn register_available(State(s): State<AppState>, q: Query) -> ApiResult<Json<Value>> {
+    let username = q.get("username").ok_or_else(|| MatrixError::missing_param("username is required"))?.to_lowercase();
+    if !valid_localpart(&username) {
+        return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_INVALID_USERNAME", "Username contains invalid characters"));
+    }
+    if s.projections.accounts.user(&full_user_id(&s, &username)).is_some() {
+        return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_USER_IN_USE", "User ID already taken."));
+    }
+    Ok(Json(json!({ "available": true })))
+}
+
+async fn login_flows() -> Json<Value> {
+    Json(json!({ "flows": [{ "type": "m.login.password" }] }))
+}
+
+async fn login(State(s): State<AppState>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+    let kind = opt_str(&body, "type")?.ok_or_else(|| MatrixError::bad_json("type is required"))?;
+    if kind != "m.login.password" {
+        return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_UNKNOWN", format!("Unknown login type {kind}")));
+    }
+    let user = match body.get("identifier") {
+        Some(id) => {
+            if id.get("type").and_then(|v| v.as_str()) != Some("m.id.user") {
+                return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_UNKNOWN", "Only m.id.user identifiers are supported"));
+            }
+            id.get("user").and_then(|v| v.as_str()).map(str::to_owned)
+        }
+        None => opt_str(&body, "user")?,
+    }
+    .ok_or_else(|| MatrixError::bad_json("identifier.user is required"))?;
+    let password = opt_str(&body, "password")?.ok_or_else(|| MatrixError::bad_json("password is required"))?;
+    let user_id = full_user_id(&s, &user);
+    let denied = || MatrixError::forbidden("Invalid username or password");
+    let account = s.projections.accounts.user(&user_id).ok_or_else(denied)?;
+    let hash = account.password_hash.ok_or_else(denied)?;
+    if !verify_password(password, hash).await {
+        return Err(denied());
+    }
+    let (device_id, token) =
+        start_session(&s, &user_id, opt_str(&body, "device_id")?, opt_str(&body, "initial_device_display_name")?).await?;
+    Ok(Json(json!({
+        "user_id": user_id,
+        "access_token": token,
+        "device_id": device_id,
+        "home_server": s.server_name(),
+        "well_known": { "m.homeserver": { "base_url": s.config.public_base_url } },
+    })))
+}
+
+async fn logout(State(s): State<AppState>, r: Requester) -> ApiResult<Json<Value>> {
+    // Spec: logout invalidates the token and deletes the device.
+    s.submit(
+        &r.user_id,
+        Some(&r.device_id),
+        CommandBody::Fact { fact: Fact::DeviceDeleted { user_id: r.user_id.clone(), device_id: r.device_id.clone() } },
+    )
+    .await?;
+    Ok(Json(json!({})))
+}
+
+async fn logout_all(State(s): State<AppState>, r: Requester) -> ApiResult<Json<Value>> {
+    for (device_id, _) in s.projections.accounts.devices(&r.user_id) {
+        s.submit(
+            &r.user_id,
+            Some(&r.device_id),
+            CommandBody::Fact { fact: Fact::DeviceDeleted { user_id: r.user_id.clone(), device_id } },
+        )
+        .await?;
+    }
+    Ok(Json(json!({})))
+}
+
+async fn whoami(r: Requester) -> Json<Value> {
+    Json(json!({ "user_id": r.user_id, "device_id": r.device_id, "is_guest": false }))
+}
+
+fn profile_json(s: &AppState, user_id: &str) -> ApiResult<Value> {
+    if s.projections.accounts.user(user_id).is_none() {
+        return Err(MatrixError::not_found("Profile was not found"));
+    }
+    let p = s.projections.accounts.profile(user_id);
+    let mut out = serde_json::Map::new();
+    if let Some(d) = p.displayname {
+        out.insert("displayname".into(), json!(d));
+    }
+    if let Some(a) = p.avatar_url {
+        out.insert("avatar_url".into(), json!(a));
+    }
+    Ok(Value::Object(out))
+}
+
+async fn profile(State(s): State<AppState>, _r: Requester, Path(user_id): Path<String>) -> ApiResult<Json<Value>> {
+    Ok(Json(profile_json(&s, &user_id)?))
+}
+
+async fn profile_field(
+    State(s): State<AppState>,
+    _r: Requester,
+    Path((user_id, field)): Path<(String, String)>,
+) -> ApiResult<Json<Value>> {
+    if field != "displayname" && field != "avatar_url" {
+        return Err(MatrixError::unrecognized());
+    }
+    let p = profile_json(&s, &user_id)?;
+    match p.get(&field) {
+        Some(v) => Ok(Json(json!({ field: v }))),
+        None => Err(MatrixError::not_found(format!("The user has no {field}"))),
+    }
+}
+
+async fn set_profile_field(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((user_id, field)): Path<(String, String)>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    if user_id != r.user_id {
+        return Err(MatrixError::forbidden("Cannot set another user's profile"));
+    }
+    let value = opt_str(&body, &field)?;
+    if value.as_ref().is_some_and(|v| v.len() > 256 && field == "displayname") {
+        return Err(MatrixError::bad_json("displayname is too long (max 256)"));
+    }
+    let fact = match field.as_str() {
+        "displayname" => Fact::ProfileSet { user_id: user_id.clone(), displayname: Some(value.clone()), avatar_url: None },
+        "avatar_url" => Fact::ProfileSet { user_id: user_id.clone(), displayname: None, avatar_url: Some(value.clone()) },
+        _ => return Err(MatrixError::unrecognized()),
+    };
+    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
+    // Propagate to every joined room as a new member event (what Synapse does).
+    let profile = s.projections.accounts.profile(&user_id);
+    for (room_id, m) in s.projections.membership.rooms_of(&user_id) {
+        if m.membership != "join" {
+            continue;
+        }
+        let mut content = json!({ "membership": "join" });
+        if let Some(d) = &profile.displayname {
+            content["displayname"] = json!(d);
+        }
+        if let Some(a) = &profile.avatar_url {
+            content["avatar_url"] = json!(a);
+        }
+        let body = CommandBody::SendEvent {
+            room_id: room_id.clone(),
+            event: spindle_journal::EventSpec {
+                kind: "m.room.member".into(),
+                state_key: Some(user_id.clone()),
+                content,
+                redacts: None,
+            },
+            txn_id: None,
+        };
+        if let Err(e) = s.submit(&r.user_id, Some(&r.device_id), body).await {
+            tracing::warn!(room = %room_id, error = %e.error, "profile propagation failed");
+        }
+    }
+    Ok(Json(json!({})))
+}
+
+fn own(r: &Requester, user_id: &str) -> ApiResult<()> {
+    if r.user_id != user_id {
+        return Err(MatrixError::forbidden("Cannot access another user's data"));
+    }
+    Ok(())
+}
+
+fn check_data_type(data_type: &str) -> ApiResult<()> {
+    if data_type == "m.fully_read" || data_type == "m.push_rules" {
+        return Err(MatrixError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "M_BAD_JSON",
+            format!("Cannot set {data_type} through this API"),
+        ));
+    }
+    Ok(())
+}
+
+async fn get_account_data(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((user_id, data_type)): Path<(String, String)>,
+) -> ApiResult<Json<Value>> {
+    own(&r, &user_id)?;
+    s.projections.account_data.get(&user_id, None, &data_type).map(Json).ok_or_else(|| MatrixError::not_found("Account data not found"))
+}
+
+async fn put_account_data(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((user_id, data_type)): Path<(String, String)>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    own(&r, &user_id)?;
+    check_data_type(&data_type)?;
+    let fact = Fact::AccountDataSet { user_id, room_id: None, data_type, content: Value::Object(body) };
+    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
+    Ok(Json(json!({})))
+}
+
+async fn get_room_account_data(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((user_id, room_id, data_type)): Path<(String, String, String)>,
+) -> ApiResult<Json<Value>> {
+    own(&r, &user_id)?;
+    s.projections
+        .account_data
+        .get(&user_id, Some(&room_id), &data_type)
+        .map(Json)
+        .ok_or_else(|| MatrixError::not_found("Account data not found"))
+}
+
+async fn put_room_account_data(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((user_id, room_id, data_type)): Path<(String, String, String)>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    own(&r, &user_id)?;
+    check_data_type(&data_type)?;
+    if ruma::RoomId::parse(&room_id).is_err() {
+        return Err(MatrixError::invalid_param("Invalid room id"));
+    }
+    let fact = Fact::AccountDataSet { user_id, room_id: Some(room_id), data_type, content: Value::Object(body) };
+    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
+    Ok(Json(json!({})))
+}
+
+async fn create_filter(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(user_id): Path<String>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    own(&r, &user_id)?;
+    crate::sync::Filter::parse(&Value::Object(body.clone()))?;
+    let filter_id = random_string(12);
+    let fact = Fact::FilterCreated { user_id, filter_id: filter_id.clone(), filter: Value::Object(body) };
+    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
+    Ok(Json(json!({ "filter_id": filter_id })))
+}
+
+async fn get_filter(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((user_id, filter_id)): Path<(String, String)>,
+) -> ApiResult<Json<Value>> {
+    own(&r, &user_id)?;
+    s.projections.filters.get(&user_id, &filter_id).map(Json).ok_or_else(|| MatrixError::not_found("Filter not found"))
+}

@@ -1,0 +1,149 @@
+//! Request extractors: the authenticated requester and JSON bodies with Matrix errors.
+
+use axum::{
+    body::Bytes,
+    extract::{FromRequest, FromRequestParts, Request},
+    http::{StatusCode, request::Parts},
+};
+
+use crate::{AppState, MatrixError};
+
+/// The user and device behind an access token (spec: "Using access tokens": the
+/// `Authorization: Bearer` header, or the deprecated `access_token` query parameter).
+#[derive(Debug, Clone)]
+pub struct Requester {
+    /// Full user id.
+    pub user_id: String,
+    /// Device id.
+    pub device_id: String,
+    /// blake3 hex of the token (what the journal stores).
+    pub token_hash: String,
+}
+
+/// blake3 hex of an access token. Tokens themselves are never stored.
+pub fn token_hash(token: &str) -> String {
+    blake3::hash(token.as_bytes()).to_hex().to_string()
+}
+
+fn token_from(parts: &Parts) -> Option<String> {
+    if let Some(h) = parts.headers.get(axum::http::header::AUTHORIZATION) {
+        let v = h.to_str().ok()?;
+        return v.strip_prefix("Bearer ").map(|t| t.trim().to_owned());
+    }
+    let q = parts.uri.query()?;
+    url_query(q).into_iter().find(|(k, _)| k == "access_token").map(|(_, v)| v)
+}
+
+/// Percent-decoded query pairs.
+pub fn url_query(q: &str) -> Vec<(String, String)> {
+    q.split('&')
+        .filter(|s| !s.is_empty())
+        .map(|pair| {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => {
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok());
+                match hex {
+                    Some(b) => {
+                        out.push(b);
+                        i += 2;
+                    }
+                    None => out.push(b'%'),
+                }
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+impl FromRequestParts<AppState> for Requester {
+    type Rejection = MatrixError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
+        let token = token_from(parts)
+            .ok_or_else(|| MatrixError::new(StatusCode::UNAUTHORIZED, "M_MISSING_TOKEN", "Missing access token"))?;
+        let hash = token_hash(&token);
+        let owner = state.projections.accounts.token(&hash).ok_or_else(|| {
+            MatrixError::new(StatusCode::UNAUTHORIZED, "M_UNKNOWN_TOKEN", "Unknown access token")
+                .with_extra(serde_json::json!({"soft_logout": false}))
+        })?;
+        Ok(Requester { user_id: owner.user_id, device_id: owner.device_id, token_hash: hash })
+    }
+}
+
+/// A JSON object body. Not JSON: 400 `M_NOT_JSON`; JSON but not an object: 400
+/// `M_BAD_JSON`; over the body limit: 413 `M_TOO_LARGE`. An empty body reads as `{}`.
+pub struct JsonObject(pub serde_json::Map<String, serde_json::Value>);
+
+impl FromRequest<AppState> for JsonObject {
+    type Rejection = MatrixError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
+            if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                MatrixError::new(StatusCode::PAYLOAD_TOO_LARGE, "M_TOO_LARGE", "Request body too large")
+            } else {
+                MatrixError::not_json(e.body_text())
+            }
+        })?;
+        if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+            return Ok(JsonObject(serde_json::Map::new()));
+        }
+        let value: serde_json::Value =
+            serde_json::from_slice(&bytes).map_err(|e| MatrixError::not_json(format!("Content not JSON: {e}")))?;
+        match value {
+            serde_json::Value::Object(map) => Ok(JsonObject(map)),
+            _ => Err(MatrixError::bad_json("Body must be a JSON object")),
+        }
+    }
+}
+
+/// Query parameters as a list (repeated keys allowed, values percent-decoded).
+pub struct Query(pub Vec<(String, String)>);
+
+impl Query {
+    /// First value of a parameter.
+    pub fn get(&self, name: &str) -> Option<&str> {
+        self.0.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+    }
+    /// Every value of a parameter.
+    pub fn all(&self, name: &str) -> Vec<&str> {
+        self.0.iter().filter(|(k, _)| k == name).map(|(_, v)| v.as_str()).collect()
+    }
+    /// An unsigned integer parameter; malformed: 400 `M_INVALID_PARAM`.
+    pub fn u64(&self, name: &str) -> Result<Option<u64>, MatrixError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => v.parse().map(Some).map_err(|_| MatrixError::invalid_param(format!("{name} must be a non-negative integer"))),
+        }
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for Query {
+    type Rejection = MatrixError;
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        Ok(Query(parts.uri.query().map(url_query).unwrap_or_default()))
+    }
+}
+
+/// String field helper: `Some(string)` or a 400 when present with another type.
+pub fn opt_str(map: &serde_json::Map<String, serde_json::Value>, name: &str) -> Result<Option<String>, MatrixError> {
+    match map.get(name) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(MatrixError::bad_json(format!("{name} must be a string"))),
+    }
+}

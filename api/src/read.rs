@@ -1,0 +1,398 @@
+//! Room reads: `/event`, `/state`, `/messages`, `/context`, `/members`,
+//! `/joined_members`, `/joined_rooms`. Every one checks [`crate::visibility`] first and
+//! filters events one by one; a room the user may not read answers 403 (or 404 for a
+//! single event), never its data.
+
+use axum::{
+    Json, Router,
+    extract::{Path, State},
+    routing::get,
+};
+use serde_json::{Value, json};
+use spindle_core::trie::Root;
+use spindle_projections::timeline::EventRecord;
+
+use crate::{
+    ApiResult, AppState, MatrixError,
+    extract::{Query, Requester},
+    sync::EventFilter,
+    visibility::{Access, can_see, room_access},
+};
+
+/// Largest `limit` honoured by `/messages` and `/context`.
+pub const MAX_PAGE: usize = 1000;
+
+pub(crate) fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/_matrix/client/v3/rooms/{room_id}/event/{event_id}", get(get_event))
+        .route("/_matrix/client/v3/rooms/{room_id}/state", get(get_state))
+        .route("/_matrix/client/v3/rooms/{room_id}/state/{event_type}", get(get_state_event_empty))
+        .route("/_matrix/client/v3/rooms/{room_id}/state/{event_type}/{state_key}", get(get_state_event))
+        .route("/_matrix/client/v3/rooms/{room_id}/messages", get(messages))
+        .route("/_matrix/client/v3/rooms/{room_id}/context/{event_id}", get(context))
+        .route("/_matrix/client/v3/rooms/{room_id}/members", get(members))
+        .route("/_matrix/client/v3/rooms/{room_id}/joined_members", get(joined_members))
+        .route("/_matrix/client/v3/joined_rooms", get(joined_rooms))
+}
+
+/// Parses a pagination or sync token to its position: `t<pos>` or `s<pos>_<n>`.
+/// Malformed: 400 `M_INVALID_PARAM`.
+pub fn parse_token(token: &str) -> ApiResult<u64> {
+    let bad = || MatrixError::invalid_param(format!("Invalid token {token:?}"));
+    let digits = if let Some(rest) = token.strip_prefix('t') {
+        rest
+    } else if let Some(rest) = token.strip_prefix('s') {
+        rest.split('_').next().unwrap_or("")
+    } else {
+        return Err(bad());
+    };
+    digits.parse::<u64>().map_err(|_| bad())
+}
+
+/// A pagination token for "after position `pos`".
+pub fn token(pos: u64) -> String {
+    format!("t{pos}")
+}
+
+/// Renders an event for a client: redacted if a redaction applies, with `unsigned`
+/// (`age`, `transaction_id` for the sending device, `prev_content` for state).
+pub fn render(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &str)>) -> Value {
+    let mut unsigned = serde_json::Map::new();
+    unsigned.insert("age".into(), json!(crate::now_ms().saturating_sub(u64::from(ev.pdu.origin_server_ts.0))));
+    if let (Some((user, device)), Some(dev), Some(txn)) = (viewer, &ev.device_id, &ev.txn_id) {
+        if user == ev.pdu.sender.as_str() && device == dev {
+            unsigned.insert("transaction_id".into(), json!(txn.strip_prefix("redact/").unwrap_or(txn)));
+        }
+    }
+    if let Some(sk) = &ev.pdu.state_key {
+        if let Some((before, _)) = s.projections.state.roots_at(ev.pdu.event_id.as_str()) {
+            if let Some(prev_id) = s.projections.state.lookup(before, &ev.pdu.kind.to_string(), sk) {
+                if let Some(prev) = s.projections.timeline.event(&prev_id) {
+                    unsigned.insert("prev_content".into(), prev.pdu.content_value());
+                    unsigned.insert("replaces_state".into(), json!(prev_id));
+                }
+            }
+        }
+    }
+    if let Some(redaction_id) = s.projections.timeline.redacted_by(ev.pdu.event_id.as_str()) {
+        if let Some(redaction) = s.projections.timeline.event(&redaction_id) {
+            let mut out = ev.pdu.to_redacted_client_event(&redaction.pdu);
+            if let Some(u) = out.get_mut("unsigned").and_then(|u| u.as_object_mut()) {
+                for (k, v) in unsigned {
+                    if k != "prev_content" {
+                        u.insert(k, v);
+                    }
+                }
+            }
+            return out;
+        }
+    }
+    ev.pdu.to_client_event(Some(Value::Object(unsigned)))
+}
+
+/// The state root a user may read: current for members and world-readable peekers,
+/// the state right after their leave for former members.
+pub fn readable_root(s: &AppState, room_id: &str, access: &Access) -> Option<Root> {
+    match &access.membership {
+        Some(m) if m.membership == "leave" || m.membership == "ban" => {
+            s.projections.state.roots_at(&m.event_id).map(|(_, after)| after)
+        }
+        _ => s.projections.state.current_root(room_id),
+    }
+}
+
+fn viewer(r: &Requester) -> Option<(&str, &str)> {
+    Some((r.user_id.as_str(), r.device_id.as_str()))
+}
+
+async fn get_event(State(s): State<AppState>, r: Requester, Path((room_id, event_id)): Path<(String, String)>) -> ApiResult<Json<Value>> {
+    let not_found = || MatrixError::not_found("Event not found");
+    let access = room_access(&s, &r.user_id, &room_id).map_err(|_| not_found())?;
+    let ev = s.projections.timeline.event(&event_id).ok_or_else(not_found)?;
+    if ev.pdu.room_id.as_str() != room_id || !can_see(&s, &r.user_id, &access, &ev) {
+        return Err(not_found());
+    }
+    Ok(Json(render(&s, &ev, viewer(&r))))
+}
+
+async fn get_state(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>) -> ApiResult<Json<Value>> {
+    let access = room_access(&s, &r.user_id, &room_id)?;
+    if access.membership.as_ref().is_some_and(|m| m.membership == "invite" || m.membership == "knock") {
+        return Err(MatrixError::forbidden("You are not joined to this room"));
+    }
+    let root = readable_root(&s, &room_id, &access).ok_or_else(|| MatrixError::forbidden("Room state unavailable"))?;
+    let events: Vec<Value> = s
+        .projections
+        .state
+        .entries(root)
+        .into_iter()
+        .filter_map(|(_, _, id)| s.projections.timeline.event(&id))
+        .map(|ev| render(&s, &ev, viewer(&r)))
+        .collect();
+    Ok(Json(Value::Array(events)))
+}
+
+async fn state_event(s: AppState, r: Requester, room_id: String, event_type: String, state_key: String, q: Query) -> ApiResult<Json<Value>> {
+    let access = room_access(&s, &r.user_id, &room_id)?;
+    if access.membership.as_ref().is_some_and(|m| m.membership == "invite" || m.membership == "knock") {
+        return Err(MatrixError::forbidden("You are not joined to this room"));
+    }
+    let root = readable_root(&s, &room_id, &access).ok_or_else(|| MatrixError::forbidden("Room state unavailable"))?;
+    let id = s
+        .projections
+        .state
+        .lookup(root, &event_type, &state_key)
+        .ok_or_else(|| MatrixError::not_found("Event not found"))?;
+    let ev = s.projections.timeline.event(&id).ok_or_else(|| MatrixError::not_found("Event not found"))?;
+    let rendered = render(&s, &ev, viewer(&r));
+    if q.get("format") == Some("event") {
+        return Ok(Json(rendered));
+    }
+    Ok(Json(rendered.get("content").cloned().unwrap_or(json!({}))))
+}
+
+async fn get_state_event_empty(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((room_id, event_type)): Path<(String, String)>,
+    q: Query,
+) -> ApiResult<Json<Value>> {
+    state_event(s, r, room_id, event_type, String::new(), q).await
+}
+
+async fn get_state_event(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((room_id, event_type, state_key)): Path<(String, String, String)>,
+    q: Query,
+) -> ApiResult<Json<Value>> {
+    state_event(s, r, room_id, event_type, state_key, q).await
+}
+
+fn parse_filter(q: &Query) -> ApiResult<EventFilter> {
+    match q.get("filter") {
+        None => Ok(EventFilter::default()),
+        Some(f) => {
+            let v: Value = serde_json::from_str(f).map_err(|_| MatrixError::invalid_param("filter is not valid JSON"))?;
+            EventFilter::parse(&v)
+        }
+    }
+}
+
+/// Member events of `senders` at `root` (lazy-loading members, spec: "Lazy-loading
+/// room members"): one point lookup per distinct sender.
+pub fn lazy_members(s: &AppState, root: Root, senders: &[String]) -> Vec<EventRecord> {
+    let mut seen = std::collections::BTreeSet::new();
+    senders
+        .iter()
+        .filter(|u| seen.insert(u.as_str()))
+        .filter_map(|u| s.projections.state.lookup(root, "m.room.member", u))
+        .filter_map(|id| s.projections.timeline.event(&id))
+        .collect()
+}
+
+async fn messages(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, q: Query) -> ApiResult<Json<Value>> {
+    let access = room_access(&s, &r.user_id, &room_id)?;
+    let dir = q.get("dir").unwrap_or("b");
+    if dir != "b" && dir != "f" {
+        return Err(MatrixError::invalid_param("dir must be b or f"));
+    }
+    let limit = q.u64("limit")?.unwrap_or(10).clamp(1, MAX_PAGE as u64) as usize;
+    let filter = parse_filter(&q)?;
+    let applied = s.projections.runtime.applied();
+    let cap = access.cap.min(applied);
+    let from = match q.get("from") {
+        Some(t) => parse_token(t)?,
+        None if dir == "b" => cap,
+        None => 0,
+    };
+    let to = q.get("to").map(parse_token).transpose()?;
+    let mut chunk = Vec::new();
+    let mut end = None;
+    let page = (limit * 2).max(20);
+    if dir == "b" {
+        let floor = to.map(|t| t + 1).unwrap_or(0);
+        let mut before = from.min(cap).saturating_add(1);
+        loop {
+            let rows = s.projections.timeline.range_backward(&room_id, before, floor, page);
+            let exhausted = rows.len() < page;
+            let mut stopped_early = false;
+            for (pos, id) in &rows {
+                before = *pos;
+                if let Some(ev) = s.projections.timeline.event(id) {
+                    if filter.matches(&ev.pdu) && can_see(&s, &r.user_id, &access, &ev) {
+                        chunk.push(ev);
+                    }
+                }
+                if chunk.len() >= limit {
+                    stopped_early = true;
+                    break;
+                }
+            }
+            if stopped_early {
+                let more = before > floor;
+                end = more.then(|| token(before - 1));
+                break;
+            }
+            if exhausted || rows.is_empty() {
+                break;
+            }
+        }
+    } else {
+        let upto = to.unwrap_or(u64::MAX).min(cap);
+        let mut after = from;
+        loop {
+            let rows = s.projections.timeline.range_forward(&room_id, after, upto, page);
+            let exhausted = rows.len() < page;
+            for (pos, id) in &rows {
+                after = *pos;
+                if let Some(ev) = s.projections.timeline.event(id) {
+                    if filter.matches(&ev.pdu) && can_see(&s, &r.user_id, &access, &ev) {
+                        chunk.push(ev);
+                    }
+                }
+                if chunk.len() >= limit {
+                    break;
+                }
+            }
+            if chunk.len() >= limit || exhausted || rows.is_empty() {
+                break;
+            }
+        }
+        if !chunk.is_empty() {
+            end = Some(token(after));
+        }
+    }
+    let mut state = Vec::new();
+    if filter.lazy_load_members {
+        if let Some(root) = readable_root(&s, &room_id, &access) {
+            let senders: Vec<String> = chunk.iter().map(|e| e.pdu.sender.to_string()).collect();
+            state = lazy_members(&s, root, &senders).iter().map(|e| render(&s, e, viewer(&r))).collect();
+        }
+    }
+    let mut out = json!({
+        "start": q.get("from").map(str::to_owned).unwrap_or_else(|| token(from)),
+        "chunk": chunk.iter().map(|e| render(&s, e, viewer(&r))).collect::<Vec<_>>(),
+    });
+    if let Some(e) = end {
+        out["end"] = json!(e);
+    }
+    if !state.is_empty() {
+        out["state"] = json!(state);
+    }
+    Ok(Json(out))
+}
+
+async fn context(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((room_id, event_id)): Path<(String, String)>,
+    q: Query,
+) -> ApiResult<Json<Value>> {
+    let not_found = || MatrixError::not_found("Event not found");
+    let access = room_access(&s, &r.user_id, &room_id).map_err(|_| not_found())?;
+    let ev = s.projections.timeline.event(&event_id).ok_or_else(not_found)?;
+    if ev.pdu.room_id.as_str() != room_id || !can_see(&s, &r.user_id, &access, &ev) {
+        return Err(not_found());
+    }
+    let limit = q.u64("limit")?.unwrap_or(10).min(MAX_PAGE as u64) as usize;
+    let filter = parse_filter(&q)?;
+    let n_before = limit / 2;
+    let n_after = limit - n_before;
+    let cap = access.cap.min(s.projections.runtime.applied());
+    let pick = |rows: Vec<(u64, String)>, n: usize| -> (Vec<EventRecord>, Option<u64>) {
+        let mut out = Vec::new();
+        let mut last = None;
+        for (pos, id) in rows {
+            if out.len() >= n {
+                break;
+            }
+            last = Some(pos);
+            if let Some(e) = s.projections.timeline.event(&id) {
+                if filter.matches(&e.pdu) && can_see(&s, &r.user_id, &access, &e) {
+                    out.push(e);
+                }
+            }
+        }
+        (out, last)
+    };
+    let (before, first_pos) = pick(s.projections.timeline.range_backward(&room_id, ev.position, 0, n_before * 2 + 1), n_before);
+    let (after, last_pos) = pick(s.projections.timeline.range_forward(&room_id, ev.position, cap, n_after * 2 + 1), n_after);
+    let last_event = after.last().map(|e| e.pdu.event_id.to_string()).unwrap_or_else(|| event_id.clone());
+    let root = s.projections.state.roots_at(&last_event).map(|(_, a)| a);
+    let state: Vec<Value> = match root {
+        Some(root) if filter.lazy_load_members => {
+            let senders: Vec<String> =
+                before.iter().chain(after.iter()).chain(std::iter::once(&ev)).map(|e| e.pdu.sender.to_string()).collect();
+            lazy_members(&s, root, &senders).iter().map(|e| render(&s, e, viewer(&r))).collect()
+        }
+        Some(root) => s
+            .projections
+            .state
+            .entries(root)
+            .into_iter()
+            .filter_map(|(_, _, id)| s.projections.timeline.event(&id))
+            .map(|e| render(&s, &e, viewer(&r)))
+            .collect(),
+        None => vec![],
+    };
+    Ok(Json(json!({
+        "start": token(first_pos.unwrap_or(ev.position).saturating_sub(1)),
+        "end": token(last_pos.unwrap_or(ev.position)),
+        "event": render(&s, &ev, viewer(&r)),
+        "events_before": before.iter().map(|e| render(&s, e, viewer(&r))).collect::<Vec<_>>(),
+        "events_after": after.iter().map(|e| render(&s, e, viewer(&r))).collect::<Vec<_>>(),
+        "state": state,
+    })))
+}
+
+async fn members(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, q: Query) -> ApiResult<Json<Value>> {
+    let access = room_access(&s, &r.user_id, &room_id)?;
+    if access.membership.as_ref().is_some_and(|m| m.membership == "invite" || m.membership == "knock") {
+        return Err(MatrixError::forbidden("You are not joined to this room"));
+    }
+    let mut root = readable_root(&s, &room_id, &access).ok_or_else(|| MatrixError::forbidden("Room state unavailable"))?;
+    if let Some(at) = q.get("at") {
+        let pos = parse_token(at)?.min(access.cap);
+        if let Some((_, id)) = s.projections.timeline.range_backward(&room_id, pos.saturating_add(1), 0, 1).first() {
+            if let Some((_, after)) = s.projections.state.roots_at(id) {
+                root = after;
+            }
+        }
+    }
+    let want = q.get("membership");
+    let not = q.get("not_membership");
+    let events: Vec<Value> = s
+        .projections
+        .state
+        .entries_of_type(root, "m.room.member")
+        .into_iter()
+        .filter_map(|(_, id)| s.projections.timeline.event(&id))
+        .filter(|e| {
+            let m = e.pdu.content_value().get("membership").and_then(|v| v.as_str()).unwrap_or("").to_owned();
+            want.is_none_or(|w| w == m) && not.is_none_or(|n| n != m)
+        })
+        .map(|e| render(&s, &e, viewer(&r)))
+        .collect();
+    Ok(Json(json!({ "chunk": events })))
+}
+
+async fn joined_members(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>) -> ApiResult<Json<Value>> {
+    let access = room_access(&s, &r.user_id, &room_id)?;
+    if !access.joined() {
+        return Err(MatrixError::forbidden("You are not joined to this room"));
+    }
+    let mut joined = serde_json::Map::new();
+    for (user, m) in s.projections.membership.members(&room_id) {
+        if m.membership == "join" {
+            joined.insert(user, json!({ "display_name": m.displayname, "avatar_url": m.avatar_url }));
+        }
+    }
+    Ok(Json(json!({ "joined": joined })))
+}
+
+async fn joined_rooms(State(s): State<AppState>, r: Requester) -> Json<Value> {
+    let rooms: Vec<String> =
+        s.projections.membership.rooms_of(&r.user_id).into_iter().filter(|(_, m)| m.membership == "join").map(|(r, _)| r).collect();
+    Json(json!({ "joined_rooms": rooms }))
+}

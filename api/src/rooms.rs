@@ -1,0 +1,560 @@
+//! Room writes: createRoom, membership (join, invite, leave, kick, ban, unban,
+//! forget), sending events and state, redaction, aliases, receipts and read markers.
+
+use axum::{
+    Json, Router,
+    extract::{Path, State},
+    http::StatusCode,
+    routing::{get, post, put},
+};
+use serde_json::{Value, json};
+use spindle_journal::{CommandBody, EventSpec, Fact, Outcome};
+
+use crate::{
+    ApiResult, AppState, MatrixError,
+    extract::{JsonObject, Requester, opt_str},
+};
+
+pub(crate) fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/_matrix/client/v3/createRoom", post(create_room))
+        .route("/_matrix/client/v3/rooms/{room_id}/join", post(join_room_id))
+        .route("/_matrix/client/v3/join/{room_id_or_alias}", post(join_by_id_or_alias))
+        .route("/_matrix/client/v3/rooms/{room_id}/invite", post(invite))
+        .route("/_matrix/client/v3/rooms/{room_id}/leave", post(leave))
+        .route("/_matrix/client/v3/rooms/{room_id}/kick", post(kick))
+        .route("/_matrix/client/v3/rooms/{room_id}/ban", post(ban))
+        .route("/_matrix/client/v3/rooms/{room_id}/unban", post(unban))
+        .route("/_matrix/client/v3/rooms/{room_id}/forget", post(forget))
+        .route("/_matrix/client/v3/rooms/{room_id}/send/{event_type}/{txn_id}", put(send))
+        .route("/_matrix/client/v3/rooms/{room_id}/state/{event_type}", put(put_state_empty_key))
+        .route("/_matrix/client/v3/rooms/{room_id}/state/{event_type}/{state_key}", put(put_state))
+        .route("/_matrix/client/v3/rooms/{room_id}/redact/{event_id}/{txn_id}", put(redact))
+        .route("/_matrix/client/v3/directory/room/{alias}", put(set_alias).get(resolve_alias).delete(delete_alias))
+        .route("/_matrix/client/v3/rooms/{room_id}/aliases", get(room_aliases))
+        .route("/_matrix/client/v3/rooms/{room_id}/receipt/{receipt_type}/{event_id}", post(receipt))
+        .route("/_matrix/client/v3/rooms/{room_id}/read_markers", post(read_markers))
+        .route("/_matrix/client/v3/rooms/{room_id}/typing/{user_id}", put(crate::typing::set_typing))
+        .route("/_matrix/client/v3/directory/list/room/{room_id}", get(directory_visibility))
+}
+
+fn valid_room_id(room_id: &str) -> ApiResult<()> {
+    ruma::RoomId::parse(room_id).map(|_| ()).map_err(|_| MatrixError::invalid_param(format!("Invalid room id {room_id}")))
+}
+
+fn valid_user_id(user_id: &str) -> ApiResult<()> {
+    ruma::UserId::parse(user_id).map(|_| ()).map_err(|_| MatrixError::invalid_param(format!("Invalid user id {user_id}")))
+}
+
+/// Sends one event into a room as the requester.
+pub(crate) async fn send_spec(s: &AppState, r: &Requester, room_id: &str, event: EventSpec, txn_id: Option<String>) -> ApiResult<Outcome> {
+    valid_room_id(room_id)?;
+    if !s.journal.room_exists(room_id) {
+        return Err(MatrixError::forbidden("Unknown room or not a member of it"));
+    }
+    s.submit(&r.user_id, Some(&r.device_id), CommandBody::SendEvent { room_id: room_id.to_owned(), event, txn_id }).await
+}
+
+fn member_content(s: &AppState, user_id: &str, membership: &str, reason: Option<String>) -> Value {
+    let mut c = json!({ "membership": membership });
+    if membership == "join" || membership == "invite" {
+        let p = s.projections.accounts.profile(user_id);
+        if let Some(d) = p.displayname {
+            c["displayname"] = json!(d);
+        }
+        if let Some(a) = p.avatar_url {
+            c["avatar_url"] = json!(a);
+        }
+    }
+    if let Some(r) = reason {
+        c["reason"] = json!(r);
+    }
+    c
+}
+
+async fn membership(s: &AppState, r: &Requester, room_id: &str, target: &str, membership: &str, reason: Option<String>) -> ApiResult<Outcome> {
+    valid_user_id(target)?;
+    let content = member_content(s, target, membership, reason);
+    send_spec(
+        s,
+        r,
+        room_id,
+        EventSpec { kind: "m.room.member".into(), state_key: Some(target.to_owned()), content, redacts: None },
+        None,
+    )
+    .await
+}
+
+fn event_id_json(o: &Outcome) -> Json<Value> {
+    Json(json!({ "event_id": o.event_ids.last().map(|e| e.to_string()) }))
+}
+
+async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+    let version = opt_str(&body, "room_version")?.unwrap_or_else(|| spindle_core::room_version::DEFAULT_ROOM_VERSION.into());
+    if spindle_core::room_version::rules(&version).is_none() {
+        return Err(MatrixError::new(
+            StatusCode::BAD_REQUEST,
+            "M_UNSUPPORTED_ROOM_VERSION",
+            format!("Room version {version} is not supported"),
+        ));
+    }
+    let visibility = opt_str(&body, "visibility")?.unwrap_or_else(|| "private".into());
+    let preset = opt_str(&body, "preset")?.unwrap_or_else(|| {
+        if visibility == "public" { "public_chat".into() } else { "private_chat".into() }
+    });
+    if !["private_chat", "public_chat", "trusted_private_chat"].contains(&preset.as_str()) {
+        return Err(MatrixError::bad_json(format!("Unknown preset {preset}")));
+    }
+    let invites: Vec<String> = match body.get("invite") {
+        None | Some(Value::Null) => vec![],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_str().map(str::to_owned).ok_or_else(|| MatrixError::bad_json("invite must be a list of user ids")))
+            .collect::<ApiResult<_>>()?,
+        Some(_) => return Err(MatrixError::bad_json("invite must be a list of user ids")),
+    };
+    for u in &invites {
+        valid_user_id(u)?;
+    }
+    let is_direct = body.get("is_direct").and_then(|v| v.as_bool()).unwrap_or(false);
+    let alias = match opt_str(&body, "room_alias_name")? {
+        Some(local) => {
+            let alias = format!("#{local}:{}", s.server_name());
+            if ruma::RoomAliasId::parse(&alias).is_err() || local.contains(':') {
+                return Err(MatrixError::invalid_param("Invalid room_alias_name"));
+            }
+            if s.projections.aliases.resolve(&alias).is_some() {
+                return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_ROOM_IN_USE", "Room alias already taken"));
+            }
+            Some(alias)
+        }
+        None => None,
+    };
+    let v12 = spindle_core::room_version::room_id_from_create(&version);
+    let uses_creator_field = version == "10";
+
+    let mut create_content = match body.get("creation_content") {
+        None | Some(Value::Null) => json!({}),
+        Some(Value::Object(o)) => Value::Object(o.clone()),
+        Some(_) => return Err(MatrixError::bad_json("creation_content must be an object")),
+    };
+    create_content["room_version"] = json!(version);
+    if uses_creator_field {
+        create_content["creator"] = json!(r.user_id);
+    }
+    let ev = |kind: &str, state_key: &str, content: Value| EventSpec {
+        kind: kind.into(),
+        state_key: Some(state_key.into()),
+        content,
+        redacts: None,
+    };
+    let mut events = vec![ev("m.room.create", "", create_content)];
+    events.push(ev("m.room.member", &r.user_id, member_content(&s, &r.user_id, "join", None)));
+
+    // Power levels: Synapse's defaults, then the override merged on top.
+    let mut users = serde_json::Map::new();
+    if !v12 {
+        users.insert(r.user_id.clone(), json!(100));
+    }
+    if preset == "trusted_private_chat" {
+        for u in &invites {
+            users.insert(u.clone(), json!(100));
+        }
+    }
+    let mut pl = json!({
+        "users": users,
+        "users_default": 0,
+        "events": {
+            "m.room.name": 50, "m.room.power_levels": 100, "m.room.history_visibility": 100,
+            "m.room.canonical_alias": 50, "m.room.avatar": 50, "m.room.tombstone": 100,
+            "m.room.server_acl": 100, "m.room.encryption": 100,
+        },
+        "events_default": 0, "state_default": 50, "ban": 50, "kick": 50, "redact": 50, "invite": 0,
+        "notifications": { "room": 50 },
+    });
+    match body.get("power_level_content_override") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(o)) => {
+            for (k, v) in o {
+                pl[k] = v.clone();
+            }
+        }
+        Some(_) => return Err(MatrixError::bad_json("power_level_content_override must be an object")),
+    }
+    events.push(ev("m.room.power_levels", "", pl));
+    if let Some(a) = &alias {
+        events.push(ev("m.room.canonical_alias", "", json!({ "alias": a })));
+    }
+    let (join_rule, guest) = match preset.as_str() {
+        "public_chat" => ("public", "forbidden"),
+        _ => ("invite", "can_join"),
+    };
+    events.push(ev("m.room.join_rules", "", json!({ "join_rule": join_rule })));
+    events.push(ev("m.room.history_visibility", "", json!({ "history_visibility": "shared" })));
+    events.push(ev("m.room.guest_access", "", json!({ "guest_access": guest })));
+    if let Some(initial) = body.get("initial_state") {
+        let Value::Array(list) = initial else { return Err(MatrixError::bad_json("initial_state must be a list")) };
+        for item in list {
+            let kind = item.get("type").and_then(|v| v.as_str()).ok_or_else(|| MatrixError::bad_json("initial_state event needs a type"))?;
+            let sk = item.get("state_key").and_then(|v| v.as_str()).unwrap_or("");
+            let content = item.get("content").cloned().unwrap_or(json!({}));
+            if !content.is_object() {
+                return Err(MatrixError::bad_json("initial_state content must be an object"));
+            }
+            if kind == "m.room.create" || kind == "m.room.member" || kind == "m.room.power_levels" {
+                return Err(MatrixError::bad_json(format!("{kind} cannot be set through initial_state")));
+            }
+            events.push(ev(kind, sk, content));
+        }
+    }
+    if let Some(name) = opt_str(&body, "name")? {
+        events.push(ev("m.room.name", "", json!({ "name": name })));
+    }
+    if let Some(topic) = opt_str(&body, "topic")? {
+        events.push(ev("m.room.topic", "", json!({ "topic": topic })));
+    }
+    for u in &invites {
+        let mut c = member_content(&s, u, "invite", None);
+        if is_direct {
+            c["is_direct"] = json!(true);
+        }
+        events.push(ev("m.room.member", u, c));
+    }
+    let outcome = s
+        .submit(&r.user_id, Some(&r.device_id), CommandBody::CreateRoom { room_version: version, events })
+        .await?;
+    let room_id = outcome.room_id.clone().ok_or_else(|| MatrixError::internal("createRoom produced no room"))?.to_string();
+    if let Some(a) = alias {
+        let fact = Fact::AliasSet { alias: a, room_id: room_id.clone(), creator: r.user_id.clone() };
+        s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
+    }
+    if visibility == "public" {
+        tracing::debug!(room = %room_id, "public room directory is not served yet; visibility recorded only as join rules");
+    }
+    Ok(Json(json!({ "room_id": room_id })))
+}
+
+async fn join(s: &AppState, r: &Requester, room_id: &str) -> ApiResult<Json<Value>> {
+    valid_room_id(room_id)?;
+    if !s.journal.room_exists(room_id) {
+        return Err(MatrixError::not_found("No known servers for this room (federation is not served yet)"));
+    }
+    if s.projections.membership.get(room_id, &r.user_id).is_some_and(|m| m.membership == "join") {
+        return Ok(Json(json!({ "room_id": room_id })));
+    }
+    membership(s, r, room_id, &r.user_id.clone(), "join", None).await?;
+    Ok(Json(json!({ "room_id": room_id })))
+}
+
+async fn join_room_id(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>) -> ApiResult<Json<Value>> {
+    join(&s, &r, &room_id).await
+}
+
+async fn join_by_id_or_alias(State(s): State<AppState>, r: Requester, Path(target): Path<String>) -> ApiResult<Json<Value>> {
+    if target.starts_with('#') {
+        let room = s.projections.aliases.resolve(&target).ok_or_else(|| MatrixError::not_found("Room alias not found"))?;
+        join(&s, &r, &room.room_id).await
+    } else {
+        join(&s, &r, &target).await
+    }
+}
+
+fn target_and_reason(body: &serde_json::Map<String, Value>) -> ApiResult<(String, Option<String>)> {
+    let user = opt_str(body, "user_id")?.ok_or_else(|| MatrixError::missing_param("user_id is required"))?;
+    valid_user_id(&user)?;
+    Ok((user, opt_str(body, "reason")?))
+}
+
+async fn invite(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+    let (target, reason) = target_and_reason(&body)?;
+    let local_suffix = format!(":{}", s.server_name());
+    if target.ends_with(&local_suffix) && s.projections.accounts.user(&target).is_none() {
+        return Err(MatrixError::not_found("Unknown user"));
+    }
+    if !target.ends_with(&local_suffix) {
+        return Err(MatrixError::forbidden("Inviting users on other servers needs federation, which is not served yet"));
+    }
+    membership(&s, &r, &room_id, &target, "invite", reason).await?;
+    Ok(Json(json!({})))
+}
+
+async fn leave(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+    let reason = opt_str(&body, "reason")?;
+    membership(&s, &r, &room_id, &r.user_id.clone(), "leave", reason).await?;
+    Ok(Json(json!({})))
+}
+
+async fn kick(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+    let (target, reason) = target_and_reason(&body)?;
+    membership(&s, &r, &room_id, &target, "leave", reason).await?;
+    Ok(Json(json!({})))
+}
+
+async fn ban(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+    let (target, reason) = target_and_reason(&body)?;
+    membership(&s, &r, &room_id, &target, "ban", reason).await?;
+    Ok(Json(json!({})))
+}
+
+async fn unban(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+    let (target, reason) = target_and_reason(&body)?;
+    let current = s.projections.membership.get(&room_id, &target);
+    if current.as_ref().map(|m| m.membership.as_str()) != Some("ban") {
+        return Err(MatrixError::forbidden("The user is not banned"));
+    }
+    membership(&s, &r, &room_id, &target, "leave", reason).await?;
+    Ok(Json(json!({})))
+}
+
+async fn forget(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>) -> ApiResult<Json<Value>> {
+    valid_room_id(&room_id)?;
+    match s.projections.membership.get(&room_id, &r.user_id) {
+        Some(m) if m.membership == "join" || m.membership == "invite" || m.membership == "knock" => {
+            Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_UNKNOWN", "User is still in the room"))
+        }
+        Some(_) => {
+            let fact = Fact::RoomForgotten { user_id: r.user_id.clone(), room_id };
+            s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
+            Ok(Json(json!({})))
+        }
+        None => Err(MatrixError::not_found("You were never in this room")),
+    }
+}
+
+fn validate_txn(txn_id: &str) -> ApiResult<()> {
+    if txn_id.is_empty() || txn_id.len() > 255 {
+        return Err(MatrixError::invalid_param("Invalid transaction id"));
+    }
+    Ok(())
+}
+
+async fn send(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((room_id, event_type, txn_id)): Path<(String, String, String)>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    validate_txn(&txn_id)?;
+    if event_type.is_empty() || event_type.len() > 255 {
+        return Err(MatrixError::invalid_param("Invalid event type"));
+    }
+    let mut redacts = None;
+    if event_type == "m.room.redaction" {
+        redacts = opt_str(&body, "redacts")?;
+    }
+    let o = send_spec(
+        &s,
+        &r,
+        &room_id,
+        EventSpec { kind: event_type, state_key: None, content: Value::Object(body), redacts },
+        Some(txn_id),
+    )
+    .await?;
+    Ok(event_id_json(&o))
+}
+
+async fn put_state_inner(s: AppState, r: Requester, room_id: String, event_type: String, state_key: String, body: serde_json::Map<String, Value>) -> ApiResult<Json<Value>> {
+    if event_type == "m.room.create" {
+        return Err(MatrixError::forbidden("m.room.create cannot be sent"));
+    }
+    if event_type == "m.room.member" {
+        valid_user_id(&state_key)?;
+    }
+    let o = send_spec(
+        &s,
+        &r,
+        &room_id,
+        EventSpec { kind: event_type, state_key: Some(state_key), content: Value::Object(body), redacts: None },
+        None,
+    )
+    .await?;
+    Ok(event_id_json(&o))
+}
+
+async fn put_state_empty_key(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((room_id, event_type)): Path<(String, String)>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    put_state_inner(s, r, room_id, event_type, String::new(), body).await
+}
+
+async fn put_state(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((room_id, event_type, state_key)): Path<(String, String, String)>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    put_state_inner(s, r, room_id, event_type, state_key, body).await
+}
+
+/// The power level of `user_id` in the room's current state (spec: `m.room.power_levels`).
+pub(crate) fn user_power(s: &AppState, room_id: &str, user_id: &str) -> (i64, Value) {
+    let meta = s.projections.state.room(room_id);
+    let root = s.projections.state.current_root(room_id);
+    let pl = root.and_then(|root| crate::visibility::state_content(s, root, "m.room.power_levels", ""));
+    let Some(pl) = pl else {
+        let creator = meta.map(|m| m.creator == user_id).unwrap_or(false);
+        return (if creator { 100 } else { 0 }, json!({}));
+    };
+    if meta.as_ref().is_some_and(|m| m.room_version == "12" && m.creator == user_id) {
+        return (i64::MAX, pl);
+    }
+    let level = pl
+        .get("users")
+        .and_then(|u| u.get(user_id))
+        .and_then(|v| v.as_i64())
+        .or_else(|| pl.get("users_default").and_then(|v| v.as_i64()))
+        .unwrap_or(0);
+    (level, pl)
+}
+
+async fn redact(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((room_id, event_id, txn_id)): Path<(String, String, String)>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    validate_txn(&txn_id)?;
+    valid_room_id(&room_id)?;
+    if ruma::EventId::parse(&event_id).is_err() {
+        return Err(MatrixError::invalid_param("Invalid event id"));
+    }
+    let access = crate::visibility::room_access(&s, &r.user_id, &room_id)?;
+    let target = s
+        .projections
+        .timeline
+        .event(&event_id)
+        .filter(|e| e.pdu.room_id.as_str() == room_id && crate::visibility::can_see(&s, &r.user_id, &access, e))
+        .ok_or_else(|| MatrixError::not_found("Event not found"))?;
+    // Spec: the sender may redact their own events, others need the `redact` level.
+    if target.pdu.sender.as_str() != r.user_id {
+        let (level, pl) = user_power(&s, &room_id, &r.user_id);
+        let needed = pl.get("redact").and_then(|v| v.as_i64()).unwrap_or(50);
+        if level < needed {
+            return Err(MatrixError::forbidden("You don't have permission to redact this event"));
+        }
+    }
+    let mut content = serde_json::Map::new();
+    if let Some(reason) = opt_str(&body, "reason")? {
+        content.insert("reason".into(), json!(reason));
+    }
+    let o = send_spec(
+        &s,
+        &r,
+        &room_id,
+        EventSpec { kind: "m.room.redaction".into(), state_key: None, content: Value::Object(content), redacts: Some(event_id) },
+        Some(format!("redact/{txn_id}")),
+    )
+    .await?;
+    Ok(event_id_json(&o))
+}
+
+fn valid_local_alias(s: &AppState, alias: &str) -> ApiResult<()> {
+    ruma::RoomAliasId::parse(alias).map_err(|_| MatrixError::invalid_param("Invalid room alias"))?;
+    if !alias.ends_with(&format!(":{}", s.server_name())) {
+        return Err(MatrixError::invalid_param("Room alias must be on this server"));
+    }
+    Ok(())
+}
+
+async fn set_alias(State(s): State<AppState>, r: Requester, Path(alias): Path<String>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+    valid_local_alias(&s, &alias)?;
+    let room_id = opt_str(&body, "room_id")?.ok_or_else(|| MatrixError::missing_param("room_id is required"))?;
+    valid_room_id(&room_id)?;
+    if s.projections.membership.get(&room_id, &r.user_id).map(|m| m.membership) != Some("join".into()) {
+        return Err(MatrixError::forbidden("You must be joined to the room to add an alias"));
+    }
+    if s.projections.aliases.resolve(&alias).is_some() {
+        return Err(MatrixError::new(StatusCode::CONFLICT, "M_UNKNOWN", "Room alias already exists"));
+    }
+    let fact = Fact::AliasSet { alias, room_id, creator: r.user_id.clone() };
+    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
+    Ok(Json(json!({})))
+}
+
+async fn resolve_alias(State(s): State<AppState>, Path(alias): Path<String>) -> ApiResult<Json<Value>> {
+    ruma::RoomAliasId::parse(&alias).map_err(|_| MatrixError::invalid_param("Invalid room alias"))?;
+    let t = s.projections.aliases.resolve(&alias).ok_or_else(|| MatrixError::not_found("Room alias not found"))?;
+    Ok(Json(json!({ "room_id": t.room_id, "servers": [s.server_name()] })))
+}
+
+async fn delete_alias(State(s): State<AppState>, r: Requester, Path(alias): Path<String>) -> ApiResult<Json<Value>> {
+    valid_local_alias(&s, &alias)?;
+    let t = s.projections.aliases.resolve(&alias).ok_or_else(|| MatrixError::not_found("Room alias not found"))?;
+    if t.creator != r.user_id {
+        let (level, pl) = user_power(&s, &t.room_id, &r.user_id);
+        let needed = pl.get("state_default").and_then(|v| v.as_i64()).unwrap_or(50);
+        if level < needed {
+            return Err(MatrixError::forbidden("You may not delete this alias"));
+        }
+    }
+    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact: Fact::AliasDeleted { alias } }).await?;
+    Ok(Json(json!({})))
+}
+
+async fn room_aliases(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>) -> ApiResult<Json<Value>> {
+    let access = crate::visibility::room_access(&s, &r.user_id, &room_id)?;
+    if !access.joined() {
+        return Err(MatrixError::forbidden("You are not joined to this room"));
+    }
+    Ok(Json(json!({ "aliases": s.projections.aliases.of_room(&room_id) })))
+}
+
+async fn directory_visibility(State(s): State<AppState>, Path(room_id): Path<String>) -> ApiResult<Json<Value>> {
+    if s.projections.state.room(&room_id).is_none() {
+        return Err(MatrixError::not_found("Room not found"));
+    }
+    Ok(Json(json!({ "visibility": "private" })))
+}
+
+async fn set_receipt(s: &AppState, r: &Requester, room_id: &str, receipt_type: &str, event_id: &str, thread_id: Option<String>) -> ApiResult<()> {
+    let access = crate::visibility::room_access(s, &r.user_id, room_id)?;
+    let ev = s
+        .projections
+        .timeline
+        .event(event_id)
+        .filter(|e| e.pdu.room_id.as_str() == room_id && crate::visibility::can_see(s, &r.user_id, &access, e))
+        .ok_or_else(|| MatrixError::not_found("Event not found"))?;
+    let _ = ev;
+    let fact = match receipt_type {
+        "m.read" | "m.read.private" => Fact::ReceiptSet {
+            user_id: r.user_id.clone(),
+            room_id: room_id.to_owned(),
+            event_id: event_id.to_owned(),
+            receipt_type: receipt_type.to_owned(),
+            thread_id,
+            ts: crate::now_ms(),
+        },
+        "m.fully_read" => Fact::AccountDataSet {
+            user_id: r.user_id.clone(),
+            room_id: Some(room_id.to_owned()),
+            data_type: "m.fully_read".into(),
+            content: json!({ "event_id": event_id }),
+        },
+        other => return Err(MatrixError::invalid_param(format!("Unknown receipt type {other}"))),
+    };
+    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
+    Ok(())
+}
+
+async fn receipt(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((room_id, receipt_type, event_id)): Path<(String, String, String)>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let thread_id = opt_str(&body, "thread_id")?;
+    set_receipt(&s, &r, &room_id, &receipt_type, &event_id, thread_id).await?;
+    Ok(Json(json!({})))
+}
+
+async fn read_markers(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+    for kind in ["m.fully_read", "m.read", "m.read.private"] {
+        if let Some(event_id) = opt_str(&body, kind)? {
+            set_receipt(&s, &r, &room_id, kind, &event_id, None).await?;
+        }
+    }
+    Ok(Json(json!({})))
+}

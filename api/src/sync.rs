@@ -1,0 +1,618 @@
+//! `GET /sync` (spec: client-server API "Syncing"), filters, and long-polling.
+//!
+//! Tokens are `s<position>_<typing>`: the highest journal position every projection
+//! has applied when the response was built (never ahead, BRIEF §3.6) and the typing
+//! counter. Incremental syncs scan only the user's own rooms from the token, through
+//! the (room, position) index; a room with no activity since the token costs one
+//! in-memory comparison (BRIEF §4, "incremental /sync").
+
+use std::time::Duration;
+
+use axum::{
+    Json, Router,
+    extract::State,
+    routing::get,
+};
+use serde_json::{Value, json};
+use spindle_core::{pdu::Pdu, trie::Root};
+use spindle_projections::{membership::Membership, timeline::EventRecord};
+
+use crate::{
+    ApiResult, AppState, MatrixError,
+    extract::{Query, Requester},
+    read::{lazy_members, render, token},
+    visibility::{Access, can_see},
+};
+
+pub(crate) fn routes() -> Router<AppState> {
+    Router::new().route("/_matrix/client/v3/sync", get(sync))
+}
+
+fn string_list(v: &Value, name: &str) -> ApiResult<Option<Vec<String>>> {
+    match v.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| x.as_str().map(str::to_owned).ok_or_else(|| MatrixError::bad_json(format!("{name} must be a list of strings"))))
+            .collect::<ApiResult<Vec<_>>>()
+            .map(Some),
+        Some(_) => Err(MatrixError::bad_json(format!("{name} must be a list of strings"))),
+    }
+}
+
+fn glob(pattern: &str, value: &str) -> bool {
+    match pattern.strip_suffix('*') {
+        Some(prefix) => value.starts_with(prefix),
+        None => pattern == value,
+    }
+}
+
+/// A `RoomEventFilter` / `EventFilter` (spec: "Filtering").
+#[derive(Debug, Clone, Default)]
+pub struct EventFilter {
+    /// Maximum events to return.
+    pub limit: Option<usize>,
+    /// Types to include (`*` suffix wildcard).
+    pub types: Option<Vec<String>>,
+    /// Types to exclude.
+    pub not_types: Vec<String>,
+    /// Senders to include.
+    pub senders: Option<Vec<String>>,
+    /// Senders to exclude.
+    pub not_senders: Vec<String>,
+    /// Rooms to include.
+    pub rooms: Option<Vec<String>>,
+    /// Rooms to exclude.
+    pub not_rooms: Vec<String>,
+    /// Lazy-load room members.
+    pub lazy_load_members: bool,
+}
+
+impl EventFilter {
+    /// Parses a filter object; a non-object or mistyped field is 400 `M_BAD_JSON`.
+    pub fn parse(v: &Value) -> ApiResult<EventFilter> {
+        if v.is_null() {
+            return Ok(EventFilter::default());
+        }
+        if !v.is_object() {
+            return Err(MatrixError::bad_json("filter must be an object"));
+        }
+        let limit = match v.get("limit") {
+            None | Some(Value::Null) => None,
+            Some(l) => Some(l.as_u64().ok_or_else(|| MatrixError::bad_json("limit must be a non-negative integer"))? as usize),
+        };
+        Ok(EventFilter {
+            limit,
+            types: string_list(v, "types")?,
+            not_types: string_list(v, "not_types")?.unwrap_or_default(),
+            senders: string_list(v, "senders")?,
+            not_senders: string_list(v, "not_senders")?.unwrap_or_default(),
+            rooms: string_list(v, "rooms")?,
+            not_rooms: string_list(v, "not_rooms")?.unwrap_or_default(),
+            lazy_load_members: v.get("lazy_load_members").and_then(|b| b.as_bool()).unwrap_or(false),
+        })
+    }
+
+    /// Whether an event passes the type and sender clauses.
+    pub fn matches(&self, pdu: &Pdu) -> bool {
+        let kind = pdu.kind.to_string();
+        if self.not_types.iter().any(|t| glob(t, &kind)) {
+            return false;
+        }
+        if let Some(types) = &self.types {
+            if !types.iter().any(|t| glob(t, &kind)) {
+                return false;
+            }
+        }
+        let sender = pdu.sender.as_str();
+        if self.not_senders.iter().any(|s| s == sender) {
+            return false;
+        }
+        if let Some(senders) = &self.senders {
+            if !senders.iter().any(|s| s == sender) {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Whether a data type passes (for account data filters).
+    pub fn matches_type(&self, kind: &str) -> bool {
+        !self.not_types.iter().any(|t| glob(t, kind)) && self.types.as_ref().is_none_or(|ts| ts.iter().any(|t| glob(t, kind)))
+    }
+
+    fn allows_room(&self, room: &str) -> bool {
+        !self.not_rooms.iter().any(|r| r == room) && self.rooms.as_ref().is_none_or(|rs| rs.iter().any(|r| r == room))
+    }
+}
+
+/// A sync filter (spec: `Filter`).
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    /// `room.timeline`.
+    pub timeline: EventFilter,
+    /// `room.state`.
+    pub state: EventFilter,
+    /// `room.ephemeral`.
+    pub ephemeral: EventFilter,
+    /// `room.account_data`.
+    pub room_account_data: EventFilter,
+    /// Top-level `account_data`.
+    pub account_data: EventFilter,
+    /// `room.include_leave`.
+    pub include_leave: bool,
+    /// `room.rooms` / `room.not_rooms`.
+    pub rooms: EventFilter,
+}
+
+impl Filter {
+    /// Parses a filter definition; malformed: 400 `M_BAD_JSON`.
+    pub fn parse(v: &Value) -> ApiResult<Filter> {
+        if !v.is_object() {
+            return Err(MatrixError::bad_json("filter must be an object"));
+        }
+        let room = v.get("room").cloned().unwrap_or(Value::Null);
+        if !room.is_null() && !room.is_object() {
+            return Err(MatrixError::bad_json("room filter must be an object"));
+        }
+        let sub = |name: &str| EventFilter::parse(room.get(name).unwrap_or(&Value::Null));
+        Ok(Filter {
+            timeline: sub("timeline")?,
+            state: sub("state")?,
+            ephemeral: sub("ephemeral")?,
+            room_account_data: sub("account_data")?,
+            account_data: EventFilter::parse(v.get("account_data").unwrap_or(&Value::Null))?,
+            include_leave: room.get("include_leave").and_then(|b| b.as_bool()).unwrap_or(false),
+            rooms: EventFilter {
+                rooms: string_list(&room, "rooms")?,
+                not_rooms: string_list(&room, "not_rooms")?.unwrap_or_default(),
+                ..Default::default()
+            },
+        })
+    }
+}
+
+/// Default timeline limit when a filter gives none.
+pub const DEFAULT_TIMELINE_LIMIT: usize = 10;
+
+fn parse_since(token: &str) -> ApiResult<(u64, u64)> {
+    let bad = || MatrixError::invalid_param(format!("Invalid since token {token:?}"));
+    let rest = token.strip_prefix('s').ok_or_else(bad)?;
+    let (pos, typ) = rest.split_once('_').ok_or_else(bad)?;
+    Ok((pos.parse().map_err(|_| bad())?, typ.parse().map_err(|_| bad())?))
+}
+
+struct Ctx<'a> {
+    s: &'a AppState,
+    r: &'a Requester,
+    filter: Filter,
+    since: Option<(u64, u64)>,
+    upto: u64,
+    typing: u64,
+    full_state: bool,
+}
+
+impl Ctx<'_> {
+    fn viewer(&self) -> Option<(&str, &str)> {
+        Some((self.r.user_id.as_str(), self.r.device_id.as_str()))
+    }
+
+    fn render_all(&self, evs: &[EventRecord]) -> Vec<Value> {
+        evs.iter().map(|e| render(self.s, e, self.viewer())).collect()
+    }
+
+    /// The state root after the last event of the room at or before `pos`.
+    fn root_at(&self, room: &str, pos: u64) -> Root {
+        self.s
+            .projections
+            .timeline
+            .range_backward(room, pos.saturating_add(1), 0, 1)
+            .first()
+            .and_then(|(_, id)| self.s.projections.state.roots_at(id))
+            .map(|(_, after)| after)
+            .unwrap_or_else(Root::empty)
+    }
+
+    /// Up to `limit` visible, filter-passing events in `(after, upto]`, newest last, and
+    /// whether older ones were left out.
+    fn timeline(&self, room: &str, access: &Access, after: u64, upto: u64) -> (Vec<EventRecord>, bool) {
+        let limit = self.filter.timeline.limit.unwrap_or(DEFAULT_TIMELINE_LIMIT).max(1);
+        let mut out = Vec::new();
+        let mut before = upto.saturating_add(1);
+        let mut limited = false;
+        'scan: loop {
+            let rows = self.s.projections.timeline.range_backward(room, before, after + 1, limit + 1);
+            if rows.is_empty() {
+                break;
+            }
+            for (pos, id) in &rows {
+                before = *pos;
+                if let Some(ev) = self.s.projections.timeline.event(id) {
+                    if self.filter.timeline.matches(&ev.pdu) && can_see(self.s, &self.r.user_id, access, &ev) {
+                        if out.len() == limit {
+                            limited = true;
+                            break 'scan;
+                        }
+                        out.push(ev);
+                    }
+                }
+            }
+            if rows.len() < limit + 1 {
+                break;
+            }
+        }
+        out.reverse();
+        (out, limited)
+    }
+
+    fn state_events(&self, root: Root, timeline: &[EventRecord], lazy: bool) -> Vec<EventRecord> {
+        let in_timeline: std::collections::HashSet<&str> = timeline.iter().map(|e| e.pdu.event_id.as_str()).collect();
+        let mut out = Vec::new();
+        for (kind, _sk, id) in self.s.projections.state.entries(root) {
+            if lazy && kind == "m.room.member" {
+                continue;
+            }
+            if in_timeline.contains(id.as_str()) {
+                continue;
+            }
+            if let Some(ev) = self.s.projections.timeline.event(&id) {
+                if self.filter.state.matches(&ev.pdu) {
+                    out.push(ev);
+                }
+            }
+        }
+        if lazy {
+            let mut senders: Vec<String> = timeline.iter().map(|e| e.pdu.sender.to_string()).collect();
+            senders.push(self.r.user_id.clone());
+            for ev in lazy_members(self.s, root, &senders) {
+                if !in_timeline.contains(ev.pdu.event_id.as_str()) {
+                    out.push(ev);
+                }
+            }
+        }
+        out
+    }
+
+    fn ephemeral(&self, room: &str, initial: bool) -> Vec<Value> {
+        let mut events = Vec::new();
+        let typing_changed = match self.since {
+            None => true,
+            Some((_, t)) => self.s.typing.room_serial(room) > t,
+        };
+        if typing_changed && self.filter.ephemeral.matches_type("m.typing") {
+            let users = self.s.typing.users(room);
+            if !users.is_empty() || self.since.is_some() {
+                events.push(json!({ "type": "m.typing", "content": { "user_ids": users } }));
+            }
+        }
+        if self.filter.ephemeral.matches_type("m.receipt") {
+            let receipts: Vec<(String, String)> = if initial {
+                self.s.projections.receipts.all(room).into_iter().map(|(u, t, _)| (u, t)).collect()
+            } else {
+                let since = self.since.map(|s| s.0).unwrap_or(0);
+                self.s.projections.receipts.changes(room, since, self.upto)
+            };
+            let mut content = serde_json::Map::new();
+            for (user, kind) in receipts {
+                if kind == "m.read.private" && user != self.r.user_id {
+                    continue;
+                }
+                let Some(rec) = self.s.projections.receipts.get(room, &user, &kind) else { continue };
+                let mut entry = json!({ "ts": rec.ts });
+                if let Some(t) = &rec.thread_id {
+                    entry["thread_id"] = json!(t);
+                }
+                let by_event = content.entry(rec.event_id.clone()).or_insert_with(|| json!({}));
+                by_event[&kind][&user] = entry;
+            }
+            if !content.is_empty() {
+                events.push(json!({ "type": "m.receipt", "content": content }));
+            }
+        }
+        events
+    }
+
+    fn room_account_data(&self, room: &str, initial: bool) -> Vec<Value> {
+        let user = &self.r.user_id;
+        let entries: Vec<(String, Value)> = if initial {
+            self.s.projections.account_data.all(user, Some(room))
+        } else {
+            let since = self.since.map(|s| s.0).unwrap_or(0);
+            self.s
+                .projections
+                .account_data
+                .changes(user, since, self.upto)
+                .into_iter()
+                .filter(|(r, _)| r == room)
+                .filter_map(|(_, t)| Some((t.clone(), self.s.projections.account_data.get(user, Some(room), &t)?)))
+                .collect()
+        };
+        entries
+            .into_iter()
+            .filter(|(t, _)| self.filter.room_account_data.matches_type(t))
+            .map(|(t, c)| json!({ "type": t, "content": c }))
+            .collect()
+    }
+
+    fn summary(&self, room: &str, root: Root) -> Value {
+        if let Some(v) = self.s.summaries.lock().get(&root.0) {
+            return v.clone();
+        }
+        let members = self.s.projections.membership.members(room);
+        let joined = members.iter().filter(|(_, m)| m.membership == "join").count();
+        let invited = members.iter().filter(|(_, m)| m.membership == "invite").count();
+        let heroes: Vec<&String> = members
+            .iter()
+            .filter(|(u, m)| (m.membership == "join" || m.membership == "invite") && *u != self.r.user_id)
+            .map(|(u, _)| u)
+            .take(5)
+            .collect();
+        let v = json!({ "m.joined_member_count": joined, "m.invited_member_count": invited, "m.heroes": heroes });
+        let mut cache = self.s.summaries.lock();
+        if cache.len() > 10_000 {
+            cache.clear();
+        }
+        cache.insert(root.0, v.clone());
+        v
+    }
+
+    fn unread(&self, room: &str, m: &Membership) -> Value {
+        let from = self.s.projections.receipts.read_position(room, &self.r.user_id).unwrap_or(m.position);
+        json!({
+            "notification_count": self.s.projections.receipts.unread(room, &self.r.user_id, from, self.upto),
+            "highlight_count": 0,
+        })
+    }
+
+    fn joined_room(&self, room: &str, m: &Membership) -> Option<Value> {
+        let access = Access { membership: Some(m.clone()), cap: u64::MAX };
+        let since = self.since.map(|s| s.0);
+        let newly_joined = since.is_some_and(|sp| m.position > sp);
+        let full = since.is_none() || self.full_state || newly_joined;
+        let after = if full { 0 } else { since.unwrap_or(0) };
+        if !full && self.s.projections.timeline.last_activity(room).is_none_or(|p| p <= after) {
+            // Nothing new in the timeline: only ephemeral or account data can matter.
+            let ephemeral = self.ephemeral(room, false);
+            let account_data = self.room_account_data(room, false);
+            if ephemeral.is_empty() && account_data.is_empty() {
+                return None;
+            }
+            return Some(json!({
+                "timeline": { "events": [], "limited": false, "prev_batch": token(after) },
+                "state": { "events": [] },
+                "ephemeral": { "events": ephemeral },
+                "account_data": { "events": account_data },
+                "unread_notifications": self.unread(room, m),
+            }));
+        }
+        let (timeline, limited) = self.timeline(room, &access, after, self.upto);
+        let lazy = self.filter.state.lazy_load_members;
+        let state = if full {
+            let root = match timeline.first() {
+                Some(first) => self.s.projections.state.roots_at(first.pdu.event_id.as_str()).map(|(b, _)| b).unwrap_or_else(Root::empty),
+                None => self.root_at(room, self.upto),
+            };
+            self.state_events(root, &timeline, lazy)
+        } else if limited {
+            let from = self.root_at(room, after);
+            let to = timeline
+                .first()
+                .and_then(|f| self.s.projections.state.roots_at(f.pdu.event_id.as_str()))
+                .map(|(b, _)| b)
+                .unwrap_or(from);
+            self.s
+                .projections
+                .state
+                .diff(from, to)
+                .into_iter()
+                .filter_map(|c| c.new_value().map(|v| String::from_utf8_lossy(v).into_owned()))
+                .filter_map(|id| self.s.projections.timeline.event(&id))
+                .filter(|e| self.filter.state.matches(&e.pdu))
+                .collect()
+        } else {
+            vec![]
+        };
+        let ephemeral = self.ephemeral(room, full);
+        let account_data = self.room_account_data(room, full);
+        if !full && timeline.is_empty() && ephemeral.is_empty() && account_data.is_empty() {
+            return None;
+        }
+        let prev_batch = timeline.first().map(|e| token(e.position - 1)).unwrap_or_else(|| token(self.upto));
+        let mut out = json!({
+            "timeline": { "events": self.render_all(&timeline), "limited": limited, "prev_batch": prev_batch },
+            "state": { "events": self.render_all(&state) },
+            "ephemeral": { "events": ephemeral },
+            "account_data": { "events": account_data },
+            "unread_notifications": self.unread(room, m),
+        });
+        let membership_changed = timeline.iter().chain(state.iter()).any(|e| e.pdu.kind.to_string() == "m.room.member");
+        if full || membership_changed {
+            let root = self.root_at(room, self.upto);
+            out["summary"] = self.summary(room, root);
+        }
+        Some(out)
+    }
+
+    fn invited_room(&self, m: &Membership) -> Option<Value> {
+        let (_, root) = self.s.projections.state.roots_at(&m.event_id)?;
+        let mut events = Vec::new();
+        for kind in ["m.room.create", "m.room.join_rules", "m.room.name", "m.room.avatar", "m.room.canonical_alias", "m.room.encryption", "m.room.topic"] {
+            if let Some(id) = self.s.projections.state.lookup(root, kind, "") {
+                if let Some(ev) = self.s.projections.timeline.event(&id) {
+                    events.push(stripped(&ev.pdu));
+                }
+            }
+        }
+        let invite = self.s.projections.timeline.event(&m.event_id)?;
+        if let Some(id) = self.s.projections.state.lookup(root, "m.room.member", invite.pdu.sender.as_str()) {
+            if let Some(ev) = self.s.projections.timeline.event(&id) {
+                events.push(stripped(&ev.pdu));
+            }
+        }
+        events.push(stripped(&invite.pdu));
+        Some(json!({ "invite_state": { "events": events } }))
+    }
+
+    fn left_room(&self, room: &str, m: &Membership) -> Option<Value> {
+        let access = Access { membership: Some(m.clone()), cap: m.position };
+        let after = self.since.map(|s| s.0).unwrap_or(0);
+        let (timeline, limited) = self.timeline(room, &access, after, m.position.min(self.upto));
+        let state = if self.since.is_none() || limited {
+            let root = timeline
+                .first()
+                .and_then(|f| self.s.projections.state.roots_at(f.pdu.event_id.as_str()))
+                .map(|(b, _)| b)
+                .unwrap_or_else(|| self.root_at(room, m.position));
+            self.state_events(root, &timeline, self.filter.state.lazy_load_members)
+        } else {
+            vec![]
+        };
+        let prev_batch = timeline.first().map(|e| token(e.position - 1)).unwrap_or_else(|| token(after));
+        Some(json!({
+            "timeline": { "events": self.render_all(&timeline), "limited": limited, "prev_batch": prev_batch },
+            "state": { "events": self.render_all(&state) },
+            "account_data": { "events": [] },
+        }))
+    }
+}
+
+fn stripped(pdu: &Pdu) -> Value {
+    json!({ "type": pdu.kind.to_string(), "state_key": pdu.state_key, "content": pdu.content_value(), "sender": pdu.sender })
+}
+
+/// Whether anything for this user changed in `(since, upto]` (or typing since `typ`).
+fn has_updates(s: &AppState, user: &str, since: (u64, u64), upto: u64) -> bool {
+    if !s.projections.membership.changes(user, since.0, upto).is_empty() {
+        return true;
+    }
+    if !s.projections.account_data.changes(user, since.0, upto).is_empty() {
+        return true;
+    }
+    for (room, m) in s.projections.membership.rooms_of(user) {
+        if m.membership != "join" {
+            continue;
+        }
+        if s.projections.timeline.last_activity(&room).is_some_and(|p| p > since.0)
+            && !s.projections.timeline.range_forward(&room, since.0, upto, 1).is_empty()
+        {
+            return true;
+        }
+        if s.typing.room_serial(&room) > since.1 {
+            return true;
+        }
+        if !s.projections.receipts.changes(&room, since.0, upto).is_empty() {
+            return true;
+        }
+    }
+    false
+}
+
+async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Json<Value>> {
+    let filter = match q.get("filter") {
+        None => Filter::default(),
+        Some(f) if f.trim_start().starts_with('{') => {
+            let v: Value = serde_json::from_str(f).map_err(|_| MatrixError::invalid_param("filter is not valid JSON"))?;
+            Filter::parse(&v)?
+        }
+        Some(id) => {
+            let v = s.projections.filters.get(&r.user_id, id).ok_or_else(|| MatrixError::invalid_param("Unknown filter id"))?;
+            Filter::parse(&v)?
+        }
+    };
+    let since = q.get("since").map(parse_since).transpose()?;
+    let full_state = q.get("full_state") == Some("true");
+    let timeout = q.u64("timeout")?.unwrap_or(0).min(s.config.max_sync_timeout_ms);
+    if let Some(since) = since {
+        if since.0 > s.journal.durable_head() {
+            return Err(MatrixError::invalid_param("since token is from the future"));
+        }
+        if timeout > 0 && !full_state {
+            let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout);
+            let mut applied_rx = s.projections.runtime.subscribe();
+            let mut typing_rx = s.typing.subscribe();
+            loop {
+                applied_rx.borrow_and_update();
+                typing_rx.borrow_and_update();
+                if has_updates(&s, &r.user_id, since, s.projections.runtime.applied()) {
+                    break;
+                }
+                tokio::select! {
+                    _ = applied_rx.changed() => {}
+                    _ = typing_rx.changed() => {}
+                    _ = tokio::time::sleep_until(deadline) => break,
+                }
+            }
+        }
+    }
+    let mut upto = s.projections.runtime.applied();
+    // The membership projection may be ahead of the slowest projection; let everything
+    // reach the newest membership change so each room is classified consistently.
+    let rooms = loop {
+        let rooms = s.projections.membership.rooms_of(&r.user_id);
+        let newest = rooms.iter().map(|(_, m)| m.position).max().unwrap_or(0);
+        if newest <= upto {
+            break rooms;
+        }
+        s.wait_for(newest).await?;
+        upto = s.projections.runtime.applied();
+    };
+    let typing = s.typing.current();
+    let ctx = Ctx { s: &s, r: &r, filter, since, upto, typing, full_state };
+    let mut join = serde_json::Map::new();
+    let mut invite = serde_json::Map::new();
+    let mut leave = serde_json::Map::new();
+    for (room, m) in rooms {
+        if !ctx.filter.rooms.allows_room(&room) {
+            continue;
+        }
+        let changed_in_window = since.is_none_or(|(sp, _)| m.position > sp);
+        match m.membership.as_str() {
+            "join" => {
+                if let Some(v) = ctx.joined_room(&room, &m) {
+                    join.insert(room, v);
+                }
+            }
+            "invite" if changed_in_window => {
+                if let Some(v) = ctx.invited_room(&m) {
+                    invite.insert(room, v);
+                }
+            }
+            "leave" | "ban" if !m.forgotten => {
+                let include = match since {
+                    None => ctx.filter.include_leave,
+                    Some(_) => changed_in_window,
+                };
+                if include {
+                    if let Some(v) = ctx.left_room(&room, &m) {
+                        leave.insert(room, v);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let account_data: Vec<Value> = match since {
+        None => s.projections.account_data.all(&r.user_id, None),
+        Some((sp, _)) => s
+            .projections
+            .account_data
+            .changes(&r.user_id, sp, upto)
+            .into_iter()
+            .filter(|(room, _)| room.is_empty())
+            .filter_map(|(_, t)| Some((t.clone(), s.projections.account_data.get(&r.user_id, None, &t)?)))
+            .collect(),
+    }
+    .into_iter()
+    .filter(|(t, _)| ctx.filter.account_data.matches_type(t))
+    .map(|(t, c)| json!({ "type": t, "content": c }))
+    .collect();
+    Ok(Json(json!({
+        "next_batch": format!("s{}_{}", upto, ctx.typing),
+        "rooms": { "join": join, "invite": invite, "leave": leave, "knock": {} },
+        "account_data": { "events": account_data },
+        "presence": { "events": [] },
+        "to_device": { "events": [] },
+        "device_lists": { "changed": [], "left": [] },
+        "device_one_time_keys_count": {},
+    })))
+}

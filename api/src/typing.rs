@@ -1,0 +1,133 @@
+//! Typing notifications (spec: "Typing Notifications"). Ephemeral: kept in memory,
+//! never journaled (BRIEF §3.1 allows this). A separate counter orders typing changes
+//! for sync tokens.
+
+use std::{
+    collections::HashMap,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use axum::{
+    Json,
+    extract::{Path, State},
+};
+use serde_json::{Value, json};
+use tokio::sync::watch;
+
+use crate::{
+    ApiResult, AppState, MatrixError,
+    extract::{JsonObject, Requester},
+};
+
+/// Longest typing timeout honoured, ms.
+pub const MAX_TYPING_TIMEOUT_MS: u64 = 120_000;
+
+#[derive(Default)]
+struct RoomTyping {
+    users: HashMap<String, Instant>,
+    serial: u64,
+}
+
+/// In-memory typing state.
+#[derive(Clone)]
+pub struct Typing {
+    rooms: Arc<parking_lot::Mutex<HashMap<String, RoomTyping>>>,
+    counter: Arc<watch::Sender<u64>>,
+}
+
+impl Default for Typing {
+    fn default() -> Self {
+        Typing { rooms: Arc::default(), counter: Arc::new(watch::channel(0).0) }
+    }
+}
+
+impl Typing {
+    fn bump(&self, room: &mut RoomTyping) {
+        let mut next = 0;
+        self.counter.send_modify(|c| {
+            *c += 1;
+            next = *c;
+        });
+        room.serial = next;
+    }
+
+    /// Marks `user_id` typing (for `timeout`) or not typing in a room.
+    pub fn set(&self, room_id: &str, user_id: &str, typing: bool, timeout: Duration) {
+        let mut rooms = self.rooms.lock();
+        let room = rooms.entry(room_id.to_owned()).or_default();
+        let changed = if typing {
+            room.users.insert(user_id.to_owned(), Instant::now() + timeout).is_none()
+        } else {
+            room.users.remove(user_id).is_some()
+        };
+        if changed {
+            self.bump(room);
+        }
+        drop(rooms);
+        if typing {
+            let this = self.clone();
+            let (room_id, user_id) = (room_id.to_owned(), user_id.to_owned());
+            tokio::spawn(async move {
+                tokio::time::sleep(timeout + Duration::from_millis(10)).await;
+                let mut rooms = this.rooms.lock();
+                if let Some(room) = rooms.get_mut(&room_id) {
+                    if room.users.get(&user_id).is_some_and(|t| *t <= Instant::now()) {
+                        room.users.remove(&user_id);
+                        this.bump(room);
+                    }
+                }
+            });
+        }
+    }
+
+    /// Users typing in a room now, sorted.
+    pub fn users(&self, room_id: &str) -> Vec<String> {
+        let now = Instant::now();
+        let rooms = self.rooms.lock();
+        let mut users: Vec<String> = rooms
+            .get(room_id)
+            .map(|r| r.users.iter().filter(|(_, t)| **t > now).map(|(u, _)| u.clone()).collect())
+            .unwrap_or_default();
+        users.sort();
+        users
+    }
+
+    /// The counter value of the room's last typing change.
+    pub fn room_serial(&self, room_id: &str) -> u64 {
+        self.rooms.lock().get(room_id).map(|r| r.serial).unwrap_or(0)
+    }
+
+    /// The current counter.
+    pub fn current(&self) -> u64 {
+        *self.counter.borrow()
+    }
+
+    /// Watch on the counter (long-poll sync wakes on it).
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.counter.subscribe()
+    }
+}
+
+/// `PUT /rooms/{roomId}/typing/{userId}`.
+pub(crate) async fn set_typing(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((room_id, user_id)): Path<(String, String)>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    if user_id != r.user_id {
+        return Err(MatrixError::forbidden("Cannot set another user's typing state"));
+    }
+    let typing = body.get("typing").and_then(|v| v.as_bool()).ok_or_else(|| MatrixError::bad_json("typing (boolean) is required"))?;
+    if s.projections.membership.get(&room_id, &r.user_id).map(|m| m.membership) != Some("join".into()) {
+        return Err(MatrixError::forbidden("You are not joined to this room"));
+    }
+    let timeout = body.get("timeout").and_then(|v| v.as_u64()).unwrap_or(30_000).min(MAX_TYPING_TIMEOUT_MS);
+    s.typing.set(&room_id, &r.user_id, typing, Duration::from_millis(timeout));
+    Ok(Json(json!({})))
+}
+
+pub(crate) fn routes() -> axum::Router<AppState> {
+    axum::Router::new()
+}

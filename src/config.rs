@@ -1,0 +1,172 @@
+//! Server configuration (TOML). Every field has a default, so no file at all is a
+//! valid configuration: `localhost:8008` on `127.0.0.1:8008`, data in `./data`, open
+//! registration (loopback only). `spindle.example.toml` documents every field; a test
+//! fails if one is missing there.
+
+use std::{net::SocketAddr, path::PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// The whole configuration.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// The server name in user ids and room ids (`@alice:<server_name>`).
+    pub server_name: String,
+    /// Address and port to listen on.
+    pub bind: SocketAddr,
+    /// Where the journal, projections and signing key live.
+    pub data_dir: PathBuf,
+    /// Base URL clients should use; empty means `http://<bind>`.
+    pub public_base_url: String,
+    /// Registration policy.
+    pub registration: Registration,
+    /// Request limits.
+    pub limits: Limits,
+    /// Log filter (tracing `EnvFilter` syntax); `RUST_LOG` overrides it.
+    pub log: String,
+}
+
+/// Who may register.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Registration {
+    /// Open registration with `m.login.dummy`. `"auto"` (default): open when bound to a
+    /// loopback address, closed otherwise; `"open"`; `"closed"`.
+    pub mode: String,
+    /// Must be `true` to run open registration on a non-loopback address.
+    pub allow_open_registration_on_public_bind: bool,
+    /// Registration tokens accepted with `m.login.registration_token`.
+    pub tokens: Vec<String>,
+}
+
+/// Limits on what clients may send or ask for.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Largest request body in bytes (larger: 413 `M_TOO_LARGE`). Events are further
+    /// capped at 65536 bytes by the spec.
+    pub max_request_bytes: usize,
+    /// Largest `/sync` long-poll `timeout` honoured, in milliseconds.
+    pub max_sync_timeout_ms: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            server_name: "localhost:8008".into(),
+            bind: "127.0.0.1:8008".parse().expect("valid address"),
+            data_dir: PathBuf::from("./data"),
+            public_base_url: String::new(),
+            registration: Registration::default(),
+            limits: Limits::default(),
+            log: "info".into(),
+        }
+    }
+}
+
+impl Default for Registration {
+    fn default() -> Self {
+        Registration { mode: "auto".into(), allow_open_registration_on_public_bind: false, tokens: Vec::new() }
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_request_bytes: 1024 * 1024, max_sync_timeout_ms: 60_000 }
+    }
+}
+
+impl Config {
+    /// Parses TOML. Unknown fields are errors (a typo must not silently fall back).
+    pub fn from_toml(text: &str) -> Result<Config, String> {
+        let c: Config = toml::from_str(text).map_err(|e| e.to_string())?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// Whether open (`m.login.dummy`) registration is on.
+    pub fn registration_open(&self) -> bool {
+        match self.registration.mode.as_str() {
+            "open" => true,
+            "closed" => false,
+            _ => self.bind.ip().is_loopback(),
+        }
+    }
+
+    /// Checks the rules a config must satisfy to start: a valid server name, a known
+    /// registration mode, and no open registration on a public address without the
+    /// explicit opt-in.
+    pub fn validate(&self) -> Result<(), String> {
+        if ruma::ServerName::parse(&self.server_name).is_err() {
+            return Err(format!("server_name {:?} is not a valid server name", self.server_name));
+        }
+        if !["auto", "open", "closed"].contains(&self.registration.mode.as_str()) {
+            return Err(format!("registration.mode must be auto, open or closed (got {:?})", self.registration.mode));
+        }
+        if self.registration_open() && !self.bind.ip().is_loopback() && !self.registration.allow_open_registration_on_public_bind {
+            return Err(format!(
+                "refusing to start: open registration on the non-loopback address {} lets anyone create accounts. \
+                 Set registration.allow_open_registration_on_public_bind = true to allow it, or use registration.tokens \
+                 with registration.mode = \"closed\"",
+                self.bind
+            ));
+        }
+        if self.limits.max_request_bytes < 65_536 {
+            return Err("limits.max_request_bytes must be at least 65536".into());
+        }
+        Ok(())
+    }
+
+    /// The base URL clients should use.
+    pub fn base_url(&self) -> String {
+        if self.public_base_url.is_empty() {
+            format!("http://{}", self.bind)
+        } else {
+            self.public_base_url.clone()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key_paths(v: &toml::Value, prefix: &str, out: &mut Vec<String>) {
+        if let toml::Value::Table(t) = v {
+            for (k, v) in t {
+                let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                out.push(path.clone());
+                key_paths(v, &path, out);
+            }
+        }
+    }
+
+    #[test]
+    fn example_config_documents_every_field() {
+        let example = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/spindle.example.toml")).unwrap();
+        let parsed = Config::from_toml(&example).expect("the example config parses and validates");
+        assert_eq!(parsed, Config::default(), "the example shows the defaults");
+        let mut want = Vec::new();
+        key_paths(&toml::Value::try_from(Config::default()).unwrap(), "", &mut want);
+        let mut have = Vec::new();
+        key_paths(&toml::from_str::<toml::Value>(&example).unwrap(), "", &mut have);
+        for field in &want {
+            assert!(have.contains(field), "config field `{field}` is missing from spindle.example.toml");
+        }
+        assert_eq!(want.len(), 12);
+    }
+
+    #[test]
+    fn open_registration_on_public_bind_needs_opt_in() {
+        let err = Config::from_toml("bind = \"0.0.0.0:8008\"\n[registration]\nmode = \"open\"\n").unwrap_err();
+        assert!(err.contains("refusing to start"), "{err}");
+        // auto mode on a public bind means closed: starts fine.
+        let c = Config::from_toml("bind = \"0.0.0.0:8008\"\n").unwrap();
+        assert!(!c.registration_open());
+        let c = Config::from_toml("bind = \"0.0.0.0:8008\"\n[registration]\nmode = \"open\"\nallow_open_registration_on_public_bind = true\n").unwrap();
+        assert!(c.registration_open());
+        assert!(Config::default().registration_open());
+        assert!(Config::from_toml("typo = 1\n").is_err());
+    }
+}

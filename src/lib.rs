@@ -1,0 +1,73 @@
+//! The `spindle` homeserver: wires the journal, the projections, the Client-Server API
+//! and the federation key endpoint into one process.
+
+pub mod config;
+
+use std::{net::SocketAddr, sync::Arc};
+
+use anyhow::{Context, anyhow};
+pub use config::Config;
+use spindle_journal::{FjallStore, Journal};
+use spindle_projections::Projections;
+
+/// A running server.
+pub struct Server {
+    /// The address actually bound (useful with port 0).
+    pub addr: SocketAddr,
+    /// The journal.
+    pub journal: Journal,
+    /// The projections.
+    pub projections: Projections,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Server {
+    /// Opens the data directory, restores the journal, starts the projections and serves
+    /// HTTP on `config.bind`.
+    pub async fn start(config: Config) -> anyhow::Result<Server> {
+        config.validate().map_err(|e| anyhow!(e))?;
+        std::fs::create_dir_all(&config.data_dir)
+            .with_context(|| format!("creating data directory {}", config.data_dir.display()))?;
+        let key = Arc::new(
+            spindle_federation::load_or_create_key(&config.data_dir, &config.server_name).map_err(|e| anyhow!(e))?,
+        );
+        let store = FjallStore::open(&config.data_dir.join("journal"))
+            .map_err(|e| anyhow!(e))
+            .with_context(|| format!("opening the journal in {}", config.data_dir.display()))?;
+        let journal = Journal::open(Arc::new(store), key.clone()).map_err(|e| anyhow!(e.to_string()))?;
+        let projections =
+            Projections::start(&config.data_dir.join("projections"), journal.clone()).map_err(|e| anyhow!(e))?;
+        let listener = tokio::net::TcpListener::bind(config.bind).await.with_context(|| format!("binding {}", config.bind))?;
+        let addr = listener.local_addr()?;
+        let api_config = spindle_api::ApiConfig {
+            server_name: config.server_name.clone(),
+            public_base_url: if config.public_base_url.is_empty() { format!("http://{addr}") } else { config.base_url() },
+            registration_open: config.registration_open(),
+            registration_tokens: config.registration.tokens.clone(),
+            max_request_bytes: config.limits.max_request_bytes,
+            max_sync_timeout_ms: config.limits.max_sync_timeout_ms,
+        };
+        let state = spindle_api::AppState::new(journal.clone(), projections.clone(), api_config);
+        let app = spindle_api::router(state).merge(spindle_federation::router(key));
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let serve = axum::serve(listener, app).with_graceful_shutdown(async {
+                let _ = rx.await;
+            });
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "server stopped");
+            }
+        });
+        tracing::info!(%addr, server_name = %config.server_name, "spindle is serving");
+        Ok(Server { addr, journal, projections, shutdown: Some(tx), task })
+    }
+
+    /// Stops accepting requests and waits for in-flight ones.
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        let _ = (&mut self.task).await;
+    }
+}

@@ -1,0 +1,98 @@
+//! `spindle`: serve (the default), and the offline `replay` verbs.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, anyhow};
+use clap::{Parser, Subcommand};
+use spindle::Config;
+
+/// A Matrix homeserver that keeps each room as a linear log.
+#[derive(Parser)]
+#[command(name = "spindle", version, about)]
+struct Cli {
+    /// TOML config file (see spindle.example.toml). Without one: localhost:8008 on
+    /// 127.0.0.1:8008 with data in ./data.
+    #[arg(long, short, global = true)]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the homeserver (the default).
+    Serve,
+    /// Rebuild or check projections from the journal (stop the server first).
+    Replay {
+        #[command(subcommand)]
+        verb: Replay,
+    },
+}
+
+#[derive(Subcommand)]
+enum Replay {
+    /// Delete projections and rebuild them from position 0; prints each digest.
+    Rebuild {
+        /// Rebuild every projection (the only mode so far).
+        #[arg(long)]
+        all: bool,
+    },
+    /// Rebuild every projection into a scratch directory and compare digests with the live ones.
+    Verify,
+    /// Print each projection's checkpoint and the journal head.
+    Status,
+}
+
+fn load_config(path: Option<&PathBuf>) -> anyhow::Result<Config> {
+    match path {
+        None => Ok(Config::default()),
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            Config::from_toml(&text).map_err(|e| anyhow!("{}: {e}", p.display()))
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let config = load_config(cli.config.as_ref())?;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    match cli.command.unwrap_or(Command::Serve) {
+        Command::Serve => {
+            let server = spindle::Server::start(config).await?;
+            eprintln!("spindle: serving on http://{} (stop with Ctrl-C)", server.addr);
+            tokio::signal::ctrl_c().await?;
+            server.stop().await;
+        }
+        Command::Replay { verb: Replay::Rebuild { all } } => {
+            if !all {
+                return Err(anyhow!("say which projections to rebuild: --all"));
+            }
+            for (name, digest) in spindle_replay::rebuild_all(&config.data_dir, &config.server_name).await? {
+                println!("{name}\t{digest}");
+            }
+        }
+        Command::Replay { verb: Replay::Verify } => {
+            let mut failed = false;
+            for v in spindle_replay::verify(&config.data_dir, &config.server_name).await? {
+                let ok = v.live == v.rebuilt;
+                failed |= !ok;
+                println!("{}\t{}\t{}", v.projection, if ok { "ok" } else { "DIFFERS" }, v.live);
+            }
+            if failed {
+                return Err(anyhow!("some projections differ from a rebuild"));
+            }
+        }
+        Command::Replay { verb: Replay::Status } => {
+            let (head, checkpoints) = spindle_replay::status(&config.data_dir, &config.server_name).await?;
+            println!("journal head\t{head}");
+            for (name, cp) in checkpoints {
+                println!("{name}\t{cp}\tlag {}", head.saturating_sub(cp));
+            }
+        }
+    }
+    Ok(())
+}
