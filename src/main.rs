@@ -64,7 +64,8 @@ async fn main() -> anyhow::Result<()> {
         Command::Serve => {
             let server = spindle::Server::start(config).await?;
             eprintln!("spindle: serving on http://{} (stop with Ctrl-C)", server.addr);
-            tokio::signal::ctrl_c().await?;
+            shutdown_signal().await;
+            eprintln!("spindle: shutting down");
             server.stop().await;
         }
         Command::Replay { verb: Replay::Rebuild { all } } => {
@@ -95,4 +96,18 @@ async fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Resolves on Ctrl-C or SIGTERM (what service managers send).
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tokio::signal::ctrl_c().await;
 }

@@ -77,7 +77,7 @@ class SpindleServer:
             f'data_dir = "{self.data_dir}"\n'
             "\n"
             "[registration]\n"
-            "open = true\n"
+            "mode = \"open\"\n"
         )
 
     def logs(self) -> str:
