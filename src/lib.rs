@@ -38,6 +38,15 @@ impl Server {
         let journal = Journal::open(Arc::new(store), key.clone()).map_err(|e| anyhow!(e.to_string()))?;
         let projections =
             Projections::start(&config.data_dir.join("projections"), journal.clone()).map_err(|e| anyhow!(e))?;
+        // Serve only once every projection has caught up with the journal, so no reader
+        // ever sees a half-built read model (a fresh `projections/` rebuilds here).
+        let head = journal.durable_head();
+        if projections.runtime.applied() < head {
+            tracing::info!(head, "projections are catching up with the journal");
+            if !projections.runtime.wait_for(head, std::time::Duration::from_secs(24 * 3600)).await {
+                return Err(anyhow!("projections did not catch up to position {head}"));
+            }
+        }
         let listener = tokio::net::TcpListener::bind(config.bind).await.with_context(|| format!("binding {}", config.bind))?;
         let addr = listener.local_addr()?;
         let api_config = spindle_api::ApiConfig {

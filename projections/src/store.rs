@@ -90,6 +90,11 @@ impl Table {
         self.ks.get(key).ok().flatten().map(|v| v.to_vec())
     }
 
+    /// Point read that is not counted (the apply path; counters measure queries).
+    pub(crate) fn get_uncounted(&self, key: &[u8]) -> Option<Vec<u8>> {
+        self.ks.get(key).ok().flatten().map(|v| v.to_vec())
+    }
+
     /// Ascending scan of keys starting with `prefix`, at most `limit` rows.
     pub fn scan_prefix(&self, prefix: &[u8], limit: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
         let mut out = Vec::new();
@@ -156,7 +161,7 @@ impl ApplyCtx {
         if let Some((_, v)) = self.overlay.lock().get(&(table.id.clone(), key.to_vec())) {
             return v.clone();
         }
-        table.get(key)
+        table.get_uncounted(key)
     }
 
     /// Rows with keys starting with `prefix`: committed rows merged with this batch's
