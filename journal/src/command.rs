@@ -68,12 +68,13 @@ pub struct SignedCommand {
 }
 
 impl CommandEnvelope {
-    /// Canonical JSON of the envelope (what is signed). Errors when the body holds
-    /// values canonical JSON forbids (floats, integers beyond 2^53).
+    /// The bytes that are signed: the envelope as JSON with object keys sorted (the
+    /// `serde_json::Value` map is ordered). Not canonical JSON in the spec's sense:
+    /// account data may carry floats, which canonical JSON forbids; room event content
+    /// is still held to canonical JSON when its PDU is built.
     pub fn canonical_bytes(&self) -> Result<Vec<u8>, String> {
         let value = serde_json::to_value(self).map_err(|e| e.to_string())?;
-        let obj = spindle_core::canonical::to_object(value).map_err(|e| e.to_string())?;
-        Ok(spindle_core::canonical::to_bytes(&obj))
+        serde_json::to_vec(&value).map_err(|e| e.to_string())
     }
 }
 
