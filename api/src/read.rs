@@ -27,6 +27,7 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/_matrix/client/v3/rooms/{room_id}/event/{event_id}", get(get_event))
         .route("/_matrix/client/v3/rooms/{room_id}/state", get(get_state))
         .route("/_matrix/client/v3/rooms/{room_id}/state/{event_type}", get(get_state_event_empty))
+        .route("/_matrix/client/v3/rooms/{room_id}/state/{event_type}/", get(get_state_event_empty))
         .route("/_matrix/client/v3/rooms/{room_id}/state/{event_type}/{state_key}", get(get_state_event))
         .route("/_matrix/client/v3/rooms/{room_id}/messages", get(messages))
         .route("/_matrix/client/v3/rooms/{room_id}/context/{event_id}", get(context))
@@ -69,7 +70,6 @@ pub fn render(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &str)>) -> V
             if let Some(prev_id) = s.projections.state.lookup(before, &ev.pdu.kind.to_string(), sk) {
                 if let Some(prev) = s.projections.timeline.event(&prev_id) {
                     unsigned.insert("prev_content".into(), prev.pdu.content_value());
-                    unsigned.insert("replaces_state".into(), json!(prev_id));
                 }
             }
         }
@@ -230,7 +230,8 @@ async fn messages(State(s): State<AppState>, r: Requester, Path(room_id): Path<S
                 }
             }
             if stopped_early {
-                let more = before > floor;
+                // Only hand out `end` if something older exists (spec: omitted at the start).
+                let more = !s.projections.timeline.range_backward(&room_id, before, floor, 1).is_empty();
                 end = more.then(|| token(before - 1));
                 break;
             }

@@ -28,6 +28,7 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/_matrix/client/v3/rooms/{room_id}/forget", post(forget))
         .route("/_matrix/client/v3/rooms/{room_id}/send/{event_type}/{txn_id}", put(send))
         .route("/_matrix/client/v3/rooms/{room_id}/state/{event_type}", put(put_state_empty_key))
+        .route("/_matrix/client/v3/rooms/{room_id}/state/{event_type}/", put(put_state_empty_key))
         .route("/_matrix/client/v3/rooms/{room_id}/state/{event_type}/{state_key}", put(put_state))
         .route("/_matrix/client/v3/rooms/{room_id}/redact/{event_id}/{txn_id}", put(redact))
         .route("/_matrix/client/v3/directory/room/{alias}", put(set_alias).get(resolve_alias).delete(delete_alias))

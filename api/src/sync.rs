@@ -365,7 +365,7 @@ impl Ctx<'_> {
     }
 
     fn joined_room(&self, room: &str, m: &Membership) -> Option<Value> {
-        let access = Access { membership: Some(m.clone()), cap: u64::MAX };
+        let access = Access { membership: Some(m.clone()), cap: u64::MAX, was_joined: false };
         let since = self.since.map(|s| s.0);
         let newly_joined = since.is_some_and(|sp| m.position > sp);
         let full = since.is_none() || self.full_state || newly_joined;
@@ -454,7 +454,8 @@ impl Ctx<'_> {
     }
 
     fn left_room(&self, room: &str, m: &Membership) -> Option<Value> {
-        let access = Access { membership: Some(m.clone()), cap: m.position };
+        let access = crate::visibility::room_access(self.s, &self.r.user_id, room)
+            .unwrap_or(Access { membership: Some(m.clone()), cap: m.position, was_joined: false });
         let after = self.since.map(|s| s.0).unwrap_or(0);
         let (timeline, limited) = self.timeline(room, &access, after, m.position.min(self.upto));
         let state = if self.since.is_none() || limited {

@@ -17,6 +17,10 @@ pub struct Access {
     pub membership: Option<Membership>,
     /// Highest position the user may read (their leave/ban position if they left).
     pub cap: u64,
+    /// For a former member: whether they were joined right before their latest
+    /// leave/ban, i.e. joined at some point after every event up to `cap` that they
+    /// were not joined for (the spec's rule for `shared`).
+    pub was_joined: bool,
 }
 
 impl Access {
@@ -48,15 +52,22 @@ pub fn room_access(s: &AppState, user_id: &str, room_id: &str) -> ApiResult<Acce
     }
     let membership = s.projections.membership.get(room_id, user_id);
     match membership.as_ref().map(|m| m.membership.as_str()) {
-        Some("join") | Some("invite") | Some("knock") => Ok(Access { membership, cap: u64::MAX }),
+        Some("join") | Some("invite") | Some("knock") => Ok(Access { membership, cap: u64::MAX, was_joined: false }),
         Some(_) => {
-            let cap = membership.as_ref().map(|m| m.position).unwrap_or(0);
-            Ok(Access { membership, cap })
+            let m = membership.as_ref().expect("matched Some");
+            let was_joined = s
+                .projections
+                .state
+                .roots_at(&m.event_id)
+                .and_then(|(before, _)| state_content(s, before, "m.room.member", user_id))
+                .and_then(|c| c.get("membership").and_then(|v| v.as_str()).map(|v| v == "join"))
+                .unwrap_or(false);
+            Ok(Access { cap: m.position, membership, was_joined })
         }
         None => {
             let root = s.projections.state.current_root(room_id).ok_or_else(denied)?;
             if history_visibility_at(s, root) == "world_readable" {
-                Ok(Access { membership: None, cap: u64::MAX })
+                Ok(Access { membership: None, cap: u64::MAX, was_joined: false })
             } else {
                 Err(denied())
             }
@@ -75,9 +86,13 @@ pub fn can_see(s: &AppState, user_id: &str, access: &Access, ev: &EventRecord) -
             return true;
         }
     }
-    // A user always sees their own membership events (e.g. their leave or kick).
+    // A user always sees their own leave, kick and ban (otherwise the room would just
+    // vanish for them); their invite follows the ordinary rules.
     if ev.pdu.kind.to_string() == "m.room.member" && ev.pdu.state_key.as_deref() == Some(user_id) {
-        return true;
+        let m = ev.pdu.content_value().get("membership").and_then(|v| v.as_str()).map(str::to_owned);
+        if matches!(m.as_deref(), Some("leave") | Some("ban") | Some("join")) {
+            return true;
+        }
     }
     let Some((before, after)) = s.projections.state.roots_at(ev.pdu.event_id.as_str()) else { return false };
     let visibility = history_visibility_at(s, before);
@@ -90,6 +105,8 @@ pub fn can_see(s: &AppState, user_id: &str, access: &Access, ev: &EventRecord) -
     match membership_at.as_str() {
         "join" => true,
         "invite" if visibility == "invited" => true,
-        _ => visibility == "shared" && access.joined(),
+        // `shared`: visible to anyone joined now, or joined at some point after the event
+        // (for a former member: joined right before they left, and the event is before that).
+        _ => visibility == "shared" && (access.joined() || access.was_joined),
     }
 }

@@ -370,8 +370,16 @@ impl Journal {
             origin_server_ts: ts,
         }
         .build(&self.inner.key)?;
-        let auth_map: HashMap<OwnedEventId, &Pdu> =
-            agg.auth_state.values().filter(|p| pdu.auth_events.contains(&p.event_id)).map(|p| (p.event_id.clone(), &**p)).collect();
+        // The auth events, plus the create event: from room version 12 it is not among
+        // the auth events but the rules still fetch it (by the room id).
+        let create = agg.auth_state.get(&("m.room.create".to_owned(), String::new()));
+        let auth_map: HashMap<OwnedEventId, &Pdu> = agg
+            .auth_state
+            .values()
+            .filter(|p| pdu.auth_events.contains(&p.event_id))
+            .chain(create)
+            .map(|p| (p.event_id.clone(), &**p))
+            .collect();
         spindle_core::auth::authorize(&rules, &pdu, &auth_map, |t, k| {
             agg.auth_state.get(&(t.to_owned(), k.to_owned())).map(|p| &**p)
         })
