@@ -60,7 +60,7 @@ impl Default for Config {
             public_base_url: String::new(),
             registration: Registration::default(),
             limits: Limits::default(),
-            log: "info".into(),
+            log: "info,fjall=warn,lsm_tree=warn".into(),
         }
     }
 }

@@ -37,6 +37,8 @@ pub(crate) fn routes() -> Router<AppState> {
             "/_matrix/client/v3/user/{user_id}/rooms/{room_id}/account_data/{data_type}",
             get(get_room_account_data).put(put_room_account_data),
         )
+        .route("/_matrix/client/v3/pushrules/", get(push_rules))
+        .route("/_matrix/client/v3/pushrules/global/", get(push_rules_global))
         .route("/_matrix/client/v3/user/{user_id}/filter", post(create_filter))
         .route("/_matrix/client/v3/user/{user_id}/filter/{filter_id}", get(get_filter))
 }
@@ -476,4 +478,20 @@ async fn get_filter(
 ) -> ApiResult<Json<Value>> {
     own(&r, &user_id)?;
     s.projections.filters.get(&user_id, &filter_id).map(Json).ok_or_else(|| MatrixError::not_found("Filter not found"))
+}
+
+fn default_ruleset(user_id: &str) -> ApiResult<Value> {
+    let user = ruma::UserId::parse(user_id).map_err(|e| MatrixError::internal(e.to_string()))?;
+    serde_json::to_value(ruma::push::Ruleset::server_default(&user)).map_err(|e| MatrixError::internal(e.to_string()))
+}
+
+/// `GET /pushrules/`: the spec's default push rules (read-only for now: rule changes
+/// and evaluation are issue 3). Clients fetch this before their first sync.
+async fn push_rules(r: Requester) -> ApiResult<Json<Value>> {
+    Ok(Json(json!({ "global": default_ruleset(&r.user_id)? })))
+}
+
+/// `GET /pushrules/global/`.
+async fn push_rules_global(r: Requester) -> ApiResult<Json<Value>> {
+    Ok(Json(default_ruleset(&r.user_id)?))
 }
