@@ -60,7 +60,7 @@ impl Default for Config {
             public_base_url: String::new(),
             registration: Registration::default(),
             limits: Limits::default(),
-            log: "info,fjall=warn,lsm_tree=warn".into(),
+            log: "info,fjall=warn,lsm_tree=warn,ruma_state_res=warn".into(),
         }
     }
 }
@@ -112,18 +112,30 @@ impl Config {
                 self.bind
             ));
         }
+        if self.registration.tokens.iter().any(|t| t.trim().is_empty()) {
+            return Err("registration.tokens must not contain empty tokens".into());
+        }
+        if !self.public_base_url.is_empty()
+            && !(self.public_base_url.starts_with("http://") || self.public_base_url.starts_with("https://"))
+        {
+            return Err(format!("public_base_url must start with http:// or https:// (got {:?})", self.public_base_url));
+        }
         if self.limits.max_request_bytes < 65_536 {
             return Err("limits.max_request_bytes must be at least 65536".into());
         }
         Ok(())
     }
 
-    /// The base URL clients should use.
+    /// The base URL clients should use: `public_base_url`, else `http://<bind>` for a
+    /// specific address, else (bound to all interfaces) `https://<server_name>` as
+    /// Synapse assumes.
     pub fn base_url(&self) -> String {
-        if self.public_base_url.is_empty() {
-            format!("http://{}", self.bind)
-        } else {
+        if !self.public_base_url.is_empty() {
             self.public_base_url.clone()
+        } else if self.bind.ip().is_unspecified() {
+            format!("https://{}", self.server_name)
+        } else {
+            format!("http://{}", self.bind)
         }
     }
 }
@@ -168,5 +180,7 @@ mod tests {
         assert!(c.registration_open());
         assert!(Config::default().registration_open());
         assert!(Config::from_toml("typo = 1\n").is_err());
+        assert!(Config::from_toml("[registration]\ntokens = [\"a\", \"\"]\n").is_err());
+        assert!(Config::from_toml("public_base_url = \"not a url\"\n").is_err());
     }
 }

@@ -10,6 +10,26 @@ pub use config::Config;
 use spindle_journal::{FjallStore, Journal};
 use spindle_projections::Projections;
 
+/// The server name is fixed for a data directory's life: user ids, room ids and
+/// signatures all carry it. The first start records it in `<data>/server_name`; a later
+/// start with another name refuses to run instead of mixing identities.
+fn check_server_name(config: &Config) -> anyhow::Result<()> {
+    let path = config.data_dir.join("server_name");
+    match std::fs::read_to_string(&path) {
+        Ok(stored) if stored.trim() == config.server_name => Ok(()),
+        Ok(stored) => Err(anyhow!(
+            "{} belongs to server name {:?}, but the config says {:?}; the server name cannot change for a data directory",
+            config.data_dir.display(),
+            stored.trim(),
+            config.server_name
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::write(&path, format!("{}\n", config.server_name)).with_context(|| format!("writing {}", path.display()))
+        }
+        Err(e) => Err(anyhow!("reading {}: {e}", path.display())),
+    }
+}
+
 /// A running server.
 pub struct Server {
     /// The address actually bound (useful with port 0).
@@ -29,12 +49,13 @@ impl Server {
         config.validate().map_err(|e| anyhow!(e))?;
         std::fs::create_dir_all(&config.data_dir)
             .with_context(|| format!("creating data directory {}", config.data_dir.display()))?;
+        check_server_name(&config)?;
         let key = Arc::new(
             spindle_federation::load_or_create_key(&config.data_dir, &config.server_name).map_err(|e| anyhow!(e))?,
         );
         let store = FjallStore::open(&config.data_dir.join("journal"))
             .map_err(|e| anyhow!(e))
-            .with_context(|| format!("opening the journal in {}", config.data_dir.display()))?;
+            .with_context(|| format!("opening the journal in {} (is another spindle using this data_dir?)", config.data_dir.display()))?;
         let journal = Journal::open(Arc::new(store), key.clone()).map_err(|e| anyhow!(e.to_string()))?;
         let projections =
             Projections::start(&config.data_dir.join("projections"), journal.clone()).map_err(|e| anyhow!(e))?;
@@ -51,7 +72,11 @@ impl Server {
         let addr = listener.local_addr()?;
         let api_config = spindle_api::ApiConfig {
             server_name: config.server_name.clone(),
-            public_base_url: if config.public_base_url.is_empty() { format!("http://{addr}") } else { config.base_url() },
+            public_base_url: if config.public_base_url.is_empty() && !config.bind.ip().is_unspecified() {
+                format!("http://{addr}")
+            } else {
+                config.base_url()
+            },
             registration_open: config.registration_open(),
             registration_tokens: config.registration.tokens.clone(),
             max_request_bytes: config.limits.max_request_bytes,

@@ -71,6 +71,18 @@ fn valid_localpart(l: &str) -> bool {
     !l.is_empty() && l.bytes().all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'=' | b'-' | b'/' | b'+'))
 }
 
+/// Checks a requested localpart: characters, and the spec's 255-byte limit on the
+/// whole user id. Errors are 400 `M_INVALID_USERNAME`.
+fn check_localpart(s: &AppState, local: &str) -> ApiResult<()> {
+    if !valid_localpart(local) {
+        return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_INVALID_USERNAME", "Username contains invalid characters"));
+    }
+    if full_user_id(s, local).len() > 255 {
+        return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_INVALID_USERNAME", "Username is too long (user ids are at most 255 bytes)"));
+    }
+    Ok(())
+}
+
 fn random_string(len: usize) -> String {
     use rand::Rng;
     const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
@@ -148,8 +160,10 @@ async fn start_session(
 
 async fn register(State(s): State<AppState>, q: Query, JsonObject(body): JsonObject) -> ApiResult<axum::response::Response> {
     use axum::response::IntoResponse;
-    if q.get("kind") == Some("guest") {
-        return Err(MatrixError::forbidden("Guest access is disabled"));
+    match q.get("kind") {
+        None | Some("user") => {}
+        Some("guest") => return Err(MatrixError::forbidden("Guest access is disabled")),
+        Some(other) => return Err(MatrixError::invalid_param(format!("Unknown kind {other:?}"))),
     }
     let flows = uia_flows(&s);
     if flows.is_empty() {
@@ -158,9 +172,7 @@ async fn register(State(s): State<AppState>, q: Query, JsonObject(body): JsonObj
     let username = opt_str(&body, "username")?;
     if let Some(u) = &username {
         let local = u.to_lowercase();
-        if !valid_localpart(&local) || local.len() > 200 {
-            return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_INVALID_USERNAME", "Username contains invalid characters"));
-        }
+        check_localpart(&s, &local)?;
         if s.projections.accounts.user(&full_user_id(&s, &local)).is_some() {
             return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_USER_IN_USE", "User ID already taken."));
         }
@@ -231,9 +243,7 @@ async fn register(State(s): State<AppState>, q: Query, JsonObject(body): JsonObj
 
 async fn register_available(State(s): State<AppState>, q: Query) -> ApiResult<Json<Value>> {
     let username = q.get("username").ok_or_else(|| MatrixError::missing_param("username is required"))?.to_lowercase();
-    if !valid_localpart(&username) {
-        return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_INVALID_USERNAME", "Username contains invalid characters"));
-    }
+    check_localpart(&s, &username)?;
     if s.projections.accounts.user(&full_user_id(&s, &username)).is_some() {
         return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_USER_IN_USE", "User ID already taken."));
     }
@@ -320,13 +330,12 @@ fn profile_json(s: &AppState, user_id: &str) -> ApiResult<Value> {
     Ok(Value::Object(out))
 }
 
-async fn profile(State(s): State<AppState>, _r: Requester, Path(user_id): Path<String>) -> ApiResult<Json<Value>> {
+async fn profile(State(s): State<AppState>, Path(user_id): Path<String>) -> ApiResult<Json<Value>> {
     Ok(Json(profile_json(&s, &user_id)?))
 }
 
 async fn profile_field(
     State(s): State<AppState>,
-    _r: Requester,
     Path((user_id, field)): Path<(String, String)>,
 ) -> ApiResult<Json<Value>> {
     if field != "displayname" && field != "avatar_url" {
@@ -348,7 +357,11 @@ async fn set_profile_field(
     if user_id != r.user_id {
         return Err(MatrixError::forbidden("Cannot set another user's profile"));
     }
-    let value = opt_str(&body, &field)?;
+    // An empty string clears the field like `null` does.
+    let value = opt_str(&body, &field)?.filter(|v| !v.is_empty());
+    if field == "avatar_url" && value.as_ref().is_some_and(|v| !v.starts_with("mxc://")) {
+        return Err(MatrixError::bad_json("avatar_url must be an mxc:// URI"));
+    }
     if value.as_ref().is_some_and(|v| v.len() > 256 && field == "displayname") {
         return Err(MatrixError::bad_json("displayname is too long (max 256)"));
     }

@@ -83,6 +83,7 @@ impl From<JournalError> for MatrixError {
             JournalError::Forbidden(m) => MatrixError::forbidden(m.clone()),
             JournalError::UnknownRoom(_) => MatrixError::not_found(e.to_string()),
             JournalError::UserInUse => MatrixError::new(StatusCode::BAD_REQUEST, "M_USER_IN_USE", "User ID already taken."),
+            JournalError::AliasInUse => MatrixError::new(StatusCode::BAD_REQUEST, "M_ROOM_IN_USE", "Room alias already taken"),
             JournalError::TooLarge(m) => MatrixError::new(StatusCode::PAYLOAD_TOO_LARGE, "M_TOO_LARGE", m.clone()),
             JournalError::BadJson(m) => MatrixError::bad_json(m.clone()),
             JournalError::UnsupportedRoomVersion(v) => MatrixError::new(

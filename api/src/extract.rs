@@ -28,7 +28,8 @@ pub fn token_hash(token: &str) -> String {
 fn token_from(parts: &Parts) -> Option<String> {
     if let Some(h) = parts.headers.get(axum::http::header::AUTHORIZATION) {
         let v = h.to_str().ok()?;
-        return v.strip_prefix("Bearer ").map(|t| t.trim().to_owned());
+        let (scheme, token) = v.split_once(' ')?;
+        return scheme.eq_ignore_ascii_case("bearer").then(|| token.trim().to_owned());
     }
     let q = parts.uri.query()?;
     url_query(q).into_iter().find(|(k, _)| k == "access_token").map(|(_, v)| v)
@@ -92,6 +93,7 @@ impl FromRequest<AppState> for JsonObject {
     type Rejection = MatrixError;
 
     async fn from_request(req: Request, state: &AppState) -> Result<Self, Self::Rejection> {
+        let is_put = req.method() == axum::http::Method::PUT;
         let bytes = Bytes::from_request(req, state).await.map_err(|e| {
             if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 MatrixError::new(StatusCode::PAYLOAD_TOO_LARGE, "M_TOO_LARGE", "Request body too large")
@@ -100,6 +102,11 @@ impl FromRequest<AppState> for JsonObject {
             }
         })?;
         if bytes.iter().all(|b| b.is_ascii_whitespace()) {
+            // POST endpoints with optional bodies (join, leave, receipts, ...) take an
+            // empty body as `{}`; a PUT's body is the content and must be JSON.
+            if is_put {
+                return Err(MatrixError::not_json("Request body is empty; expected a JSON object"));
+            }
             return Ok(JsonObject(serde_json::Map::new()));
         }
         let value: serde_json::Value =

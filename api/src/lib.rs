@@ -139,8 +139,39 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
         .layer(axum::extract::DefaultBodyLimit::max(limit))
         .layer(cors)
-        .layer(axum::middleware::map_response(|mut resp: axum::response::Response| async move {
-            resp.headers_mut().entry(header::CONTENT_TYPE).or_insert(HeaderValue::from_static("application/json"));
-            resp.into_response()
-        }))
+        .layer(axum::middleware::map_response(matrix_error_bodies))
+}
+
+/// Every error leaves as a Matrix error: responses produced outside our handlers
+/// (axum's path decoding, URI too long, HEAD on an unknown path, ...) are rewritten
+/// into `{errcode, error}` with their status kept.
+async fn matrix_error_bodies(resp: axum::response::Response) -> axum::response::Response {
+    let is_json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    let status = resp.status();
+    if is_json || !(status.is_client_error() || status.is_server_error()) {
+        let mut resp = resp;
+        resp.headers_mut().entry(header::CONTENT_TYPE).or_insert(HeaderValue::from_static("application/json"));
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let text = axum::body::to_bytes(body, 4096).await.map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+    let errcode = match status.as_u16() {
+        400 => "M_INVALID_PARAM",
+        401 => "M_MISSING_TOKEN",
+        404 | 405 => "M_UNRECOGNIZED",
+        413 | 414 | 431 => "M_TOO_LARGE",
+        _ => "M_UNKNOWN",
+    };
+    let error = if text.trim().is_empty() { status.canonical_reason().unwrap_or("Error").to_owned() } else { text };
+    let mut out = MatrixError::new(status, errcode, error).into_response();
+    for (k, v) in parts.headers.iter() {
+        if k != header::CONTENT_TYPE && k != header::CONTENT_LENGTH {
+            out.headers_mut().insert(k.clone(), v.clone());
+        }
+    }
+    out
 }

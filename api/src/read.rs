@@ -197,8 +197,12 @@ async fn messages(State(s): State<AppState>, r: Requester, Path(room_id): Path<S
     if dir != "b" && dir != "f" {
         return Err(MatrixError::invalid_param("dir must be b or f"));
     }
-    let limit = q.u64("limit")?.unwrap_or(10).clamp(1, MAX_PAGE as u64) as usize;
+    let limit = q.u64("limit")?.unwrap_or(10).min(MAX_PAGE as u64) as usize;
     let filter = parse_filter(&q)?;
+    if limit == 0 {
+        let start = q.get("from").map(str::to_owned).unwrap_or_else(|| token(access.cap.min(s.projections.runtime.applied())));
+        return Ok(Json(json!({ "start": start, "end": start, "chunk": [] })));
+    }
     let applied = s.projections.runtime.applied();
     let cap = access.cap.min(applied);
     let from = match q.get("from") {
@@ -363,6 +367,11 @@ async fn members(State(s): State<AppState>, r: Requester, Path(room_id): Path<St
     }
     let want = q.get("membership");
     let not = q.get("not_membership");
+    for m in [want, not].into_iter().flatten() {
+        if !["join", "invite", "leave", "ban", "knock"].contains(&m) {
+            return Err(MatrixError::invalid_param(format!("unknown membership {m:?}")));
+        }
+    }
     let events: Vec<Value> = s
         .projections
         .state

@@ -56,6 +56,106 @@ pub(crate) async fn send_spec(s: &AppState, r: &Requester, room_id: &str, event:
     s.submit(&r.user_id, Some(&r.device_id), CommandBody::SendEvent { room_id: room_id.to_owned(), event, txn_id }).await
 }
 
+fn int_field(c: &serde_json::Map<String, Value>, name: &str) -> ApiResult<()> {
+    match c.get(name) {
+        None => Ok(()),
+        Some(v) if v.is_i64() => Ok(()),
+        Some(_) => Err(MatrixError::bad_json(format!("power levels: `{name}` must be an integer"))),
+    }
+}
+
+fn int_map(c: &serde_json::Map<String, Value>, name: &str) -> ApiResult<()> {
+    match c.get(name) {
+        None => Ok(()),
+        Some(Value::Object(m)) if m.values().all(|v| v.is_i64()) => Ok(()),
+        Some(_) => Err(MatrixError::bad_json(format!("power levels: `{name}` must map to integers"))),
+    }
+}
+
+/// Checks the content of the state events whose shape the auth rules or clients
+/// depend on, so a malformed one is refused with 400 `M_BAD_JSON` instead of being
+/// stored (or failing later with an auth-rule message).
+pub(crate) fn validate_state_content(s: &AppState, room_id: Option<&str>, kind: &str, content: &Value) -> ApiResult<()> {
+    let Some(c) = content.as_object() else { return Err(MatrixError::bad_json("content must be an object")) };
+    let string = |name: &str, required: bool| -> ApiResult<Option<&str>> {
+        match c.get(name) {
+            None if !required => Ok(None),
+            Some(Value::String(v)) => Ok(Some(v.as_str())),
+            _ => Err(MatrixError::bad_json(format!("{kind}: `{name}` must be a string"))),
+        }
+    };
+    match kind {
+        "m.room.power_levels" => {
+            for f in ["ban", "events_default", "invite", "kick", "redact", "state_default", "users_default"] {
+                int_field(c, f)?;
+            }
+            int_map(c, "events")?;
+            int_map(c, "users")?;
+            int_map(c, "notifications")?;
+            if let Some(Value::Object(users)) = c.get("users") {
+                for u in users.keys() {
+                    valid_user_id(u)?;
+                }
+            }
+        }
+        "m.room.join_rules" => {
+            let rule = string("join_rule", true)?.unwrap_or_default();
+            if !["public", "invite", "knock", "restricted", "knock_restricted", "private"].contains(&rule) {
+                return Err(MatrixError::bad_json(format!("unknown join_rule {rule:?}")));
+            }
+        }
+        "m.room.history_visibility" => {
+            let v = string("history_visibility", true)?.unwrap_or_default();
+            if !["world_readable", "shared", "invited", "joined"].contains(&v) {
+                return Err(MatrixError::bad_json(format!("unknown history_visibility {v:?}")));
+            }
+        }
+        "m.room.guest_access" => {
+            string("guest_access", true)?;
+        }
+        "m.room.name" => {
+            if string("name", false)?.is_some_and(|n| n.len() > 255) {
+                return Err(MatrixError::bad_json("m.room.name: name is longer than 255 bytes"));
+            }
+        }
+        "m.room.topic" => {
+            string("topic", false)?;
+        }
+        "m.room.member" => {
+            let m = string("membership", true)?.unwrap_or_default();
+            if !["join", "invite", "leave", "ban", "knock"].contains(&m) {
+                return Err(MatrixError::bad_json(format!("unknown membership {m:?}")));
+            }
+        }
+        "m.room.canonical_alias" => {
+            // Spec: the server SHOULD check the aliases exist and point to this room.
+            let mut aliases: Vec<&str> = string("alias", false)?.into_iter().collect();
+            match c.get("alt_aliases") {
+                None => {}
+                Some(Value::Array(a)) => {
+                    for v in a {
+                        aliases.push(v.as_str().ok_or_else(|| MatrixError::bad_json("alt_aliases must be a list of strings"))?);
+                    }
+                }
+                Some(_) => return Err(MatrixError::bad_json("alt_aliases must be a list of strings")),
+            }
+            for a in aliases {
+                if ruma::RoomAliasId::parse(a).is_err() {
+                    return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_INVALID_PARAM", format!("{a:?} is not a room alias")));
+                }
+                if a.ends_with(&format!(":{}", s.server_name())) {
+                    let target = s.projections.aliases.resolve(a).map(|t| t.room_id);
+                    if room_id.is_some() && target.as_deref() != room_id {
+                        return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_BAD_ALIAS", format!("{a} does not point to this room")));
+                    }
+                }
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
 fn member_content(s: &AppState, user_id: &str, membership: &str, reason: Option<String>) -> Value {
     let mut c = json!({ "membership": membership });
     if membership == "join" || membership == "invite" {
@@ -100,6 +200,15 @@ async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): 
         ));
     }
     let visibility = opt_str(&body, "visibility")?.unwrap_or_else(|| "private".into());
+    if visibility != "public" && visibility != "private" {
+        return Err(MatrixError::bad_json("visibility must be public or private"));
+    }
+    match body.get("invite_3pid") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(a)) if a.is_empty() => {}
+        Some(Value::Array(_)) => return Err(MatrixError::forbidden("Third-party invites are not supported")),
+        Some(_) => return Err(MatrixError::bad_json("invite_3pid must be a list")),
+    }
     let preset = opt_str(&body, "preset")?.unwrap_or_else(|| {
         if visibility == "public" { "public_chat".into() } else { "private_chat".into() }
     });
@@ -116,12 +225,18 @@ async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): 
     };
     for u in &invites {
         valid_user_id(u)?;
+        if !u.ends_with(&format!(":{}", s.server_name())) {
+            return Err(MatrixError::forbidden(format!("Inviting {u} needs federation, which is not served yet")));
+        }
+        if s.projections.accounts.user(u).is_none() {
+            return Err(MatrixError::not_found(format!("Unknown user {u}")));
+        }
     }
     let is_direct = body.get("is_direct").and_then(|v| v.as_bool()).unwrap_or(false);
     let alias = match opt_str(&body, "room_alias_name")? {
         Some(local) => {
             let alias = format!("#{local}:{}", s.server_name());
-            if ruma::RoomAliasId::parse(&alias).is_err() || local.contains(':') {
+            if local.is_empty() || ruma::RoomAliasId::parse(&alias).is_err() || local.contains(':') {
                 return Err(MatrixError::invalid_param("Invalid room_alias_name"));
             }
             if s.projections.aliases.resolve(&alias).is_some() {
@@ -139,6 +254,9 @@ async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): 
         Some(Value::Object(o)) => Value::Object(o.clone()),
         Some(_) => return Err(MatrixError::bad_json("creation_content must be an object")),
     };
+    if create_content.get("type").is_some_and(|t| !t.is_string()) {
+        return Err(MatrixError::bad_json("creation_content.type must be a string"));
+    }
     create_content["room_version"] = json!(version);
     if uses_creator_field {
         create_content["creator"] = json!(r.user_id);
@@ -179,6 +297,7 @@ async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): 
             for (k, v) in o {
                 pl[k] = v.clone();
             }
+            validate_state_content(&s, None, "m.room.power_levels", &pl)?;
         }
         Some(_) => return Err(MatrixError::bad_json("power_level_content_override must be an object")),
     }
@@ -205,6 +324,9 @@ async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): 
             if kind == "m.room.create" || kind == "m.room.member" || kind == "m.room.power_levels" {
                 return Err(MatrixError::bad_json(format!("{kind} cannot be set through initial_state")));
             }
+            if kind != "m.room.canonical_alias" {
+                validate_state_content(&s, None, kind, &content)?;
+            }
             events.push(ev(kind, sk, content));
         }
     }
@@ -222,13 +344,9 @@ async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): 
         events.push(ev("m.room.member", u, c));
     }
     let outcome = s
-        .submit(&r.user_id, Some(&r.device_id), CommandBody::CreateRoom { room_version: version, events })
+        .submit(&r.user_id, Some(&r.device_id), CommandBody::CreateRoom { room_version: version, events, alias })
         .await?;
     let room_id = outcome.room_id.clone().ok_or_else(|| MatrixError::internal("createRoom produced no room"))?.to_string();
-    if let Some(a) = alias {
-        let fact = Fact::AliasSet { alias: a, room_id: room_id.clone(), creator: r.user_id.clone() };
-        s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
-    }
     if visibility == "public" {
         tracing::debug!(room = %room_id, "public room directory is not served yet; visibility recorded only as join rules");
     }
@@ -361,6 +479,7 @@ async fn put_state_inner(s: AppState, r: Requester, room_id: String, event_type:
     if event_type == "m.room.member" {
         valid_user_id(&state_key)?;
     }
+    validate_state_content(&s, Some(&room_id), &event_type, &Value::Object(body.clone()))?;
     let o = send_spec(
         &s,
         &r,
@@ -471,8 +590,10 @@ async fn set_alias(State(s): State<AppState>, r: Requester, Path(alias): Path<St
         return Err(MatrixError::new(StatusCode::CONFLICT, "M_UNKNOWN", "Room alias already exists"));
     }
     let fact = Fact::AliasSet { alias, room_id, creator: r.user_id.clone() };
-    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
-    Ok(Json(json!({})))
+    match s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await {
+        Err(e) if e.errcode == "M_ROOM_IN_USE" => Err(MatrixError::new(StatusCode::CONFLICT, "M_UNKNOWN", "Room alias already exists")),
+        other => other.map(|_| Json(json!({}))),
+    }
 }
 
 async fn resolve_alias(State(s): State<AppState>, Path(alias): Path<String>) -> ApiResult<Json<Value>> {
@@ -491,7 +612,9 @@ async fn delete_alias(State(s): State<AppState>, r: Requester, Path(alias): Path
             return Err(MatrixError::forbidden("You may not delete this alias"));
         }
     }
-    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact: Fact::AliasDeleted { alias } }).await?;
+    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact: Fact::AliasDeleted { alias } })
+        .await
+        .map_err(|e| if e.errcode == "M_FORBIDDEN" { MatrixError::not_found("Room alias not found") } else { e })?;
     Ok(Json(json!({})))
 }
 

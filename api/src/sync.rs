@@ -216,8 +216,12 @@ impl Ctx<'_> {
     /// Up to `limit` visible, filter-passing events in `(after, upto]`, newest last, and
     /// whether older ones were left out.
     fn timeline(&self, room: &str, access: &Access, after: u64, upto: u64) -> (Vec<EventRecord>, bool) {
-        let limit = self.filter.timeline.limit.unwrap_or(DEFAULT_TIMELINE_LIMIT).max(1);
+        let limit = self.filter.timeline.limit.unwrap_or(DEFAULT_TIMELINE_LIMIT);
         let mut out = Vec::new();
+        if limit == 0 {
+            let more = !self.s.projections.timeline.range_backward(room, upto.saturating_add(1), after + 1, 1).is_empty();
+            return (out, more);
+        }
         let mut before = upto.saturating_add(1);
         let mut limited = false;
         'scan: loop {
@@ -334,26 +338,41 @@ impl Ctx<'_> {
             .collect()
     }
 
+    /// Room summary (spec: `RoomSummary`). The counts and the first members are cached
+    /// by state root (a hit is provably current); the requester is removed from the
+    /// heroes after the cache, since the cache is shared by every user.
     fn summary(&self, room: &str, root: Root) -> Value {
-        if let Some(v) = self.s.summaries.lock().get(&root.0) {
-            return v.clone();
-        }
-        let members = self.s.projections.membership.members(room);
-        let joined = members.iter().filter(|(_, m)| m.membership == "join").count();
-        let invited = members.iter().filter(|(_, m)| m.membership == "invite").count();
-        let heroes: Vec<&String> = members
-            .iter()
-            .filter(|(u, m)| (m.membership == "join" || m.membership == "invite") && *u != self.r.user_id)
-            .map(|(u, _)| u)
-            .take(5)
-            .collect();
-        let v = json!({ "m.joined_member_count": joined, "m.invited_member_count": invited, "m.heroes": heroes });
-        let mut cache = self.s.summaries.lock();
-        if cache.len() > 10_000 {
-            cache.clear();
-        }
-        cache.insert(root.0, v.clone());
-        v
+        let cached = self.s.summaries.lock().get(&root.0).cloned();
+        let base = match cached {
+            Some(v) => v,
+            None => {
+                let members = self.s.projections.membership.members(room);
+                let joined = members.iter().filter(|(_, m)| m.membership == "join").count();
+                let invited = members.iter().filter(|(_, m)| m.membership == "invite").count();
+                let candidates: Vec<&String> = members
+                    .iter()
+                    .filter(|(_, m)| m.membership == "join" || m.membership == "invite")
+                    .map(|(u, _)| u)
+                    .take(6)
+                    .collect();
+                let v = json!({ "m.joined_member_count": joined, "m.invited_member_count": invited, "candidates": candidates });
+                let mut cache = self.s.summaries.lock();
+                if cache.len() > 10_000 {
+                    cache.clear();
+                }
+                cache.insert(root.0, v.clone());
+                v
+            }
+        };
+        let heroes: Vec<&str> = base["candidates"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|u| u.as_str()).filter(|u| *u != self.r.user_id).take(5).collect())
+            .unwrap_or_default();
+        json!({
+            "m.joined_member_count": base["m.joined_member_count"],
+            "m.invited_member_count": base["m.invited_member_count"],
+            "m.heroes": heroes,
+        })
     }
 
     fn unread(&self, room: &str, m: &Membership) -> Value {
@@ -367,7 +386,16 @@ impl Ctx<'_> {
     fn joined_room(&self, room: &str, m: &Membership) -> Option<Value> {
         let access = Access { membership: Some(m.clone()), cap: u64::MAX, was_joined: false };
         let since = self.since.map(|s| s.0);
-        let newly_joined = since.is_some_and(|sp| m.position > sp);
+        // Newly joined = not joined at the token. A later member event of a user who was
+        // already joined (a profile change) is not a new join.
+        let newly_joined = since.is_some_and(|sp| {
+            m.position > sp && {
+                let root = self.root_at(room, sp);
+                crate::visibility::state_content(self.s, root, "m.room.member", &self.r.user_id)
+                    .and_then(|c| c.get("membership").and_then(|v| v.as_str()).map(|v| v != "join"))
+                    .unwrap_or(true)
+            }
+        });
         let full = since.is_none() || self.full_state || newly_joined;
         let after = if full { 0 } else { since.unwrap_or(0) };
         if !full && self.s.projections.timeline.last_activity(room).is_none_or(|p| p <= after) {

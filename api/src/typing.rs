@@ -123,7 +123,11 @@ pub(crate) async fn set_typing(
     if s.projections.membership.get(&room_id, &r.user_id).map(|m| m.membership) != Some("join".into()) {
         return Err(MatrixError::forbidden("You are not joined to this room"));
     }
-    let timeout = body.get("timeout").and_then(|v| v.as_u64()).unwrap_or(30_000).min(MAX_TYPING_TIMEOUT_MS);
+    let timeout = match body.get("timeout") {
+        None | Some(Value::Null) => 30_000,
+        Some(v) => v.as_u64().ok_or_else(|| MatrixError::bad_json("timeout must be a non-negative integer (ms)"))?,
+    }
+    .min(MAX_TYPING_TIMEOUT_MS);
     s.typing.set(&room_id, &r.user_id, typing, Duration::from_millis(timeout));
     Ok(Json(json!({})))
 }

@@ -51,6 +51,10 @@ pub fn room_access(s: &AppState, user_id: &str, room_id: &str) -> ApiResult<Acce
         return Err(denied());
     }
     let membership = s.projections.membership.get(room_id, user_id);
+    // Spec (`/forget`): a user who forgot a room can no longer retrieve its history.
+    if membership.as_ref().is_some_and(|m| m.forgotten) {
+        return Err(denied());
+    }
     match membership.as_ref().map(|m| m.membership.as_str()) {
         Some("join") | Some("invite") | Some("knock") => Ok(Access { membership, cap: u64::MAX, was_joined: false }),
         Some(_) => {

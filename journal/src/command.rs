@@ -33,7 +33,14 @@ pub enum CommandBody {
     /// Create a room: the first event must be `m.room.create`; the rest (creator's
     /// join, power levels, preset state, initial state, name, topic, invites) follow in
     /// order, all sent by the principal.
-    CreateRoom { room_version: String, events: Vec<EventSpec> },
+    CreateRoom {
+        room_version: String,
+        events: Vec<EventSpec>,
+        /// A local alias to create for the room (`room_alias_name`), reserved
+        /// atomically with the room's creation.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        alias: Option<String>,
+    },
     /// Send one event into an existing room as the principal.
     SendEvent {
         room_id: String,

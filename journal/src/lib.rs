@@ -43,6 +43,9 @@ pub enum JournalError {
     /// The user id is taken: `M_USER_IN_USE`.
     #[error("user id already taken")]
     UserInUse,
+    /// The room alias is taken: `M_ROOM_IN_USE` (createRoom) or 409 (directory).
+    #[error("room alias already taken")]
+    AliasInUse,
     /// The event exceeds 65536 bytes: `M_TOO_LARGE`.
     #[error("{0}")]
     TooLarge(String),
@@ -138,6 +141,9 @@ struct Inner {
     store: Arc<dyn JournalStore>,
     rooms: parking_lot::Mutex<HashMap<OwnedRoomId, Arc<tokio::sync::Mutex<RoomAggregate>>>>,
     users: parking_lot::Mutex<HashSet<String>>,
+    /// Alias -> room: aliases are unique, so the writer checks them (a read model
+    /// check-then-write would race).
+    aliases: parking_lot::Mutex<HashMap<String, String>>,
     /// Allocation of positions + enqueue happen together under this lock (held for
     /// nanoseconds; never across I/O) so the appender receives records in order.
     enqueue: parking_lot::Mutex<(u64, std::sync::mpsc::Sender<Pending>)>,
@@ -162,6 +168,7 @@ impl Journal {
     pub fn open(store: Arc<dyn JournalStore>, key: Arc<ServerKey>) -> Result<Journal, JournalError> {
         let mut rooms: HashMap<OwnedRoomId, RoomAggregate> = HashMap::new();
         let mut users = HashSet::new();
+        let mut aliases = HashMap::new();
         let mut head = 0;
         let mut after = 0;
         loop {
@@ -183,11 +190,18 @@ impl Journal {
                         }
                         agg.apply(Arc::new(pdu));
                     }
-                    RecordKind::Fact => {
-                        if let Some(Fact::AccountRegistered { user_id, .. }) = rec.fact() {
+                    RecordKind::Fact => match rec.fact() {
+                        Some(Fact::AccountRegistered { user_id, .. }) => {
                             users.insert(user_id);
                         }
-                    }
+                        Some(Fact::AliasSet { alias, room_id, .. }) => {
+                            aliases.insert(alias, room_id);
+                        }
+                        Some(Fact::AliasDeleted { alias }) => {
+                            aliases.remove(&alias);
+                        }
+                        _ => {}
+                    },
                 }
             }
         }
@@ -210,6 +224,7 @@ impl Journal {
                     rooms.into_iter().map(|(k, v)| (k, Arc::new(tokio::sync::Mutex::new(v)))).collect(),
                 ),
                 users: parking_lot::Mutex::new(users),
+                aliases: parking_lot::Mutex::new(aliases),
                 enqueue: parking_lot::Mutex::new((head, tx)),
                 durable: durable_rx,
                 stats,
@@ -264,7 +279,9 @@ impl Journal {
             CommandBody::SendEvent { room_id, event, txn_id } => {
                 self.send_event(&cmd, room_id, event, txn_id.as_deref()).await?
             }
-            CommandBody::CreateRoom { room_version, events } => self.create_room(&cmd, room_version, events).await?,
+            CommandBody::CreateRoom { room_version, events, alias } => {
+                self.create_room(&cmd, room_version, events, alias.as_deref()).await?
+            }
         };
         self.wait_durable(outcome.position).await?;
         Ok(outcome)
@@ -311,14 +328,30 @@ impl Journal {
     fn append_fact(&self, cmd: &SignedCommand, fact: &Fact) -> Result<Outcome, JournalError> {
         let payload = serde_json::to_vec(fact).map_err(|e| JournalError::BadJson(e.to_string()))?;
         let rec = self.base_record(cmd, RecordKind::Fact, payload);
-        let position = if let Fact::AccountRegistered { user_id, .. } = fact {
-            let mut users = self.inner.users.lock();
-            if !users.insert(user_id.clone()) {
-                return Err(JournalError::UserInUse);
+        let position = match fact {
+            Fact::AccountRegistered { user_id, .. } => {
+                let mut users = self.inner.users.lock();
+                if !users.insert(user_id.clone()) {
+                    return Err(JournalError::UserInUse);
+                }
+                self.enqueue(vec![rec])
             }
-            self.enqueue(vec![rec])
-        } else {
-            self.enqueue(vec![rec])
+            Fact::AliasSet { alias, room_id, .. } => {
+                let mut aliases = self.inner.aliases.lock();
+                if aliases.contains_key(alias) {
+                    return Err(JournalError::AliasInUse);
+                }
+                aliases.insert(alias.clone(), room_id.clone());
+                self.enqueue(vec![rec])
+            }
+            Fact::AliasDeleted { alias } => {
+                let mut aliases = self.inner.aliases.lock();
+                if aliases.remove(alias).is_none() {
+                    return Err(JournalError::Forbidden(format!("alias {alias} does not exist")));
+                }
+                self.enqueue(vec![rec])
+            }
+            _ => self.enqueue(vec![rec]),
         };
         Ok(Outcome { position, room_id: None, event_ids: vec![] })
     }
@@ -431,7 +464,13 @@ impl Journal {
         Ok(Outcome { position, room_id: Some(room), event_ids: vec![event_id] })
     }
 
-    async fn create_room(&self, cmd: &SignedCommand, version: &str, events: &[EventSpec]) -> Result<Outcome, JournalError> {
+    async fn create_room(
+        &self,
+        cmd: &SignedCommand,
+        version: &str,
+        events: &[EventSpec],
+        alias: Option<&str>,
+    ) -> Result<Outcome, JournalError> {
         if room_version::rules(version).is_none() {
             return Err(JournalError::UnsupportedRoomVersion(version.to_owned()));
         }
@@ -457,9 +496,20 @@ impl Journal {
             pdus.push(pdu);
         }
         let room_id = room_id.expect("create event gives the room id");
-        let records: Vec<Record> = pdus.iter().map(|p| self.event_record(cmd, p, None)).collect();
+        let mut records: Vec<Record> = pdus.iter().map(|p| self.event_record(cmd, p, None)).collect();
         let agg = Arc::new(tokio::sync::Mutex::new(agg));
         let _guard = agg.lock().await;
+        // The alias is checked and taken in the same critical section that enqueues the
+        // room, so two concurrent createRooms cannot both get it.
+        let mut aliases = self.inner.aliases.lock();
+        if let Some(a) = alias {
+            if aliases.contains_key(a) {
+                return Err(JournalError::AliasInUse);
+            }
+            let fact = Fact::AliasSet { alias: a.to_owned(), room_id: room_id.to_string(), creator: cmd.envelope.principal.clone() };
+            let payload = serde_json::to_vec(&fact).map_err(|e| JournalError::BadJson(e.to_string()))?;
+            records.push(self.base_record(cmd, RecordKind::Fact, payload));
+        }
         {
             let mut rooms = self.inner.rooms.lock();
             if rooms.contains_key(&room_id) {
@@ -467,7 +517,11 @@ impl Journal {
             }
             rooms.insert(room_id.clone(), agg.clone());
         }
+        if let Some(a) = alias {
+            aliases.insert(a.to_owned(), room_id.to_string());
+        }
         let position = self.enqueue(records);
+        drop(aliases);
         Ok(Outcome { position, room_id: Some(room_id), event_ids: pdus.iter().map(|p| p.event_id.clone()).collect() })
     }
 }

@@ -49,6 +49,7 @@ async fn live_and_replayed_projections_have_identical_digests() {
                     ev("m.room.power_levels", Some(""), json!({ "users": { alice: 100 } })),
                     ev("m.room.join_rules", Some(""), json!({ "join_rule": "public" })),
                 ],
+                alias: Some("#room:example.org".into()),
             },
         ))
         .await
@@ -86,7 +87,7 @@ async fn live_and_replayed_projections_have_identical_digests() {
         .unwrap();
     journal.submit(send(alice, ev("m.room.name", Some(""), json!({ "name": "renamed" })), None)).await.unwrap();
     let head = journal.durable_head();
-    assert_eq!(head, 2 + 4 + 1 + 60 + 1 + 1);
+    assert_eq!(head, 2 + 4 + 1 + 1 + 60 + 1 + 1);
     assert!(live.runtime.wait_for(head, Duration::from_secs(10)).await);
 
     // A rebuild from position 0 sees the whole journal in large batches.

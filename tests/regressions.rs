@@ -1,0 +1,161 @@
+//! Regression tests for defects found by breaking the server from the outside
+//! (fresh-eyes review and the matrix-js-sdk smoke run). Each test names the defect.
+
+mod common;
+
+use common::{TestServer, enc};
+use reqwest::Method;
+use serde_json::json;
+
+/// Concurrent alias creation: exactly one wins, the others get 409, and the loser rooms
+/// never list the alias (the uniqueness check lives in the journal, not a read model).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_alias_creation_has_exactly_one_winner() {
+    let server = TestServer::start().await;
+    let alice = server.register("alias_racer").await;
+    let mut rooms = Vec::new();
+    for _ in 0..6 {
+        rooms.push(alice.create_room(json!({})).await);
+    }
+    let server_name = alice.user_id.split_once(':').unwrap().1.to_owned();
+    let alias = format!("#race:{server_name}");
+    let mut tasks = Vec::new();
+    for room in &rooms {
+        let (c, room, alias) = (alice.clone(), room.clone(), alias.clone());
+        tasks.push(tokio::spawn(async move {
+            c.put(&format!("/_matrix/client/v3/directory/room/{}", enc(&alias)), &json!({ "room_id": room })).await.status
+        }));
+    }
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap());
+    }
+    statuses.sort();
+    assert_eq!(statuses, vec![200, 409, 409, 409, 409, 409]);
+    let resolved = alice.get(&format!("/_matrix/client/v3/directory/room/{}", enc(&alias))).await.ok();
+    let owner = resolved["room_id"].as_str().unwrap().to_owned();
+    for room in &rooms {
+        let listed = alice.get(&format!("/_matrix/client/v3/rooms/{}/aliases", enc(room))).await.ok();
+        let expected: Vec<String> = if *room == owner { vec![alias.clone()] } else { vec![] };
+        assert_eq!(listed["aliases"], json!(expected), "room {room}");
+    }
+
+    // Concurrent createRoom with the same room_alias_name: one room gets it.
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let c = alice.clone();
+        tasks.push(tokio::spawn(async move {
+            c.post("/_matrix/client/v3/createRoom", &json!({ "room_alias_name": "samename" })).await.status
+        }));
+    }
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap());
+    }
+    statuses.sort();
+    assert_eq!(statuses, vec![200, 400, 400, 400]);
+}
+
+/// `/forget` ends access to the history (spec: the user can no longer retrieve it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forgotten_room_history_is_no_longer_readable() {
+    let server = TestServer::start().await;
+    let alice = server.register("forget_a").await;
+    let room = alice.create_room(json!({ "preset": "public_chat" })).await;
+    alice.send_text(&room, "before forgetting").await;
+    alice.leave(&room).await;
+    assert_eq!(alice.messages_resp(&room, "dir=b").await.status, 200);
+    alice.post(&format!("/_matrix/client/v3/rooms/{}/forget", enc(&room)), &json!({})).await.ok();
+    alice.messages_resp(&room, "dir=b").await.expect_err(403, "M_FORBIDDEN");
+    let sync = alice.sync("filter=%7B%22room%22%3A%7B%22include_leave%22%3Atrue%7D%7D").await;
+    assert!(sync["rooms"]["leave"].get(&room).is_none(), "forgotten room still in sync: {sync}");
+}
+
+/// Room summaries are cached per state but heroes are per user: each side of a DM
+/// sees the other, never themselves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dm_heroes_are_the_other_user_on_both_sides() {
+    let server = TestServer::start().await;
+    let alice = server.register("hero_a").await;
+    let bob = server.register("hero_b").await;
+    let room = alice.create_room(json!({ "preset": "trusted_private_chat", "invite": [bob.user_id], "is_direct": true })).await;
+    bob.join(&room).await;
+    let a = alice.sync("").await;
+    let b = bob.sync("").await;
+    assert_eq!(a["rooms"]["join"][&room]["summary"]["m.heroes"], json!([bob.user_id]));
+    assert_eq!(b["rooms"]["join"][&room]["summary"]["m.heroes"], json!([alice.user_id]));
+    assert_eq!(b["rooms"]["join"][&room]["summary"]["m.joined_member_count"], 2);
+}
+
+/// A profile change of an already-joined user is not a new join: the next incremental
+/// sync carries just the member event, not a limited full-state resync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn profile_change_is_not_a_fresh_join_in_sync() {
+    let server = TestServer::start().await;
+    let bob = server.register("profile_b").await;
+    let room = bob.create_room(json!({})).await;
+    for i in 0..12 {
+        bob.send_text(&room, &format!("filler {i}")).await;
+    }
+    let since = bob.sync("").await["next_batch"].as_str().unwrap().to_owned();
+    bob.put(&format!("/_matrix/client/v3/profile/{}/displayname", enc(&bob.user_id)), &json!({ "displayname": "Bob B" }))
+        .await
+        .ok();
+    let next = bob.sync(&format!("since={since}")).await;
+    let joined = &next["rooms"]["join"][&room];
+    assert_eq!(joined["timeline"]["limited"], false, "{next}");
+    let events = joined["timeline"]["events"].as_array().unwrap();
+    assert_eq!(events.len(), 1, "{next}");
+    assert_eq!(events[0]["type"], "m.room.member");
+    assert_eq!(events[0]["content"]["displayname"], "Bob B");
+    assert_eq!(joined["state"]["events"], json!([]));
+}
+
+/// Malformed well-known state content is refused with 400 M_BAD_JSON instead of being
+/// stored (a numeric join_rule used to make every later join fail).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_state_content_is_refused() {
+    let server = TestServer::start().await;
+    let alice = server.register("state_a").await;
+    let room = alice.create_room(json!({})).await;
+    let put = |kind: &'static str, content: serde_json::Value| {
+        let (alice, room) = (alice.clone(), room.clone());
+        async move { alice.put(&format!("/_matrix/client/v3/rooms/{}/state/{kind}", enc(&room)), &content).await }
+    };
+    put("m.room.join_rules", json!({ "join_rule": 1 })).await.expect_err(400, "M_BAD_JSON");
+    put("m.room.power_levels", json!({ "users_default": "abc" })).await.expect_err(400, "M_BAD_JSON");
+    put("m.room.history_visibility", json!({ "history_visibility": "everyone" })).await.expect_err(400, "M_BAD_JSON");
+    put("m.room.canonical_alias", json!({ "alias": "bad" })).await.expect_err(400, "M_INVALID_PARAM");
+    put("m.room.canonical_alias", json!({ "alias": format!("#nonexistent:{}", alice.user_id.split(':').skip(1).collect::<Vec<_>>().join(":")) }))
+        .await
+        .expect_err(400, "M_BAD_ALIAS");
+    alice
+        .post("/_matrix/client/v3/createRoom", &json!({ "power_level_content_override": { "users_default": "abc" } }))
+        .await
+        .expect_err(400, "M_BAD_JSON");
+    alice.post("/_matrix/client/v3/createRoom", &json!({ "visibility": "bogus" })).await.expect_err(400, "M_BAD_JSON");
+    alice.post("/_matrix/client/v3/createRoom", &json!({ "room_alias_name": "" })).await.expect_err(400, "M_INVALID_PARAM");
+    // An empty PUT body is not JSON.
+    let r = alice
+        .raw(Method::PUT, &format!("/_matrix/client/v3/rooms/{}/send/m.room.message/empty1", enc(&room)), Some(vec![]), &[])
+        .await;
+    r.expect_err(400, "M_NOT_JSON");
+    // A path that is not UTF-8 still answers a Matrix error.
+    let r = alice.raw(Method::GET, "/_matrix/client/v3/rooms/%FF%FE/state", None, &[]).await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.errcode(), Some("M_INVALID_PARAM"));
+}
+
+/// limit=0 returns no events (it is a maximum).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limit_zero_returns_nothing() {
+    let server = TestServer::start().await;
+    let alice = server.register("limit_a").await;
+    let room = alice.create_room(json!({})).await;
+    alice.send_text(&room, "one").await;
+    let m = alice.messages(&room, "dir=b&limit=0").await;
+    assert_eq!(m["chunk"], json!([]));
+    let s = alice.sync("filter=%7B%22room%22%3A%7B%22timeline%22%3A%7B%22limit%22%3A0%7D%7D%7D").await;
+    assert_eq!(s["rooms"]["join"][&room]["timeline"]["events"], json!([]));
+    assert_eq!(s["rooms"]["join"][&room]["timeline"]["limited"], true);
+}
