@@ -115,9 +115,8 @@ impl Config {
         if self.registration.tokens.iter().any(|t| t.trim().is_empty()) {
             return Err("registration.tokens must not contain empty tokens".into());
         }
-        if !self.public_base_url.is_empty()
-            && !(self.public_base_url.starts_with("http://") || self.public_base_url.starts_with("https://"))
-        {
+        let url = &self.public_base_url;
+        if !url.is_empty() && !url.starts_with("http://") && !url.starts_with("https://") {
             return Err(format!("public_base_url must start with http:// or https:// (got {:?})", self.public_base_url));
         }
         if self.limits.max_request_bytes < 65_536 {

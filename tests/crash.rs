@@ -26,11 +26,10 @@ fn spawn(config: &std::path::Path) -> Child {
 
 async fn wait_ready(http: &reqwest::Client, base: &str) {
     for _ in 0..200 {
-        if let Ok(r) = http.get(format!("{base}/_matrix/client/versions")).send().await {
-            if r.status().is_success() {
+        if let Ok(r) = http.get(format!("{base}/_matrix/client/versions")).send().await
+            && r.status().is_success() {
                 return;
             }
-        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("spindle did not become ready");

@@ -153,13 +153,13 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
     assert_eq!(served.len(), 25, "room routes served (update the table when adding one): {served:?}");
     for (method, template) in &served {
         assert!(
-            table.iter().any(|r| &r.method == method && r.template == template),
+            table.iter().any(|r| r.method == method && r.template == template),
             "route {method} {template} is not in the authorization table"
         );
     }
     for r in &table {
         assert!(
-            served.iter().any(|(m, t)| m == &r.method && t == r.template),
+            served.iter().any(|(m, t)| m == r.method && t == r.template),
             "table row {} {} names a route the api does not serve",
             r.method,
             r.template

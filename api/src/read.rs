@@ -60,22 +60,18 @@ pub fn token(pos: u64) -> String {
 pub fn render(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &str)>) -> Value {
     let mut unsigned = serde_json::Map::new();
     unsigned.insert("age".into(), json!(crate::now_ms().saturating_sub(u64::from(ev.pdu.origin_server_ts.0))));
-    if let (Some((user, device)), Some(dev), Some(txn)) = (viewer, &ev.device_id, &ev.txn_id) {
-        if user == ev.pdu.sender.as_str() && device == dev {
+    if let (Some((user, device)), Some(dev), Some(txn)) = (viewer, &ev.device_id, &ev.txn_id)
+        && user == ev.pdu.sender.as_str() && device == dev {
             unsigned.insert("transaction_id".into(), json!(txn.strip_prefix("redact/").unwrap_or(txn)));
         }
-    }
-    if let Some(sk) = &ev.pdu.state_key {
-        if let Some((before, _)) = s.projections.state.roots_at(ev.pdu.event_id.as_str()) {
-            if let Some(prev_id) = s.projections.state.lookup(before, &ev.pdu.kind.to_string(), sk) {
-                if let Some(prev) = s.projections.timeline.event(&prev_id) {
+    if let Some(sk) = &ev.pdu.state_key
+        && let Some((before, _)) = s.projections.state.roots_at(ev.pdu.event_id.as_str())
+            && let Some(prev_id) = s.projections.state.lookup(before, &ev.pdu.kind.to_string(), sk)
+                && let Some(prev) = s.projections.timeline.event(&prev_id) {
                     unsigned.insert("prev_content".into(), prev.pdu.content_value());
                 }
-            }
-        }
-    }
-    if let Some(redaction_id) = s.projections.timeline.redacted_by(ev.pdu.event_id.as_str()) {
-        if let Some(redaction) = s.projections.timeline.event(&redaction_id) {
+    if let Some(redaction_id) = s.projections.timeline.redacted_by(ev.pdu.event_id.as_str())
+        && let Some(redaction) = s.projections.timeline.event(&redaction_id) {
             let mut out = ev.pdu.to_redacted_client_event(&redaction.pdu);
             if let Some(u) = out.get_mut("unsigned").and_then(|u| u.as_object_mut()) {
                 for (k, v) in unsigned {
@@ -86,7 +82,6 @@ pub fn render(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &str)>) -> V
             }
             return out;
         }
-    }
     ev.pdu.to_client_event(Some(Value::Object(unsigned)))
 }
 
@@ -223,11 +218,10 @@ async fn messages(State(s): State<AppState>, r: Requester, Path(room_id): Path<S
             let mut stopped_early = false;
             for (pos, id) in &rows {
                 before = *pos;
-                if let Some(ev) = s.projections.timeline.event(id) {
-                    if filter.matches(&ev.pdu) && can_see(&s, &r.user_id, &access, &ev) {
+                if let Some(ev) = s.projections.timeline.event(id)
+                    && filter.matches(&ev.pdu) && can_see(&s, &r.user_id, &access, &ev) {
                         chunk.push(ev);
                     }
-                }
                 if chunk.len() >= limit {
                     stopped_early = true;
                     break;
@@ -251,11 +245,10 @@ async fn messages(State(s): State<AppState>, r: Requester, Path(room_id): Path<S
             let exhausted = rows.len() < page;
             for (pos, id) in &rows {
                 after = *pos;
-                if let Some(ev) = s.projections.timeline.event(id) {
-                    if filter.matches(&ev.pdu) && can_see(&s, &r.user_id, &access, &ev) {
+                if let Some(ev) = s.projections.timeline.event(id)
+                    && filter.matches(&ev.pdu) && can_see(&s, &r.user_id, &access, &ev) {
                         chunk.push(ev);
                     }
-                }
                 if chunk.len() >= limit {
                     break;
                 }
@@ -269,12 +262,11 @@ async fn messages(State(s): State<AppState>, r: Requester, Path(room_id): Path<S
         }
     }
     let mut state = Vec::new();
-    if filter.lazy_load_members {
-        if let Some(root) = readable_root(&s, &room_id, &access) {
+    if filter.lazy_load_members
+        && let Some(root) = readable_root(&s, &room_id, &access) {
             let senders: Vec<String> = chunk.iter().map(|e| e.pdu.sender.to_string()).collect();
             state = lazy_members(&s, root, &senders).iter().map(|e| render(&s, e, viewer(&r))).collect();
         }
-    }
     let mut out = json!({
         "start": q.get("from").map(str::to_owned).unwrap_or_else(|| token(from)),
         "chunk": chunk.iter().map(|e| render(&s, e, viewer(&r))).collect::<Vec<_>>(),
@@ -313,11 +305,10 @@ async fn context(
                 break;
             }
             last = Some(pos);
-            if let Some(e) = s.projections.timeline.event(&id) {
-                if filter.matches(&e.pdu) && can_see(&s, &r.user_id, &access, &e) {
+            if let Some(e) = s.projections.timeline.event(&id)
+                && filter.matches(&e.pdu) && can_see(&s, &r.user_id, &access, &e) {
                     out.push(e);
                 }
-            }
         }
         (out, last)
     };
@@ -359,11 +350,10 @@ async fn members(State(s): State<AppState>, r: Requester, Path(room_id): Path<St
     let mut root = readable_root(&s, &room_id, &access).ok_or_else(|| MatrixError::forbidden("Room state unavailable"))?;
     if let Some(at) = q.get("at") {
         let pos = parse_token(at)?.min(access.cap);
-        if let Some((_, id)) = s.projections.timeline.range_backward(&room_id, pos.saturating_add(1), 0, 1).first() {
-            if let Some((_, after)) = s.projections.state.roots_at(id) {
+        if let Some((_, id)) = s.projections.timeline.range_backward(&room_id, pos.saturating_add(1), 0, 1).first()
+            && let Some((_, after)) = s.projections.state.roots_at(id) {
                 root = after;
             }
-        }
     }
     let want = q.get("membership");
     let not = q.get("not_membership");

@@ -113,11 +113,10 @@ pub(crate) fn validate_state_content(s: &AppState, room_id: Option<&str>, kind: 
         "m.room.guest_access" => {
             string("guest_access", true)?;
         }
-        "m.room.name" => {
-            if string("name", false)?.is_some_and(|n| n.len() > 255) {
+        "m.room.name"
+            if string("name", false)?.is_some_and(|n| n.len() > 255) => {
                 return Err(MatrixError::bad_json("m.room.name: name is longer than 255 bytes"));
             }
-        }
         "m.room.topic" => {
             string("topic", false)?;
         }

@@ -99,20 +99,18 @@ impl EventFilter {
         if self.not_types.iter().any(|t| glob(t, &kind)) {
             return false;
         }
-        if let Some(types) = &self.types {
-            if !types.iter().any(|t| glob(t, &kind)) {
+        if let Some(types) = &self.types
+            && !types.iter().any(|t| glob(t, &kind)) {
                 return false;
             }
-        }
         let sender = pdu.sender.as_str();
         if self.not_senders.iter().any(|s| s == sender) {
             return false;
         }
-        if let Some(senders) = &self.senders {
-            if !senders.iter().any(|s| s == sender) {
+        if let Some(senders) = &self.senders
+            && !senders.iter().any(|s| s == sender) {
                 return false;
             }
-        }
         true
     }
 
@@ -231,15 +229,14 @@ impl Ctx<'_> {
             }
             for (pos, id) in &rows {
                 before = *pos;
-                if let Some(ev) = self.s.projections.timeline.event(id) {
-                    if self.filter.timeline.matches(&ev.pdu) && can_see(self.s, &self.r.user_id, access, &ev) {
+                if let Some(ev) = self.s.projections.timeline.event(id)
+                    && self.filter.timeline.matches(&ev.pdu) && can_see(self.s, &self.r.user_id, access, &ev) {
                         if out.len() == limit {
                             limited = true;
                             break 'scan;
                         }
                         out.push(ev);
                     }
-                }
             }
             if rows.len() < limit + 1 {
                 break;
@@ -259,11 +256,10 @@ impl Ctx<'_> {
             if in_timeline.contains(id.as_str()) {
                 continue;
             }
-            if let Some(ev) = self.s.projections.timeline.event(&id) {
-                if self.filter.state.matches(&ev.pdu) {
+            if let Some(ev) = self.s.projections.timeline.event(&id)
+                && self.filter.state.matches(&ev.pdu) {
                     out.push(ev);
                 }
-            }
         }
         if lazy {
             let mut senders: Vec<String> = timeline.iter().map(|e| e.pdu.sender.to_string()).collect();
@@ -465,18 +461,16 @@ impl Ctx<'_> {
         let (_, root) = self.s.projections.state.roots_at(&m.event_id)?;
         let mut events = Vec::new();
         for kind in ["m.room.create", "m.room.join_rules", "m.room.name", "m.room.avatar", "m.room.canonical_alias", "m.room.encryption", "m.room.topic"] {
-            if let Some(id) = self.s.projections.state.lookup(root, kind, "") {
-                if let Some(ev) = self.s.projections.timeline.event(&id) {
+            if let Some(id) = self.s.projections.state.lookup(root, kind, "")
+                && let Some(ev) = self.s.projections.timeline.event(&id) {
                     events.push(stripped(&ev.pdu));
                 }
-            }
         }
         let invite = self.s.projections.timeline.event(&m.event_id)?;
-        if let Some(id) = self.s.projections.state.lookup(root, "m.room.member", invite.pdu.sender.as_str()) {
-            if let Some(ev) = self.s.projections.timeline.event(&id) {
+        if let Some(id) = self.s.projections.state.lookup(root, "m.room.member", invite.pdu.sender.as_str())
+            && let Some(ev) = self.s.projections.timeline.event(&id) {
                 events.push(stripped(&ev.pdu));
             }
-        }
         events.push(stripped(&invite.pdu));
         Some(json!({ "invite_state": { "events": events } }))
     }
@@ -611,11 +605,10 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
                     None => ctx.filter.include_leave,
                     Some(_) => changed_in_window,
                 };
-                if include {
-                    if let Some(v) = ctx.left_room(&room, &m) {
+                if include
+                    && let Some(v) = ctx.left_room(&room, &m) {
                         leave.insert(room, v);
                     }
-                }
             }
             _ => {}
         }

@@ -71,12 +71,11 @@ impl Typing {
             tokio::spawn(async move {
                 tokio::time::sleep(timeout + Duration::from_millis(10)).await;
                 let mut rooms = this.rooms.lock();
-                if let Some(room) = rooms.get_mut(&room_id) {
-                    if room.users.get(&user_id).is_some_and(|t| *t <= Instant::now()) {
+                if let Some(room) = rooms.get_mut(&room_id)
+                    && room.users.get(&user_id).is_some_and(|t| *t <= Instant::now()) {
                         room.users.remove(&user_id);
                         this.bump(room);
                     }
-                }
             });
         }
     }

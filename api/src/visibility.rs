@@ -85,11 +85,10 @@ pub fn can_see(s: &AppState, user_id: &str, access: &Access, ev: &EventRecord) -
         return false;
     }
     // Fast path: joined now, and already joined when the event was sent.
-    if let Some(m) = &access.membership {
-        if m.membership == "join" && m.position <= ev.position {
+    if let Some(m) = &access.membership
+        && m.membership == "join" && m.position <= ev.position {
             return true;
         }
-    }
     // A user always sees their own leave, kick and ban (otherwise the room would just
     // vanish for them); their invite follows the ordinary rules.
     if ev.pdu.kind.to_string() == "m.room.member" && ev.pdu.state_key.as_deref() == Some(user_id) {

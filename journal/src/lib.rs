@@ -375,11 +375,10 @@ impl Journal {
             .map_err(JournalError::BadJson)?;
         let mut auth_events = Vec::new();
         for (t, k) in &auth_types {
-            if let Some(p) = agg.auth_state.get(&(t.clone(), k.clone())) {
-                if !auth_events.contains(&p.event_id) {
+            if let Some(p) = agg.auth_state.get(&(t.clone(), k.clone()))
+                && !auth_events.contains(&p.event_id) {
                     auth_events.push(p.event_id.clone());
                 }
-            }
         }
         let (prev_events, depth) = match &agg.head {
             Some((id, d)) => (vec![id.clone()], d + 1),
@@ -448,11 +447,10 @@ impl Journal {
             (Some(t), Some(d)) => Some((cmd.envelope.principal.clone(), d.clone(), t.to_owned())),
             _ => None,
         };
-        if let Some(k) = &txn_key {
-            if let Some((event_id, position)) = agg.txns.get(k) {
+        if let Some(k) = &txn_key
+            && let Some((event_id, position)) = agg.txns.get(k) {
                 return Ok(Outcome { position: *position, room_id: Some(room), event_ids: vec![event_id.clone()] });
             }
-        }
         let pdu = self.build_event(&agg, Some(&room), &sender, spec, cmd.envelope.issued_at)?;
         let rec = self.event_record(cmd, &pdu, txn_id);
         let position = self.enqueue(vec![rec]);

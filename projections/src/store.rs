@@ -136,11 +136,14 @@ impl Table {
 
 type Hook = Box<dyn FnOnce() + Send>;
 
+/// Staged writes: (table id, key) -> (table, new value or `None` for a delete).
+type Overlay = BTreeMap<(Arc<str>, Vec<u8>), (Table, Option<Vec<u8>>)>;
+
 /// The write context of one batch: staged writes (readable back), the checkpoint,
 /// and hooks that run after the commit (to refresh in-memory caches so they never run
 /// ahead of the committed checkpoint).
 pub struct ApplyCtx {
-    overlay: parking_lot::Mutex<BTreeMap<(Arc<str>, Vec<u8>), (Table, Option<Vec<u8>>)>>,
+    overlay: parking_lot::Mutex<Overlay>,
     hooks: Vec<Hook>,
 }
 

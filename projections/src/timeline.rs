@@ -164,14 +164,13 @@ impl Projection for Timeline {
         ctx.put(&self.events, event_id.clone().into_bytes(), serde_json::to_vec(&stored).map_err(|e| e.to_string())?);
         ctx.put(&self.room_events, key::with_pos(&[&room], record.position), event_id.into_bytes());
         ctx.put(&self.rooms, room.clone().into_bytes(), record.position.to_be_bytes().to_vec());
-        if pdu.kind.to_string() == "m.room.redaction" {
-            if let Some(target) = &pdu.redacts {
+        if pdu.kind.to_string() == "m.room.redaction"
+            && let Some(target) = &pdu.redacts {
                 let k = target.to_string().into_bytes();
                 if ctx.get(&self.redactions, &k).is_none() {
                     ctx.put(&self.redactions, k, pdu.event_id.to_string().into_bytes());
                 }
             }
-        }
         let recency = self.recency.clone();
         let pos = record.position;
         ctx.after_commit(move || {

@@ -87,11 +87,10 @@ impl AccountData {
         );
         let mut out: Vec<(String, String)> = Vec::new();
         for (_, v) in rows {
-            if let Ok(pair) = serde_json::from_slice::<(String, String)>(&v) {
-                if !out.contains(&pair) {
+            if let Ok(pair) = serde_json::from_slice::<(String, String)>(&v)
+                && !out.contains(&pair) {
                     out.push(pair);
                 }
-            }
         }
         out
     }
@@ -253,11 +252,10 @@ impl Projection for Receipts {
                     let event_position = u64::from_be_bytes(pos[..8].try_into().map_err(|_| "bad event_pos")?);
                     let k = key::join(&[&room_id, &user_id, &receipt_type]);
                     // Receipts never move backwards (spec: a receipt for an older event is ignored).
-                    if let Some(old) = ctx.get(&self.receipts, &k).and_then(|v| serde_json::from_slice::<Receipt>(&v).ok()) {
-                        if old.event_position >= event_position {
+                    if let Some(old) = ctx.get(&self.receipts, &k).and_then(|v| serde_json::from_slice::<Receipt>(&v).ok())
+                        && old.event_position >= event_position {
                             return Ok(());
                         }
-                    }
                     ctx.put(&self.receipts, k, json(&Receipt { event_id, event_position, ts, thread_id }));
                     ctx.put(&self.log, key::with_pos(&[&room_id], record.position), json(&(user_id, receipt_type)));
                 }

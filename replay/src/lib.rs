@@ -13,11 +13,10 @@ pub fn open_journal(data_dir: &Path, server_name: &str) -> anyhow::Result<Journa
     if !data_dir.join("journal").is_dir() {
         return Err(anyhow!("no journal in {} (check data_dir in the config)", data_dir.display()));
     }
-    if let Ok(stored) = std::fs::read_to_string(data_dir.join("server_name")) {
-        if stored.trim() != server_name {
+    if let Ok(stored) = std::fs::read_to_string(data_dir.join("server_name"))
+        && stored.trim() != server_name {
             return Err(anyhow!("{} belongs to server name {:?}, not {:?}", data_dir.display(), stored.trim(), server_name));
         }
-    }
     let key = spindle_federation::load_or_create_key(data_dir, server_name).map_err(|e| anyhow!(e))?;
     let store = FjallStore::open(&data_dir.join("journal"))
         .map_err(|e| anyhow!(e))
