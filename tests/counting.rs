@@ -179,3 +179,62 @@ async fn state_point_lookup_reads_one_path() {
     assert!(reads[0] <= 3, "small room lookup read {} nodes", reads[0]);
     assert!(reads[1] <= 5, "big room (400+ state entries) lookup read {} nodes", reads[1]);
 }
+
+/// A waiting long-poll does not pay store reads for other users' traffic: the wake-up
+/// check answers from memory (BRIEF §4: "a user paid for strangers' traffic").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_poll_does_not_read_the_store_for_strangers_traffic() {
+    let h = Harness::start().await;
+    let (_frank, ft) = h.register("frank").await;
+    let (_gina, gt) = h.register("gina").await;
+    let mut franks = Vec::new();
+    for _ in 0..5 {
+        franks.push(h.create_room(&ft, json!({})).await);
+    }
+    let stranger_room = h.create_room(&gt, json!({})).await;
+
+    // Baseline: the strangers' sends alone.
+    h.quiesce().await;
+    let before = h.reads();
+    for i in 0..40 {
+        h.send(&gt, &stranger_room, &format!("a{i}"), "noise").await;
+    }
+    h.quiesce().await;
+    let alone = h.reads() - before;
+
+    // The same sends while frank long-polls.
+    let (_, first) = h.call(reqwest::Method::GET, "/_matrix/client/v3/sync", Some(&ft), None).await;
+    let since = first["next_batch"].as_str().unwrap().to_owned();
+    h.quiesce().await;
+    let poll = {
+        let (http, base, ft) = (h.http.clone(), h.base.clone(), ft.clone());
+        tokio::spawn(async move {
+            http.get(format!("{base}/_matrix/client/v3/sync?since={since}&timeout=30000"))
+                .bearer_auth(ft)
+                .send()
+                .await
+                .unwrap()
+                .json::<Value>()
+                .await
+                .unwrap()
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await; // the poll is waiting
+    let before = h.reads();
+    for i in 0..40 {
+        h.send(&gt, &stranger_room, &format!("b{i}"), "noise").await;
+    }
+    h.quiesce().await;
+    let with_poll = h.reads() - before;
+    assert!(
+        with_poll <= alone + 2,
+        "a waiting long-poll read the store for strangers' traffic: {alone} reads without it, {with_poll} with it"
+    );
+    // Frank's own message ends the wait and is delivered.
+    h.send(&ft, &franks[2], "mine", "for frank").await;
+    let v = poll.await.unwrap();
+    let events = v["rooms"]["join"][&franks[2]]["timeline"]["events"].as_array().unwrap().clone();
+    assert_eq!(events.len(), 1);
+    assert_eq!(events[0]["content"]["body"], "for frank");
+    assert_eq!(v["rooms"]["join"].as_object().unwrap().len(), 1);
+}

@@ -503,27 +503,24 @@ fn stripped(pdu: &Pdu) -> Value {
     json!({ "type": pdu.kind.to_string(), "state_key": pdu.state_key, "content": pdu.content_value(), "sender": pdu.sender })
 }
 
-/// Whether anything for this user changed in `(since, upto]` (or typing since `typ`).
-fn has_updates(s: &AppState, user: &str, since: (u64, u64), upto: u64) -> bool {
-    if !s.projections.membership.changes(user, since.0, upto).is_empty() {
+/// Whether anything for this user changed in `(since, upto]` (or typing since the
+/// token's typing counter). Runs on every commit anywhere while a long-poll waits, so
+/// it answers from memory: per-user and per-room "latest change" positions, and the
+/// rooms' last activity. Only a room that did change costs a store read (to check the
+/// change is within `upto`).
+fn has_updates(s: &AppState, user: &str, joined: &[String], since: (u64, u64), upto: u64) -> bool {
+    let p = &s.projections;
+    if p.membership.last_change(user) > since.0 || p.account_data.last_change(user) > since.0 {
         return true;
     }
-    if !s.projections.account_data.changes(user, since.0, upto).is_empty() {
-        return true;
-    }
-    for (room, m) in s.projections.membership.rooms_of(user) {
-        if m.membership != "join" {
-            continue;
-        }
-        if s.projections.timeline.last_activity(&room).is_some_and(|p| p > since.0)
-            && !s.projections.timeline.range_forward(&room, since.0, upto, 1).is_empty()
+    for room in joined {
+        let room = room.as_str();
+        if p.timeline.last_activity(&room).is_some_and(|pos| pos > since.0)
+            && !p.timeline.range_forward(&room, since.0, upto, 1).is_empty()
         {
             return true;
         }
-        if s.typing.room_serial(&room) > since.1 {
-            return true;
-        }
-        if !s.projections.receipts.changes(&room, since.0, upto).is_empty() {
+        if s.typing.room_serial(&room) > since.1 || p.receipts.last_change(&room) > since.0 {
             return true;
         }
     }
@@ -553,10 +550,19 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
             let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout);
             let mut applied_rx = s.projections.runtime.subscribe();
             let mut typing_rx = s.typing.subscribe();
+            // The joined rooms are read once; a membership change ends the wait anyway.
+            let joined: Vec<String> = s
+                .projections
+                .membership
+                .rooms_of(&r.user_id)
+                .into_iter()
+                .filter(|(_, m)| m.membership == "join")
+                .map(|(room, _)| room)
+                .collect();
             loop {
                 applied_rx.borrow_and_update();
                 typing_rx.borrow_and_update();
-                if has_updates(&s, &r.user_id, since, s.projections.runtime.applied()) {
+                if has_updates(&s, &r.user_id, &joined, since, s.projections.runtime.applied()) {
                     break;
                 }
                 tokio::select! {

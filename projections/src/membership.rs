@@ -11,7 +11,7 @@ use spindle_journal::{Fact, Record, RecordKind};
 
 use crate::{
     runtime::Projection,
-    store::{ApplyCtx, ProjectionDb, Table, key},
+    store::{ApplyCtx, LastChange, ProjectionDb, Table, key},
 };
 
 /// A user's membership in a room, as of the latest member event.
@@ -41,6 +41,7 @@ pub struct Memberships {
     user_rooms: Table,
     room_members: Table,
     user_log: Table,
+    last: LastChange,
 }
 
 fn decode(v: &[u8]) -> Option<Membership> {
@@ -54,6 +55,7 @@ impl Memberships {
             user_rooms: db.table("membership", "user_rooms")?,
             room_members: db.table("membership", "room_members")?,
             user_log: db.table("membership", "user_log")?,
+            last: LastChange::default(),
         })
     }
 
@@ -80,6 +82,11 @@ impl Memberships {
             .into_iter()
             .filter_map(|(k, v)| Some((String::from_utf8_lossy(&k[prefix.len()..]).into_owned(), decode(&v)?)))
             .collect()
+    }
+
+    /// Position of the user's latest membership change (memory after the first ask).
+    pub fn last_change(&self, user_id: &str) -> u64 {
+        self.last.get(user_id, &self.user_log)
     }
 
     /// Rooms whose membership for this user changed in `(after, upto]`, with the
@@ -139,6 +146,8 @@ impl Projection for Memberships {
         ctx.put(&self.user_rooms, key::join(&[&user, &room]), bytes.clone());
         ctx.put(&self.room_members, key::join(&[&room, &user]), bytes);
         ctx.put(&self.user_log, key::with_pos(&[&user], record.position), room.into_bytes());
+        let (last, pos) = (self.last.clone(), record.position);
+        ctx.after_commit(move || last.bump(user, pos));
         Ok(())
     }
 }

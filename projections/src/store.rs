@@ -134,6 +134,39 @@ impl Table {
     }
 }
 
+/// The latest position in a per-key log (`key`, 0x00, position BE), kept in memory
+/// once asked for: long-polling `/sync` asks "did anything change for this user or
+/// room since P?" on every commit anywhere, and must not pay a store read for it.
+#[derive(Clone, Default)]
+pub struct LastChange {
+    map: Arc<parking_lot::RwLock<std::collections::HashMap<String, u64>>>,
+}
+
+impl LastChange {
+    /// The latest position logged under `k` (0 if none): memory, or one reverse seek
+    /// the first time.
+    pub fn get(&self, k: &str, table: &Table) -> u64 {
+        if let Some(v) = self.map.read().get(k) {
+            return *v;
+        }
+        let start = key::prefix(&[k]);
+        let mut end = start.clone();
+        *end.last_mut().expect("non-empty") = 1;
+        let found = table.scan_range(&start, &end, true, 1).first().map(|(k, _)| key::trailing_pos(k)).unwrap_or(0);
+        let mut map = self.map.write();
+        let entry = map.entry(k.to_owned()).or_insert(found);
+        *entry = (*entry).max(found);
+        *entry
+    }
+
+    /// Records a new position (called after the commit that wrote it).
+    pub fn bump(&self, k: String, position: u64) {
+        let mut map = self.map.write();
+        let entry = map.entry(k).or_insert(position);
+        *entry = (*entry).max(position);
+    }
+}
+
 type Hook = Box<dyn FnOnce() + Send>;
 
 /// Staged writes: (table id, key) -> (table, new value or `None` for a delete).

@@ -6,7 +6,7 @@ use spindle_journal::{Fact, Record, RecordKind};
 
 use crate::{
     runtime::Projection,
-    store::{ApplyCtx, ProjectionDb, Table, key},
+    store::{ApplyCtx, LastChange, ProjectionDb, Table, key},
 };
 
 fn json<T: Serialize>(v: &T) -> Vec<u8> {
@@ -51,12 +51,13 @@ impl Projection for Filters {
 pub struct AccountData {
     data: Table,
     log: Table,
+    last: LastChange,
 }
 
 impl AccountData {
     /// Opens the tables.
     pub fn open(db: &ProjectionDb) -> Result<AccountData, String> {
-        Ok(AccountData { data: db.table("account_data", "data")?, log: db.table("account_data", "log")? })
+        Ok(AccountData { data: db.table("account_data", "data")?, log: db.table("account_data", "log")?, last: LastChange::default() })
     }
 
     /// One entry (`room_id` `None` for global account data).
@@ -72,6 +73,11 @@ impl AccountData {
             .into_iter()
             .filter_map(|(k, v)| Some((String::from_utf8_lossy(&k[prefix.len()..]).into_owned(), serde_json::from_slice(&v).ok()?)))
             .collect()
+    }
+
+    /// Position of the user's latest account data change (memory after the first ask).
+    pub fn last_change(&self, user_id: &str) -> u64 {
+        self.last.get(user_id, &self.log)
     }
 
     /// (room or "", type) pairs changed in `(after, upto]`, deduplicated, in order.
@@ -108,6 +114,8 @@ impl Projection for AccountData {
             let room = room_id.unwrap_or_default();
             ctx.put(&self.data, key::join(&[&user_id, &room, &data_type]), json(&content));
             ctx.put(&self.log, key::with_pos(&[&user_id], record.position), json(&(room, data_type)));
+            let (last, pos) = (self.last.clone(), record.position);
+            ctx.after_commit(move || last.bump(user_id, pos));
         }
         Ok(())
     }
@@ -142,6 +150,7 @@ pub struct Receipts {
     event_pos: Table,
     counts: Table,
     own_counts: Table,
+    last: LastChange,
 }
 
 /// Event types that count as unread notifications (the default push rules notify
@@ -167,6 +176,7 @@ impl Receipts {
             event_pos: db.table("receipts", "event_pos")?,
             counts: db.table("receipts", "counts")?,
             own_counts: db.table("receipts", "own_counts")?,
+            last: LastChange::default(),
         })
     }
 
@@ -187,6 +197,11 @@ impl Receipts {
                 Some((user.to_owned(), kind.to_owned(), serde_json::from_slice(&v).ok()?))
             })
             .collect()
+    }
+
+    /// Position of the room's latest receipt change (memory after the first ask).
+    pub fn last_change(&self, room_id: &str) -> u64 {
+        self.last.get(room_id, &self.log)
     }
 
     /// Receipts changed in a room in `(after, upto]`: (user, type).
@@ -258,6 +273,8 @@ impl Projection for Receipts {
                         }
                     ctx.put(&self.receipts, k, json(&Receipt { event_id, event_position, ts, thread_id }));
                     ctx.put(&self.log, key::with_pos(&[&room_id], record.position), json(&(user_id, receipt_type)));
+                    let (last, pos) = (self.last.clone(), record.position);
+                    ctx.after_commit(move || last.bump(room_id, pos));
                 }
             }
         }
