@@ -238,3 +238,29 @@ async fn long_poll_does_not_read_the_store_for_strangers_traffic() {
     assert_eq!(events[0]["content"]["body"], "for frank");
     assert_eq!(v["rooms"]["join"].as_object().unwrap().len(), 1);
 }
+
+/// An idle room costs an incremental sync one row (the user's room list) and nothing
+/// else: no receipt, account data or timeline reads for rooms with nothing new.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_rooms_cost_one_row_each_in_incremental_sync() {
+    let h = Harness::start().await;
+    let (_hal, ht) = h.register("hal").await;
+    let active = h.create_room(&ht, json!({})).await;
+    let mut measure = Vec::new();
+    for (round, idle) in [(0, 3usize), (1, 23)] {
+        let existing = if round == 0 { 0 } else { 3 };
+        for _ in existing..idle {
+            h.create_room(&ht, json!({})).await;
+        }
+        h.quiesce().await;
+        let (_, first) = h.call(reqwest::Method::GET, "/_matrix/client/v3/sync", Some(&ht), None).await;
+        let since = first["next_batch"].as_str().unwrap().to_owned();
+        h.send(&ht, &active, &format!("n{round}"), "news").await;
+        h.quiesce().await;
+        let before = h.reads();
+        let (_, v) = h.call(reqwest::Method::GET, &format!("/_matrix/client/v3/sync?since={since}"), Some(&ht), None).await;
+        measure.push(h.reads() - before);
+        assert_eq!(v["rooms"]["join"].as_object().unwrap().len(), 1, "only the active room: {v}");
+    }
+    assert_eq!(measure[1] - measure[0], 20, "20 more idle rooms must cost exactly 20 more rows: {measure:?}");
+}

@@ -188,6 +188,9 @@ struct Ctx<'a> {
     upto: u64,
     typing: u64,
     full_state: bool,
+    /// Account data changes in `(since, upto]`, read once per request (empty when the
+    /// user's latest change is not newer than the token).
+    account_data_changes: Vec<(String, String)>,
 }
 
 impl Ctx<'_> {
@@ -290,7 +293,12 @@ impl Ctx<'_> {
                 self.s.projections.receipts.all(room).into_iter().map(|(u, t, _)| (u, t)).collect()
             } else {
                 let since = self.since.map(|s| s.0).unwrap_or(0);
-                self.s.projections.receipts.changes(room, since, self.upto)
+                // In memory first: most rooms have no new receipt.
+                if self.s.projections.receipts.last_change(room) > since {
+                    self.s.projections.receipts.changes(room, since, self.upto)
+                } else {
+                    Vec::new()
+                }
             };
             let mut content = serde_json::Map::new();
             for (user, kind) in receipts {
@@ -317,13 +325,10 @@ impl Ctx<'_> {
         let entries: Vec<(String, Value)> = if initial {
             self.s.projections.account_data.all(user, Some(room))
         } else {
-            let since = self.since.map(|s| s.0).unwrap_or(0);
-            self.s
-                .projections
-                .account_data
-                .changes(user, since, self.upto)
-                .into_iter()
+            self.account_data_changes
+                .iter()
                 .filter(|(r, _)| r == room)
+                .cloned()
                 .filter_map(|(_, t)| Some((t.clone(), self.s.projections.account_data.get(user, Some(room), &t)?)))
                 .collect()
         };
@@ -586,7 +591,13 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
         upto = s.projections.runtime.applied();
     };
     let typing = s.typing.current();
-    let ctx = Ctx { s: &s, r: &r, filter, since, upto, typing, full_state };
+    let account_data_changes = match since {
+        Some((sp, _)) if s.projections.account_data.last_change(&r.user_id) > sp => {
+            s.projections.account_data.changes(&r.user_id, sp, upto)
+        }
+        _ => Vec::new(),
+    };
+    let ctx = Ctx { s: &s, r: &r, filter, since, upto, typing, full_state, account_data_changes };
     let mut join = serde_json::Map::new();
     let mut invite = serde_json::Map::new();
     let mut leave = serde_json::Map::new();
@@ -621,12 +632,11 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
     }
     let account_data: Vec<Value> = match since {
         None => s.projections.account_data.all(&r.user_id, None),
-        Some((sp, _)) => s
-            .projections
-            .account_data
-            .changes(&r.user_id, sp, upto)
-            .into_iter()
+        Some(_) => ctx
+            .account_data_changes
+            .iter()
             .filter(|(room, _)| room.is_empty())
+            .cloned()
             .filter_map(|(_, t)| Some((t.clone(), s.projections.account_data.get(&r.user_id, None, &t)?)))
             .collect(),
     }
