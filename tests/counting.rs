@@ -264,3 +264,54 @@ async fn idle_rooms_cost_one_row_each_in_incremental_sync() {
     }
     assert_eq!(measure[1] - measure[0], 20, "20 more idle rooms must cost exactly 20 more rows: {measure:?}");
 }
+
+/// A lazy-loading initial sync of a room does not grow with its member count: the
+/// non-member state has its own trie, and members are point lookups by sender.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lazy_initial_sync_does_not_grow_with_members() {
+    let h = Harness::start().await;
+    let (_ivy, it) = h.register("ivy").await;
+    let small = h.create_room(&it, json!({ "name": "small" })).await;
+    let big = h.create_room(&it, json!({ "name": "big" })).await;
+    // 300 extra member entries (bans need no account) in the big room only.
+    for i in 0..300 {
+        let path = format!("/_matrix/client/v3/rooms/{big}/ban");
+        let (status, v) =
+            h.call(reqwest::Method::POST, &path, Some(&it), Some(json!({ "user_id": format!("@ghost{i}:elsewhere.example") }))).await;
+        assert_eq!(status, 200, "{v}");
+    }
+    for room in [&small, &big] {
+        for i in 0..10 {
+            h.send(&it, room, &format!("{room}-{i}"), "message").await;
+        }
+    }
+    h.quiesce().await;
+    let mut measure = Vec::new();
+    for room in [&small, &big] {
+        let filter = json!({ "room": { "rooms": [room], "state": { "lazy_load_members": true }, "timeline": { "limit": 5 } } });
+        let path = format!("/_matrix/client/v3/sync?filter={}", urlencode(&filter.to_string()));
+        // The first call warms the room-summary cache (keyed by state root).
+        h.call(reqwest::Method::GET, &path, Some(&it), None).await;
+        let before = h.reads();
+        let (status, v) = h.call(reqwest::Method::GET, &path, Some(&it), None).await;
+        assert_eq!(status, 200);
+        measure.push(h.reads() - before);
+        let joined = &v["rooms"]["join"][room.as_str()];
+        let state = joined["state"]["events"].as_array().unwrap();
+        let members: Vec<&str> =
+            state.iter().filter(|e| e["type"] == "m.room.member").map(|e| e["state_key"].as_str().unwrap()).collect();
+        assert_eq!(members.len(), 1, "only ivy's own member event is lazily loaded: {members:?}");
+        assert!(state.iter().any(|e| e["type"] == "m.room.name"));
+        assert_eq!(joined["timeline"]["events"].as_array().unwrap().len(), 5);
+    }
+    assert_eq!(measure[0], measure[1], "lazy initial sync store reads grew with member count: {measure:?}");
+}
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}

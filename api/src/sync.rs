@@ -249,26 +249,51 @@ impl Ctx<'_> {
         (out, limited)
     }
 
-    fn state_events(&self, root: Root, timeline: &[EventRecord], lazy: bool) -> Vec<EventRecord> {
+    /// The (full, non-member) state roots before the timeline's first event, or after
+    /// the room's last event at or before `pos` when the timeline is empty.
+    fn roots_before(&self, room: &str, timeline: &[EventRecord], pos: u64) -> (Root, Root) {
+        let state = &self.s.projections.state;
+        match timeline.first() {
+            Some(first) => {
+                let id = first.pdu.event_id.as_str();
+                let full = state.roots_at(id).map(|(b, _)| b).unwrap_or_else(Root::empty);
+                let others = state.others_at(id).map(|(b, _)| b).unwrap_or_else(Root::empty);
+                (full, others)
+            }
+            None => {
+                let last = self.s.projections.timeline.range_backward(room, pos.saturating_add(1), 0, 1);
+                match last.first() {
+                    Some((_, id)) => (
+                        state.roots_at(id).map(|(_, a)| a).unwrap_or_else(Root::empty),
+                        state.others_at(id).map(|(_, a)| a).unwrap_or_else(Root::empty),
+                    ),
+                    None => (Root::empty(), Root::empty()),
+                }
+            }
+        }
+    }
+
+    /// The state section for a full room: every state event, or with lazy-loading the
+    /// non-member state (its own trie: member count does not matter) plus the member
+    /// events of the timeline's senders and the requester (point lookups).
+    fn state_events(&self, (full, others): (Root, Root), timeline: &[EventRecord], lazy: bool) -> Vec<EventRecord> {
         let in_timeline: std::collections::HashSet<&str> = timeline.iter().map(|e| e.pdu.event_id.as_str()).collect();
         let mut out = Vec::new();
-        for (kind, _sk, id) in self.s.projections.state.entries(root) {
-            if lazy && kind == "m.room.member" {
-                continue;
-            }
+        for (_kind, _sk, id) in self.s.projections.state.entries(if lazy { others } else { full }) {
             if in_timeline.contains(id.as_str()) {
                 continue;
             }
             if let Some(ev) = self.s.projections.timeline.event(&id)
-                && self.filter.state.matches(&ev.pdu) {
-                    out.push(ev);
-                }
+                && self.filter.state.matches(&ev.pdu)
+            {
+                out.push(ev);
+            }
         }
         if lazy {
             let mut senders: Vec<String> = timeline.iter().map(|e| e.pdu.sender.to_string()).collect();
             senders.push(self.r.user_id.clone());
-            for ev in lazy_members(self.s, root, &senders) {
-                if !in_timeline.contains(ev.pdu.event_id.as_str()) {
+            for ev in lazy_members(self.s, full, &senders) {
+                if !in_timeline.contains(ev.pdu.event_id.as_str()) && self.filter.state.matches(&ev.pdu) {
                     out.push(ev);
                 }
             }
@@ -417,11 +442,8 @@ impl Ctx<'_> {
         let (timeline, limited) = self.timeline(room, &access, after, self.upto);
         let lazy = self.filter.state.lazy_load_members;
         let state = if full {
-            let root = match timeline.first() {
-                Some(first) => self.s.projections.state.roots_at(first.pdu.event_id.as_str()).map(|(b, _)| b).unwrap_or_else(Root::empty),
-                None => self.root_at(room, self.upto),
-            };
-            self.state_events(root, &timeline, lazy)
+            let roots = self.roots_before(room, &timeline, self.upto);
+            self.state_events(roots, &timeline, lazy)
         } else if limited {
             let from = self.root_at(room, after);
             let to = timeline
@@ -486,12 +508,8 @@ impl Ctx<'_> {
         let after = self.since.map(|s| s.0).unwrap_or(0);
         let (timeline, limited) = self.timeline(room, &access, after, m.position.min(self.upto));
         let state = if self.since.is_none() || limited {
-            let root = timeline
-                .first()
-                .and_then(|f| self.s.projections.state.roots_at(f.pdu.event_id.as_str()))
-                .map(|(b, _)| b)
-                .unwrap_or_else(|| self.root_at(room, m.position));
-            self.state_events(root, &timeline, self.filter.state.lazy_load_members)
+            let roots = self.roots_before(room, &timeline, m.position);
+            self.state_events(roots, &timeline, self.filter.state.lazy_load_members)
         } else {
             vec![]
         };

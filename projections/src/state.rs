@@ -3,8 +3,14 @@
 //!
 //! Tables:
 //! - `nodes`: trie node hash -> encoded node (shared by every room and every version)
-//! - `event_roots`: event id -> state root before (32 bytes) ++ state root after (32 bytes)
+//! - `event_roots`: event id -> state root before ++ after ++ non-member root before ++
+//!   non-member root after (4 × 32 bytes)
 //! - `current`: room id -> current state root
+//! - `current_others`: room id -> current root of the state without `m.room.member`
+//!
+//! The second trie ("others": every state entry except member events) lets a
+//! lazy-loading sync list a room's state without walking its members: a room with
+//! 10,000 members costs the same as one with 10 (BRIEF §4, lazy members).
 //! - `rooms`: room id -> [`RoomMeta`] JSON
 //!
 //! Point lookups read one path of the trie (depth + 1 node reads); nothing here
@@ -62,6 +68,7 @@ pub struct State {
     nodes: Table,
     event_roots: Table,
     current: Table,
+    current_others: Table,
     rooms: Table,
 }
 
@@ -76,6 +83,7 @@ impl State {
             nodes: db.table("state", "nodes")?,
             event_roots: db.table("state", "event_roots")?,
             current: db.table("state", "current")?,
+            current_others: db.table("state", "current_others")?,
             rooms: db.table("state", "rooms")?,
         })
     }
@@ -93,10 +101,24 @@ impl State {
     /// State roots (before, after) an event.
     pub fn roots_at(&self, event_id: &str) -> Option<(Root, Root)> {
         let v = self.event_roots.get(event_id.as_bytes())?;
-        if v.len() != 64 {
+        if v.len() != 128 {
             return None;
         }
-        Some((root_from(&v[..32])?, root_from(&v[32..])?))
+        Some((root_from(&v[..32])?, root_from(&v[32..64])?))
+    }
+
+    /// Roots of the non-member state (before, after) an event.
+    pub fn others_at(&self, event_id: &str) -> Option<(Root, Root)> {
+        let v = self.event_roots.get(event_id.as_bytes())?;
+        if v.len() != 128 {
+            return None;
+        }
+        Some((root_from(&v[64..96])?, root_from(&v[96..])?))
+    }
+
+    /// The room's current non-member state root.
+    pub fn current_others_root(&self, room_id: &str) -> Option<Root> {
+        root_from(&self.current_others.get(room_id.as_bytes())?)
     }
 
     /// Point lookup: the event id holding `(event_type, state_key)` at `root`.
@@ -137,7 +159,7 @@ impl Projection for State {
     }
 
     fn tables(&self) -> Vec<Table> {
-        vec![self.nodes.clone(), self.event_roots.clone(), self.current.clone(), self.rooms.clone()]
+        vec![self.nodes.clone(), self.event_roots.clone(), self.current.clone(), self.current_others.clone(), self.rooms.clone()]
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &Record) -> Result<(), String> {
@@ -147,15 +169,24 @@ impl Projection for State {
         let pdu = record.pdu().ok_or("unreadable PDU")?;
         let room = pdu.room_id.to_string();
         let before = ctx.get(&self.current, room.as_bytes()).and_then(|v| root_from(&v)).unwrap_or_else(Root::empty);
-        let after = match &pdu.state_key {
+        let others_before =
+            ctx.get(&self.current_others, room.as_bytes()).and_then(|v| root_from(&v)).unwrap_or_else(Root::empty);
+        let kind = pdu.kind.to_string();
+        let (after, others_after) = match &pdu.state_key {
             Some(sk) => {
                 let store = CtxNodes { ctx, table: &self.nodes };
-                trie::insert(&store, before, &pdu.kind.to_string(), sk, pdu.event_id.as_str().as_bytes())
-                    .map_err(|e| e.to_string())?
+                let id = pdu.event_id.as_str().as_bytes();
+                let after = trie::insert(&store, before, &kind, sk, id).map_err(|e| e.to_string())?;
+                let others_after = if kind == "m.room.member" {
+                    others_before
+                } else {
+                    trie::insert(&store, others_before, &kind, sk, id).map_err(|e| e.to_string())?
+                };
+                (after, others_after)
             }
-            None => before,
+            None => (before, others_before),
         };
-        if pdu.kind.to_string() == "m.room.create" {
+        if kind == "m.room.create" {
             let meta = RoomMeta {
                 room_version: pdu.room_version.clone(),
                 create_event_id: pdu.event_id.to_string(),
@@ -165,7 +196,10 @@ impl Projection for State {
         }
         let mut roots = before.0.to_vec();
         roots.extend_from_slice(&after.0);
+        roots.extend_from_slice(&others_before.0);
+        roots.extend_from_slice(&others_after.0);
         ctx.put(&self.event_roots, pdu.event_id.to_string().into_bytes(), roots);
+        ctx.put(&self.current_others, room.clone().into_bytes(), others_after.0.to_vec());
         ctx.put(&self.current, room.into_bytes(), after.0.to_vec());
         Ok(())
     }
