@@ -204,25 +204,29 @@ impl ApplyCtx {
     /// staged writes and deletes, ascending. Keeps apply independent of batch boundaries.
     pub fn scan_prefix(&self, table: &Table, prefix: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
         let mut rows: BTreeMap<Vec<u8>, Vec<u8>> = table.scan_prefix(prefix, usize::MAX).into_iter().collect();
-        for ((id, k), (_, v)) in self.overlay.lock().iter() {
-            if **id == *table.id && k.starts_with(prefix) {
-                match v {
-                    Some(v) => rows.insert(k.clone(), v.clone()),
-                    None => rows.remove(k),
-                };
-            }
+        for (k, v) in self.staged_range(table, prefix) {
+            match v {
+                Some(v) => rows.insert(k, v),
+                None => rows.remove(&k),
+            };
         }
         rows.into_iter().collect()
     }
 
+    /// Staged writes (and deletes, as `None`) of `table` under `prefix`, ascending; a
+    /// range over the overlay, not a walk of the whole batch.
+    fn staged_range(&self, table: &Table, prefix: &[u8]) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
+        let overlay = self.overlay.lock();
+        overlay
+            .range((table.id.clone(), prefix.to_vec())..)
+            .take_while(|((id, k), _)| **id == *table.id && k.starts_with(prefix))
+            .map(|((_, k), (_, v))| (k.clone(), v.clone()))
+            .collect()
+    }
+
     /// Only this batch's staged (not deleted) rows under `prefix`, ascending.
     pub fn staged_prefix(&self, table: &Table, prefix: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
-        self.overlay
-            .lock()
-            .iter()
-            .filter(|((id, k), _)| **id == *table.id && k.starts_with(prefix))
-            .filter_map(|((_, k), (_, v))| v.clone().map(|v| (k.clone(), v)))
-            .collect()
+        self.staged_range(table, prefix).into_iter().filter_map(|(k, v)| v.map(|v| (k, v))).collect()
     }
 
     /// Stages a write.
@@ -294,5 +298,40 @@ pub mod key {
             return 0;
         }
         u64::from_be_bytes(k[k.len() - 8..].try_into().expect("8 bytes"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staged_writes_read_back_within_the_batch_and_commit_atomically() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = ProjectionDb::open(dir.path()).unwrap();
+        let a = db.table("p", "a").unwrap();
+        let b = db.table("p", "b").unwrap();
+        let mut ctx = ApplyCtx::new();
+        ctx.put(&a, b"room1\0x".to_vec(), b"1".to_vec());
+        ctx.commit(&db, "p", 1).unwrap();
+
+        let ctx = ApplyCtx::new();
+        ctx.put(&a, b"room1\0y".to_vec(), b"2".to_vec());
+        ctx.put(&b, b"room1\0z".to_vec(), b"other table".to_vec());
+        ctx.delete(&a, b"room1\0x".to_vec());
+        ctx.put(&a, b"room2\0q".to_vec(), b"3".to_vec());
+        // Reads see the batch: the delete hides the committed row, the new row shows.
+        assert_eq!(ctx.get(&a, b"room1\0x"), None);
+        assert_eq!(ctx.get(&a, b"room1\0y"), Some(b"2".to_vec()));
+        assert_eq!(ctx.scan_prefix(&a, b"room1\0"), vec![(b"room1\0y".to_vec(), b"2".to_vec())]);
+        assert_eq!(ctx.staged_prefix(&a, b"room1\0"), vec![(b"room1\0y".to_vec(), b"2".to_vec())]);
+        // Nothing is visible outside the batch before the commit.
+        assert_eq!(a.get(b"room1\0y"), None);
+        assert_eq!(db.checkpoint("p"), 1);
+        ctx.commit(&db, "p", 2).unwrap();
+        assert_eq!(a.get(b"room1\0y"), Some(b"2".to_vec()));
+        assert_eq!(a.get(b"room1\0x"), None);
+        assert_eq!(b.get(b"room1\0z"), Some(b"other table".to_vec()));
+        assert_eq!(db.checkpoint("p"), 2);
     }
 }
