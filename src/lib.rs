@@ -39,6 +39,7 @@ pub struct Server {
     /// The projections.
     pub projections: Projections,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    wake_long_polls: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -82,7 +83,8 @@ impl Server {
             max_request_bytes: config.limits.max_request_bytes,
             max_sync_timeout_ms: config.limits.max_sync_timeout_ms,
         };
-        let state = spindle_api::AppState::new(journal.clone(), projections.clone(), api_config);
+        let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+        let state = spindle_api::AppState::new(journal.clone(), projections.clone(), api_config, shutdown_rx);
         let app = spindle_api::router(state).merge(spindle_federation::router(key));
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
@@ -94,14 +96,19 @@ impl Server {
             }
         });
         tracing::info!(%addr, server_name = %config.server_name, "spindle is serving");
-        Ok(Server { addr, journal, projections, shutdown: Some(tx), task })
+        Ok(Server { addr, journal, projections, shutdown: Some(tx), wake_long_polls: shutdown_tx, task })
     }
 
-    /// Stops accepting requests and waits for in-flight ones.
+    /// Stops accepting requests, answers waiting long-polls at once, and waits for
+    /// in-flight requests (at most 10 s).
     pub async fn stop(mut self) {
+        let _ = self.wake_long_polls.send(true);
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
-        let _ = (&mut self.task).await;
+        if tokio::time::timeout(std::time::Duration::from_secs(10), &mut self.task).await.is_err() {
+            tracing::warn!("in-flight requests did not finish within 10 s; stopping anyway");
+            self.task.abort();
+        }
     }
 }

@@ -53,8 +53,16 @@ fn load_config(path: Option<&PathBuf>) -> anyhow::Result<Config> {
     }
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() {
+    let runtime = tokio::runtime::Runtime::new().expect("tokio runtime");
+    if let Err(e) = runtime.block_on(run()) {
+        // Operator errors (bad config, locked data dir) read as one line, not a backtrace.
+        eprintln!("spindle: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+async fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let config = load_config(cli.config.as_ref())?;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -65,7 +73,12 @@ async fn main() -> anyhow::Result<()> {
             let server = spindle::Server::start(config).await?;
             eprintln!("spindle: serving on http://{} (stop with Ctrl-C)", server.addr);
             shutdown_signal().await;
-            eprintln!("spindle: shutting down");
+            eprintln!("spindle: shutting down (a second signal exits at once)");
+            tokio::spawn(async {
+                shutdown_signal().await;
+                eprintln!("spindle: second signal, exiting now");
+                std::process::exit(130);
+            });
             server.stop().await;
         }
         Command::Replay { verb: Replay::Rebuild { all } } => {

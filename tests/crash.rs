@@ -128,3 +128,53 @@ async fn sigkill_during_concurrent_sends_loses_nothing_acknowledged() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// SIGTERM with a long-poll waiting: the poll is answered at once and the process exits
+/// cleanly well before the poll's timeout (it used to wait for every open poll).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_answers_waiting_long_polls_and_exits() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let config = dir.path().join("spindle.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "server_name = \"localhost:{port}\"\nbind = \"127.0.0.1:{port}\"\ndata_dir = \"{}\"\n",
+            dir.path().join("data").display()
+        ),
+    )
+    .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    let mut child = spawn(&config);
+    wait_ready(&http, &base).await;
+    let reg = post(
+        &http,
+        format!("{base}/_matrix/client/v3/register"),
+        None,
+        json!({ "username": "poller", "password": "pw", "auth": { "type": "m.login.dummy" } }),
+    )
+    .await;
+    let token = reg["access_token"].as_str().unwrap().to_owned();
+    let first: Value = http.get(format!("{base}/_matrix/client/v3/sync")).bearer_auth(&token).send().await.unwrap().json().await.unwrap();
+    let since = first["next_batch"].as_str().unwrap().to_owned();
+    let poll = {
+        let (http, base, token) = (http.clone(), base.clone(), token.clone());
+        tokio::spawn(async move {
+            http.get(format!("{base}/_matrix/client/v3/sync?since={since}&timeout=60000"))
+                .bearer_auth(token)
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = std::time::Instant::now();
+    let status = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().unwrap();
+    assert!(status.success());
+    let exit = tokio::task::spawn_blocking(move || child.wait().unwrap()).await.unwrap();
+    // Liveness bound, not a performance assertion: the poll's own timeout is 60 s.
+    assert!(started.elapsed() < Duration::from_secs(15), "shutdown took {:?}", started.elapsed());
+    assert!(exit.success(), "exit status {exit:?}");
+    assert_eq!(poll.await.unwrap().unwrap(), 200);
+}

@@ -159,3 +159,92 @@ async fn limit_zero_returns_nothing() {
     assert_eq!(s["rooms"]["join"][&room]["timeline"]["events"], json!([]));
     assert_eq!(s["rooms"]["join"][&room]["timeline"]["limited"], true);
 }
+
+/// Membership transitions are checked by the journal under the room lock: concurrent
+/// unbans act once, a kick needs the target in the room, repeated invites and bans add
+/// no events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn membership_transitions_are_checked_atomically() {
+    let server = TestServer::start().await;
+    let mod_ = server.register("trans_mod").await;
+    let vic = server.register("trans_vic").await;
+    let room = mod_.create_room(json!({ "preset": "public_chat" })).await;
+    let path = |action: &str| format!("/_matrix/client/v3/rooms/{}/{action}", enc(&room));
+    // Kicking someone who never joined: 403 M_BAD_STATE, no event.
+    let before = mod_.all_event_ids(&room).await.len();
+    mod_.post(&path("kick"), &json!({ "user_id": vic.user_id })).await.expect_err(403, "M_BAD_STATE");
+    assert_eq!(mod_.all_event_ids(&room).await.len(), before);
+    // Ban twice: one event.
+    mod_.post(&path("ban"), &json!({ "user_id": vic.user_id })).await.ok();
+    mod_.post(&path("ban"), &json!({ "user_id": vic.user_id })).await.ok();
+    assert_eq!(mod_.all_event_ids(&room).await.len(), before + 1);
+    // Kicking a banned user does not unban them.
+    mod_.post(&path("kick"), &json!({ "user_id": vic.user_id })).await.expect_err(403, "M_BAD_STATE");
+    // Six concurrent unbans: exactly one acts.
+    let mut tasks = Vec::new();
+    for _ in 0..6 {
+        let (c, p, v) = (mod_.clone(), path("unban"), vic.user_id.clone());
+        tasks.push(tokio::spawn(async move { c.post(&p, &json!({ "user_id": v })).await.status }));
+    }
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap());
+    }
+    statuses.sort();
+    assert_eq!(statuses, vec![200, 403, 403, 403, 403, 403]);
+    assert_eq!(mod_.all_event_ids(&room).await.len(), before + 2);
+    // Invite twice: one event; then the invitee joins.
+    mod_.post(&path("invite"), &json!({ "user_id": vic.user_id })).await.ok();
+    mod_.post(&path("invite"), &json!({ "user_id": vic.user_id })).await.ok();
+    assert_eq!(mod_.all_event_ids(&room).await.len(), before + 3);
+    vic.join(&room).await;
+    // Leaving twice is a no-op the second time; forgetting needs to have left.
+    vic.post(&format!("/_matrix/client/v3/rooms/{}/forget", enc(&room)), &json!({})).await.expect_err(400, "M_UNKNOWN");
+    vic.leave(&room).await;
+    vic.leave(&room).await;
+    assert_eq!(mod_.all_event_ids(&room).await.len(), before + 5);
+}
+
+/// Input the first pass let through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_pass_input_checks() {
+    let server = TestServer::start().await;
+    let a = server.register("checks_a").await;
+    let room = a.create_room(json!({})).await;
+    let long_key = "k".repeat(300);
+    a.put(&format!("/_matrix/client/v3/rooms/{}/state/org.example/{long_key}", enc(&room)), &json!({}))
+        .await
+        .expect_err(413, "M_TOO_LARGE");
+    a.put(&format!("/_matrix/client/v3/profile/{}/displayname", enc(&a.user_id)), &json!({}))
+        .await
+        .expect_err(400, "M_MISSING_PARAM");
+    a.messages_resp(&room, "dir=b&from=t99999999").await.expect_err(400, "M_INVALID_PARAM");
+    a.get("/_matrix/client/v3/sync?set_presence=bogus").await.expect_err(400, "M_INVALID_PARAM");
+    a.get("/_matrix/client/v3/sync?full_state=yes").await.expect_err(400, "M_INVALID_PARAM");
+    // contains_url filters.
+    a.send_txn(&room, "m.room.message", "img", &json!({ "msgtype": "m.image", "body": "pic", "url": "mxc://x/y" })).await.ok();
+    a.send_text(&room, "plain").await;
+    let with = a.messages(&room, "dir=b&filter=%7B%22contains_url%22%3Atrue%7D").await;
+    let bodies: Vec<&str> = with["chunk"].as_array().unwrap().iter().map(|e| e["content"]["body"].as_str().unwrap_or("")).collect();
+    assert_eq!(bodies, vec!["pic"]);
+}
+
+/// `full_state=true` on an incremental sync resends state but keeps the timeline from
+/// `since` (spec: "The timeline will still be limited by the since parameter").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_state_keeps_the_timeline_from_since() {
+    let server = TestServer::start().await;
+    let a = server.register("fullstate_a").await;
+    let room = a.create_room(json!({ "name": "fs" })).await;
+    for i in 0..5 {
+        a.send_text(&room, &format!("old {i}")).await;
+    }
+    let since = a.sync("").await["next_batch"].as_str().unwrap().to_owned();
+    let new = a.send_text(&room, "new").await;
+    let v = a.sync(&format!("since={since}&full_state=true")).await;
+    let joined = &v["rooms"]["join"][&room];
+    assert_eq!(common::ids(&joined["timeline"]["events"]), vec![new]);
+    assert_eq!(joined["timeline"]["limited"], false);
+    let state_types: Vec<&str> = joined["state"]["events"].as_array().unwrap().iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert!(state_types.contains(&"m.room.create") && state_types.contains(&"m.room.name"), "{state_types:?}");
+}

@@ -357,7 +357,10 @@ async fn set_profile_field(
     if user_id != r.user_id {
         return Err(MatrixError::forbidden("Cannot set another user's profile"));
     }
-    // An empty string clears the field like `null` does.
+    // The field must be present (spec: 400 M_MISSING_PARAM); an empty string clears it.
+    if !body.contains_key(&field) || body[&field].is_null() {
+        return Err(MatrixError::missing_param(format!("{field} is required (use \"\" to clear it)")));
+    }
     let value = opt_str(&body, &field)?.filter(|v| !v.is_empty());
     if field == "avatar_url" && value.as_ref().is_some_and(|v| !v.starts_with("mxc://")) {
         return Err(MatrixError::bad_json("avatar_url must be an mxc:// URI"));
@@ -393,6 +396,7 @@ async fn set_profile_field(
                 redacts: None,
             },
             txn_id: None,
+            precondition: None,
         };
         if let Err(e) = s.submit(&r.user_id, Some(&r.device_id), body).await {
             tracing::warn!(room = %room_id, error = %e.error, "profile propagation failed");

@@ -81,6 +81,7 @@ impl From<JournalError> for MatrixError {
     fn from(e: JournalError) -> Self {
         match &e {
             JournalError::Forbidden(m) => MatrixError::forbidden(m.clone()),
+            JournalError::BadState(m) => MatrixError::new(StatusCode::FORBIDDEN, "M_BAD_STATE", m.clone()),
             JournalError::UnknownRoom(_) => MatrixError::not_found(e.to_string()),
             JournalError::UserInUse => MatrixError::new(StatusCode::BAD_REQUEST, "M_USER_IN_USE", "User ID already taken."),
             JournalError::AliasInUse => MatrixError::new(StatusCode::BAD_REQUEST, "M_ROOM_IN_USE", "Room alias already taken"),

@@ -63,11 +63,18 @@ pub struct AppState {
     pub typing: typing::Typing,
     /// `/sync` room summaries cached by state root.
     pub summaries: Arc<parking_lot::Mutex<HashMap<[u8; 32], serde_json::Value>>>,
+    /// Becomes `true` when the server shuts down: waiting long-polls answer at once.
+    pub shutdown: tokio::sync::watch::Receiver<bool>,
 }
 
 impl AppState {
-    /// Builds the state.
-    pub fn new(journal: Journal, projections: Projections, config: ApiConfig) -> AppState {
+    /// Builds the state. `shutdown` turning `true` ends every waiting long-poll.
+    pub fn new(
+        journal: Journal,
+        projections: Projections,
+        config: ApiConfig,
+        shutdown: tokio::sync::watch::Receiver<bool>,
+    ) -> AppState {
         let key = journal.key().clone();
         AppState {
             journal,
@@ -76,6 +83,7 @@ impl AppState {
             config: Arc::new(config),
             typing: typing::Typing::default(),
             summaries: Arc::default(),
+            shutdown,
         }
     }
 

@@ -201,7 +201,13 @@ async fn messages(State(s): State<AppState>, r: Requester, Path(room_id): Path<S
     let applied = s.projections.runtime.applied();
     let cap = access.cap.min(applied);
     let from = match q.get("from") {
-        Some(t) => parse_token(t)?,
+        Some(t) => {
+            let pos = parse_token(t)?;
+            if pos > s.journal.durable_head() {
+                return Err(MatrixError::invalid_param("from token is from the future"));
+            }
+            pos
+        }
         None if dir == "b" => cap,
         None => 0,
     };

@@ -8,7 +8,7 @@ use axum::{
     routing::{get, post, put},
 };
 use serde_json::{Value, json};
-use spindle_journal::{CommandBody, EventSpec, Fact, Outcome};
+use spindle_journal::{CommandBody, EventSpec, Fact, MembershipPrecondition, Outcome};
 
 use crate::{
     ApiResult, AppState, MatrixError,
@@ -49,11 +49,42 @@ fn valid_user_id(user_id: &str) -> ApiResult<()> {
 
 /// Sends one event into a room as the requester.
 pub(crate) async fn send_spec(s: &AppState, r: &Requester, room_id: &str, event: EventSpec, txn_id: Option<String>) -> ApiResult<Outcome> {
+    send_checked(s, r, room_id, event, txn_id, None).await
+}
+
+async fn send_checked(
+    s: &AppState,
+    r: &Requester,
+    room_id: &str,
+    event: EventSpec,
+    txn_id: Option<String>,
+    precondition: Option<MembershipPrecondition>,
+) -> ApiResult<Outcome> {
     valid_room_id(room_id)?;
     if !s.journal.room_exists(room_id) {
         return Err(MatrixError::forbidden("Unknown room or not a member of it"));
     }
-    s.submit(&r.user_id, Some(&r.device_id), CommandBody::SendEvent { room_id: room_id.to_owned(), event, txn_id }).await
+    if event.state_key.as_ref().is_some_and(|k| k.len() > 255) {
+        return Err(MatrixError::new(StatusCode::PAYLOAD_TOO_LARGE, "M_TOO_LARGE", "state_key is longer than 255 bytes"));
+    }
+    let body = CommandBody::SendEvent { room_id: room_id.to_owned(), event, txn_id, precondition };
+    s.submit(&r.user_id, Some(&r.device_id), body).await
+}
+
+/// The membership transitions the endpoints allow (spec: kick needs the target in the
+/// room; unban needs a ban; a repeated invite or ban is a no-op), checked atomically by
+/// the journal.
+fn precondition(membership: &str, target_is_self: bool) -> Option<MembershipPrecondition> {
+    let list = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    Some(match (membership, target_is_self) {
+        ("join", true) => MembershipPrecondition { allowed: list(&["none", "invite", "leave", "knock", "join"]), unchanged_ok: true },
+        ("leave", true) => MembershipPrecondition { allowed: list(&["join", "invite", "knock"]), unchanged_ok: true },
+        ("invite", _) => MembershipPrecondition { allowed: list(&["none", "leave", "knock"]), unchanged_ok: true },
+        ("kick", _) => MembershipPrecondition { allowed: list(&["join", "invite", "knock"]), unchanged_ok: false },
+        ("ban", _) => MembershipPrecondition { allowed: list(&["none", "join", "invite", "leave", "knock"]), unchanged_ok: true },
+        ("unban", _) => MembershipPrecondition { allowed: list(&["ban"]), unchanged_ok: false },
+        _ => return None,
+    })
 }
 
 fn int_field(c: &serde_json::Map<String, Value>, name: &str) -> ApiResult<()> {
@@ -172,15 +203,21 @@ fn member_content(s: &AppState, user_id: &str, membership: &str, reason: Option<
     c
 }
 
-async fn membership(s: &AppState, r: &Requester, room_id: &str, target: &str, membership: &str, reason: Option<String>) -> ApiResult<Outcome> {
+/// Sends a member event for an endpoint `action` (join, leave, invite, kick, ban, unban).
+async fn membership(s: &AppState, r: &Requester, room_id: &str, target: &str, action: &str, reason: Option<String>) -> ApiResult<Outcome> {
     valid_user_id(target)?;
+    let membership = match action {
+        "kick" | "unban" => "leave",
+        other => other,
+    };
     let content = member_content(s, target, membership, reason);
-    send_spec(
+    send_checked(
         s,
         r,
         room_id,
         EventSpec { kind: "m.room.member".into(), state_key: Some(target.to_owned()), content, redacts: None },
         None,
+        precondition(action, target == r.user_id),
     )
     .await
 }
@@ -404,7 +441,7 @@ async fn leave(State(s): State<AppState>, r: Requester, Path(room_id): Path<Stri
 
 async fn kick(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
     let (target, reason) = target_and_reason(&body)?;
-    membership(&s, &r, &room_id, &target, "leave", reason).await?;
+    membership(&s, &r, &room_id, &target, "kick", reason).await?;
     Ok(Json(json!({})))
 }
 
@@ -416,11 +453,7 @@ async fn ban(State(s): State<AppState>, r: Requester, Path(room_id): Path<String
 
 async fn unban(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
     let (target, reason) = target_and_reason(&body)?;
-    let current = s.projections.membership.get(&room_id, &target);
-    if current.as_ref().map(|m| m.membership.as_str()) != Some("ban") {
-        return Err(MatrixError::forbidden("The user is not banned"));
-    }
-    membership(&s, &r, &room_id, &target, "leave", reason).await?;
+    membership(&s, &r, &room_id, &target, "unban", reason).await?;
     Ok(Json(json!({})))
 }
 
@@ -431,9 +464,14 @@ async fn forget(State(s): State<AppState>, r: Requester, Path(room_id): Path<Str
             Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_UNKNOWN", "User is still in the room"))
         }
         Some(_) => {
+            // The journal checks again under the room lock (a join may race the forget).
             let fact = Fact::RoomForgotten { user_id: r.user_id.clone(), room_id };
-            s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
-            Ok(Json(json!({})))
+            match s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await {
+                Err(e) if e.errcode == "M_BAD_STATE" => {
+                    Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_UNKNOWN", "User is still in the room"))
+                }
+                other => other.map(|_| Json(json!({}))),
+            }
         }
         None => Err(MatrixError::not_found("You were never in this room")),
     }

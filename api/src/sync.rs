@@ -66,6 +66,8 @@ pub struct EventFilter {
     pub not_rooms: Vec<String>,
     /// Lazy-load room members.
     pub lazy_load_members: bool,
+    /// Only events with (true) or without (false) a `url` in their content.
+    pub contains_url: Option<bool>,
 }
 
 impl EventFilter {
@@ -90,6 +92,11 @@ impl EventFilter {
             rooms: string_list(v, "rooms")?,
             not_rooms: string_list(v, "not_rooms")?.unwrap_or_default(),
             lazy_load_members: v.get("lazy_load_members").and_then(|b| b.as_bool()).unwrap_or(false),
+            contains_url: match v.get("contains_url") {
+                None | Some(Value::Null) => None,
+                Some(Value::Bool(b)) => Some(*b),
+                Some(_) => return Err(MatrixError::bad_json("contains_url must be a boolean")),
+            },
         })
     }
 
@@ -108,9 +115,16 @@ impl EventFilter {
             return false;
         }
         if let Some(senders) = &self.senders
-            && !senders.iter().any(|s| s == sender) {
+            && !senders.iter().any(|s| s == sender)
+        {
+            return false;
+        }
+        if let Some(want) = self.contains_url {
+            let has = pdu.content_value().get("url").is_some_and(|u| u.is_string());
+            if has != want {
                 return false;
             }
+        }
         true
     }
 
@@ -410,7 +424,7 @@ impl Ctx<'_> {
     }
 
     fn joined_room(&self, room: &str, m: &Membership) -> Option<Value> {
-        let access = Access { membership: Some(m.clone()), cap: u64::MAX, was_joined: false };
+        let access = Access { membership: Some(m.clone()), cap: u64::MAX, was_joined: false, left_at: None };
         let since = self.since.map(|s| s.0);
         // Newly joined = not joined at the token. A later member event of a user who was
         // already joined (a profile change) is not a new join.
@@ -423,7 +437,9 @@ impl Ctx<'_> {
             }
         });
         let full = since.is_none() || self.full_state || newly_joined;
-        let after = if full { 0 } else { since.unwrap_or(0) };
+        // `full_state` resends the state but the timeline still starts at `since`
+        // (spec: "The timeline will still be limited by the since parameter").
+        let after = if since.is_none() || newly_joined { 0 } else { since.unwrap_or(0) };
         if !full && self.s.projections.timeline.last_activity(room).is_none_or(|p| p <= after) {
             // Nothing new in the timeline: only ephemeral or account data can matter.
             let ephemeral = self.ephemeral(room, false);
@@ -504,7 +520,7 @@ impl Ctx<'_> {
 
     fn left_room(&self, room: &str, m: &Membership) -> Option<Value> {
         let access = crate::visibility::room_access(self.s, &self.r.user_id, room)
-            .unwrap_or(Access { membership: Some(m.clone()), cap: m.position, was_joined: false });
+            .unwrap_or(Access { membership: Some(m.clone()), cap: m.position, was_joined: false, left_at: Some(m.position) });
         let after = self.since.map(|s| s.0).unwrap_or(0);
         let (timeline, limited) = self.timeline(room, &access, after, m.position.min(self.upto));
         let state = if self.since.is_none() || limited {
@@ -563,7 +579,16 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
         }
     };
     let since = q.get("since").map(parse_since).transpose()?;
-    let full_state = q.get("full_state") == Some("true");
+    let full_state = match q.get("full_state") {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(other) => return Err(MatrixError::invalid_param(format!("full_state must be true or false, not {other:?}"))),
+    };
+    if let Some(p) = q.get("set_presence") {
+        if !["online", "offline", "unavailable"].contains(&p) {
+            return Err(MatrixError::invalid_param(format!("set_presence must be online, offline or unavailable, not {p:?}")));
+        }
+    }
     let timeout = q.u64("timeout")?.unwrap_or(0).min(s.config.max_sync_timeout_ms);
     if let Some(since) = since {
         if since.0 > s.journal.durable_head() {
@@ -582,15 +607,20 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
                 .filter(|(_, m)| m.membership == "join")
                 .map(|(room, _)| room)
                 .collect();
+            let mut shutdown = s.shutdown.clone();
             loop {
                 applied_rx.borrow_and_update();
                 typing_rx.borrow_and_update();
+                if *shutdown.borrow_and_update() {
+                    break;
+                }
                 if has_updates(&s, &r.user_id, &joined, since, s.projections.runtime.applied()) {
                     break;
                 }
                 tokio::select! {
                     _ = applied_rx.changed() => {}
                     _ = typing_rx.changed() => {}
+                    _ = shutdown.changed() => break,
                     _ = tokio::time::sleep_until(deadline) => break,
                 }
             }

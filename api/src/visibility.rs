@@ -21,6 +21,8 @@ pub struct Access {
     /// leave/ban, i.e. joined at some point after every event up to `cap` that they
     /// were not joined for (the spec's rule for `shared`).
     pub was_joined: bool,
+    /// For a former member: the position of their latest leave/ban.
+    pub left_at: Option<u64>,
 }
 
 impl Access {
@@ -56,7 +58,7 @@ pub fn room_access(s: &AppState, user_id: &str, room_id: &str) -> ApiResult<Acce
         return Err(denied());
     }
     match membership.as_ref().map(|m| m.membership.as_str()) {
-        Some("join") | Some("invite") | Some("knock") => Ok(Access { membership, cap: u64::MAX, was_joined: false }),
+        Some("join") | Some("invite") | Some("knock") => Ok(Access { membership, cap: u64::MAX, was_joined: false, left_at: None }),
         Some(_) => {
             let m = membership.as_ref().expect("matched Some");
             let was_joined = s
@@ -66,12 +68,19 @@ pub fn room_access(s: &AppState, user_id: &str, room_id: &str) -> ApiResult<Acce
                 .and_then(|(before, _)| state_content(s, before, "m.room.member", user_id))
                 .and_then(|c| c.get("membership").and_then(|v| v.as_str()).map(|v| v == "join"))
                 .unwrap_or(false);
-            Ok(Access { cap: m.position, membership, was_joined })
+            // A world-readable room stays readable after leaving, like for anyone else.
+            let world_readable = s
+                .projections
+                .state
+                .current_root(room_id)
+                .is_some_and(|root| history_visibility_at(s, root) == "world_readable");
+            let cap = if world_readable { u64::MAX } else { m.position };
+            Ok(Access { cap, left_at: Some(m.position), membership, was_joined })
         }
         None => {
             let root = s.projections.state.current_root(room_id).ok_or_else(denied)?;
             if history_visibility_at(s, root) == "world_readable" {
-                Ok(Access { membership: None, cap: u64::MAX, was_joined: false })
+                Ok(Access { membership: None, cap: u64::MAX, was_joined: false, left_at: None })
             } else {
                 Err(denied())
             }
@@ -110,6 +119,9 @@ pub fn can_see(s: &AppState, user_id: &str, access: &Access, ev: &EventRecord) -
         "invite" if visibility == "invited" => true,
         // `shared`: visible to anyone joined now, or joined at some point after the event
         // (for a former member: joined right before they left, and the event is before that).
-        _ => visibility == "shared" && (access.joined() || access.was_joined),
+        _ => {
+            visibility == "shared"
+                && (access.joined() || (access.was_joined && access.left_at.is_some_and(|l| ev.position <= l)))
+        }
     }
 }

@@ -47,9 +47,23 @@ pub enum CommandBody {
         event: EventSpec,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         txn_id: Option<String>,
+        /// For member events: a condition on the target's current membership, checked
+        /// under the room lock (so two unbans or a kick racing a join cannot both act).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        precondition: Option<MembershipPrecondition>,
     },
     /// Record a non-room fact.
     Fact { fact: Fact },
+}
+
+/// A condition on the target's membership at commit time.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct MembershipPrecondition {
+    /// Memberships the target may currently have; `"none"` means no member event yet.
+    pub allowed: Vec<String>,
+    /// If the target already has the membership being sent, succeed without a new event
+    /// (an invite to someone already invited, a ban of someone already banned).
+    pub unchanged_ok: bool,
 }
 
 /// The signed part of a command.

@@ -27,7 +27,7 @@ use ruma::{OwnedEventId, OwnedRoomId, OwnedUserId};
 use spindle_core::{keys::ServerKey, pdu::{Pdu, PduError, PduTemplate}, room_version};
 use tokio::sync::watch;
 
-pub use command::{CommandBody, CommandEnvelope, EventSpec, SignedCommand};
+pub use command::{CommandBody, CommandEnvelope, EventSpec, MembershipPrecondition, SignedCommand};
 pub use record::{Fact, Record, RecordKind, RECORD_FORMAT};
 pub use store::{FjallStore, JournalStore};
 
@@ -37,6 +37,10 @@ pub enum JournalError {
     /// The auth rules (or a journal-level rule) forbid it: `M_FORBIDDEN`.
     #[error("{0}")]
     Forbidden(String),
+    /// The target's membership does not allow the change (a precondition failed):
+    /// 403 `M_BAD_STATE`.
+    #[error("{0}")]
+    BadState(String),
     /// The room does not exist here: `M_NOT_FOUND`.
     #[error("unknown room {0}")]
     UnknownRoom(String),
@@ -275,9 +279,12 @@ impl Journal {
         let bytes = cmd.envelope.canonical_bytes().map_err(JournalError::BadJson)?;
         self.inner.key.verify_bytes(&bytes, &cmd.signature).map_err(|_| JournalError::BadSignature)?;
         let outcome = match &cmd.envelope.body {
+            CommandBody::Fact { fact: fact @ Fact::RoomForgotten { room_id, user_id } } => {
+                self.forget_room(&cmd, fact, room_id, user_id).await?
+            }
             CommandBody::Fact { fact } => self.append_fact(&cmd, fact)?,
-            CommandBody::SendEvent { room_id, event, txn_id } => {
-                self.send_event(&cmd, room_id, event, txn_id.as_deref()).await?
+            CommandBody::SendEvent { room_id, event, txn_id, precondition } => {
+                self.send_event(&cmd, room_id, event, txn_id.as_deref(), precondition.as_ref()).await?
             }
             CommandBody::CreateRoom { room_version, events, alias } => {
                 self.create_room(&cmd, room_version, events, alias.as_deref()).await?
@@ -432,12 +439,36 @@ impl Journal {
         OwnedUserId::try_from(cmd.envelope.principal.as_str()).map_err(|e| JournalError::BadJson(e.to_string()))
     }
 
+    /// `RoomForgotten` is only true of a user who is not in the room: checked under the
+    /// room lock so a concurrent join cannot be followed by a forget.
+    async fn forget_room(&self, cmd: &SignedCommand, fact: &Fact, room_id: &str, user_id: &str) -> Result<Outcome, JournalError> {
+        let room = OwnedRoomId::try_from(room_id).map_err(|_| JournalError::UnknownRoom(room_id.to_owned()))?;
+        let agg = self.inner.rooms.lock().get(&room).cloned().ok_or_else(|| JournalError::UnknownRoom(room_id.to_owned()))?;
+        let agg = agg.lock().await;
+        let current = Self::membership_of(&agg, user_id);
+        if matches!(current.as_str(), "join" | "invite" | "knock") {
+            return Err(JournalError::BadState(format!("{user_id} is still in the room ({current})")));
+        }
+        let payload = serde_json::to_vec(fact).map_err(|e| JournalError::BadJson(e.to_string()))?;
+        let position = self.enqueue(vec![self.base_record(cmd, RecordKind::Fact, payload)]);
+        Ok(Outcome { position, room_id: Some(room), event_ids: vec![] })
+    }
+
+    /// The target's current membership in the aggregate (`"none"` without a member event).
+    fn membership_of(agg: &RoomAggregate, user_id: &str) -> String {
+        agg.auth_state
+            .get(&("m.room.member".to_owned(), user_id.to_owned()))
+            .and_then(|p| p.content_value().get("membership").and_then(|m| m.as_str()).map(str::to_owned))
+            .unwrap_or_else(|| "none".into())
+    }
+
     async fn send_event(
         &self,
         cmd: &SignedCommand,
         room_id: &str,
         spec: &EventSpec,
         txn_id: Option<&str>,
+        precondition: Option<&MembershipPrecondition>,
     ) -> Result<Outcome, JournalError> {
         let sender = Self::sender_of(cmd)?;
         let room = OwnedRoomId::try_from(room_id).map_err(|_| JournalError::UnknownRoom(room_id.to_owned()))?;
@@ -451,6 +482,21 @@ impl Journal {
             && let Some((event_id, position)) = agg.txns.get(k) {
                 return Ok(Outcome { position: *position, room_id: Some(room), event_ids: vec![event_id.clone()] });
             }
+        if let (Some(pre), Some(target)) = (precondition, spec.state_key.as_deref()) {
+            let current = Self::membership_of(&agg, target);
+            let wanted = spec.content.get("membership").and_then(|m| m.as_str()).unwrap_or("");
+            if pre.unchanged_ok && current == wanted {
+                let existing = agg.auth_state.get(&("m.room.member".to_owned(), target.to_owned())).map(|p| p.event_id.clone());
+                return Ok(Outcome { position: self.durable_head(), room_id: Some(room), event_ids: existing.into_iter().collect() });
+            }
+            if !pre.allowed.iter().any(|a| *a == current) {
+                // Someone outside the room learns nothing about its members.
+                if !matches!(Self::membership_of(&agg, sender.as_str()).as_str(), "join" | "invite" | "knock") {
+                    return Err(JournalError::Forbidden("You are not in this room".into()));
+                }
+                return Err(JournalError::BadState(format!("{target}'s membership is {current}; cannot change it to {wanted} here")));
+            }
+        }
         let pdu = self.build_event(&agg, Some(&room), &sender, spec, cmd.envelope.issued_at)?;
         let rec = self.event_record(cmd, &pdu, txn_id);
         let position = self.enqueue(vec![rec]);

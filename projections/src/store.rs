@@ -311,7 +311,7 @@ mod tests {
         let db = ProjectionDb::open(dir.path()).unwrap();
         let a = db.table("p", "a").unwrap();
         let b = db.table("p", "b").unwrap();
-        let mut ctx = ApplyCtx::new();
+        let ctx = ApplyCtx::new();
         ctx.put(&a, b"room1\0x".to_vec(), b"1".to_vec());
         ctx.commit(&db, "p", 1).unwrap();
 

@@ -56,7 +56,7 @@ async fn live_and_replayed_projections_have_identical_digests() {
         .unwrap();
     let room = created.room_id.unwrap().to_string();
     let send = |who: &str, spec: EventSpec, txn: Option<String>| {
-        cmd(&key, who, CommandBody::SendEvent { room_id: room.clone(), event: spec, txn_id: txn })
+        cmd(&key, who, CommandBody::SendEvent { room_id: room.clone(), event: spec, txn_id: txn, precondition: None })
     };
     journal.submit(send(bob, ev("m.room.member", Some(bob), json!({ "membership": "join" })), None)).await.unwrap();
     let mut last = String::new();
