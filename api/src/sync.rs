@@ -554,12 +554,12 @@ fn has_updates(s: &AppState, user: &str, joined: &[String], since: (u64, u64), u
     }
     for room in joined {
         let room = room.as_str();
-        if p.timeline.last_activity(&room).is_some_and(|pos| pos > since.0)
-            && !p.timeline.range_forward(&room, since.0, upto, 1).is_empty()
+        if p.timeline.last_activity(room).is_some_and(|pos| pos > since.0)
+            && !p.timeline.range_forward(room, since.0, upto, 1).is_empty()
         {
             return true;
         }
-        if s.typing.room_serial(&room) > since.1 || p.receipts.last_change(&room) > since.0 {
+        if s.typing.room_serial(room) > since.1 || p.receipts.last_change(room) > since.0 {
             return true;
         }
     }
@@ -584,11 +584,10 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
         Some("true") => true,
         Some(other) => return Err(MatrixError::invalid_param(format!("full_state must be true or false, not {other:?}"))),
     };
-    if let Some(p) = q.get("set_presence") {
-        if !["online", "offline", "unavailable"].contains(&p) {
+    if let Some(p) = q.get("set_presence")
+        && !["online", "offline", "unavailable"].contains(&p) {
             return Err(MatrixError::invalid_param(format!("set_presence must be online, offline or unavailable, not {p:?}")));
         }
-    }
     let timeout = q.u64("timeout")?.unwrap_or(0).min(s.config.max_sync_timeout_ms);
     if let Some(since) = since {
         if since.0 > s.journal.durable_head() {

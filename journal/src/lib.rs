@@ -489,7 +489,7 @@ impl Journal {
                 let existing = agg.auth_state.get(&("m.room.member".to_owned(), target.to_owned())).map(|p| p.event_id.clone());
                 return Ok(Outcome { position: self.durable_head(), room_id: Some(room), event_ids: existing.into_iter().collect() });
             }
-            if !pre.allowed.iter().any(|a| *a == current) {
+            if !pre.allowed.contains(&current) {
                 // Someone outside the room learns nothing about its members.
                 if !matches!(Self::membership_of(&agg, sender.as_str()).as_str(), "join" | "invite" | "knock") {
                     return Err(JournalError::Forbidden("You are not in this room".into()));
