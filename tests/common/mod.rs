@@ -54,10 +54,12 @@ impl TestServer {
     /// Starts a server after `f` adjusted the configuration.
     pub async fn start_with(f: impl FnOnce(&mut spindle::Config)) -> TestServer {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut config = spindle::Config::default();
-        config.bind = "127.0.0.1:0".parse().unwrap();
-        config.data_dir = dir.path().join("data");
-        config.log = "warn".into();
+        let mut config = spindle::Config {
+            bind: "127.0.0.1:0".parse().unwrap(),
+            data_dir: dir.path().join("data"),
+            log: "warn".into(),
+            ..Default::default()
+        };
         f(&mut config);
         let server = spindle::Server::start(config).await.expect("server starts");
         let base = format!("http://{}", server.addr);
