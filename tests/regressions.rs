@@ -248,3 +248,23 @@ async fn full_state_keeps_the_timeline_from_since() {
     let state_types: Vec<&str> = joined["state"]["events"].as_array().unwrap().iter().map(|e| e["type"].as_str().unwrap()).collect();
     assert!(state_types.contains(&"m.room.create") && state_types.contains(&"m.room.name"), "{state_types:?}");
 }
+
+/// Room tags (Element's favourites) are a view over `m.tag` room account data; the
+/// `order` is a float, which account data may carry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn room_tags_round_trip_through_account_data() {
+    let server = TestServer::start().await;
+    let a = server.register("tags_a").await;
+    let room = a.create_room(json!({})).await;
+    let base = format!("/_matrix/client/v3/user/{}/rooms/{}/tags", enc(&a.user_id), enc(&room));
+    a.put(&format!("{base}/m.favourite"), &json!({ "order": 0.25 })).await.ok();
+    a.put(&format!("{base}/u.work"), &json!({})).await.ok();
+    assert_eq!(a.get(&base).await.ok(), json!({ "tags": { "m.favourite": { "order": 0.25 }, "u.work": {} } }));
+    let sync = a.sync("").await;
+    let ad = &sync["rooms"]["join"][&room]["account_data"]["events"];
+    assert_eq!(ad, &json!([{ "type": "m.tag", "content": { "tags": { "m.favourite": { "order": 0.25 }, "u.work": {} } } }]));
+    a.request(reqwest::Method::DELETE, &format!("{base}/u.work"), None).await.ok();
+    assert_eq!(a.get(&base).await.ok(), json!({ "tags": { "m.favourite": { "order": 0.25 } } }));
+    let other = server.register("tags_b").await;
+    other.get(&base).await.expect_err(403, "M_FORBIDDEN");
+}

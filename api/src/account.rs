@@ -39,6 +39,8 @@ pub(crate) fn routes() -> Router<AppState> {
         )
         .route("/_matrix/client/v3/pushrules/", get(push_rules))
         .route("/_matrix/client/v3/pushrules/global/", get(push_rules_global))
+        .route("/_matrix/client/v3/user/{user_id}/rooms/{room_id}/tags", get(get_tags))
+        .route("/_matrix/client/v3/user/{user_id}/rooms/{room_id}/tags/{tag}", axum::routing::put(put_tag).delete(delete_tag))
         .route("/_matrix/client/v3/user/{user_id}/filter", post(create_filter))
         .route("/_matrix/client/v3/user/{user_id}/filter/{filter_id}", get(get_filter))
 }
@@ -511,4 +513,69 @@ async fn push_rules(r: Requester) -> ApiResult<Json<Value>> {
 /// `GET /pushrules/global/`.
 async fn push_rules_global(r: Requester) -> ApiResult<Json<Value>> {
     Ok(Json(default_ruleset(&r.user_id)?))
+}
+
+/// Room tags (spec: "Room Tagging"): a view over the room's `m.tag` account data.
+fn tags_of(s: &AppState, user_id: &str, room_id: &str) -> serde_json::Map<String, Value> {
+    s.projections
+        .account_data
+        .get(user_id, Some(room_id), "m.tag")
+        .and_then(|v| v.get("tags").and_then(|t| t.as_object()).cloned())
+        .unwrap_or_default()
+}
+
+async fn save_tags(s: &AppState, r: &Requester, room_id: String, tags: serde_json::Map<String, Value>) -> ApiResult<()> {
+    let fact = Fact::AccountDataSet {
+        user_id: r.user_id.clone(),
+        room_id: Some(room_id),
+        data_type: "m.tag".into(),
+        content: json!({ "tags": tags }),
+    };
+    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await.map(|_| ())
+}
+
+async fn get_tags(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((user_id, room_id)): Path<(String, String)>,
+) -> ApiResult<Json<Value>> {
+    own(&r, &user_id)?;
+    Ok(Json(json!({ "tags": tags_of(&s, &user_id, &room_id) })))
+}
+
+async fn put_tag(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((user_id, room_id, tag)): Path<(String, String, String)>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    own(&r, &user_id)?;
+    if ruma::RoomId::parse(&room_id).is_err() {
+        return Err(MatrixError::invalid_param("Invalid room id"));
+    }
+    if tag.is_empty() || tag.len() > 255 {
+        return Err(MatrixError::invalid_param("Tag names are 1 to 255 bytes"));
+    }
+    if let Some(order) = body.get("order")
+        && !order.is_number()
+    {
+        return Err(MatrixError::bad_json("order must be a number"));
+    }
+    let mut tags = tags_of(&s, &user_id, &room_id);
+    tags.insert(tag, Value::Object(body));
+    save_tags(&s, &r, room_id, tags).await?;
+    Ok(Json(json!({})))
+}
+
+async fn delete_tag(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((user_id, room_id, tag)): Path<(String, String, String)>,
+) -> ApiResult<Json<Value>> {
+    own(&r, &user_id)?;
+    let mut tags = tags_of(&s, &user_id, &room_id);
+    if tags.remove(&tag).is_some() {
+        save_tags(&s, &r, room_id, tags).await?;
+    }
+    Ok(Json(json!({})))
 }
