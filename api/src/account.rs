@@ -141,7 +141,7 @@ async fn start_session(
 ) -> ApiResult<(String, String)> {
     let device_id = device_id.unwrap_or_else(|| random_string(10));
     if s.projections.accounts.device(user_id, &device_id).is_none() {
-        s.submit(
+        s.submit_and_wait(
             user_id,
             Some(&device_id),
             CommandBody::Fact { fact: Fact::DeviceCreated { user_id: user_id.into(), device_id: device_id.clone(), display_name } },
@@ -149,7 +149,7 @@ async fn start_session(
         .await?;
     }
     let token = format!("spt_{}", random_string(40));
-    s.submit(
+    s.submit_and_wait(
         user_id,
         Some(&device_id),
         CommandBody::Fact {
@@ -222,7 +222,7 @@ async fn register(State(s): State<AppState>, q: Query, JsonObject(body): JsonObj
         Some(p) => Some(hash_password(p).await?),
         None => None,
     };
-    s.submit(&user_id, None, CommandBody::Fact { fact: Fact::AccountRegistered { user_id: user_id.clone(), password_hash } })
+    s.submit_and_wait(&user_id, None, CommandBody::Fact { fact: Fact::AccountRegistered { user_id: user_id.clone(), password_hash } })
         .await?;
     if body.get("inhibit_login").and_then(|v| v.as_bool()) == Some(true) {
         return Ok(Json(json!({ "user_id": user_id, "home_server": s.server_name() })).into_response());
@@ -291,8 +291,8 @@ async fn login(State(s): State<AppState>, JsonObject(body): JsonObject) -> ApiRe
 }
 
 async fn logout(State(s): State<AppState>, r: Requester) -> ApiResult<Json<Value>> {
-    // Spec: logout invalidates the token and deletes the device.
-    s.submit(
+    // Spec: logout invalidates the token and deletes the device (at once: wait).
+    s.submit_and_wait(
         &r.user_id,
         Some(&r.device_id),
         CommandBody::Fact { fact: Fact::DeviceDeleted { user_id: r.user_id.clone(), device_id: r.device_id.clone() } },
@@ -303,7 +303,7 @@ async fn logout(State(s): State<AppState>, r: Requester) -> ApiResult<Json<Value
 
 async fn logout_all(State(s): State<AppState>, r: Requester) -> ApiResult<Json<Value>> {
     for (device_id, _) in s.projections.accounts.devices(&r.user_id) {
-        s.submit(
+        s.submit_and_wait(
             &r.user_id,
             Some(&r.device_id),
             CommandBody::Fact { fact: Fact::DeviceDeleted { user_id: r.user_id.clone(), device_id } },
@@ -375,7 +375,7 @@ async fn set_profile_field(
         "avatar_url" => Fact::ProfileSet { user_id: user_id.clone(), displayname: None, avatar_url: Some(value.clone()) },
         _ => return Err(MatrixError::unrecognized()),
     };
-    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
+    s.submit_and_wait(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
     // Propagate to every joined room as a new member event (what Synapse does).
     let profile = s.projections.accounts.profile(&user_id);
     for (room_id, m) in s.projections.membership.rooms_of(&user_id) {

@@ -77,6 +77,9 @@ impl FromRequestParts<AppState> for Requester {
         let token = token_from(parts)
             .ok_or_else(|| MatrixError::new(StatusCode::UNAUTHORIZED, "M_MISSING_TOKEN", "Missing access token"))?;
         let hash = token_hash(&token);
+        // Read-your-writes: everything acknowledged before this request is visible to it
+        // (including a token issued or revoked just before).
+        state.wait_for_acknowledged().await?;
         let owner = state.projections.accounts.token(&hash).ok_or_else(|| {
             MatrixError::new(StatusCode::UNAUTHORIZED, "M_UNKNOWN_TOKEN", "Unknown access token")
                 .with_extra(serde_json::json!({"soft_logout": false}))

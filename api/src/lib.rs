@@ -87,8 +87,9 @@ impl AppState {
         }
     }
 
-    /// Signs and submits a command as `principal`/`device`, then waits until every
-    /// projection has applied it.
+    /// Signs and submits a command as `principal`/`device`. Returns once the records
+    /// are durable; it does not wait for the projections (the writer never waits on a
+    /// reader, BRIEF §2). Reads wait instead: see [`AppState::wait_for_acknowledged`].
     pub async fn submit(&self, principal: &str, device_id: Option<&str>, body: CommandBody) -> ApiResult<Outcome> {
         let envelope = CommandEnvelope {
             principal: principal.to_owned(),
@@ -97,9 +98,30 @@ impl AppState {
             body,
         };
         let cmd = SignedCommand::sign(&self.key, envelope).map_err(MatrixError::bad_json)?;
-        let outcome = self.journal.submit(cmd).await?;
+        Ok(self.journal.submit(cmd).await?)
+    }
+
+    /// [`AppState::submit`], then waits until every projection has applied the
+    /// command: for writes whose effect the same handler reads (profile propagation),
+    /// or that must hold before the answer leaves (a logout revokes its token, a login
+    /// answers with a token that works).
+    pub async fn submit_and_wait(&self, principal: &str, device_id: Option<&str>, body: CommandBody) -> ApiResult<Outcome> {
+        let outcome = self.submit(principal, device_id, body).await?;
         self.wait_for(outcome.position).await?;
         Ok(outcome)
+    }
+
+    /// Waits (bounded) until the projections have applied everything acknowledged
+    /// before this call: every authenticated request starts with it, so a read sees
+    /// every write that was acknowledged before the read began, its own or anyone
+    /// else's (BRIEF §3.5, and what users of a single homeserver expect). Costs
+    /// nothing when the projections are caught up.
+    pub async fn wait_for_acknowledged(&self) -> ApiResult<()> {
+        let head = self.journal.durable_head();
+        if head > self.projections.runtime.applied() {
+            self.wait_for(head).await?;
+        }
+        Ok(())
     }
 
     /// Waits (bounded) for the projections to reach `position`.
