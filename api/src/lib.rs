@@ -1,9 +1,10 @@
 //! The Client-Server API (spec v1.19), served with axum.
 //!
 //! Reads come only from projections ([`spindle_projections::Projections`]); writes go
-//! only through signed commands to the journal ([`spindle_journal::Journal`]). After a
-//! write the handler waits (bounded) until the projections have applied its position,
-//! so the client's next read sees it (read-your-writes, BRIEF §3.5).
+//! only through signed commands to the journal ([`spindle_journal::Journal`]). A write
+//! answers once durable; every authenticated request first waits (bounded) until the
+//! projections have applied everything acknowledged so far, so a client's next read
+//! sees its write (read-your-writes, BRIEF §3.5) without writers waiting on readers.
 
 pub mod account;
 pub mod error;
@@ -28,7 +29,7 @@ use tower_http::cors::{Any, CorsLayer};
 
 pub use error::{ApiResult, MatrixError};
 
-/// How long a handler waits for projections to catch up with its own write.
+/// How long a request waits for the projections to catch up with acknowledged writes.
 pub const READ_YOUR_WRITES_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// API settings (a subset of the server config).
