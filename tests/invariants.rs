@@ -519,6 +519,9 @@ async fn our_rooms_are_chains() {
     carol.leave(&room).await;
     alice.post(&format!("/_matrix/client/v3/rooms/{}/kick", enc(&room)), &json!({ "user_id": bob.user_id })).await.ok();
     alice.put_state(&room, "m.room.topic", "", json!({ "topic": "done" })).await;
+    // Reading the projection directly bypasses the API's wait for acknowledged writes.
+    let head = ts.server.journal.durable_head();
+    assert!(ts.server.projections.runtime.wait_for(head, std::time::Duration::from_secs(10)).await);
 
     // From the journal.
     let mut records = Vec::new();
@@ -653,8 +656,10 @@ async fn concurrent_sends_share_fsyncs() {
     assert_eq!(appended, N as u64);
     assert!(fsyncs >= 1, "an acknowledged write was fsynced");
     assert!(fsyncs <= N as u64, "{fsyncs} fsyncs for {N} sends");
-    // Every acknowledged event is durable and readable.
+    // Every acknowledged event is durable and readable (direct projection reads wait
+    // for the projections first, as every API request does).
     let head = ts.server.journal.durable_head();
+    assert!(ts.server.projections.runtime.wait_for(head, std::time::Duration::from_secs(10)).await);
     for ((c, room), id) in clients.iter().zip(&event_ids) {
         let rec = ts.server.projections.timeline.event(id).expect("acknowledged event is projected");
         assert!(rec.position <= head);

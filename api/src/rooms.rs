@@ -272,7 +272,7 @@ async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): 
     let alias = match opt_str(&body, "room_alias_name")? {
         Some(local) => {
             let alias = format!("#{local}:{}", s.server_name());
-            if local.is_empty() || ruma::RoomAliasId::parse(&alias).is_err() || local.contains(':') {
+            if !valid_alias_localpart(&local) || alias.len() > 255 || ruma::RoomAliasId::parse(&alias).is_err() {
                 return Err(MatrixError::invalid_param("Invalid room_alias_name"));
             }
             if s.projections.aliases.resolve(&alias).is_some() {
@@ -292,6 +292,9 @@ async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): 
     };
     if create_content.get("type").is_some_and(|t| !t.is_string()) {
         return Err(MatrixError::bad_json("creation_content.type must be a string"));
+    }
+    if create_content.get("m.federate").is_some_and(|t| !t.is_boolean()) {
+        return Err(MatrixError::bad_json("creation_content.m.federate must be a boolean"));
     }
     create_content["room_version"] = json!(version);
     if uses_creator_field {
@@ -608,10 +611,19 @@ async fn redact(
     Ok(event_id_json(&o))
 }
 
+/// An alias localpart: non-empty, no whitespace or control characters, no `:` or `#`
+/// (Synapse's rules; the spec's grammar leaves them open).
+fn valid_alias_localpart(local: &str) -> bool {
+    !local.is_empty() && !local.chars().any(|c| c.is_whitespace() || c.is_control() || c == ':' || c == '#')
+}
+
 fn valid_local_alias(s: &AppState, alias: &str) -> ApiResult<()> {
     ruma::RoomAliasId::parse(alias).map_err(|_| MatrixError::invalid_param("Invalid room alias"))?;
-    if !alias.ends_with(&format!(":{}", s.server_name())) {
+    let Some(local) = alias.strip_prefix('#').and_then(|a| a.strip_suffix(&format!(":{}", s.server_name()))) else {
         return Err(MatrixError::invalid_param("Room alias must be on this server"));
+    };
+    if !valid_alias_localpart(local) || alias.len() > 255 {
+        return Err(MatrixError::invalid_param("Invalid room alias localpart"));
     }
     Ok(())
 }

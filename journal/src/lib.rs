@@ -490,8 +490,16 @@ impl Journal {
                 return Ok(Outcome { position: self.durable_head(), room_id: Some(room), event_ids: existing.into_iter().collect() });
             }
             if !pre.allowed.contains(&current) {
+                if target == sender.as_str() {
+                    return Err(match current.as_str() {
+                        "ban" => JournalError::BadState("You are banned from this room".into()),
+                        _ => JournalError::Forbidden("You are not in this room".into()),
+                    });
+                }
                 // Someone outside the room learns nothing about its members.
-                if !matches!(Self::membership_of(&agg, sender.as_str()).as_str(), "join" | "invite" | "knock") {
+                if target != sender.as_str()
+                    && !matches!(Self::membership_of(&agg, sender.as_str()).as_str(), "join" | "invite" | "knock")
+                {
                     return Err(JournalError::Forbidden("You are not in this room".into()));
                 }
                 return Err(JournalError::BadState(format!("{target}'s membership is {current}; cannot change it to {wanted} here")));
