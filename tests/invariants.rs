@@ -529,13 +529,13 @@ async fn our_rooms_are_chains() {
     loop {
         let batch = ts.server.journal.read_after(after, 1000).unwrap();
         let Some(last) = batch.last() else { break };
-        after = last.position;
+        after = last.position();
         records.extend(batch);
     }
     let pdus: Vec<_> = records
         .iter()
-        .filter(|r| r.room_id.as_deref() == Some(room.as_str()))
-        .map(|r| (r.position, r.pdu().expect("an event record parses")))
+        .filter(|r| r.room_id() == Some(room.as_str()))
+        .map(|r| (r.position(), r.pdu().expect("an event record parses")))
         .collect();
     // 7 createRoom events (create, join, power levels, join rules, history visibility,
     // guest access, name), 2 invites, 2 joins, 30 messages, leave, kick, topic.

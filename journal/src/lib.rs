@@ -28,7 +28,7 @@ use spindle_core::{keys::ServerKey, pdu::{Pdu, PduError, PduTemplate}, room_vers
 use tokio::sync::watch;
 
 pub use command::{CommandBody, CommandEnvelope, EventSpec, MembershipPrecondition, SignedCommand};
-pub use record::{Fact, Record, RecordKind, RECORD_FORMAT};
+pub use record::{Fact, Record, RecordKind, StoredRecord, RECORD_FORMAT};
 pub use store::{FjallStore, JournalStore};
 
 /// Why a command was refused. Each maps to one Matrix error in the API.
@@ -181,20 +181,23 @@ impl Journal {
                 break;
             }
             for rec in batch {
-                after = rec.position;
-                head = rec.position;
-                match rec.kind {
-                    RecordKind::Event => {
+                after = rec.position();
+                head = rec.position();
+                match rec.is_event() {
+                    true => {
                         let Some(pdu) = rec.pdu() else {
-                            return Err(JournalError::Storage(format!("unreadable PDU at position {}", rec.position)));
+                            return Err(JournalError::Storage(format!("unreadable PDU at position {}", rec.position())));
                         };
                         let agg = rooms.entry(pdu.room_id.clone()).or_insert_with(|| RoomAggregate::new(&pdu.room_version));
-                        if let (Some(txn), Some(dev)) = (&rec.txn_id, &rec.device_id) {
-                            agg.txns.insert((rec.principal.clone(), dev.clone(), txn.clone()), (pdu.event_id.clone(), rec.position));
+                        if let (Some(txn), Some(dev)) = (rec.txn_id(), rec.device_id()) {
+                            agg.txns.insert(
+                                (rec.principal().to_owned(), dev.to_owned(), txn.to_owned()),
+                                (pdu.event_id.clone(), rec.position()),
+                            );
                         }
                         agg.apply(Arc::new(pdu));
                     }
-                    RecordKind::Fact => match rec.fact() {
+                    false => match rec.fact() {
                         Some(Fact::AccountRegistered { user_id, .. }) => {
                             users.insert(user_id);
                         }
@@ -257,7 +260,7 @@ impl Journal {
     }
 
     /// Reads up to `limit` durable records after position `after`, in order.
-    pub fn read_after(&self, after: u64, limit: usize) -> Result<Vec<Record>, JournalError> {
+    pub fn read_after(&self, after: u64, limit: usize) -> Result<Vec<StoredRecord>, JournalError> {
         let head = self.durable_head();
         if after >= head {
             return Ok(Vec::new());
@@ -265,7 +268,7 @@ impl Journal {
         let limit = limit.min((head - after) as usize);
         let recs = self.inner.store.read_after(after, limit).map_err(JournalError::Storage)?;
         self.inner.stats.records_read.fetch_add(recs.len() as u64, Ordering::Relaxed);
-        Ok(recs.into_iter().filter(|r| r.position <= head).collect())
+        Ok(recs.into_iter().filter(|r| r.position() <= head).collect())
     }
 
     /// Whether a room exists (has a create event in the journal).

@@ -85,6 +85,104 @@ impl Record {
     }
 }
 
+/// A record as read back from storage: its rkyv bytes, validated once, read in place
+/// through the archived layout (no deserialization; the PDU's canonical JSON is a
+/// borrowed slice of the stored bytes).
+pub struct StoredRecord {
+    bytes: rkyv::util::AlignedVec<16>,
+}
+
+impl std::fmt::Debug for StoredRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoredRecord").field("position", &self.position()).field("event", &self.is_event()).finish()
+    }
+}
+
+impl StoredRecord {
+    /// Copies stored bytes into an aligned buffer and validates the layout (bytecheck).
+    /// Errors on torn or foreign bytes.
+    pub fn from_bytes(bytes: &[u8]) -> Result<StoredRecord, String> {
+        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
+        aligned.extend_from_slice(bytes);
+        rkyv::access::<ArchivedRecord, rkyv::rancor::Error>(&aligned).map_err(|e| e.to_string())?;
+        Ok(StoredRecord { bytes: aligned })
+    }
+
+    /// The archived record, in place.
+    pub fn view(&self) -> &ArchivedRecord {
+        // Validated in `from_bytes`; validating again is cheap and keeps this safe code.
+        rkyv::access::<ArchivedRecord, rkyv::rancor::Error>(&self.bytes).expect("validated at construction")
+    }
+
+    /// Global position.
+    pub fn position(&self) -> u64 {
+        self.view().position.to_native()
+    }
+
+    /// Whether this is a room event (else a fact).
+    pub fn is_event(&self) -> bool {
+        matches!(self.view().kind, ArchivedRecordKind::Event)
+    }
+
+    /// Room id of an event record.
+    pub fn room_id(&self) -> Option<&str> {
+        self.view().room_id.as_ref().map(|s| s.as_str())
+    }
+
+    /// Event id of an event record.
+    pub fn event_id(&self) -> Option<&str> {
+        self.view().event_id.as_ref().map(|s| s.as_str())
+    }
+
+    /// Room version of an event record.
+    pub fn room_version(&self) -> Option<&str> {
+        self.view().room_version.as_ref().map(|s| s.as_str())
+    }
+
+    /// Who asked.
+    pub fn principal(&self) -> &str {
+        self.view().principal.as_str()
+    }
+
+    /// The device that asked.
+    pub fn device_id(&self) -> Option<&str> {
+        self.view().device_id.as_ref().map(|s| s.as_str())
+    }
+
+    /// Client transaction id.
+    pub fn txn_id(&self) -> Option<&str> {
+        self.view().txn_id.as_ref().map(|s| s.as_str())
+    }
+
+    /// The payload bytes (PDU canonical JSON or fact JSON), borrowed.
+    pub fn payload(&self) -> &[u8] {
+        self.view().payload.as_slice()
+    }
+
+    /// Parses the payload of a fact record.
+    pub fn fact(&self) -> Option<Fact> {
+        if self.is_event() {
+            return None;
+        }
+        serde_json::from_slice(self.payload()).ok()
+    }
+
+    /// Parses the PDU of an event record.
+    pub fn pdu(&self) -> Option<spindle_core::pdu::Pdu> {
+        if !self.is_event() {
+            return None;
+        }
+        let event_id = self.event_id().and_then(|e| ruma::OwnedEventId::try_from(e).ok());
+        let room_id = self.room_id().and_then(|r| ruma::OwnedRoomId::try_from(r).ok());
+        spindle_core::pdu::Pdu::parse(self.payload(), self.room_version()?, event_id, room_id).ok()
+    }
+
+    /// Deserializes into an owned [`Record`] (exports, tests).
+    pub fn to_record(&self) -> Record {
+        rkyv::deserialize::<Record, rkyv::rancor::Error>(self.view()).expect("validated record deserializes")
+    }
+}
+
 /// Non-room facts (BRIEF §3.1). Serialized as JSON with a `type` tag; unknown fields
 /// are kept out on purpose so a fact's meaning never depends on a later reading.
 #[derive(serde::Serialize, serde::Deserialize, Debug, Clone, PartialEq)]
@@ -155,5 +253,12 @@ mod tests {
         assert_eq!(Record::decode(&bytes).unwrap(), rec);
         assert_eq!(rec.fact(), Some(Fact::TokenRevoked { token_hash: "h".into() }));
         assert!(Record::decode(&bytes[..bytes.len() - 3]).is_err());
+        let stored = StoredRecord::from_bytes(&bytes).unwrap();
+        assert_eq!(stored.position(), 42);
+        assert!(!stored.is_event());
+        assert_eq!(stored.device_id(), Some("D"));
+        assert_eq!(stored.fact(), Some(Fact::TokenRevoked { token_hash: "h".into() }));
+        assert_eq!(stored.to_record(), rec);
+        assert!(StoredRecord::from_bytes(&bytes[..bytes.len() - 3]).is_err());
     }
 }

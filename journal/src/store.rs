@@ -6,7 +6,7 @@ use std::path::Path;
 
 use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode};
 
-use crate::record::Record;
+use crate::record::{Record, StoredRecord};
 
 /// Durable, ordered record storage.
 pub trait JournalStore: Send + Sync + 'static {
@@ -14,7 +14,7 @@ pub trait JournalStore: Send + Sync + 'static {
     /// returns only once they are on disk (fsync).
     fn append(&self, records: &[Record]) -> Result<(), String>;
     /// Up to `limit` records with position > `after`, ascending.
-    fn read_after(&self, after: u64, limit: usize) -> Result<Vec<Record>, String>;
+    fn read_after(&self, after: u64, limit: usize) -> Result<Vec<StoredRecord>, String>;
     /// Positions of a room's records after `after`, ascending (the per-room linear index).
     fn room_positions(&self, room_id: &str, after: u64, limit: usize) -> Result<Vec<u64>, String>;
 }
@@ -58,7 +58,7 @@ impl JournalStore for FjallStore {
         self.db.persist(PersistMode::SyncAll).map_err(|e| e.to_string())
     }
 
-    fn read_after(&self, after: u64, limit: usize) -> Result<Vec<Record>, String> {
+    fn read_after(&self, after: u64, limit: usize) -> Result<Vec<StoredRecord>, String> {
         let start = (after + 1).to_be_bytes();
         let mut out = Vec::new();
         for kv in self.records.range(start..) {
@@ -66,7 +66,7 @@ impl JournalStore for FjallStore {
                 break;
             }
             let (_, v) = kv.into_inner().map_err(|e| e.to_string())?;
-            out.push(Record::decode(&v)?);
+            out.push(StoredRecord::from_bytes(&v)?);
         }
         Ok(out)
     }

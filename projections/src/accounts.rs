@@ -8,7 +8,7 @@
 //! - `profiles`: user id -> [`Profile`] JSON
 
 use serde::{Deserialize, Serialize};
-use spindle_journal::{Fact, Record};
+use spindle_journal::{Fact, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -127,7 +127,7 @@ impl Projection for Accounts {
         vec![self.users.clone(), self.devices.clone(), self.tokens.clone(), self.device_tokens.clone(), self.profiles.clone()]
     }
 
-    fn apply(&self, ctx: &mut ApplyCtx, record: &Record) -> Result<(), String> {
+    fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
         let Some(fact) = record.fact() else { return Ok(()) };
         let json = |v: &dyn erased::Ser| v.to_vec();
         match fact {

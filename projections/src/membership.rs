@@ -7,7 +7,7 @@
 //! - `user_log`: user, 0x00, position BE -> room id
 
 use serde::{Deserialize, Serialize};
-use spindle_journal::{Fact, Record, RecordKind};
+use spindle_journal::{Fact, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -114,7 +114,7 @@ impl Projection for Memberships {
         vec![self.user_rooms.clone(), self.room_members.clone(), self.user_log.clone()]
     }
 
-    fn apply(&self, ctx: &mut ApplyCtx, record: &Record) -> Result<(), String> {
+    fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
         if let Some(Fact::RoomForgotten { user_id, room_id }) = record.fact() {
             let k = key::join(&[&user_id, &room_id]);
             if let Some(mut m) = ctx.get(&self.user_rooms, &k).and_then(|v| decode(&v)) {
@@ -123,7 +123,7 @@ impl Projection for Memberships {
             }
             return Ok(());
         }
-        if record.kind != RecordKind::Event {
+        if !record.is_event() {
             return Ok(());
         }
         let pdu = record.pdu().ok_or("unreadable PDU")?;
@@ -134,7 +134,7 @@ impl Projection for Memberships {
         let content = pdu.content_value();
         let m = Membership {
             membership: content.get("membership").and_then(|v| v.as_str()).unwrap_or("leave").to_owned(),
-            position: record.position,
+            position: record.position(),
             event_id: pdu.event_id.to_string(),
             sender: pdu.sender.to_string(),
             displayname: content.get("displayname").and_then(|v| v.as_str()).map(str::to_owned),
@@ -145,8 +145,8 @@ impl Projection for Memberships {
         let bytes = serde_json::to_vec(&m).map_err(|e| e.to_string())?;
         ctx.put(&self.user_rooms, key::join(&[&user, &room]), bytes.clone());
         ctx.put(&self.room_members, key::join(&[&room, &user]), bytes);
-        ctx.put(&self.user_log, key::with_pos(&[&user], record.position), room.into_bytes());
-        let (last, pos) = (self.last.clone(), record.position);
+        ctx.put(&self.user_log, key::with_pos(&[&user], record.position()), room.into_bytes());
+        let (last, pos) = (self.last.clone(), record.position());
         ctx.after_commit(move || last.bump(user, pos));
         Ok(())
     }

@@ -15,7 +15,7 @@ use std::{
     time::Duration,
 };
 
-use spindle_journal::{Journal, Record};
+use spindle_journal::{Journal, StoredRecord};
 use tokio::sync::watch;
 
 use crate::store::{ApplyCtx, ProjectionDb, Table};
@@ -31,7 +31,7 @@ pub trait Projection: Send + Sync + 'static {
     /// Every table the projection owns (for digests and rebuilds).
     fn tables(&self) -> Vec<Table>;
     /// Applies one record, staging writes in `ctx`.
-    fn apply(&self, ctx: &mut ApplyCtx, record: &Record) -> Result<(), String>;
+    fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String>;
     /// Reloads in-memory caches from the tables (at start-up).
     fn reload(&self) {}
 }
@@ -103,9 +103,9 @@ impl Runtime {
                 if let Err(e) = slot.projection.apply(&mut ctx, rec) {
                     // A record a projection cannot apply is a bug in the projection; the
                     // record is skipped (logged) so one bad record cannot stall reads.
-                    tracing::error!(projection = slot.projection.name(), position = rec.position, error = %e, "apply failed");
+                    tracing::error!(projection = slot.projection.name(), position = rec.position(), error = %e, "apply failed");
                 }
-                last = rec.position;
+                last = rec.position();
             }
             if let Err(e) = ctx.commit(&self.db, slot.projection.name(), last) {
                 tracing::error!(projection = slot.projection.name(), error = %e, "projection commit failed");

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use spindle_core::trie::{self, NodeHash, NodeStore, Root};
-use spindle_journal::{Record, RecordKind};
+use spindle_journal::StoredRecord;
 
 use crate::{
     runtime::Projection,
@@ -162,8 +162,8 @@ impl Projection for State {
         vec![self.nodes.clone(), self.event_roots.clone(), self.current.clone(), self.current_others.clone(), self.rooms.clone()]
     }
 
-    fn apply(&self, ctx: &mut ApplyCtx, record: &Record) -> Result<(), String> {
-        if record.kind != RecordKind::Event {
+    fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
+        if !record.is_event() {
             return Ok(());
         }
         let pdu = record.pdu().ok_or("unreadable PDU")?;

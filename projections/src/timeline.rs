@@ -13,7 +13,7 @@ use std::{collections::HashMap, sync::Arc};
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 use spindle_core::pdu::Pdu;
-use spindle_journal::{Record, RecordKind};
+use spindle_journal::StoredRecord;
 
 use crate::{
     runtime::Projection,
@@ -146,24 +146,24 @@ impl Projection for Timeline {
         }
     }
 
-    fn apply(&self, ctx: &mut ApplyCtx, record: &Record) -> Result<(), String> {
-        if record.kind != RecordKind::Event {
+    fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
+        if !record.is_event() {
             return Ok(());
         }
         let pdu = record.pdu().ok_or("unreadable PDU")?;
         let room = pdu.room_id.to_string();
         let event_id = pdu.event_id.to_string();
         let stored = StoredEvent {
-            position: record.position,
+            position: record.position(),
             room_version: pdu.room_version.clone(),
             room_id: room.clone(),
             pdu: String::from_utf8_lossy(&pdu.json).into_owned(),
-            device_id: record.device_id.clone(),
-            txn_id: record.txn_id.clone(),
+            device_id: record.device_id().map(str::to_owned),
+            txn_id: record.txn_id().map(str::to_owned),
         };
         ctx.put(&self.events, event_id.clone().into_bytes(), serde_json::to_vec(&stored).map_err(|e| e.to_string())?);
-        ctx.put(&self.room_events, key::with_pos(&[&room], record.position), event_id.into_bytes());
-        ctx.put(&self.rooms, room.clone().into_bytes(), record.position.to_be_bytes().to_vec());
+        ctx.put(&self.room_events, key::with_pos(&[&room], record.position()), event_id.into_bytes());
+        ctx.put(&self.rooms, room.clone().into_bytes(), record.position().to_be_bytes().to_vec());
         if pdu.kind.to_string() == "m.room.redaction"
             && let Some(target) = &pdu.redacts {
                 let k = target.to_string().into_bytes();
@@ -172,7 +172,7 @@ impl Projection for Timeline {
                 }
             }
         let recency = self.recency.clone();
-        let pos = record.position;
+        let pos = record.position();
         ctx.after_commit(move || {
             recency.write().insert(room, pos);
         });

@@ -2,7 +2,7 @@
 //! and room aliases. One job each.
 
 use serde::{Deserialize, Serialize};
-use spindle_journal::{Fact, Record, RecordKind};
+use spindle_journal::{Fact, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -37,7 +37,7 @@ impl Projection for Filters {
     fn tables(&self) -> Vec<Table> {
         vec![self.filters.clone()]
     }
-    fn apply(&self, ctx: &mut ApplyCtx, record: &Record) -> Result<(), String> {
+    fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
         if let Some(Fact::FilterCreated { user_id, filter_id, filter }) = record.fact() {
             ctx.put(&self.filters, key::join(&[&user_id, &filter_id]), json(&filter));
         }
@@ -109,12 +109,12 @@ impl Projection for AccountData {
     fn tables(&self) -> Vec<Table> {
         vec![self.data.clone(), self.log.clone()]
     }
-    fn apply(&self, ctx: &mut ApplyCtx, record: &Record) -> Result<(), String> {
+    fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
         if let Some(Fact::AccountDataSet { user_id, room_id, data_type, content }) = record.fact() {
             let room = room_id.unwrap_or_default();
             ctx.put(&self.data, key::join(&[&user_id, &room, &data_type]), json(&content));
-            ctx.put(&self.log, key::with_pos(&[&user_id], record.position), json(&(room, data_type)));
-            let (last, pos) = (self.last.clone(), record.position);
+            ctx.put(&self.log, key::with_pos(&[&user_id], record.position()), json(&(room, data_type)));
+            let (last, pos) = (self.last.clone(), record.position());
             ctx.after_commit(move || last.bump(user_id, pos));
         }
         Ok(())
@@ -244,24 +244,24 @@ impl Projection for Receipts {
     fn tables(&self) -> Vec<Table> {
         vec![self.receipts.clone(), self.log.clone(), self.event_pos.clone(), self.counts.clone(), self.own_counts.clone()]
     }
-    fn apply(&self, ctx: &mut ApplyCtx, record: &Record) -> Result<(), String> {
-        match record.kind {
-            RecordKind::Event => {
+    fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
+        match record.is_event() {
+            true => {
                 let pdu = record.pdu().ok_or("unreadable PDU")?;
-                ctx.put(&self.event_pos, pdu.event_id.to_string().into_bytes(), record.position.to_be_bytes().to_vec());
+                ctx.put(&self.event_pos, pdu.event_id.to_string().into_bytes(), record.position().to_be_bytes().to_vec());
                 let kind = pdu.kind.to_string();
                 if pdu.state_key.is_none() && NOTIFYING.contains(&kind.as_str()) {
                     let room = pdu.room_id.to_string();
                     let sender = pdu.sender.to_string();
                     // The running counts only ever grow, so "the last row" is found
                     // through the staged batch first, then the table.
-                    let prev = self.latest(ctx, &self.counts, &[&room], record.position);
-                    ctx.put(&self.counts, key::with_pos(&[&room], record.position), (prev + 1).to_be_bytes().to_vec());
-                    let prev_own = self.latest(ctx, &self.own_counts, &[&room, &sender], record.position);
-                    ctx.put(&self.own_counts, key::with_pos(&[&room, &sender], record.position), (prev_own + 1).to_be_bytes().to_vec());
+                    let prev = self.latest(ctx, &self.counts, &[&room], record.position());
+                    ctx.put(&self.counts, key::with_pos(&[&room], record.position()), (prev + 1).to_be_bytes().to_vec());
+                    let prev_own = self.latest(ctx, &self.own_counts, &[&room, &sender], record.position());
+                    ctx.put(&self.own_counts, key::with_pos(&[&room, &sender], record.position()), (prev_own + 1).to_be_bytes().to_vec());
                 }
             }
-            RecordKind::Fact => {
+            false => {
                 if let Some(Fact::ReceiptSet { user_id, room_id, event_id, receipt_type, thread_id, ts }) = record.fact() {
                     let Some(pos) = ctx.get(&self.event_pos, event_id.as_bytes()) else { return Ok(()) };
                     let event_position = u64::from_be_bytes(pos[..8].try_into().map_err(|_| "bad event_pos")?);
@@ -272,8 +272,8 @@ impl Projection for Receipts {
                             return Ok(());
                         }
                     ctx.put(&self.receipts, k, json(&Receipt { event_id, event_position, ts, thread_id }));
-                    ctx.put(&self.log, key::with_pos(&[&room_id], record.position), json(&(user_id, receipt_type)));
-                    let (last, pos) = (self.last.clone(), record.position);
+                    ctx.put(&self.log, key::with_pos(&[&room_id], record.position()), json(&(user_id, receipt_type)));
+                    let (last, pos) = (self.last.clone(), record.position());
                     ctx.after_commit(move || last.bump(room_id, pos));
                 }
             }
@@ -339,7 +339,7 @@ impl Projection for Aliases {
     fn tables(&self) -> Vec<Table> {
         vec![self.aliases.clone(), self.room_aliases.clone()]
     }
-    fn apply(&self, ctx: &mut ApplyCtx, record: &Record) -> Result<(), String> {
+    fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
         match record.fact() {
             Some(Fact::AliasSet { alias, room_id, creator }) => {
                 ctx.put(&self.room_aliases, key::join(&[&room_id, &alias]), Vec::new());
