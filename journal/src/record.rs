@@ -110,8 +110,9 @@ impl StoredRecord {
 
     /// The archived record, in place.
     pub fn view(&self) -> &ArchivedRecord {
-        // Validated in `from_bytes`; validating again is cheap and keeps this safe code.
-        rkyv::access::<ArchivedRecord, rkyv::rancor::Error>(&self.bytes).expect("validated at construction")
+        // SAFETY: `from_bytes` is the only constructor; it validated these exact bytes as
+        // an `ArchivedRecord` with bytecheck, and the buffer is private and never mutated.
+        unsafe { rkyv::access_unchecked::<ArchivedRecord>(&self.bytes) }
     }
 
     /// Global position.
