@@ -29,6 +29,7 @@ pub struct EventSpec {
 /// What the command asks for.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 #[serde(tag = "op", rename_all = "snake_case")]
+#[allow(missing_docs)] // Fields carry the spec's names; each variant says what it asks for.
 pub enum CommandBody {
     /// Create a room: the first event must be `m.room.create`; the rest (creator's
     /// join, power levels, preset state, initial state, name, topic, invites) follow in

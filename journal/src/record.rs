@@ -109,6 +109,7 @@ impl StoredRecord {
     }
 
     /// The archived record, in place.
+    #[allow(unsafe_code)] // Zero-copy access to bytes validated in `from_bytes`.
     pub fn view(&self) -> &ArchivedRecord {
         // SAFETY: `from_bytes` is the only constructor; it validated these exact bytes as
         // an `ArchivedRecord` with bytecheck, and the buffer is private and never mutated.
@@ -188,6 +189,7 @@ impl StoredRecord {
 /// are kept out on purpose so a fact's meaning never depends on a later reading.
 #[derive(serde::Serialize, serde::Deserialize, Debug, Clone, PartialEq)]
 #[serde(tag = "type", rename_all = "snake_case")]
+#[allow(missing_docs)] // Fields carry the spec's names (user_id, device_id, ...); each variant says what it means.
 pub enum Fact {
     /// A local account was created. `password_hash` is an argon2 PHC string.
     AccountRegistered { user_id: String, password_hash: Option<String> },

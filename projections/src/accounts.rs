@@ -171,7 +171,7 @@ impl Projection for Accounts {
 
 /// Tiny helper so `apply` can serialize any of the row types the same way.
 mod erased {
-    pub trait Ser {
+    pub(super) trait Ser {
         fn to_vec(&self) -> Vec<u8>;
     }
     impl<T: serde::Serialize> Ser for T {

@@ -1,3 +1,4 @@
+#![allow(missing_docs, unreachable_pub)] // Shared test helpers, not a public API.
 //! Shared helpers for the integration tests: an in-process server on a temporary data
 //! directory with an ephemeral port, and a tiny Client-Server API client over reqwest.
 //!
