@@ -169,19 +169,6 @@ pub fn router(state: AppState) -> Router {
         })
         .with_state(state)
         .layer(axum::extract::DefaultBodyLimit::max(limit))
-        .layer(axum::middleware::from_fn(move |req: axum::extract::Request, next: axum::middleware::Next| async move {
-            // Refuse a declared oversized body at once instead of reading (or waiting for) it.
-            let declared = req
-                .headers()
-                .get(header::CONTENT_LENGTH)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse::<u64>().ok());
-            if declared.is_some_and(|n| n > limit as u64) {
-                return MatrixError::new(axum::http::StatusCode::PAYLOAD_TOO_LARGE, "M_TOO_LARGE", "Request body too large")
-                    .into_response();
-            }
-            next.run(req).await
-        }))
         .layer(cors)
         .layer(axum::middleware::map_response(matrix_error_bodies))
 }
