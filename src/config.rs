@@ -49,6 +49,9 @@ pub struct Limits {
     pub max_request_bytes: usize,
     /// Largest `/sync` long-poll `timeout` honoured, in milliseconds.
     pub max_sync_timeout_ms: u64,
+    /// A request body that stalls this long between chunks is abandoned with 408
+    /// (a client that declares more than it sends must not hold a connection forever).
+    pub request_body_idle_timeout_ms: u64,
 }
 
 impl Default for Config {
@@ -73,7 +76,7 @@ impl Default for Registration {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_request_bytes: 1024 * 1024, max_sync_timeout_ms: 60_000 }
+        Limits { max_request_bytes: 1024 * 1024, max_sync_timeout_ms: 60_000, request_body_idle_timeout_ms: 30_000 }
     }
 }
 
@@ -118,6 +121,9 @@ impl Config {
         let url = &self.public_base_url;
         if !url.is_empty() && !url.starts_with("http://") && !url.starts_with("https://") {
             return Err(format!("public_base_url must start with http:// or https:// (got {:?})", self.public_base_url));
+        }
+        if self.limits.request_body_idle_timeout_ms == 0 {
+            return Err("limits.request_body_idle_timeout_ms must be positive".into());
         }
         if self.limits.max_request_bytes < 65_536 {
             return Err("limits.max_request_bytes must be at least 65536".into());
@@ -165,7 +171,7 @@ mod tests {
         for field in &want {
             assert!(have.contains(field), "config field `{field}` is missing from spindle.example.toml");
         }
-        assert_eq!(want.len(), 12);
+        assert_eq!(want.len(), 13);
     }
 
     #[test]

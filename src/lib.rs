@@ -82,6 +82,7 @@ impl Server {
             registration_tokens: config.registration.tokens.clone(),
             max_request_bytes: config.limits.max_request_bytes,
             max_sync_timeout_ms: config.limits.max_sync_timeout_ms,
+            request_body_idle_timeout_ms: config.limits.request_body_idle_timeout_ms,
         };
         let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
         let state = spindle_api::AppState::new(journal.clone(), projections.clone(), api_config, shutdown_rx);

@@ -302,3 +302,31 @@ async fn third_pass_input_checks() {
         .unwrap();
     assert_eq!(resp.status().as_u16(), 413);
 }
+
+/// A client that declares more body than it sends is answered 408 once the body stalls
+/// (`limits.request_body_idle_timeout_ms`), instead of holding the connection forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_request_body_times_out() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let server = TestServer::start_with(|c| c.limits.request_body_idle_timeout_ms = 300).await;
+    let a = server.register("stall_a").await;
+    let room = a.create_room(json!({})).await;
+    let host = a.base.trim_start_matches("http://").to_owned();
+    let mut sock = tokio::net::TcpStream::connect(&host).await.unwrap();
+    let req = format!(
+        "PUT /_matrix/client/v3/rooms/{}/send/m.room.message/stall1 HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{}}",
+        enc(&room),
+        a.token.as_ref().unwrap()
+    );
+    sock.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 2048];
+    // Liveness bound only: the configured idle timeout is 0.3 s.
+    let n = tokio::time::timeout(std::time::Duration::from_secs(10), sock.read(&mut buf)).await.expect("answered").unwrap();
+    let text = String::from_utf8_lossy(&buf[..n]);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("\"errcode\""), "{text}");
+    // Nothing was sent into the room.
+    assert!(!a.all_event_ids(&room).await.is_empty());
+    let m = a.messages(&room, "dir=b&limit=1").await;
+    assert_ne!(m["chunk"][0]["type"], "m.room.message");
+}

@@ -100,6 +100,8 @@ impl FromRequest<AppState> for JsonObject {
         let bytes = Bytes::from_request(req, state).await.map_err(|e| {
             if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 MatrixError::new(StatusCode::PAYLOAD_TOO_LARGE, "M_TOO_LARGE", "Request body too large")
+            } else if is_body_timeout(&e) {
+                MatrixError::new(StatusCode::REQUEST_TIMEOUT, "M_UNKNOWN", "Request body not received in time")
             } else {
                 MatrixError::not_json(e.body_text())
             }
@@ -119,6 +121,18 @@ impl FromRequest<AppState> for JsonObject {
             _ => Err(MatrixError::bad_json("Body must be a JSON object")),
         }
     }
+}
+
+/// Whether a body rejection came from the request-body idle timeout.
+fn is_body_timeout(e: &axum::extract::rejection::BytesRejection) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if err.is::<tower_http::timeout::TimeoutError>() {
+            return true;
+        }
+        source = err.source();
+    }
+    false
 }
 
 /// Query parameters as a list (repeated keys allowed, values percent-decoded).

@@ -47,6 +47,8 @@ pub struct ApiConfig {
     pub max_request_bytes: usize,
     /// Largest `/sync` long-poll `timeout`, ms.
     pub max_sync_timeout_ms: u64,
+    /// A request body idle this long between chunks is abandoned (408), ms.
+    pub request_body_idle_timeout_ms: u64,
 }
 
 /// Everything a handler needs.
@@ -157,6 +159,7 @@ pub fn router(state: AppState) -> Router {
             header::AUTHORIZATION,
         ]);
     let limit = state.config.max_request_bytes;
+    let body_idle = Duration::from_millis(state.config.request_body_idle_timeout_ms);
     Router::new()
         .merge(account::routes())
         .merge(rooms::routes())
@@ -169,6 +172,7 @@ pub fn router(state: AppState) -> Router {
         })
         .with_state(state)
         .layer(axum::extract::DefaultBodyLimit::max(limit))
+        .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(body_idle))
         .layer(cors)
         .layer(axum::middleware::map_response(matrix_error_bodies))
 }
