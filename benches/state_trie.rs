@@ -12,7 +12,14 @@ fn build(n: usize) -> (MemStore, Root) {
     let mut root = Root::empty();
     for i in 0..n {
         let key = format!("@user{i}:example.org");
-        root = trie::insert(&store, root, "m.room.member", &key, format!("$event{i}").as_bytes()).unwrap();
+        root = trie::insert(
+            &store,
+            root,
+            "m.room.member",
+            &key,
+            format!("$event{i}").as_bytes(),
+        )
+        .unwrap();
     }
     (store, root)
 }
@@ -28,15 +35,28 @@ fn bench(c: &mut Criterion) {
         group.bench_with_input(BenchmarkId::new("insert_new_version", n), &n, |b, _| {
             b.iter(|| trie::insert(&store, root, "m.room.member", &probe, b"$changed").unwrap())
         });
-        let map: HashMap<(String, String), String> =
-            (0..n).map(|i| (("m.room.member".to_owned(), format!("@user{i}:example.org")), format!("$event{i}"))).collect();
-        group.bench_with_input(BenchmarkId::new("hashmap_clone_and_insert", n), &n, |b, _| {
-            b.iter(|| {
-                let mut m = map.clone();
-                m.insert(("m.room.member".to_owned(), probe.clone()), "$changed".to_owned());
-                m.len()
+        let map: HashMap<(String, String), String> = (0..n)
+            .map(|i| {
+                (
+                    ("m.room.member".to_owned(), format!("@user{i}:example.org")),
+                    format!("$event{i}"),
+                )
             })
-        });
+            .collect();
+        group.bench_with_input(
+            BenchmarkId::new("hashmap_clone_and_insert", n),
+            &n,
+            |b, _| {
+                b.iter(|| {
+                    let mut m = map.clone();
+                    m.insert(
+                        ("m.room.member".to_owned(), probe.clone()),
+                        "$changed".to_owned(),
+                    );
+                    m.len()
+                })
+            },
+        );
     }
     group.finish();
 }

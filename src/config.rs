@@ -70,13 +70,21 @@ impl Default for Config {
 
 impl Default for Registration {
     fn default() -> Self {
-        Registration { mode: "auto".into(), allow_open_registration_on_public_bind: false, tokens: Vec::new() }
+        Registration {
+            mode: "auto".into(),
+            allow_open_registration_on_public_bind: false,
+            tokens: Vec::new(),
+        }
     }
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_request_bytes: 1024 * 1024, max_sync_timeout_ms: 60_000, request_body_idle_timeout_ms: 30_000 }
+        Limits {
+            max_request_bytes: 1024 * 1024,
+            max_sync_timeout_ms: 60_000,
+            request_body_idle_timeout_ms: 30_000,
+        }
     }
 }
 
@@ -102,12 +110,21 @@ impl Config {
     /// explicit opt-in.
     pub fn validate(&self) -> Result<(), String> {
         if ruma::ServerName::parse(&self.server_name).is_err() {
-            return Err(format!("server_name {:?} is not a valid server name", self.server_name));
+            return Err(format!(
+                "server_name {:?} is not a valid server name",
+                self.server_name
+            ));
         }
         if !["auto", "open", "closed"].contains(&self.registration.mode.as_str()) {
-            return Err(format!("registration.mode must be auto, open or closed (got {:?})", self.registration.mode));
+            return Err(format!(
+                "registration.mode must be auto, open or closed (got {:?})",
+                self.registration.mode
+            ));
         }
-        if self.registration_open() && !self.bind.ip().is_loopback() && !self.registration.allow_open_registration_on_public_bind {
+        if self.registration_open()
+            && !self.bind.ip().is_loopback()
+            && !self.registration.allow_open_registration_on_public_bind
+        {
             return Err(format!(
                 "refusing to start: open registration on the non-loopback address {} lets anyone create accounts. \
                  Set registration.allow_open_registration_on_public_bind = true to allow it, or use registration.tokens \
@@ -120,7 +137,10 @@ impl Config {
         }
         let url = &self.public_base_url;
         if !url.is_empty() && !url.starts_with("http://") && !url.starts_with("https://") {
-            return Err(format!("public_base_url must start with http:// or https:// (got {:?})", self.public_base_url));
+            return Err(format!(
+                "public_base_url must start with http:// or https:// (got {:?})",
+                self.public_base_url
+            ));
         }
         if self.limits.request_body_idle_timeout_ms == 0 {
             return Err("limits.request_body_idle_timeout_ms must be positive".into());
@@ -152,7 +172,11 @@ mod tests {
     fn key_paths(v: &toml::Value, prefix: &str, out: &mut Vec<String>) {
         if let toml::Value::Table(t) = v {
             for (k, v) in t {
-                let path = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                let path = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
                 out.push(path.clone());
                 key_paths(v, &path, out);
             }
@@ -161,22 +185,36 @@ mod tests {
 
     #[test]
     fn example_config_documents_every_field() {
-        let example = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/spindle.example.toml")).unwrap();
+        let example =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/spindle.example.toml"))
+                .unwrap();
         let parsed = Config::from_toml(&example).expect("the example config parses and validates");
         assert_eq!(parsed, Config::default(), "the example shows the defaults");
         let mut want = Vec::new();
-        key_paths(&toml::Value::try_from(Config::default()).unwrap(), "", &mut want);
+        key_paths(
+            &toml::Value::try_from(Config::default()).unwrap(),
+            "",
+            &mut want,
+        );
         let mut have = Vec::new();
-        key_paths(&toml::from_str::<toml::Value>(&example).unwrap(), "", &mut have);
+        key_paths(
+            &toml::from_str::<toml::Value>(&example).unwrap(),
+            "",
+            &mut have,
+        );
         for field in &want {
-            assert!(have.contains(field), "config field `{field}` is missing from spindle.example.toml");
+            assert!(
+                have.contains(field),
+                "config field `{field}` is missing from spindle.example.toml"
+            );
         }
         assert_eq!(want.len(), 13);
     }
 
     #[test]
     fn open_registration_on_public_bind_needs_opt_in() {
-        let err = Config::from_toml("bind = \"0.0.0.0:8008\"\n[registration]\nmode = \"open\"\n").unwrap_err();
+        let err = Config::from_toml("bind = \"0.0.0.0:8008\"\n[registration]\nmode = \"open\"\n")
+            .unwrap_err();
         assert!(err.contains("refusing to start"), "{err}");
         // auto mode on a public bind means closed: starts fine.
         let c = Config::from_toml("bind = \"0.0.0.0:8008\"\n").unwrap();

@@ -24,7 +24,8 @@ fn check_server_name(config: &Config) -> anyhow::Result<()> {
             config.server_name
         )),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            std::fs::write(&path, format!("{}\n", config.server_name)).with_context(|| format!("writing {}", path.display()))
+            std::fs::write(&path, format!("{}\n", config.server_name))
+                .with_context(|| format!("writing {}", path.display()))
         }
         Err(e) => Err(anyhow!("reading {}: {e}", path.display())),
     }
@@ -52,28 +53,43 @@ impl Server {
             .with_context(|| format!("creating data directory {}", config.data_dir.display()))?;
         check_server_name(&config)?;
         let key = Arc::new(
-            spindle_federation::load_or_create_key(&config.data_dir, &config.server_name).map_err(|e| anyhow!(e))?,
+            spindle_federation::load_or_create_key(&config.data_dir, &config.server_name)
+                .map_err(|e| anyhow!(e))?,
         );
         let store = FjallStore::open(&config.data_dir.join("journal"))
             .map_err(|e| anyhow!(e))
-            .with_context(|| format!("opening the journal in {} (is another spindle using this data_dir?)", config.data_dir.display()))?;
-        let journal = Journal::open(Arc::new(store), key.clone()).map_err(|e| anyhow!(e.to_string()))?;
-        let projections =
-            Projections::start(&config.data_dir.join("projections"), journal.clone()).map_err(|e| anyhow!(e))?;
+            .with_context(|| {
+                format!(
+                    "opening the journal in {} (is another spindle using this data_dir?)",
+                    config.data_dir.display()
+                )
+            })?;
+        let journal =
+            Journal::open(Arc::new(store), key.clone()).map_err(|e| anyhow!(e.to_string()))?;
+        let projections = Projections::start(&config.data_dir.join("projections"), journal.clone())
+            .map_err(|e| anyhow!(e))?;
         // Serve only once every projection has caught up with the journal, so no reader
         // ever sees a half-built read model (a fresh `projections/` rebuilds here).
         let head = journal.durable_head();
         if projections.runtime.applied() < head {
             tracing::info!(head, "projections are catching up with the journal");
-            if !projections.runtime.wait_for(head, std::time::Duration::from_secs(24 * 3600)).await {
+            if !projections
+                .runtime
+                .wait_for(head, std::time::Duration::from_secs(24 * 3600))
+                .await
+            {
                 return Err(anyhow!("projections did not catch up to position {head}"));
             }
         }
-        let listener = tokio::net::TcpListener::bind(config.bind).await.with_context(|| format!("binding {}", config.bind))?;
+        let listener = tokio::net::TcpListener::bind(config.bind)
+            .await
+            .with_context(|| format!("binding {}", config.bind))?;
         let addr = listener.local_addr()?;
         let api_config = spindle_api::ApiConfig {
             server_name: config.server_name.clone(),
-            public_base_url: if config.public_base_url.is_empty() && !config.bind.ip().is_unspecified() {
+            public_base_url: if config.public_base_url.is_empty()
+                && !config.bind.ip().is_unspecified()
+            {
                 format!("http://{addr}")
             } else {
                 config.base_url()
@@ -85,7 +101,12 @@ impl Server {
             request_body_idle_timeout_ms: config.limits.request_body_idle_timeout_ms,
         };
         let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
-        let state = spindle_api::AppState::new(journal.clone(), projections.clone(), api_config, shutdown_rx);
+        let state = spindle_api::AppState::new(
+            journal.clone(),
+            projections.clone(),
+            api_config,
+            shutdown_rx,
+        );
         let app = spindle_api::router(state).merge(spindle_federation::router(key));
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
@@ -97,7 +118,14 @@ impl Server {
             }
         });
         tracing::info!(%addr, server_name = %config.server_name, "spindle is serving");
-        Ok(Server { addr, journal, projections, shutdown: Some(tx), wake_long_polls: shutdown_tx, task })
+        Ok(Server {
+            addr,
+            journal,
+            projections,
+            shutdown: Some(tx),
+            wake_long_polls: shutdown_tx,
+            task,
+        })
     }
 
     /// Stops accepting requests, answers waiting long-polls at once, and waits for
@@ -107,7 +135,10 @@ impl Server {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
-        if tokio::time::timeout(std::time::Duration::from_secs(10), &mut self.task).await.is_err() {
+        if tokio::time::timeout(std::time::Duration::from_secs(10), &mut self.task)
+            .await
+            .is_err()
+        {
             tracing::warn!("in-flight requests did not finish within 10 s; stopping anyway");
             self.task.abort();
         }

@@ -47,7 +47,8 @@ fn load_config(path: Option<&PathBuf>) -> anyhow::Result<Config> {
     match path {
         None => Ok(Config::default()),
         Some(p) => {
-            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             Config::from_toml(&text).map_err(|e| anyhow!("{}: {e}", p.display()))
         }
     }
@@ -67,11 +68,17 @@ async fn run() -> anyhow::Result<()> {
     let config = load_config(cli.config.as_ref())?;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
     match cli.command.unwrap_or(Command::Serve) {
         Command::Serve => {
             let server = spindle::Server::start(config).await?;
-            eprintln!("spindle: serving on http://{} (stop with Ctrl-C)", server.addr);
+            eprintln!(
+                "spindle: serving on http://{} (stop with Ctrl-C)",
+                server.addr
+            );
             shutdown_signal().await;
             eprintln!("spindle: shutting down (a second signal exits at once)");
             tokio::spawn(async {
@@ -81,27 +88,41 @@ async fn run() -> anyhow::Result<()> {
             });
             server.stop().await;
         }
-        Command::Replay { verb: Replay::Rebuild { all } } => {
+        Command::Replay {
+            verb: Replay::Rebuild { all },
+        } => {
             if !all {
                 return Err(anyhow!("say which projections to rebuild: --all"));
             }
-            for (name, digest) in spindle_replay::rebuild_all(&config.data_dir, &config.server_name).await? {
+            for (name, digest) in
+                spindle_replay::rebuild_all(&config.data_dir, &config.server_name).await?
+            {
                 println!("{name}\t{digest}");
             }
         }
-        Command::Replay { verb: Replay::Verify } => {
+        Command::Replay {
+            verb: Replay::Verify,
+        } => {
             let mut failed = false;
             for v in spindle_replay::verify(&config.data_dir, &config.server_name).await? {
                 let ok = v.live == v.rebuilt;
                 failed |= !ok;
-                println!("{}\t{}\t{}", v.projection, if ok { "ok" } else { "DIFFERS" }, v.live);
+                println!(
+                    "{}\t{}\t{}",
+                    v.projection,
+                    if ok { "ok" } else { "DIFFERS" },
+                    v.live
+                );
             }
             if failed {
                 return Err(anyhow!("some projections differ from a rebuild"));
             }
         }
-        Command::Replay { verb: Replay::Status } => {
-            let (head, checkpoints) = spindle_replay::status(&config.data_dir, &config.server_name).await?;
+        Command::Replay {
+            verb: Replay::Status,
+        } => {
+            let (head, checkpoints) =
+                spindle_replay::status(&config.data_dir, &config.server_name).await?;
             println!("journal head\t{head}");
             for (name, cp) in checkpoints {
                 println!("{name}\t{cp}\tlag {}", head.saturating_sub(cp));
@@ -115,7 +136,8 @@ async fn run() -> anyhow::Result<()> {
 async fn shutdown_signal() {
     #[cfg(unix)]
     {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}

@@ -23,10 +23,21 @@ impl Harness {
         };
         let server = spindle::Server::start(config).await.unwrap();
         let base = format!("http://{}", server.addr);
-        Harness { server, http: reqwest::Client::new(), base, _dir: dir }
+        Harness {
+            server,
+            http: reqwest::Client::new(),
+            base,
+            _dir: dir,
+        }
     }
 
-    async fn call(&self, method: reqwest::Method, path: &str, token: Option<&str>, body: Option<Value>) -> (u16, Value) {
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        token: Option<&str>,
+        body: Option<Value>,
+    ) -> (u16, Value) {
         let mut req = self.http.request(method, format!("{}{}", self.base, path));
         if let Some(t) = token {
             req = req.bearer_auth(t);
@@ -40,14 +51,32 @@ impl Harness {
     }
 
     async fn register(&self, name: &str) -> (String, String) {
-        let body = json!({ "username": name, "password": "pw", "auth": { "type": "m.login.dummy" } });
-        let (status, v) = self.call(reqwest::Method::POST, "/_matrix/client/v3/register", None, Some(body)).await;
+        let body =
+            json!({ "username": name, "password": "pw", "auth": { "type": "m.login.dummy" } });
+        let (status, v) = self
+            .call(
+                reqwest::Method::POST,
+                "/_matrix/client/v3/register",
+                None,
+                Some(body),
+            )
+            .await;
         assert_eq!(status, 200, "{v}");
-        (v["user_id"].as_str().unwrap().to_owned(), v["access_token"].as_str().unwrap().to_owned())
+        (
+            v["user_id"].as_str().unwrap().to_owned(),
+            v["access_token"].as_str().unwrap().to_owned(),
+        )
     }
 
     async fn create_room(&self, token: &str, body: Value) -> String {
-        let (status, v) = self.call(reqwest::Method::POST, "/_matrix/client/v3/createRoom", Some(token), Some(body)).await;
+        let (status, v) = self
+            .call(
+                reqwest::Method::POST,
+                "/_matrix/client/v3/createRoom",
+                Some(token),
+                Some(body),
+            )
+            .await;
         assert_eq!(status, 200, "{v}");
         v["room_id"].as_str().unwrap().to_owned()
     }
@@ -55,15 +84,26 @@ impl Harness {
     async fn send(&self, token: &str, room: &str, txn: &str, body: &str) -> String {
         let path = format!("/_matrix/client/v3/rooms/{room}/send/m.room.message/{txn}");
         let (status, v) = self
-            .call(reqwest::Method::PUT, &path, Some(token), Some(json!({ "msgtype": "m.text", "body": body })))
+            .call(
+                reqwest::Method::PUT,
+                &path,
+                Some(token),
+                Some(json!({ "msgtype": "m.text", "body": body })),
+            )
             .await;
         assert_eq!(status, 200, "{v}");
         v["event_id"].as_str().unwrap().to_owned()
     }
 
     async fn join(&self, token: &str, room: &str) {
-        let (status, v) =
-            self.call(reqwest::Method::POST, &format!("/_matrix/client/v3/rooms/{room}/join"), Some(token), Some(json!({}))).await;
+        let (status, v) = self
+            .call(
+                reqwest::Method::POST,
+                &format!("/_matrix/client/v3/rooms/{room}/join"),
+                Some(token),
+                Some(json!({})),
+            )
+            .await;
         assert_eq!(status, 200, "{v}");
     }
 
@@ -74,7 +114,13 @@ impl Harness {
 
     async fn quiesce(&self) {
         let head = self.server.journal.durable_head();
-        assert!(self.server.projections.runtime.wait_for(head, std::time::Duration::from_secs(10)).await);
+        assert!(
+            self.server
+                .projections
+                .runtime
+                .wait_for(head, std::time::Duration::from_secs(10))
+                .await
+        );
     }
 }
 
@@ -95,11 +141,19 @@ async fn unread_count_reads_do_not_grow_with_unread_events() {
     for i in 0..200 {
         h.send(&at, &big, &format!("b{i}"), "hello").await;
     }
-    h.send(&bt, &big, "own", "bob's own message does not count").await;
+    h.send(&bt, &big, "own", "bob's own message does not count")
+        .await;
     h.quiesce().await;
     let upto = h.server.projections.runtime.applied();
     let receipts = &h.server.projections.receipts;
-    let join_pos = |room: &str| h.server.projections.membership.get(room, &bob).unwrap().position;
+    let join_pos = |room: &str| {
+        h.server
+            .projections
+            .membership
+            .get(room, &bob)
+            .unwrap()
+            .position
+    };
 
     let before = h.reads();
     assert_eq!(receipts.unread(&small, &bob, join_pos(&small), upto), 5);
@@ -109,7 +163,10 @@ async fn unread_count_reads_do_not_grow_with_unread_events() {
     let big_reads = h.reads() - before;
     // Four seeks, each returning at most one row, whatever the number of unread events
     // (5 vs 200 here; the seed's walk would have read 5 vs 200 rows).
-    assert!(small_reads <= 4, "unread count took {small_reads} store reads");
+    assert!(
+        small_reads <= 4,
+        "unread count took {small_reads} store reads"
+    );
     assert!(big_reads <= 4, "unread count took {big_reads} store reads");
 }
 
@@ -131,25 +188,50 @@ async fn incremental_sync_reads_do_not_grow_with_strangers_traffic() {
     let mut measure = Vec::new();
     for (round, traffic) in [(0, 0usize), (1, 150)].into_iter() {
         h.quiesce().await;
-        let (_, first) = h.call(reqwest::Method::GET, "/_matrix/client/v3/sync", Some(&ct), None).await;
+        let (_, first) = h
+            .call(
+                reqwest::Method::GET,
+                "/_matrix/client/v3/sync",
+                Some(&ct),
+                None,
+            )
+            .await;
         let since = first["next_batch"].as_str().unwrap().to_owned();
         for i in 0..traffic {
-            h.send(&dt, &strangers[i % 3], &format!("r{round}-{i}"), "noise").await;
+            h.send(&dt, &strangers[i % 3], &format!("r{round}-{i}"), "noise")
+                .await;
         }
-        h.send(&ct, &mine, &format!("c{round}-new"), "one new message").await;
+        h.send(&ct, &mine, &format!("c{round}-new"), "one new message")
+            .await;
         h.quiesce().await;
         let before = h.reads();
-        let (status, v) =
-            h.call(reqwest::Method::GET, &format!("/_matrix/client/v3/sync?since={since}&timeout=0"), Some(&ct), None).await;
+        let (status, v) = h
+            .call(
+                reqwest::Method::GET,
+                &format!("/_matrix/client/v3/sync?since={since}&timeout=0"),
+                Some(&ct),
+                None,
+            )
+            .await;
         assert_eq!(status, 200);
         let reads = h.reads() - before;
-        let events = v["rooms"]["join"][&mine]["timeline"]["events"].as_array().unwrap().clone();
+        let events = v["rooms"]["join"][&mine]["timeline"]["events"]
+            .as_array()
+            .unwrap()
+            .clone();
         assert_eq!(events.len(), 1, "{v}");
         assert_eq!(events[0]["content"]["body"], "one new message");
-        assert_eq!(v["rooms"]["join"].as_object().unwrap().len(), 1, "strangers' rooms never appear");
+        assert_eq!(
+            v["rooms"]["join"].as_object().unwrap().len(),
+            1,
+            "strangers' rooms never appear"
+        );
         measure.push(reads);
     }
-    assert_eq!(measure[0], measure[1], "incremental sync store reads changed with strangers' traffic: {measure:?}");
+    assert_eq!(
+        measure[0], measure[1],
+        "incremental sync store reads changed with strangers' traffic: {measure:?}"
+    );
 }
 
 /// A single state lookup reads one trie path, not the room's whole state.
@@ -161,7 +243,14 @@ async fn state_point_lookup_reads_one_path() {
     let big = h.create_room(&et, json!({ "name": "big" })).await;
     for i in 0..400 {
         let path = format!("/_matrix/client/v3/rooms/{big}/state/org.example.filler/key{i}");
-        let (status, _) = h.call(reqwest::Method::PUT, &path, Some(&et), Some(json!({ "i": i }))).await;
+        let (status, _) = h
+            .call(
+                reqwest::Method::PUT,
+                &path,
+                Some(&et),
+                Some(json!({ "i": i })),
+            )
+            .await;
         assert_eq!(status, 200);
     }
     h.quiesce().await;
@@ -177,7 +266,11 @@ async fn state_point_lookup_reads_one_path() {
     }
     // One node per trie level: ~log32(state size) + 1. Never the whole state.
     assert!(reads[0] <= 3, "small room lookup read {} nodes", reads[0]);
-    assert!(reads[1] <= 5, "big room (400+ state entries) lookup read {} nodes", reads[1]);
+    assert!(
+        reads[1] <= 5,
+        "big room (400+ state entries) lookup read {} nodes",
+        reads[1]
+    );
 }
 
 /// A waiting long-poll does not pay store reads for other users' traffic: the wake-up
@@ -203,20 +296,29 @@ async fn long_poll_does_not_read_the_store_for_strangers_traffic() {
     let alone = h.reads() - before;
 
     // The same sends while frank long-polls.
-    let (_, first) = h.call(reqwest::Method::GET, "/_matrix/client/v3/sync", Some(&ft), None).await;
+    let (_, first) = h
+        .call(
+            reqwest::Method::GET,
+            "/_matrix/client/v3/sync",
+            Some(&ft),
+            None,
+        )
+        .await;
     let since = first["next_batch"].as_str().unwrap().to_owned();
     h.quiesce().await;
     let poll = {
         let (http, base, ft) = (h.http.clone(), h.base.clone(), ft.clone());
         tokio::spawn(async move {
-            http.get(format!("{base}/_matrix/client/v3/sync?since={since}&timeout=30000"))
-                .bearer_auth(ft)
-                .send()
-                .await
-                .unwrap()
-                .json::<Value>()
-                .await
-                .unwrap()
+            http.get(format!(
+                "{base}/_matrix/client/v3/sync?since={since}&timeout=30000"
+            ))
+            .bearer_auth(ft)
+            .send()
+            .await
+            .unwrap()
+            .json::<Value>()
+            .await
+            .unwrap()
         })
     };
     tokio::time::sleep(std::time::Duration::from_millis(300)).await; // the poll is waiting
@@ -233,7 +335,10 @@ async fn long_poll_does_not_read_the_store_for_strangers_traffic() {
     // Frank's own message ends the wait and is delivered.
     h.send(&ft, &franks[2], "mine", "for frank").await;
     let v = poll.await.unwrap();
-    let events = v["rooms"]["join"][&franks[2]]["timeline"]["events"].as_array().unwrap().clone();
+    let events = v["rooms"]["join"][&franks[2]]["timeline"]["events"]
+        .as_array()
+        .unwrap()
+        .clone();
     assert_eq!(events.len(), 1);
     assert_eq!(events[0]["content"]["body"], "for frank");
     assert_eq!(v["rooms"]["join"].as_object().unwrap().len(), 1);
@@ -253,16 +358,38 @@ async fn idle_rooms_cost_one_row_each_in_incremental_sync() {
             h.create_room(&ht, json!({})).await;
         }
         h.quiesce().await;
-        let (_, first) = h.call(reqwest::Method::GET, "/_matrix/client/v3/sync", Some(&ht), None).await;
+        let (_, first) = h
+            .call(
+                reqwest::Method::GET,
+                "/_matrix/client/v3/sync",
+                Some(&ht),
+                None,
+            )
+            .await;
         let since = first["next_batch"].as_str().unwrap().to_owned();
         h.send(&ht, &active, &format!("n{round}"), "news").await;
         h.quiesce().await;
         let before = h.reads();
-        let (_, v) = h.call(reqwest::Method::GET, &format!("/_matrix/client/v3/sync?since={since}"), Some(&ht), None).await;
+        let (_, v) = h
+            .call(
+                reqwest::Method::GET,
+                &format!("/_matrix/client/v3/sync?since={since}"),
+                Some(&ht),
+                None,
+            )
+            .await;
         measure.push(h.reads() - before);
-        assert_eq!(v["rooms"]["join"].as_object().unwrap().len(), 1, "only the active room: {v}");
+        assert_eq!(
+            v["rooms"]["join"].as_object().unwrap().len(),
+            1,
+            "only the active room: {v}"
+        );
     }
-    assert_eq!(measure[1] - measure[0], 20, "20 more idle rooms must cost exactly 20 more rows: {measure:?}");
+    assert_eq!(
+        measure[1] - measure[0],
+        20,
+        "20 more idle rooms must cost exactly 20 more rows: {measure:?}"
+    );
 }
 
 /// A lazy-loading initial sync of a room does not grow with its member count: the
@@ -276,8 +403,14 @@ async fn lazy_initial_sync_does_not_grow_with_members() {
     // 300 extra member entries (bans need no account) in the big room only.
     for i in 0..300 {
         let path = format!("/_matrix/client/v3/rooms/{big}/ban");
-        let (status, v) =
-            h.call(reqwest::Method::POST, &path, Some(&it), Some(json!({ "user_id": format!("@ghost{i}:elsewhere.example") }))).await;
+        let (status, v) = h
+            .call(
+                reqwest::Method::POST,
+                &path,
+                Some(&it),
+                Some(json!({ "user_id": format!("@ghost{i}:elsewhere.example") })),
+            )
+            .await;
         assert_eq!(status, 200, "{v}");
     }
     for room in [&small, &big] {
@@ -289,7 +422,10 @@ async fn lazy_initial_sync_does_not_grow_with_members() {
     let mut measure = Vec::new();
     for room in [&small, &big] {
         let filter = json!({ "room": { "rooms": [room], "state": { "lazy_load_members": true }, "timeline": { "limit": 5 } } });
-        let path = format!("/_matrix/client/v3/sync?filter={}", urlencode(&filter.to_string()));
+        let path = format!(
+            "/_matrix/client/v3/sync?filter={}",
+            urlencode(&filter.to_string())
+        );
         // The first call warms the room-summary cache (keyed by state root).
         h.call(reqwest::Method::GET, &path, Some(&it), None).await;
         let before = h.reads();
@@ -298,19 +434,31 @@ async fn lazy_initial_sync_does_not_grow_with_members() {
         measure.push(h.reads() - before);
         let joined = &v["rooms"]["join"][room.as_str()];
         let state = joined["state"]["events"].as_array().unwrap();
-        let members: Vec<&str> =
-            state.iter().filter(|e| e["type"] == "m.room.member").map(|e| e["state_key"].as_str().unwrap()).collect();
-        assert_eq!(members.len(), 1, "only ivy's own member event is lazily loaded: {members:?}");
+        let members: Vec<&str> = state
+            .iter()
+            .filter(|e| e["type"] == "m.room.member")
+            .map(|e| e["state_key"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            members.len(),
+            1,
+            "only ivy's own member event is lazily loaded: {members:?}"
+        );
         assert!(state.iter().any(|e| e["type"] == "m.room.name"));
         assert_eq!(joined["timeline"]["events"].as_array().unwrap().len(), 5);
     }
-    assert_eq!(measure[0], measure[1], "lazy initial sync store reads grew with member count: {measure:?}");
+    assert_eq!(
+        measure[0], measure[1],
+        "lazy initial sync store reads grew with member count: {measure:?}"
+    );
 }
 
 fn urlencode(s: &str) -> String {
     s.bytes()
         .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
             _ => format!("%{b:02X}"),
         })
         .collect()

@@ -11,7 +11,11 @@ use std::{
 use serde_json::{Value, json};
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 fn spawn(config: &std::path::Path) -> Child {
@@ -26,10 +30,14 @@ fn spawn(config: &std::path::Path) -> Child {
 
 async fn wait_ready(http: &reqwest::Client, base: &str) {
     for _ in 0..200 {
-        if let Ok(r) = http.get(format!("{base}/_matrix/client/versions")).send().await
-            && r.status().is_success() {
-                return;
-            }
+        if let Ok(r) = http
+            .get(format!("{base}/_matrix/client/versions"))
+            .send()
+            .await
+            && r.status().is_success()
+        {
+            return;
+        }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("spindle did not become ready");
@@ -71,7 +79,13 @@ async fn sigkill_during_concurrent_sends_loses_nothing_acknowledged() {
     let token = reg["access_token"].as_str().unwrap().to_owned();
     let mut rooms = Vec::new();
     for _ in 0..4 {
-        let r = post(&http, format!("{base}/_matrix/client/v3/createRoom"), Some(&token), json!({})).await;
+        let r = post(
+            &http,
+            format!("{base}/_matrix/client/v3/createRoom"),
+            Some(&token),
+            json!({}),
+        )
+        .await;
         rooms.push(r["room_id"].as_str().unwrap().to_owned());
     }
 
@@ -79,10 +93,17 @@ async fn sigkill_during_concurrent_sends_loses_nothing_acknowledged() {
     let acked: Arc<Mutex<Vec<(usize, u32, String)>>> = Arc::default();
     let mut tasks = Vec::new();
     for (w, room) in rooms.iter().enumerate() {
-        let (http, base, token, room, acked) = (http.clone(), base.clone(), token.clone(), room.clone(), acked.clone());
+        let (http, base, token, room, acked) = (
+            http.clone(),
+            base.clone(),
+            token.clone(),
+            room.clone(),
+            acked.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             for i in 0u32.. {
-                let url = format!("{base}/_matrix/client/v3/rooms/{room}/send/m.room.message/w{w}-{i}");
+                let url =
+                    format!("{base}/_matrix/client/v3/rooms/{room}/send/m.room.message/w{w}-{i}");
                 let resp = http
                     .put(url)
                     .bearer_auth(&token)
@@ -90,7 +111,9 @@ async fn sigkill_during_concurrent_sends_loses_nothing_acknowledged() {
                     .send()
                     .await;
                 let Ok(resp) = resp else { break };
-                let Ok(v) = resp.json::<Value>().await else { break };
+                let Ok(v) = resp.json::<Value>().await else {
+                    break;
+                };
                 match v["event_id"].as_str() {
                     Some(id) => acked.lock().unwrap().push((w, i, id.to_owned())),
                     None => break,
@@ -105,14 +128,30 @@ async fn sigkill_during_concurrent_sends_loses_nothing_acknowledged() {
         let _ = t.await;
     }
     let acked = acked.lock().unwrap().clone();
-    assert!(acked.len() >= 20, "too few sends acknowledged before the kill: {}", acked.len());
+    assert!(
+        acked.len() >= 20,
+        "too few sends acknowledged before the kill: {}",
+        acked.len()
+    );
 
     let mut child = spawn(&config);
     wait_ready(&http, &base).await;
     for (w, room) in rooms.iter().enumerate() {
-        let want: Vec<&str> = acked.iter().filter(|(x, _, _)| *x == w).map(|(_, _, id)| id.as_str()).collect();
+        let want: Vec<&str> = acked
+            .iter()
+            .filter(|(x, _, _)| *x == w)
+            .map(|(_, _, id)| id.as_str())
+            .collect();
         let url = format!("{base}/_matrix/client/v3/rooms/{room}/messages?dir=f&limit=1000");
-        let v: Value = http.get(url).bearer_auth(&token).send().await.unwrap().json().await.unwrap();
+        let v: Value = http
+            .get(url)
+            .bearer_auth(&token)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
         let got: Vec<String> = v["chunk"]
             .as_array()
             .unwrap()
@@ -122,8 +161,17 @@ async fn sigkill_during_concurrent_sends_loses_nothing_acknowledged() {
             .collect();
         // Every acknowledged event is present, in acknowledgement order; at most one
         // unacknowledged send (in flight at the kill) may follow.
-        assert!(got.len() >= want.len() && got.len() <= want.len() + 1, "room {w}: {} acked, {} stored", want.len(), got.len());
-        assert_eq!(&got[..want.len()], &want[..], "room {w}: acknowledged events missing or reordered");
+        assert!(
+            got.len() >= want.len() && got.len() <= want.len() + 1,
+            "room {w}: {} acked, {} stored",
+            want.len(),
+            got.len()
+        );
+        assert_eq!(
+            &got[..want.len()],
+            &want[..],
+            "room {w}: acknowledged events missing or reordered"
+        );
     }
     child.kill().unwrap();
     child.wait().unwrap();
@@ -156,25 +204,45 @@ async fn sigterm_answers_waiting_long_polls_and_exits() {
     )
     .await;
     let token = reg["access_token"].as_str().unwrap().to_owned();
-    let first: Value = http.get(format!("{base}/_matrix/client/v3/sync")).bearer_auth(&token).send().await.unwrap().json().await.unwrap();
+    let first: Value = http
+        .get(format!("{base}/_matrix/client/v3/sync"))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
     let since = first["next_batch"].as_str().unwrap().to_owned();
     let poll = {
         let (http, base, token) = (http.clone(), base.clone(), token.clone());
         tokio::spawn(async move {
-            http.get(format!("{base}/_matrix/client/v3/sync?since={since}&timeout=60000"))
-                .bearer_auth(token)
-                .send()
-                .await
-                .map(|r| r.status().as_u16())
+            http.get(format!(
+                "{base}/_matrix/client/v3/sync?since={since}&timeout=60000"
+            ))
+            .bearer_auth(token)
+            .send()
+            .await
+            .map(|r| r.status().as_u16())
         })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     let started = std::time::Instant::now();
-    let status = Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().unwrap();
+    let status = Command::new("kill")
+        .arg("-TERM")
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
     assert!(status.success());
-    let exit = tokio::task::spawn_blocking(move || child.wait().unwrap()).await.unwrap();
+    let exit = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
     // Liveness bound, not a performance assertion: the poll's own timeout is 60 s.
-    assert!(started.elapsed() < Duration::from_secs(15), "shutdown took {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "shutdown took {:?}",
+        started.elapsed()
+    );
     assert!(exit.success(), "exit status {exit:?}");
     assert_eq!(poll.await.unwrap().unwrap(), 200);
 }

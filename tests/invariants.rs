@@ -39,7 +39,9 @@ fn room_routes(source: &str) -> (usize, Vec<(Method, String)>) {
     let count = source.matches(&needle).count();
     let mut out = Vec::new();
     for chunk in source.split(".route(").skip(1) {
-        let Some(rest) = chunk.strip_prefix('"') else { continue };
+        let Some(rest) = chunk.strip_prefix('"') else {
+            continue;
+        };
         let Some(end) = rest.find('"') else { continue };
         let template = &rest[..end];
         if !template.starts_with(ROOMS) {
@@ -47,7 +49,12 @@ fn room_routes(source: &str) -> (usize, Vec<(Method, String)>) {
         }
         let handlers = &rest[end..];
         let mut methods = Vec::new();
-        for (name, m) in [("get(", Method::GET), ("post(", Method::POST), ("put(", Method::PUT), ("delete(", Method::DELETE)] {
+        for (name, m) in [
+            ("get(", Method::GET),
+            ("post(", Method::POST),
+            ("put(", Method::PUT),
+            ("delete(", Method::DELETE),
+        ] {
             let mut from = 0;
             while let Some(i) = handlers[from..].find(name) {
                 let at = from + i;
@@ -79,24 +86,47 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
     let secrets = [SECRET_BODY, SECRET_NAME, SECRET_TOPIC, SECRET_ALIAS_LOCAL];
 
     let room = alice
-        .create_room(json!({ "preset": "private_chat", "name": SECRET_NAME, "topic": SECRET_TOPIC }))
+        .create_room(
+            json!({ "preset": "private_chat", "name": SECRET_NAME, "topic": SECRET_TOPIC }),
+        )
         .await;
     let secret = alice.send_text(&room, SECRET_BODY).await;
     let alias = format!("#{SECRET_ALIAS_LOCAL}:{}", common::SERVER_NAME);
-    alice.put(&format!("/_matrix/client/v3/directory/room/{}", enc(&alias)), &json!({ "room_id": room })).await.ok();
     alice
-        .post(&format!("/_matrix/client/v3/rooms/{}/receipt/m.read/{}", enc(&room), enc(&secret)), &json!({}))
+        .put(
+            &format!("/_matrix/client/v3/directory/room/{}", enc(&alias)),
+            &json!({ "room_id": room }),
+        )
+        .await
+        .ok();
+    alice
+        .post(
+            &format!(
+                "/_matrix/client/v3/rooms/{}/receipt/m.read/{}",
+                enc(&room),
+                enc(&secret)
+            ),
+            &json!({}),
+        )
         .await
         .ok();
     let before_ids = alice.all_event_ids(&room).await;
-    let mut before_state = alice.get(&format!("/_matrix/client/v3/rooms/{}/state", enc(&room))).await.ok();
+    let mut before_state = alice
+        .get(&format!("/_matrix/client/v3/rooms/{}/state", enc(&room)))
+        .await
+        .ok();
     common::strip_age(&mut before_state);
 
     let r = enc(&room);
     let x = enc(&secret);
     let a = enc(&alice.user_id);
     let e = enc(&eve.user_id);
-    let row = |method: Method, template: &'static str, suffix: String, body: Option<Value>, status: u16, errcode: &'static str| Row {
+    let row = |method: Method,
+               template: &'static str,
+               suffix: String,
+               body: Option<Value>,
+               status: u16,
+               errcode: &'static str| Row {
         method,
         template,
         path: format!("/_matrix/client/v3/rooms/{r}{suffix}"),
@@ -109,51 +139,274 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
     const NF: &str = "M_NOT_FOUND";
     let table = vec![
         // Reads (api/src/read.rs and rooms.rs).
-        row(M::GET, "/_matrix/client/v3/rooms/{room_id}/event/{event_id}", format!("/event/{x}"), None, 404, NF),
-        row(M::GET, "/_matrix/client/v3/rooms/{room_id}/state", "/state".into(), None, 403, F),
-        row(M::GET, "/_matrix/client/v3/rooms/{room_id}/state/{event_type}", "/state/m.room.name".into(), None, 403, F),
-        row(M::GET, "/_matrix/client/v3/rooms/{room_id}/state/{event_type}", "/state/m.room.topic".into(), None, 403, F),
-        row(M::GET, "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/", "/state/m.room.name/".into(), None, 403, F),
-        row(M::GET, "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/{state_key}", format!("/state/m.room.member/{a}"), None, 403, F),
-        row(M::GET, "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/{state_key}", format!("/state/m.room.member/{e}"), None, 403, F),
-        row(M::GET, "/_matrix/client/v3/rooms/{room_id}/messages", "/messages?dir=b&limit=100".into(), None, 403, F),
-        row(M::GET, "/_matrix/client/v3/rooms/{room_id}/messages", "/messages?dir=f&limit=100".into(), None, 403, F),
-        row(M::GET, "/_matrix/client/v3/rooms/{room_id}/messages", "/messages?dir=f&from=t0&limit=100".into(), None, 403, F),
-        row(M::GET, "/_matrix/client/v3/rooms/{room_id}/context/{event_id}", format!("/context/{x}?limit=20"), None, 404, NF),
-        row(M::GET, "/_matrix/client/v3/rooms/{room_id}/members", "/members".into(), None, 403, F),
-        row(M::GET, "/_matrix/client/v3/rooms/{room_id}/joined_members", "/joined_members".into(), None, 403, F),
-        row(M::GET, "/_matrix/client/v3/rooms/{room_id}/aliases", "/aliases".into(), None, 403, F),
+        row(
+            M::GET,
+            "/_matrix/client/v3/rooms/{room_id}/event/{event_id}",
+            format!("/event/{x}"),
+            None,
+            404,
+            NF,
+        ),
+        row(
+            M::GET,
+            "/_matrix/client/v3/rooms/{room_id}/state",
+            "/state".into(),
+            None,
+            403,
+            F,
+        ),
+        row(
+            M::GET,
+            "/_matrix/client/v3/rooms/{room_id}/state/{event_type}",
+            "/state/m.room.name".into(),
+            None,
+            403,
+            F,
+        ),
+        row(
+            M::GET,
+            "/_matrix/client/v3/rooms/{room_id}/state/{event_type}",
+            "/state/m.room.topic".into(),
+            None,
+            403,
+            F,
+        ),
+        row(
+            M::GET,
+            "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/",
+            "/state/m.room.name/".into(),
+            None,
+            403,
+            F,
+        ),
+        row(
+            M::GET,
+            "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/{state_key}",
+            format!("/state/m.room.member/{a}"),
+            None,
+            403,
+            F,
+        ),
+        row(
+            M::GET,
+            "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/{state_key}",
+            format!("/state/m.room.member/{e}"),
+            None,
+            403,
+            F,
+        ),
+        row(
+            M::GET,
+            "/_matrix/client/v3/rooms/{room_id}/messages",
+            "/messages?dir=b&limit=100".into(),
+            None,
+            403,
+            F,
+        ),
+        row(
+            M::GET,
+            "/_matrix/client/v3/rooms/{room_id}/messages",
+            "/messages?dir=f&limit=100".into(),
+            None,
+            403,
+            F,
+        ),
+        row(
+            M::GET,
+            "/_matrix/client/v3/rooms/{room_id}/messages",
+            "/messages?dir=f&from=t0&limit=100".into(),
+            None,
+            403,
+            F,
+        ),
+        row(
+            M::GET,
+            "/_matrix/client/v3/rooms/{room_id}/context/{event_id}",
+            format!("/context/{x}?limit=20"),
+            None,
+            404,
+            NF,
+        ),
+        row(
+            M::GET,
+            "/_matrix/client/v3/rooms/{room_id}/members",
+            "/members".into(),
+            None,
+            403,
+            F,
+        ),
+        row(
+            M::GET,
+            "/_matrix/client/v3/rooms/{room_id}/joined_members",
+            "/joined_members".into(),
+            None,
+            403,
+            F,
+        ),
+        row(
+            M::GET,
+            "/_matrix/client/v3/rooms/{room_id}/aliases",
+            "/aliases".into(),
+            None,
+            403,
+            F,
+        ),
         // Writes that would reveal or change the room.
-        row(M::POST, "/_matrix/client/v3/rooms/{room_id}/receipt/{receipt_type}/{event_id}", format!("/receipt/m.read/{x}"), Some(json!({})), 403, F),
-        row(M::POST, "/_matrix/client/v3/rooms/{room_id}/receipt/{receipt_type}/{event_id}", format!("/receipt/m.read.private/{x}"), Some(json!({})), 403, F),
-        row(M::POST, "/_matrix/client/v3/rooms/{room_id}/read_markers", "/read_markers".into(), Some(json!({ "m.fully_read": secret, "m.read": secret })), 403, F),
-        row(M::PUT, "/_matrix/client/v3/rooms/{room_id}/typing/{user_id}", format!("/typing/{e}"), Some(json!({ "typing": true, "timeout": 30000 })), 403, F),
-        row(M::PUT, "/_matrix/client/v3/rooms/{room_id}/send/{event_type}/{txn_id}", format!("/send/m.room.message/{}", txn()), Some(json!({ "msgtype": "m.text", "body": "eve" })), 403, F),
-        row(M::PUT, "/_matrix/client/v3/rooms/{room_id}/state/{event_type}", "/state/m.room.name".into(), Some(json!({ "name": "eve was here" })), 403, F),
-        row(M::PUT, "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/", "/state/m.room.name/".into(), Some(json!({ "name": "eve was here" })), 403, F),
-        row(M::PUT, "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/{state_key}", format!("/state/m.room.member/{e}"), Some(json!({ "membership": "join" })), 403, F),
-        row(M::PUT, "/_matrix/client/v3/rooms/{room_id}/redact/{event_id}/{txn_id}", format!("/redact/{x}/{}", txn()), Some(json!({})), 403, F),
-        row(M::POST, "/_matrix/client/v3/rooms/{room_id}/join", "/join".into(), Some(json!({})), 403, F),
-        row(M::POST, "/_matrix/client/v3/rooms/{room_id}/invite", "/invite".into(), Some(json!({ "user_id": eve.user_id })), 403, F),
-        row(M::POST, "/_matrix/client/v3/rooms/{room_id}/leave", "/leave".into(), Some(json!({})), 403, F),
-        row(M::POST, "/_matrix/client/v3/rooms/{room_id}/kick", "/kick".into(), Some(json!({ "user_id": alice.user_id })), 403, F),
-        row(M::POST, "/_matrix/client/v3/rooms/{room_id}/ban", "/ban".into(), Some(json!({ "user_id": alice.user_id })), 403, F),
-        row(M::POST, "/_matrix/client/v3/rooms/{room_id}/unban", "/unban".into(), Some(json!({ "user_id": alice.user_id })), 403, F),
-        row(M::POST, "/_matrix/client/v3/rooms/{room_id}/forget", "/forget".into(), Some(json!({})), 404, NF),
+        row(
+            M::POST,
+            "/_matrix/client/v3/rooms/{room_id}/receipt/{receipt_type}/{event_id}",
+            format!("/receipt/m.read/{x}"),
+            Some(json!({})),
+            403,
+            F,
+        ),
+        row(
+            M::POST,
+            "/_matrix/client/v3/rooms/{room_id}/receipt/{receipt_type}/{event_id}",
+            format!("/receipt/m.read.private/{x}"),
+            Some(json!({})),
+            403,
+            F,
+        ),
+        row(
+            M::POST,
+            "/_matrix/client/v3/rooms/{room_id}/read_markers",
+            "/read_markers".into(),
+            Some(json!({ "m.fully_read": secret, "m.read": secret })),
+            403,
+            F,
+        ),
+        row(
+            M::PUT,
+            "/_matrix/client/v3/rooms/{room_id}/typing/{user_id}",
+            format!("/typing/{e}"),
+            Some(json!({ "typing": true, "timeout": 30000 })),
+            403,
+            F,
+        ),
+        row(
+            M::PUT,
+            "/_matrix/client/v3/rooms/{room_id}/send/{event_type}/{txn_id}",
+            format!("/send/m.room.message/{}", txn()),
+            Some(json!({ "msgtype": "m.text", "body": "eve" })),
+            403,
+            F,
+        ),
+        row(
+            M::PUT,
+            "/_matrix/client/v3/rooms/{room_id}/state/{event_type}",
+            "/state/m.room.name".into(),
+            Some(json!({ "name": "eve was here" })),
+            403,
+            F,
+        ),
+        row(
+            M::PUT,
+            "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/",
+            "/state/m.room.name/".into(),
+            Some(json!({ "name": "eve was here" })),
+            403,
+            F,
+        ),
+        row(
+            M::PUT,
+            "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/{state_key}",
+            format!("/state/m.room.member/{e}"),
+            Some(json!({ "membership": "join" })),
+            403,
+            F,
+        ),
+        row(
+            M::PUT,
+            "/_matrix/client/v3/rooms/{room_id}/redact/{event_id}/{txn_id}",
+            format!("/redact/{x}/{}", txn()),
+            Some(json!({})),
+            403,
+            F,
+        ),
+        row(
+            M::POST,
+            "/_matrix/client/v3/rooms/{room_id}/join",
+            "/join".into(),
+            Some(json!({})),
+            403,
+            F,
+        ),
+        row(
+            M::POST,
+            "/_matrix/client/v3/rooms/{room_id}/invite",
+            "/invite".into(),
+            Some(json!({ "user_id": eve.user_id })),
+            403,
+            F,
+        ),
+        row(
+            M::POST,
+            "/_matrix/client/v3/rooms/{room_id}/leave",
+            "/leave".into(),
+            Some(json!({})),
+            403,
+            F,
+        ),
+        row(
+            M::POST,
+            "/_matrix/client/v3/rooms/{room_id}/kick",
+            "/kick".into(),
+            Some(json!({ "user_id": alice.user_id })),
+            403,
+            F,
+        ),
+        row(
+            M::POST,
+            "/_matrix/client/v3/rooms/{room_id}/ban",
+            "/ban".into(),
+            Some(json!({ "user_id": alice.user_id })),
+            403,
+            F,
+        ),
+        row(
+            M::POST,
+            "/_matrix/client/v3/rooms/{room_id}/unban",
+            "/unban".into(),
+            Some(json!({ "user_id": alice.user_id })),
+            403,
+            F,
+        ),
+        row(
+            M::POST,
+            "/_matrix/client/v3/rooms/{room_id}/forget",
+            "/forget".into(),
+            Some(json!({})),
+            404,
+            NF,
+        ),
     ];
 
     // The table covers every /rooms/{room_id}/... route the api serves.
     let mut served = Vec::new();
-    for (file, source) in [("read.rs", include_str!("../api/src/read.rs")), ("rooms.rs", include_str!("../api/src/rooms.rs"))] {
+    for (file, source) in [
+        ("read.rs", include_str!("../api/src/read.rs")),
+        ("rooms.rs", include_str!("../api/src/rooms.rs")),
+    ] {
         let (count, routes) = room_routes(source);
         let distinct: BTreeSet<&String> = routes.iter().map(|(_, t)| t).collect();
-        assert_eq!(distinct.len(), count, "{file}: every `.route(\"{ROOMS}...` line was parsed");
+        assert_eq!(
+            distinct.len(),
+            count,
+            "{file}: every `.route(\"{ROOMS}...` line was parsed"
+        );
         served.extend(routes);
     }
-    assert_eq!(served.len(), 25, "room routes served (update the table when adding one): {served:?}");
+    assert_eq!(
+        served.len(),
+        25,
+        "room routes served (update the table when adding one): {served:?}"
+    );
     for (method, template) in &served {
         assert!(
-            table.iter().any(|r| r.method == method && r.template == template),
+            table
+                .iter()
+                .any(|r| r.method == method && r.template == template),
             "route {method} {template} is not in the authorization table"
         );
     }
@@ -167,7 +420,9 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
     }
 
     for row in &table {
-        let resp = eve.request(row.method.clone(), &row.path, row.body.as_ref()).await;
+        let resp = eve
+            .request(row.method.clone(), &row.path, row.body.as_ref())
+            .await;
         assert_eq!(
             (resp.status, resp.errcode()),
             (row.status, Some(row.errcode)),
@@ -177,35 +432,64 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
             resp.text
         );
         for s in secrets {
-            assert!(!resp.text.contains(s), "{} {} leaked {s}: {}", row.method, row.path, resp.text);
+            assert!(
+                !resp.text.contains(s),
+                "{} {} leaked {s}: {}",
+                row.method,
+                row.path,
+                resp.text
+            );
         }
         // A room that does not exist answers exactly like one the user may not see.
         if row.method == Method::GET {
             let ghost = row.path.replacen(&r, &enc("!nosuchroom:localhost:8008"), 1);
             let resp = eve.get(&ghost).await;
-            assert_eq!((resp.status, resp.errcode()), (row.status, Some(row.errcode)), "GET {ghost}: {}", resp.text);
+            assert_eq!(
+                (resp.status, resp.errcode()),
+                (row.status, Some(row.errcode)),
+                "GET {ghost}: {}",
+                resp.text
+            );
         }
     }
 
     // /sync shows nothing of the room, with or without leave rooms.
-    for query in ["".to_string(), format!("filter={}", timeline_filter(100)), "full_state=true".into()] {
+    for query in [
+        "".to_string(),
+        format!("filter={}", timeline_filter(100)),
+        "full_state=true".into(),
+    ] {
         let resp = eve.get(&format!("/_matrix/client/v3/sync?{query}")).await;
         assert_eq!(resp.status, 200, "{}", resp.text);
         for section in ["join", "invite", "leave", "knock"] {
-            assert!(resp.body["rooms"][section].get(&room).is_none(), "sync {query} shows the room in {section}: {}", resp.text);
+            assert!(
+                resp.body["rooms"][section].get(&room).is_none(),
+                "sync {query} shows the room in {section}: {}",
+                resp.text
+            );
         }
-        assert!(!resp.text.contains(&room), "sync {query} names the room: {}", resp.text);
+        assert!(
+            !resp.text.contains(&room),
+            "sync {query} names the room: {}",
+            resp.text
+        );
         for s in secrets {
             assert!(!resp.text.contains(s), "sync {query} leaked {s}");
         }
     }
     // Nothing eve sent changed the room.
     assert_eq!(alice.all_event_ids(&room).await, before_ids);
-    let mut after_state = alice.get(&format!("/_matrix/client/v3/rooms/{}/state", enc(&room))).await.ok();
+    let mut after_state = alice
+        .get(&format!("/_matrix/client/v3/rooms/{}/state", enc(&room)))
+        .await
+        .ok();
     common::strip_age(&mut after_state);
     assert_eq!(after_state, before_state);
     assert_eq!(
-        alice.get(&format!("/_matrix/client/v3/rooms/{}/aliases", enc(&room))).await.ok(),
+        alice
+            .get(&format!("/_matrix/client/v3/rooms/{}/aliases", enc(&room)))
+            .await
+            .ok(),
         json!({ "aliases": [alias] })
     );
     ts.stop().await;
@@ -216,19 +500,31 @@ async fn empty_state_key_with_trailing_slash_reads_and_writes_the_state_event() 
     let ts = TestServer::start().await;
     let alice = ts.register("alice").await;
     let eve = ts.register("eve").await;
-    let room = alice.create_room(json!({ "preset": "private_chat", "name": "The Room" })).await;
+    let room = alice
+        .create_room(json!({ "preset": "private_chat", "name": "The Room" }))
+        .await;
     let path = format!("/_matrix/client/v3/rooms/{}/state/m.room.name/", enc(&room));
     let with_slash = alice.get(&path).await;
-    assert_eq!((with_slash.status, with_slash.body.clone()), (200, json!({ "name": "The Room" })), "{}", with_slash.text);
+    assert_eq!(
+        (with_slash.status, with_slash.body.clone()),
+        (200, json!({ "name": "The Room" })),
+        "{}",
+        with_slash.text
+    );
     let without = alice.get(path.trim_end_matches('/')).await;
-    assert_eq!((without.status, without.body), (200, json!({ "name": "The Room" })));
+    assert_eq!(
+        (without.status, without.body),
+        (200, json!({ "name": "The Room" }))
+    );
     let put = alice.put(&path, &json!({ "name": "Renamed" })).await.ok();
     let name_event = alice.get(&format!("{path}?format=event")).await.ok();
     assert_eq!(name_event["event_id"], put["event_id"]);
     assert_eq!(name_event["content"], json!({ "name": "Renamed" }));
     // And a non-member gets the same refusal as without the slash.
     eve.get(&path).await.expect_err(403, "M_FORBIDDEN");
-    eve.put(&path, &json!({ "name": "eve" })).await.expect_err(403, "M_FORBIDDEN");
+    eve.put(&path, &json!({ "name": "eve" }))
+        .await
+        .expect_err(403, "M_FORBIDDEN");
     ts.stop().await;
 }
 
@@ -271,9 +567,24 @@ async fn story(ts: &TestServer, visibility: &str) -> Story {
     let join = alice.all_event_ids(&room).await.last().unwrap().clone();
     let m4 = alice.send_text(&room, "m4").await;
     let mut all = setup.clone();
-    all.extend([m1.clone(), m2.clone(), invite.clone(), m3.clone(), join.clone(), m4.clone()]);
+    all.extend([
+        m1.clone(),
+        m2.clone(),
+        invite.clone(),
+        m3.clone(),
+        join.clone(),
+        m4.clone(),
+    ]);
     assert_eq!(alice.all_event_ids(&room).await, all);
-    Story { alice, bob, room, setup, m: vec![m1, m2, m3, m4], invite, join }
+    Story {
+        alice,
+        bob,
+        room,
+        setup,
+        m: vec![m1, m2, m3, m4],
+        invite,
+        join,
+    }
 }
 
 /// What bob sees through `/messages` (both directions), `/sync` and `/event` equals
@@ -281,15 +592,33 @@ async fn story(ts: &TestServer, visibility: &str) -> Story {
 /// `unchecked` (bob's own invite, see the ignored `history_visibility_joined_hides_own_invite`)
 /// is left out of the comparison.
 async fn assert_bob_sees(s: &Story, visible: &[String], unchecked: Option<&str>) {
-    let keep = |v: Vec<String>| -> Vec<String> { v.into_iter().filter(|id| Some(id.as_str()) != unchecked).collect() };
-    let forward = keep(ids(&s.bob.messages(&s.room, "dir=f&limit=100").await["chunk"]));
+    let keep = |v: Vec<String>| -> Vec<String> {
+        v.into_iter()
+            .filter(|id| Some(id.as_str()) != unchecked)
+            .collect()
+    };
+    let forward = keep(ids(
+        &s.bob.messages(&s.room, "dir=f&limit=100").await["chunk"],
+    ));
     assert_eq!(forward, visible, "bob's /messages dir=f");
-    let mut backward = keep(ids(&s.bob.messages(&s.room, "dir=b&limit=100").await["chunk"]));
+    let mut backward = keep(ids(
+        &s.bob.messages(&s.room, "dir=b&limit=100").await["chunk"],
+    ));
     backward.reverse();
     assert_eq!(backward, visible, "bob's /messages dir=b");
-    let sync = s.bob.sync(&format!("filter={}", timeline_filter(100))).await;
-    assert_eq!(keep(sync_timeline_ids(&sync, "join", &s.room)), visible, "bob's initial /sync timeline");
-    assert_eq!(sync["rooms"]["join"][&s.room]["timeline"]["limited"], json!(false));
+    let sync = s
+        .bob
+        .sync(&format!("filter={}", timeline_filter(100)))
+        .await;
+    assert_eq!(
+        keep(sync_timeline_ids(&sync, "join", &s.room)),
+        visible,
+        "bob's initial /sync timeline"
+    );
+    assert_eq!(
+        sync["rooms"]["join"][&s.room]["timeline"]["limited"],
+        json!(false)
+    );
     let all = s.alice.all_event_ids(&s.room).await;
     for id in &all {
         if Some(id.as_str()) == unchecked {
@@ -298,13 +627,26 @@ async fn assert_bob_sees(s: &Story, visible: &[String], unchecked: Option<&str>)
         let ev = s.bob.event(&s.room, id).await;
         let ctx = s.bob.context(&s.room, id, 4).await;
         if visible.contains(id) {
-            assert_eq!((ev.status, ev.body["event_id"].as_str()), (200, Some(id.as_str())), "{}", ev.text);
-            assert_eq!((ctx.status, ctx.body["event"]["event_id"].as_str()), (200, Some(id.as_str())), "{}", ctx.text);
+            assert_eq!(
+                (ev.status, ev.body["event_id"].as_str()),
+                (200, Some(id.as_str())),
+                "{}",
+                ev.text
+            );
+            assert_eq!(
+                (ctx.status, ctx.body["event"]["event_id"].as_str()),
+                (200, Some(id.as_str())),
+                "{}",
+                ctx.text
+            );
         } else {
             ev.expect_err(404, "M_NOT_FOUND");
             ctx.expect_err(404, "M_NOT_FOUND");
             // Not in any answer bob gets.
-            assert!(!sync.to_string().contains(id.as_str()), "bob's /sync names hidden event {id}");
+            assert!(
+                !sync.to_string().contains(id.as_str()),
+                "bob's /sync names hidden event {id}"
+            );
         }
     }
 }
@@ -313,40 +655,74 @@ async fn assert_bob_sees(s: &Story, visible: &[String], unchecked: Option<&str>)
 /// route), and still sees the events he saw while joined. Returns (bob's visible list
 /// through `/messages` after leaving, the leave event id).
 async fn leave_then_m5(s: &Story, visible_before: &[String]) -> (Vec<String>, String) {
-    let since = s.bob.sync("").await["next_batch"].as_str().unwrap().to_owned();
+    let since = s.bob.sync("").await["next_batch"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     s.bob.leave(&s.room).await;
     let leave = s.alice.all_event_ids(&s.room).await.last().unwrap().clone();
     let m5 = s.alice.send_text(&s.room, "m5").await;
     assert_eq!(s.alice.all_event_ids(&s.room).await.last(), Some(&m5));
 
-    s.bob.event(&s.room, &m5).await.expect_err(404, "M_NOT_FOUND");
-    s.bob.context(&s.room, &m5, 10).await.expect_err(404, "M_NOT_FOUND");
+    s.bob
+        .event(&s.room, &m5)
+        .await
+        .expect_err(404, "M_NOT_FOUND");
+    s.bob
+        .context(&s.room, &m5, 10)
+        .await
+        .expect_err(404, "M_NOT_FOUND");
     let forward = ids(&s.bob.messages(&s.room, "dir=f&limit=100").await["chunk"]);
     let mut backward = ids(&s.bob.messages(&s.room, "dir=b&limit=100").await["chunk"]);
     backward.reverse();
-    assert_eq!(forward, backward, "bob's /messages after leaving, both directions");
+    assert_eq!(
+        forward, backward,
+        "bob's /messages after leaving, both directions"
+    );
     // What bob saw while joined, then his leave, end the list; nothing is new to him.
     let tail = [s.join.clone(), s.m[3].clone(), leave.clone()];
-    assert!(forward.ends_with(&tail), "bob's /messages after leaving ends with join, m4, leave: {forward:?}");
+    assert!(
+        forward.ends_with(&tail),
+        "bob's /messages after leaving ends with join, m4, leave: {forward:?}"
+    );
     for id in &forward {
-        assert!(visible_before.contains(id) || id == &leave || id == &s.invite, "{id} became visible to bob after he left");
+        assert!(
+            visible_before.contains(id) || id == &leave || id == &s.invite,
+            "{id} became visible to bob after he left"
+        );
     }
     // Earlier events stay visible; their context stops at bob's leave.
     let m4 = &s.m[3];
     let ev = s.bob.event(&s.room, m4).await.ok();
     assert_eq!(ev["event_id"], json!(m4));
     let ctx = s.bob.context(&s.room, m4, 10).await.ok();
-    assert_eq!(ids(&ctx["events_after"]), vec![leave.clone()], "bob's /context of m4 stops at his leave");
+    assert_eq!(
+        ids(&ctx["events_after"]),
+        vec![leave.clone()],
+        "bob's /context of m4 stops at his leave"
+    );
     let ctx_alice = s.alice.context(&s.room, m4, 10).await.ok();
-    assert_eq!(ids(&ctx_alice["events_after"]), vec![leave.clone(), m5.clone()]);
+    assert_eq!(
+        ids(&ctx_alice["events_after"]),
+        vec![leave.clone(), m5.clone()]
+    );
     // Incremental sync: the room moves to `leave`, ending with the leave event.
-    let sync = s.bob.sync(&format!("since={since}&filter={}", timeline_filter(100))).await;
+    let sync = s
+        .bob
+        .sync(&format!("since={since}&filter={}", timeline_filter(100)))
+        .await;
     assert!(sync["rooms"]["join"].get(&s.room).is_none());
-    assert_eq!(sync_timeline_ids(&sync, "leave", &s.room), vec![leave.clone()]);
+    assert_eq!(
+        sync_timeline_ids(&sync, "leave", &s.room),
+        vec![leave.clone()]
+    );
     assert!(!sync.to_string().contains(m5.as_str()));
     // A later incremental sync shows nothing of the room.
     let next = sync["next_batch"].as_str().unwrap();
-    let sync = s.bob.sync(&format!("since={next}&filter={}", timeline_filter(100))).await;
+    let sync = s
+        .bob
+        .sync(&format!("since={next}&filter={}", timeline_filter(100)))
+        .await;
     assert!(!sync.to_string().contains(&s.room), "{sync}");
     (forward, leave)
 }
@@ -380,7 +756,12 @@ async fn history_visibility_invited() {
     let ts = TestServer::start().await;
     let s = story(&ts, "invited").await;
     let mut visible = s.setup.clone();
-    visible.extend([s.invite.clone(), s.m[2].clone(), s.join.clone(), s.m[3].clone()]);
+    visible.extend([
+        s.invite.clone(),
+        s.m[2].clone(),
+        s.join.clone(),
+        s.m[3].clone(),
+    ]);
     assert_bob_sees(&s, &visible, None).await;
     leave_then_m5(&s, &visible).await;
     ts.stop().await;
@@ -418,17 +799,36 @@ async fn read_your_writes() {
     let alice = ts.register("alice").await;
     let room = alice.create_room(json!({ "preset": "private_chat" })).await;
     let filter = timeline_filter(50);
-    let mut since = alice.sync(&format!("filter={filter}")).await["next_batch"].as_str().unwrap().to_owned();
+    let mut since = alice.sync(&format!("filter={filter}")).await["next_batch"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     for i in 0..50 {
         let body = format!("ryw {i}");
         let id = alice.send_text(&room, &body).await;
         let ev = alice.event(&room, &id).await.ok();
-        assert_eq!((ev["event_id"].as_str(), ev["content"]["body"].as_str()), (Some(id.as_str()), Some(body.as_str())));
-        assert_eq!(ev["unsigned"]["transaction_id"].as_str().map(|t| t.starts_with("txn")), Some(true));
+        assert_eq!(
+            (ev["event_id"].as_str(), ev["content"]["body"].as_str()),
+            (Some(id.as_str()), Some(body.as_str()))
+        );
+        assert_eq!(
+            ev["unsigned"]["transaction_id"]
+                .as_str()
+                .map(|t| t.starts_with("txn")),
+            Some(true)
+        );
         let page = alice.messages(&room, "dir=b&limit=1").await;
-        assert_eq!(ids(&page["chunk"]), vec![id.clone()], "iteration {i}: /messages");
+        assert_eq!(
+            ids(&page["chunk"]),
+            vec![id.clone()],
+            "iteration {i}: /messages"
+        );
         let sync = alice.sync(&format!("since={since}&filter={filter}")).await;
-        assert_eq!(sync_timeline_ids(&sync, "join", &room), vec![id.clone()], "iteration {i}: /sync");
+        assert_eq!(
+            sync_timeline_ids(&sync, "join", &room),
+            vec![id.clone()],
+            "iteration {i}: /sync"
+        );
         since = sync["next_batch"].as_str().unwrap().to_owned();
     }
     ts.stop().await;
@@ -465,16 +865,35 @@ async fn sync_tokens_never_run_ahead_of_projections() {
         let next = sync["next_batch"].as_str().unwrap().to_owned();
         let pos = sync_pos(&next);
         for (name, cp) in ts.server.projections.runtime.checkpoints() {
-            assert!(pos <= cp, "next_batch {next} is ahead of projection {name} (checkpoint {cp})");
+            assert!(
+                pos <= cp,
+                "next_batch {next} is ahead of projection {name} (checkpoint {cp})"
+            );
         }
         assert!(pos <= ts.server.journal.durable_head());
         if let Some(prev) = &since {
-            assert!(pos >= sync_pos(prev), "tokens never go backwards: {prev} then {next}");
+            assert!(
+                pos >= sync_pos(prev),
+                "tokens never go backwards: {prev} then {next}"
+            );
         }
         // Every event in the answer is at or before the token.
-        for ev in sync["rooms"]["join"][&room]["timeline"]["events"].as_array().into_iter().flatten() {
-            let rec = ts.server.projections.timeline.event(ev["event_id"].as_str().unwrap()).unwrap();
-            assert!(rec.position <= pos, "event at {} in a response with token {next}", rec.position);
+        for ev in sync["rooms"]["join"][&room]["timeline"]["events"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let rec = ts
+                .server
+                .projections
+                .timeline
+                .event(ev["event_id"].as_str().unwrap())
+                .unwrap();
+            assert!(
+                rec.position <= pos,
+                "event at {} in a response with token {next}",
+                rec.position
+            );
         }
         since = Some(next);
         checked += 1;
@@ -494,7 +913,9 @@ async fn our_rooms_are_chains() {
     let alice = ts.register("alice").await;
     let bob = ts.register("bob").await;
     let carol = ts.register("carol").await;
-    let room = alice.create_room(json!({ "preset": "private_chat", "name": "chain" })).await;
+    let room = alice
+        .create_room(json!({ "preset": "private_chat", "name": "chain" }))
+        .await;
     let other = bob.create_room(json!({ "preset": "private_chat" })).await;
     alice.invite(&room, &bob.user_id).await;
     bob.join(&room).await;
@@ -517,11 +938,25 @@ async fn our_rooms_are_chains() {
         t.await.unwrap();
     }
     carol.leave(&room).await;
-    alice.post(&format!("/_matrix/client/v3/rooms/{}/kick", enc(&room)), &json!({ "user_id": bob.user_id })).await.ok();
-    alice.put_state(&room, "m.room.topic", "", json!({ "topic": "done" })).await;
+    alice
+        .post(
+            &format!("/_matrix/client/v3/rooms/{}/kick", enc(&room)),
+            &json!({ "user_id": bob.user_id }),
+        )
+        .await
+        .ok();
+    alice
+        .put_state(&room, "m.room.topic", "", json!({ "topic": "done" }))
+        .await;
     // Reading the projection directly bypasses the API's wait for acknowledged writes.
     let head = ts.server.journal.durable_head();
-    assert!(ts.server.projections.runtime.wait_for(head, std::time::Duration::from_secs(10)).await);
+    assert!(
+        ts.server
+            .projections
+            .runtime
+            .wait_for(head, std::time::Duration::from_secs(10))
+            .await
+    );
 
     // From the journal.
     let mut records = Vec::new();
@@ -542,31 +977,57 @@ async fn our_rooms_are_chains() {
     assert_eq!(pdus.len(), 7 + 4 + 30 + 3);
     let mut prev: Option<String> = None;
     for (i, (pos, pdu)) in pdus.iter().enumerate() {
-        assert_eq!(pdu.depth, i as u64 + 1, "depth of event {i} at position {pos}");
+        assert_eq!(
+            pdu.depth,
+            i as u64 + 1,
+            "depth of event {i} at position {pos}"
+        );
         let prevs: Vec<String> = pdu.prev_events.iter().map(|e| e.to_string()).collect();
         match &prev {
             None => {
                 assert_eq!(pdu.kind.to_string(), "m.room.create");
-                assert!(prevs.is_empty(), "m.room.create has no prev_events: {prevs:?}");
+                assert!(
+                    prevs.is_empty(),
+                    "m.room.create has no prev_events: {prevs:?}"
+                );
             }
-            Some(p) => assert_eq!(prevs, vec![p.clone()], "event {i} at position {pos} has exactly the previous event as prev_event"),
+            Some(p) => assert_eq!(
+                prevs,
+                vec![p.clone()],
+                "event {i} at position {pos} has exactly the previous event as prev_event"
+            ),
         }
         prev = Some(pdu.event_id.to_string());
     }
     // The timeline projection holds the same chain, in the same order.
-    let rows = ts.server.projections.timeline.range_forward(&room, 0, u64::MAX, 10_000);
+    let rows = ts
+        .server
+        .projections
+        .timeline
+        .range_forward(&room, 0, u64::MAX, 10_000);
     assert_eq!(
-        rows.iter().map(|(p, id)| (*p, id.clone())).collect::<Vec<_>>(),
-        pdus.iter().map(|(p, pdu)| (*p, pdu.event_id.to_string())).collect::<Vec<_>>()
+        rows.iter()
+            .map(|(p, id)| (*p, id.clone()))
+            .collect::<Vec<_>>(),
+        pdus.iter()
+            .map(|(p, pdu)| (*p, pdu.event_id.to_string()))
+            .collect::<Vec<_>>()
     );
     for (_, id) in &rows {
         let rec = ts.server.projections.timeline.event(id).unwrap();
-        let from_journal = &pdus.iter().find(|(_, p)| p.event_id.as_str() == id).unwrap().1;
+        let from_journal = &pdus
+            .iter()
+            .find(|(_, p)| p.event_id.as_str() == id)
+            .unwrap()
+            .1;
         assert_eq!(rec.pdu.prev_events, from_journal.prev_events);
         assert_eq!(rec.pdu.depth, from_journal.depth);
     }
     // And the client sees the same order.
-    assert_eq!(alice.all_event_ids(&room).await, rows.iter().map(|(_, id)| id.clone()).collect::<Vec<_>>());
+    assert_eq!(
+        alice.all_event_ids(&room).await,
+        rows.iter().map(|(_, id)| id.clone()).collect::<Vec<_>>()
+    );
     ts.stop().await;
 }
 
@@ -580,12 +1041,26 @@ async fn transaction_ids_are_idempotent_per_device() {
     let alice = ts.register("alice").await;
     let room = alice.create_room(json!({ "preset": "private_chat" })).await;
     let content = json!({ "msgtype": "m.text", "body": "once" });
-    let first = alice.send_txn(&room, "m.room.message", "same-txn", &content).await.ok();
-    let again = alice.send_txn(&room, "m.room.message", "same-txn", &content).await.ok();
+    let first = alice
+        .send_txn(&room, "m.room.message", "same-txn", &content)
+        .await
+        .ok();
+    let again = alice
+        .send_txn(&room, "m.room.message", "same-txn", &content)
+        .await
+        .ok();
     assert_eq!(first, again);
     let id = first["event_id"].as_str().unwrap().to_owned();
     // Even with other content, the retry answers the original event.
-    let changed = alice.send_txn(&room, "m.room.message", "same-txn", &json!({ "msgtype": "m.text", "body": "twice" })).await.ok();
+    let changed = alice
+        .send_txn(
+            &room,
+            "m.room.message",
+            "same-txn",
+            &json!({ "msgtype": "m.text", "body": "twice" }),
+        )
+        .await
+        .ok();
     assert_eq!(changed["event_id"], json!(id));
     let bodies = |page: &Value| -> Vec<String> {
         page["chunk"]
@@ -598,26 +1073,49 @@ async fn transaction_ids_are_idempotent_per_device() {
     };
     let page = alice.messages(&room, "dir=b&limit=100").await;
     assert_eq!(bodies(&page), vec!["once"]);
-    assert_eq!(page["chunk"][0]["unsigned"]["transaction_id"], json!("same-txn"));
+    assert_eq!(
+        page["chunk"][0]["unsigned"]["transaction_id"],
+        json!("same-txn")
+    );
 
     // Another device of the same user, same txn id: a new event.
     let phone = ts.login("alice", Some("PHONE")).await;
     assert_ne!(phone.device_id, alice.device_id);
-    let other = phone.send_txn(&room, "m.room.message", "same-txn", &json!({ "msgtype": "m.text", "body": "from phone" })).await.ok();
+    let other = phone
+        .send_txn(
+            &room,
+            "m.room.message",
+            "same-txn",
+            &json!({ "msgtype": "m.text", "body": "from phone" }),
+        )
+        .await
+        .ok();
     let other_id = other["event_id"].as_str().unwrap().to_owned();
     assert_ne!(other_id, id);
     let page = alice.messages(&room, "dir=b&limit=100").await;
     assert_eq!(bodies(&page), vec!["from phone", "once"]);
     // transaction_id is shown only to the sending device.
     assert_eq!(page["chunk"][0]["unsigned"].get("transaction_id"), None);
-    assert_eq!(page["chunk"][1]["unsigned"]["transaction_id"], json!("same-txn"));
+    assert_eq!(
+        page["chunk"][1]["unsigned"]["transaction_id"],
+        json!("same-txn")
+    );
     let page = phone.messages(&room, "dir=b&limit=2").await;
-    assert_eq!(page["chunk"][0]["unsigned"]["transaction_id"], json!("same-txn"));
+    assert_eq!(
+        page["chunk"][0]["unsigned"]["transaction_id"],
+        json!("same-txn")
+    );
     assert_eq!(page["chunk"][1]["unsigned"].get("transaction_id"), None);
     // The phone retrying keeps its own event.
-    let retry = phone.send_txn(&room, "m.room.message", "same-txn", &json!({})).await.ok();
+    let retry = phone
+        .send_txn(&room, "m.room.message", "same-txn", &json!({}))
+        .await
+        .ok();
     assert_eq!(retry["event_id"], json!(other_id));
-    assert_eq!(bodies(&alice.messages(&room, "dir=b&limit=100").await).len(), 2);
+    assert_eq!(
+        bodies(&alice.messages(&room, "dir=b&limit=100").await).len(),
+        2
+    );
     ts.stop().await;
 }
 
@@ -635,8 +1133,18 @@ async fn concurrent_sends_share_fsyncs() {
         let room = c.create_room(json!({ "preset": "private_chat" })).await;
         clients.push((c, room));
     }
-    let fsyncs_before = ts.server.journal.stats().fsyncs.load(std::sync::atomic::Ordering::SeqCst);
-    let appended_before = ts.server.journal.stats().appended.load(std::sync::atomic::Ordering::SeqCst);
+    let fsyncs_before = ts
+        .server
+        .journal
+        .stats()
+        .fsyncs
+        .load(std::sync::atomic::Ordering::SeqCst);
+    let appended_before = ts
+        .server
+        .journal
+        .stats()
+        .appended
+        .load(std::sync::atomic::Ordering::SeqCst);
     let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(N));
     let mut tasks = Vec::new();
     for (c, room) in clients.clone() {
@@ -650,20 +1158,48 @@ async fn concurrent_sends_share_fsyncs() {
     for t in tasks {
         event_ids.push(t.await.unwrap());
     }
-    let fsyncs = ts.server.journal.stats().fsyncs.load(std::sync::atomic::Ordering::SeqCst) - fsyncs_before;
-    let appended = ts.server.journal.stats().appended.load(std::sync::atomic::Ordering::SeqCst) - appended_before;
-    eprintln!("{N} concurrent sends into {N} rooms: {fsyncs} fsyncs for {appended} appended records");
+    let fsyncs = ts
+        .server
+        .journal
+        .stats()
+        .fsyncs
+        .load(std::sync::atomic::Ordering::SeqCst)
+        - fsyncs_before;
+    let appended = ts
+        .server
+        .journal
+        .stats()
+        .appended
+        .load(std::sync::atomic::Ordering::SeqCst)
+        - appended_before;
+    eprintln!(
+        "{N} concurrent sends into {N} rooms: {fsyncs} fsyncs for {appended} appended records"
+    );
     assert_eq!(appended, N as u64);
     assert!(fsyncs >= 1, "an acknowledged write was fsynced");
     assert!(fsyncs <= N as u64, "{fsyncs} fsyncs for {N} sends");
     // Every acknowledged event is durable and readable (direct projection reads wait
     // for the projections first, as every API request does).
     let head = ts.server.journal.durable_head();
-    assert!(ts.server.projections.runtime.wait_for(head, std::time::Duration::from_secs(10)).await);
+    assert!(
+        ts.server
+            .projections
+            .runtime
+            .wait_for(head, std::time::Duration::from_secs(10))
+            .await
+    );
     for ((c, room), id) in clients.iter().zip(&event_ids) {
-        let rec = ts.server.projections.timeline.event(id).expect("acknowledged event is projected");
+        let rec = ts
+            .server
+            .projections
+            .timeline
+            .event(id)
+            .expect("acknowledged event is projected");
         assert!(rec.position <= head);
-        assert_eq!(ids(&c.messages(room, "dir=b&limit=1").await["chunk"]), vec![id.clone()]);
+        assert_eq!(
+            ids(&c.messages(room, "dir=b&limit=1").await["chunk"]),
+            vec![id.clone()]
+        );
     }
     ts.stop().await;
 }
@@ -679,7 +1215,10 @@ async fn long_poll_sync_wakes_on_a_send() {
     let bob = ts.register("bob").await;
     let room = alice.create_room(json!({ "preset": "public_chat" })).await;
     bob.join(&room).await;
-    let since = bob.sync("").await["next_batch"].as_str().unwrap().to_owned();
+    let since = bob.sync("").await["next_batch"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     let poll = {
         let bob = bob.clone();
         let since = since.clone();
@@ -694,7 +1233,10 @@ async fn long_poll_sync_wakes_on_a_send() {
     let (elapsed, sync) = poll.await.unwrap();
     assert_eq!(sync_timeline_ids(&sync, "join", &room), vec![id]);
     // Generous bound: far below the 30 s timeout, so the poll woke on the send.
-    assert!(elapsed < Duration::from_secs(10), "long-poll took {elapsed:?}");
+    assert!(
+        elapsed < Duration::from_secs(10),
+        "long-poll took {elapsed:?}"
+    );
     ts.stop().await;
 }
 
@@ -714,31 +1256,74 @@ async fn room_version_case(version: &str) {
         bob.join(&room).await;
         let a = alice.send_text(&room, "hello").await;
         let b = bob.send_text(&room, "hi").await;
-        let state = alice.get(&format!("/_matrix/client/v3/rooms/{}/state", enc(&room))).await.ok();
-        let creates: Vec<&Value> = state.as_array().unwrap().iter().filter(|e| e["type"] == "m.room.create").collect();
+        let state = alice
+            .get(&format!("/_matrix/client/v3/rooms/{}/state", enc(&room)))
+            .await
+            .ok();
+        let creates: Vec<&Value> = state
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["type"] == "m.room.create")
+            .collect();
         assert_eq!(creates.len(), 1);
         let create = creates[0];
         assert_eq!(create["content"]["room_version"], json!(version));
         assert_eq!(create["state_key"], json!(""));
         assert_eq!(create["sender"], json!(alice.user_id));
         assert_eq!(create["room_id"], json!(room));
-        assert_eq!(create["content"].get("creator"), None, "v{version}: creator is the sender, not a content field");
+        assert_eq!(
+            create["content"].get("creator"),
+            None,
+            "v{version}: creator is the sender, not a content field"
+        );
         let create_id = create["event_id"].as_str().unwrap();
-        let single = alice.get(&format!("/_matrix/client/v3/rooms/{}/state/m.room.create", enc(&room))).await.ok();
+        let single = alice
+            .get(&format!(
+                "/_matrix/client/v3/rooms/{}/state/m.room.create",
+                enc(&room)
+            ))
+            .await
+            .ok();
         assert_eq!(single, create["content"]);
         if version == "12" {
-            assert_eq!(room, format!("!{}", create_id.strip_prefix('$').unwrap()), "v12 room id is the create event's reference hash");
+            assert_eq!(
+                room,
+                format!("!{}", create_id.strip_prefix('$').unwrap()),
+                "v12 room id is the create event's reference hash"
+            );
             // v12: the creator has unlimited power, not a power-levels entry.
-            let pl = alice.get(&format!("/_matrix/client/v3/rooms/{}/state/m.room.power_levels", enc(&room))).await.ok();
+            let pl = alice
+                .get(&format!(
+                    "/_matrix/client/v3/rooms/{}/state/m.room.power_levels",
+                    enc(&room)
+                ))
+                .await
+                .ok();
             assert_eq!(pl["users"].get(&alice.user_id), None);
         } else {
-            assert!(room.ends_with(&format!(":{}", common::SERVER_NAME)), "{room}");
-            assert_ne!(room.trim_start_matches('!'), create_id.trim_start_matches('$'));
+            assert!(
+                room.ends_with(&format!(":{}", common::SERVER_NAME)),
+                "{room}"
+            );
+            assert_ne!(
+                room.trim_start_matches('!'),
+                create_id.trim_start_matches('$')
+            );
         }
         let all = alice.all_event_ids(&room).await;
         assert_eq!(&all[all.len() - 2..], &[a.clone(), b.clone()]);
-        assert_eq!(ids(&bob.messages(&room, "dir=b&limit=2").await["chunk"]), vec![b, a]);
-        let name = bob.get(&format!("/_matrix/client/v3/rooms/{}/state/m.room.name", enc(&room))).await.ok();
+        assert_eq!(
+            ids(&bob.messages(&room, "dir=b&limit=2").await["chunk"]),
+            vec![b, a]
+        );
+        let name = bob
+            .get(&format!(
+                "/_matrix/client/v3/rooms/{}/state/m.room.name",
+                enc(&room)
+            ))
+            .await
+            .ok();
         assert_eq!(name, json!({ "name": format!("v{version}") }));
     }
     ts.stop().await;
@@ -785,7 +1370,10 @@ async fn pagination_and_sync_prev_batch_are_gapless() {
                 Some(e) => from = Some(e.to_owned()),
                 None => break,
             }
-            assert!(seen.len() <= all.len(), "limit {limit}: more events than the room has");
+            assert!(
+                seen.len() <= all.len(),
+                "limit {limit}: more events than the room has"
+            );
         }
         let mut want = all.clone();
         want.reverse();
@@ -795,13 +1383,18 @@ async fn pagination_and_sync_prev_batch_are_gapless() {
     let mut seen = Vec::new();
     let mut from = "t0".to_string();
     loop {
-        let page = alice.messages(&room, &format!("dir=f&limit=8&from={from}")).await;
+        let page = alice
+            .messages(&room, &format!("dir=f&limit=8&from={from}"))
+            .await;
         let chunk = ids(&page["chunk"]);
         if chunk.is_empty() {
             break;
         }
         seen.extend(chunk);
-        from = page["end"].as_str().expect("a non-empty forward page has an end").to_owned();
+        from = page["end"]
+            .as_str()
+            .expect("a non-empty forward page has an end")
+            .to_owned();
     }
     assert_eq!(seen, all, "forwards pagination");
     // A limited sync timeline continues through prev_batch into /messages.
@@ -811,7 +1404,9 @@ async fn pagination_and_sync_prev_batch_are_gapless() {
     let timeline = ids(&joined["timeline"]["events"]);
     assert_eq!(timeline, all[all.len() - 10..].to_vec());
     let prev = joined["timeline"]["prev_batch"].as_str().unwrap();
-    let mut older = ids(&alice.messages(&room, &format!("dir=b&limit=100&from={prev}")).await["chunk"]);
+    let mut older = ids(&alice
+        .messages(&room, &format!("dir=b&limit=100&from={prev}"))
+        .await["chunk"]);
     older.reverse();
     assert_eq!(older, all[..all.len() - 10].to_vec());
     ts.stop().await;

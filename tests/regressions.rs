@@ -23,7 +23,12 @@ async fn concurrent_alias_creation_has_exactly_one_winner() {
     for room in &rooms {
         let (c, room, alias) = (alice.clone(), room.clone(), alias.clone());
         tasks.push(tokio::spawn(async move {
-            c.put(&format!("/_matrix/client/v3/directory/room/{}", enc(&alias)), &json!({ "room_id": room })).await.status
+            c.put(
+                &format!("/_matrix/client/v3/directory/room/{}", enc(&alias)),
+                &json!({ "room_id": room }),
+            )
+            .await
+            .status
         }));
     }
     let mut statuses = Vec::new();
@@ -32,11 +37,24 @@ async fn concurrent_alias_creation_has_exactly_one_winner() {
     }
     statuses.sort();
     assert_eq!(statuses, vec![200, 409, 409, 409, 409, 409]);
-    let resolved = alice.get(&format!("/_matrix/client/v3/directory/room/{}", enc(&alias))).await.ok();
+    let resolved = alice
+        .get(&format!(
+            "/_matrix/client/v3/directory/room/{}",
+            enc(&alias)
+        ))
+        .await
+        .ok();
     let owner = resolved["room_id"].as_str().unwrap().to_owned();
     for room in &rooms {
-        let listed = alice.get(&format!("/_matrix/client/v3/rooms/{}/aliases", enc(room))).await.ok();
-        let expected: Vec<String> = if *room == owner { vec![alias.clone()] } else { vec![] };
+        let listed = alice
+            .get(&format!("/_matrix/client/v3/rooms/{}/aliases", enc(room)))
+            .await
+            .ok();
+        let expected: Vec<String> = if *room == owner {
+            vec![alias.clone()]
+        } else {
+            vec![]
+        };
         assert_eq!(listed["aliases"], json!(expected), "room {room}");
     }
 
@@ -45,7 +63,12 @@ async fn concurrent_alias_creation_has_exactly_one_winner() {
     for _ in 0..4 {
         let c = alice.clone();
         tasks.push(tokio::spawn(async move {
-            c.post("/_matrix/client/v3/createRoom", &json!({ "room_alias_name": "samename" })).await.status
+            c.post(
+                "/_matrix/client/v3/createRoom",
+                &json!({ "room_alias_name": "samename" }),
+            )
+            .await
+            .status
         }));
     }
     let mut statuses = Vec::new();
@@ -65,10 +88,24 @@ async fn forgotten_room_history_is_no_longer_readable() {
     alice.send_text(&room, "before forgetting").await;
     alice.leave(&room).await;
     assert_eq!(alice.messages_resp(&room, "dir=b").await.status, 200);
-    alice.post(&format!("/_matrix/client/v3/rooms/{}/forget", enc(&room)), &json!({})).await.ok();
-    alice.messages_resp(&room, "dir=b").await.expect_err(403, "M_FORBIDDEN");
-    let sync = alice.sync("filter=%7B%22room%22%3A%7B%22include_leave%22%3Atrue%7D%7D").await;
-    assert!(sync["rooms"]["leave"].get(&room).is_none(), "forgotten room still in sync: {sync}");
+    alice
+        .post(
+            &format!("/_matrix/client/v3/rooms/{}/forget", enc(&room)),
+            &json!({}),
+        )
+        .await
+        .ok();
+    alice
+        .messages_resp(&room, "dir=b")
+        .await
+        .expect_err(403, "M_FORBIDDEN");
+    let sync = alice
+        .sync("filter=%7B%22room%22%3A%7B%22include_leave%22%3Atrue%7D%7D")
+        .await;
+    assert!(
+        sync["rooms"]["leave"].get(&room).is_none(),
+        "forgotten room still in sync: {sync}"
+    );
 }
 
 /// Room summaries are cached per state but heroes are per user: each side of a DM
@@ -78,13 +115,26 @@ async fn dm_heroes_are_the_other_user_on_both_sides() {
     let server = TestServer::start().await;
     let alice = server.register("hero_a").await;
     let bob = server.register("hero_b").await;
-    let room = alice.create_room(json!({ "preset": "trusted_private_chat", "invite": [bob.user_id], "is_direct": true })).await;
+    let room = alice
+        .create_room(
+            json!({ "preset": "trusted_private_chat", "invite": [bob.user_id], "is_direct": true }),
+        )
+        .await;
     bob.join(&room).await;
     let a = alice.sync("").await;
     let b = bob.sync("").await;
-    assert_eq!(a["rooms"]["join"][&room]["summary"]["m.heroes"], json!([bob.user_id]));
-    assert_eq!(b["rooms"]["join"][&room]["summary"]["m.heroes"], json!([alice.user_id]));
-    assert_eq!(b["rooms"]["join"][&room]["summary"]["m.joined_member_count"], 2);
+    assert_eq!(
+        a["rooms"]["join"][&room]["summary"]["m.heroes"],
+        json!([bob.user_id])
+    );
+    assert_eq!(
+        b["rooms"]["join"][&room]["summary"]["m.heroes"],
+        json!([alice.user_id])
+    );
+    assert_eq!(
+        b["rooms"]["join"][&room]["summary"]["m.joined_member_count"],
+        2
+    );
 }
 
 /// A profile change of an already-joined user is not a new join: the next incremental
@@ -97,10 +147,19 @@ async fn profile_change_is_not_a_fresh_join_in_sync() {
     for i in 0..12 {
         bob.send_text(&room, &format!("filler {i}")).await;
     }
-    let since = bob.sync("").await["next_batch"].as_str().unwrap().to_owned();
-    bob.put(&format!("/_matrix/client/v3/profile/{}/displayname", enc(&bob.user_id)), &json!({ "displayname": "Bob B" }))
-        .await
-        .ok();
+    let since = bob.sync("").await["next_batch"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    bob.put(
+        &format!(
+            "/_matrix/client/v3/profile/{}/displayname",
+            enc(&bob.user_id)
+        ),
+        &json!({ "displayname": "Bob B" }),
+    )
+    .await
+    .ok();
     let next = bob.sync(&format!("since={since}")).await;
     let joined = &next["rooms"]["join"][&room];
     assert_eq!(joined["timeline"]["limited"], false, "{next}");
@@ -120,28 +179,76 @@ async fn malformed_state_content_is_refused() {
     let room = alice.create_room(json!({})).await;
     let put = |kind: &'static str, content: serde_json::Value| {
         let (alice, room) = (alice.clone(), room.clone());
-        async move { alice.put(&format!("/_matrix/client/v3/rooms/{}/state/{kind}", enc(&room)), &content).await }
+        async move {
+            alice
+                .put(
+                    &format!("/_matrix/client/v3/rooms/{}/state/{kind}", enc(&room)),
+                    &content,
+                )
+                .await
+        }
     };
-    put("m.room.join_rules", json!({ "join_rule": 1 })).await.expect_err(400, "M_BAD_JSON");
-    put("m.room.power_levels", json!({ "users_default": "abc" })).await.expect_err(400, "M_BAD_JSON");
-    put("m.room.history_visibility", json!({ "history_visibility": "everyone" })).await.expect_err(400, "M_BAD_JSON");
-    put("m.room.canonical_alias", json!({ "alias": "bad" })).await.expect_err(400, "M_INVALID_PARAM");
+    put("m.room.join_rules", json!({ "join_rule": 1 }))
+        .await
+        .expect_err(400, "M_BAD_JSON");
+    put("m.room.power_levels", json!({ "users_default": "abc" }))
+        .await
+        .expect_err(400, "M_BAD_JSON");
+    put(
+        "m.room.history_visibility",
+        json!({ "history_visibility": "everyone" }),
+    )
+    .await
+    .expect_err(400, "M_BAD_JSON");
+    put("m.room.canonical_alias", json!({ "alias": "bad" }))
+        .await
+        .expect_err(400, "M_INVALID_PARAM");
     put("m.room.canonical_alias", json!({ "alias": format!("#nonexistent:{}", alice.user_id.split(':').skip(1).collect::<Vec<_>>().join(":")) }))
         .await
         .expect_err(400, "M_BAD_ALIAS");
     alice
-        .post("/_matrix/client/v3/createRoom", &json!({ "power_level_content_override": { "users_default": "abc" } }))
+        .post(
+            "/_matrix/client/v3/createRoom",
+            &json!({ "power_level_content_override": { "users_default": "abc" } }),
+        )
         .await
         .expect_err(400, "M_BAD_JSON");
-    alice.post("/_matrix/client/v3/createRoom", &json!({ "visibility": "bogus" })).await.expect_err(400, "M_BAD_JSON");
-    alice.post("/_matrix/client/v3/createRoom", &json!({ "room_alias_name": "" })).await.expect_err(400, "M_INVALID_PARAM");
+    alice
+        .post(
+            "/_matrix/client/v3/createRoom",
+            &json!({ "visibility": "bogus" }),
+        )
+        .await
+        .expect_err(400, "M_BAD_JSON");
+    alice
+        .post(
+            "/_matrix/client/v3/createRoom",
+            &json!({ "room_alias_name": "" }),
+        )
+        .await
+        .expect_err(400, "M_INVALID_PARAM");
     // An empty PUT body is not JSON.
     let r = alice
-        .raw(Method::PUT, &format!("/_matrix/client/v3/rooms/{}/send/m.room.message/empty1", enc(&room)), Some(vec![]), &[])
+        .raw(
+            Method::PUT,
+            &format!(
+                "/_matrix/client/v3/rooms/{}/send/m.room.message/empty1",
+                enc(&room)
+            ),
+            Some(vec![]),
+            &[],
+        )
         .await;
     r.expect_err(400, "M_NOT_JSON");
     // A path that is not UTF-8 still answers a Matrix error.
-    let r = alice.raw(Method::GET, "/_matrix/client/v3/rooms/%FF%FE/state", None, &[]).await;
+    let r = alice
+        .raw(
+            Method::GET,
+            "/_matrix/client/v3/rooms/%FF%FE/state",
+            None,
+            &[],
+        )
+        .await;
     assert_eq!(r.status, 400);
     assert_eq!(r.errcode(), Some("M_INVALID_PARAM"));
 }
@@ -155,7 +262,9 @@ async fn limit_zero_returns_nothing() {
     alice.send_text(&room, "one").await;
     let m = alice.messages(&room, "dir=b&limit=0").await;
     assert_eq!(m["chunk"], json!([]));
-    let s = alice.sync("filter=%7B%22room%22%3A%7B%22timeline%22%3A%7B%22limit%22%3A0%7D%7D%7D").await;
+    let s = alice
+        .sync("filter=%7B%22room%22%3A%7B%22timeline%22%3A%7B%22limit%22%3A0%7D%7D%7D")
+        .await;
     assert_eq!(s["rooms"]["join"][&room]["timeline"]["events"], json!([]));
     assert_eq!(s["rooms"]["join"][&room]["timeline"]["limited"], true);
 }
@@ -172,19 +281,29 @@ async fn membership_transitions_are_checked_atomically() {
     let path = |action: &str| format!("/_matrix/client/v3/rooms/{}/{action}", enc(&room));
     // Kicking someone who never joined: 403 M_BAD_STATE, no event.
     let before = mod_.all_event_ids(&room).await.len();
-    mod_.post(&path("kick"), &json!({ "user_id": vic.user_id })).await.expect_err(403, "M_BAD_STATE");
+    mod_.post(&path("kick"), &json!({ "user_id": vic.user_id }))
+        .await
+        .expect_err(403, "M_BAD_STATE");
     assert_eq!(mod_.all_event_ids(&room).await.len(), before);
     // Ban twice: one event.
-    mod_.post(&path("ban"), &json!({ "user_id": vic.user_id })).await.ok();
-    mod_.post(&path("ban"), &json!({ "user_id": vic.user_id })).await.ok();
+    mod_.post(&path("ban"), &json!({ "user_id": vic.user_id }))
+        .await
+        .ok();
+    mod_.post(&path("ban"), &json!({ "user_id": vic.user_id }))
+        .await
+        .ok();
     assert_eq!(mod_.all_event_ids(&room).await.len(), before + 1);
     // Kicking a banned user does not unban them.
-    mod_.post(&path("kick"), &json!({ "user_id": vic.user_id })).await.expect_err(403, "M_BAD_STATE");
+    mod_.post(&path("kick"), &json!({ "user_id": vic.user_id }))
+        .await
+        .expect_err(403, "M_BAD_STATE");
     // Six concurrent unbans: exactly one acts.
     let mut tasks = Vec::new();
     for _ in 0..6 {
         let (c, p, v) = (mod_.clone(), path("unban"), vic.user_id.clone());
-        tasks.push(tokio::spawn(async move { c.post(&p, &json!({ "user_id": v })).await.status }));
+        tasks.push(tokio::spawn(async move {
+            c.post(&p, &json!({ "user_id": v })).await.status
+        }));
     }
     let mut statuses = Vec::new();
     for t in tasks {
@@ -194,12 +313,21 @@ async fn membership_transitions_are_checked_atomically() {
     assert_eq!(statuses, vec![200, 403, 403, 403, 403, 403]);
     assert_eq!(mod_.all_event_ids(&room).await.len(), before + 2);
     // Invite twice: one event; then the invitee joins.
-    mod_.post(&path("invite"), &json!({ "user_id": vic.user_id })).await.ok();
-    mod_.post(&path("invite"), &json!({ "user_id": vic.user_id })).await.ok();
+    mod_.post(&path("invite"), &json!({ "user_id": vic.user_id }))
+        .await
+        .ok();
+    mod_.post(&path("invite"), &json!({ "user_id": vic.user_id }))
+        .await
+        .ok();
     assert_eq!(mod_.all_event_ids(&room).await.len(), before + 3);
     vic.join(&room).await;
     // Leaving twice is a no-op the second time; forgetting needs to have left.
-    vic.post(&format!("/_matrix/client/v3/rooms/{}/forget", enc(&room)), &json!({})).await.expect_err(400, "M_UNKNOWN");
+    vic.post(
+        &format!("/_matrix/client/v3/rooms/{}/forget", enc(&room)),
+        &json!({}),
+    )
+    .await
+    .expect_err(400, "M_UNKNOWN");
     vic.leave(&room).await;
     vic.leave(&room).await;
     assert_eq!(mod_.all_event_ids(&room).await.len(), before + 5);
@@ -212,20 +340,49 @@ async fn second_pass_input_checks() {
     let a = server.register("checks_a").await;
     let room = a.create_room(json!({})).await;
     let long_key = "k".repeat(300);
-    a.put(&format!("/_matrix/client/v3/rooms/{}/state/org.example/{long_key}", enc(&room)), &json!({}))
+    a.put(
+        &format!(
+            "/_matrix/client/v3/rooms/{}/state/org.example/{long_key}",
+            enc(&room)
+        ),
+        &json!({}),
+    )
+    .await
+    .expect_err(413, "M_TOO_LARGE");
+    a.put(
+        &format!("/_matrix/client/v3/profile/{}/displayname", enc(&a.user_id)),
+        &json!({}),
+    )
+    .await
+    .expect_err(400, "M_MISSING_PARAM");
+    a.messages_resp(&room, "dir=b&from=t99999999")
         .await
-        .expect_err(413, "M_TOO_LARGE");
-    a.put(&format!("/_matrix/client/v3/profile/{}/displayname", enc(&a.user_id)), &json!({}))
+        .expect_err(400, "M_INVALID_PARAM");
+    a.get("/_matrix/client/v3/sync?set_presence=bogus")
         .await
-        .expect_err(400, "M_MISSING_PARAM");
-    a.messages_resp(&room, "dir=b&from=t99999999").await.expect_err(400, "M_INVALID_PARAM");
-    a.get("/_matrix/client/v3/sync?set_presence=bogus").await.expect_err(400, "M_INVALID_PARAM");
-    a.get("/_matrix/client/v3/sync?full_state=yes").await.expect_err(400, "M_INVALID_PARAM");
+        .expect_err(400, "M_INVALID_PARAM");
+    a.get("/_matrix/client/v3/sync?full_state=yes")
+        .await
+        .expect_err(400, "M_INVALID_PARAM");
     // contains_url filters.
-    a.send_txn(&room, "m.room.message", "img", &json!({ "msgtype": "m.image", "body": "pic", "url": "mxc://x/y" })).await.ok();
+    a.send_txn(
+        &room,
+        "m.room.message",
+        "img",
+        &json!({ "msgtype": "m.image", "body": "pic", "url": "mxc://x/y" }),
+    )
+    .await
+    .ok();
     a.send_text(&room, "plain").await;
-    let with = a.messages(&room, "dir=b&filter=%7B%22contains_url%22%3Atrue%7D").await;
-    let bodies: Vec<&str> = with["chunk"].as_array().unwrap().iter().map(|e| e["content"]["body"].as_str().unwrap_or("")).collect();
+    let with = a
+        .messages(&room, "dir=b&filter=%7B%22contains_url%22%3Atrue%7D")
+        .await;
+    let bodies: Vec<&str> = with["chunk"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["content"]["body"].as_str().unwrap_or(""))
+        .collect();
     assert_eq!(bodies, vec!["pic"]);
 }
 
@@ -245,8 +402,16 @@ async fn full_state_keeps_the_timeline_from_since() {
     let joined = &v["rooms"]["join"][&room];
     assert_eq!(common::ids(&joined["timeline"]["events"]), vec![new]);
     assert_eq!(joined["timeline"]["limited"], false);
-    let state_types: Vec<&str> = joined["state"]["events"].as_array().unwrap().iter().map(|e| e["type"].as_str().unwrap()).collect();
-    assert!(state_types.contains(&"m.room.create") && state_types.contains(&"m.room.name"), "{state_types:?}");
+    let state_types: Vec<&str> = joined["state"]["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["type"].as_str().unwrap())
+        .collect();
+    assert!(
+        state_types.contains(&"m.room.create") && state_types.contains(&"m.room.name"),
+        "{state_types:?}"
+    );
 }
 
 /// Room tags (Element's favourites) are a view over `m.tag` room account data; the
@@ -256,15 +421,32 @@ async fn room_tags_round_trip_through_account_data() {
     let server = TestServer::start().await;
     let a = server.register("tags_a").await;
     let room = a.create_room(json!({})).await;
-    let base = format!("/_matrix/client/v3/user/{}/rooms/{}/tags", enc(&a.user_id), enc(&room));
-    a.put(&format!("{base}/m.favourite"), &json!({ "order": 0.25 })).await.ok();
+    let base = format!(
+        "/_matrix/client/v3/user/{}/rooms/{}/tags",
+        enc(&a.user_id),
+        enc(&room)
+    );
+    a.put(&format!("{base}/m.favourite"), &json!({ "order": 0.25 }))
+        .await
+        .ok();
     a.put(&format!("{base}/u.work"), &json!({})).await.ok();
-    assert_eq!(a.get(&base).await.ok(), json!({ "tags": { "m.favourite": { "order": 0.25 }, "u.work": {} } }));
+    assert_eq!(
+        a.get(&base).await.ok(),
+        json!({ "tags": { "m.favourite": { "order": 0.25 }, "u.work": {} } })
+    );
     let sync = a.sync("").await;
     let ad = &sync["rooms"]["join"][&room]["account_data"]["events"];
-    assert_eq!(ad, &json!([{ "type": "m.tag", "content": { "tags": { "m.favourite": { "order": 0.25 }, "u.work": {} } } }]));
-    a.request(reqwest::Method::DELETE, &format!("{base}/u.work"), None).await.ok();
-    assert_eq!(a.get(&base).await.ok(), json!({ "tags": { "m.favourite": { "order": 0.25 } } }));
+    assert_eq!(
+        ad,
+        &json!([{ "type": "m.tag", "content": { "tags": { "m.favourite": { "order": 0.25 }, "u.work": {} } } }])
+    );
+    a.request(reqwest::Method::DELETE, &format!("{base}/u.work"), None)
+        .await
+        .ok();
+    assert_eq!(
+        a.get(&base).await.ok(),
+        json!({ "tags": { "m.favourite": { "order": 0.25 } } })
+    );
     let other = server.register("tags_b").await;
     other.get(&base).await.expect_err(403, "M_FORBIDDEN");
 }
@@ -276,24 +458,60 @@ async fn third_pass_input_checks() {
     let a = server.register("third_a").await;
     let b = server.register("third_b").await;
     for bad in ["a b", "#x", "x:y", "tab\there"] {
-        a.post("/_matrix/client/v3/createRoom", &json!({ "room_alias_name": bad })).await.expect_err(400, "M_INVALID_PARAM");
+        a.post(
+            "/_matrix/client/v3/createRoom",
+            &json!({ "room_alias_name": bad }),
+        )
+        .await
+        .expect_err(400, "M_INVALID_PARAM");
     }
-    let room = a.create_room(json!({ "preset": "public_chat", "room_alias_name": "ünïcode-ok" })).await;
+    let room = a
+        .create_room(json!({ "preset": "public_chat", "room_alias_name": "ünïcode-ok" }))
+        .await;
     let server_name = a.user_id.split_once(':').unwrap().1.to_owned();
-    a.put(&format!("/_matrix/client/v3/directory/room/{}", enc(&format!("#sp ace:{server_name}"))), &json!({ "room_id": room }))
-        .await
-        .expect_err(400, "M_INVALID_PARAM");
-    a.put(&format!("/_matrix/client/v3/directory/room/{}", enc(&format!("#:{server_name}"))), &json!({ "room_id": room }))
-        .await
-        .expect_err(400, "M_INVALID_PARAM");
-    a.post("/_matrix/client/v3/createRoom", &json!({ "creation_content": { "m.federate": "no" } }))
-        .await
-        .expect_err(400, "M_BAD_JSON");
+    a.put(
+        &format!(
+            "/_matrix/client/v3/directory/room/{}",
+            enc(&format!("#sp ace:{server_name}"))
+        ),
+        &json!({ "room_id": room }),
+    )
+    .await
+    .expect_err(400, "M_INVALID_PARAM");
+    a.put(
+        &format!(
+            "/_matrix/client/v3/directory/room/{}",
+            enc(&format!("#:{server_name}"))
+        ),
+        &json!({ "room_id": room }),
+    )
+    .await
+    .expect_err(400, "M_INVALID_PARAM");
+    a.post(
+        "/_matrix/client/v3/createRoom",
+        &json!({ "creation_content": { "m.federate": "no" } }),
+    )
+    .await
+    .expect_err(400, "M_BAD_JSON");
     // A banned user's join says so.
-    a.post(&format!("/_matrix/client/v3/rooms/{}/ban", enc(&room)), &json!({ "user_id": b.user_id })).await.ok();
-    b.post(&format!("/_matrix/client/v3/rooms/{}/join", enc(&room)), &json!({})).await.expect_err(403, "M_BAD_STATE");
+    a.post(
+        &format!("/_matrix/client/v3/rooms/{}/ban", enc(&room)),
+        &json!({ "user_id": b.user_id }),
+    )
+    .await
+    .ok();
+    b.post(
+        &format!("/_matrix/client/v3/rooms/{}/join", enc(&room)),
+        &json!({}),
+    )
+    .await
+    .expect_err(403, "M_BAD_STATE");
     let resp = reqwest::Client::new()
-        .put(format!("{}/_matrix/client/v3/rooms/{}/send/m.room.message/cl2", a.base, enc(&room)))
+        .put(format!(
+            "{}/_matrix/client/v3/rooms/{}/send/m.room.message/cl2",
+            a.base,
+            enc(&room)
+        ))
         .bearer_auth(a.token.as_ref().unwrap())
         .header("content-type", "application/json")
         .body(vec![b' '; 2 * 1024 * 1024])
@@ -321,7 +539,10 @@ async fn stalled_request_body_times_out() {
     sock.write_all(req.as_bytes()).await.unwrap();
     let mut buf = vec![0u8; 2048];
     // Liveness bound only: the configured idle timeout is 0.3 s.
-    let n = tokio::time::timeout(std::time::Duration::from_secs(10), sock.read(&mut buf)).await.expect("answered").unwrap();
+    let n = tokio::time::timeout(std::time::Duration::from_secs(10), sock.read(&mut buf))
+        .await
+        .expect("answered")
+        .unwrap();
     let text = String::from_utf8_lossy(&buf[..n]);
     assert!(text.starts_with("HTTP/1.1 408"), "{text}");
     assert!(text.contains("\"errcode\""), "{text}");

@@ -40,7 +40,11 @@ fn setup() -> Setup {
         ),
     )
     .unwrap();
-    Setup { _dir: dir, config, data }
+    Setup {
+        _dir: dir,
+        config,
+        data,
+    }
 }
 
 /// A running `spindle --config FILE`.
@@ -81,15 +85,25 @@ impl Proc {
 
     /// SIGTERM, then wait (bounded) for a clean exit.
     fn stop(mut self) {
-        let status = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status().unwrap();
+        let status = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status()
+            .unwrap();
         assert!(status.success(), "kill -TERM failed");
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                assert!(status.success(), "spindle exited with {status} after SIGTERM");
+                assert!(
+                    status.success(),
+                    "spindle exited with {status} after SIGTERM"
+                );
                 return;
             }
-            assert!(Instant::now() < deadline, "spindle did not exit within 60 s of SIGTERM");
+            assert!(
+                Instant::now() < deadline,
+                "spindle did not exit within 60 s of SIGTERM"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -106,7 +120,13 @@ impl Drop for Proc {
 
 /// Runs `spindle <args> --config FILE`; asserts exit 0 and returns stdout.
 fn run(config: &Path, args: &[&str]) -> String {
-    let out = Command::new(BIN).args(args).arg("--config").arg(config).env_remove("RUST_LOG").output().unwrap();
+    let out = Command::new(BIN)
+        .args(args)
+        .arg("--config")
+        .arg(config)
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
     let stdout = String::from_utf8(out.stdout).unwrap();
     assert!(
         out.status.success(),
@@ -125,7 +145,11 @@ fn verify(config: &Path) -> Vec<(String, String)> {
         .map(|l| {
             let cols: Vec<&str> = l.split('\t').collect();
             assert_eq!(cols.len(), 3, "verify line {l:?}");
-            assert_eq!(cols[1], "ok", "projection {} differs from a rebuild: {l}", cols[0]);
+            assert_eq!(
+                cols[1], "ok",
+                "projection {} differs from a rebuild: {l}",
+                cols[0]
+            );
             (cols[0].to_owned(), cols[2].to_owned())
         })
         .collect();
@@ -138,7 +162,9 @@ fn rebuild(config: &Path) -> Vec<(String, String)> {
     run(config, &["replay", "rebuild", "--all"])
         .lines()
         .map(|l| {
-            let (name, digest) = l.split_once('\t').unwrap_or_else(|| panic!("rebuild line {l:?}"));
+            let (name, digest) = l
+                .split_once('\t')
+                .unwrap_or_else(|| panic!("rebuild line {l:?}"));
             (name.to_owned(), digest.to_owned())
         })
         .collect()
@@ -161,22 +187,47 @@ async fn populate(base: &str) -> World {
         .create_room(json!({ "preset": "private_chat", "name": "Restart", "topic": "durable", "room_alias_name": "restart" }))
         .await;
     alice
-        .put(&format!("{V3}/directory/room/{}", enc("#second:localhost:8008")), &json!({ "room_id": room }))
+        .put(
+            &format!("{V3}/directory/room/{}", enc("#second:localhost:8008")),
+            &json!({ "room_id": room }),
+        )
         .await
         .ok();
     alice.invite(&room, &bob.user_id).await;
     bob.join(&room).await;
-    bob.put(&format!("{V3}/profile/{}/displayname", enc(&bob.user_id)), &json!({ "displayname": "Bobby" })).await.ok();
+    bob.put(
+        &format!("{V3}/profile/{}/displayname", enc(&bob.user_id)),
+        &json!({ "displayname": "Bobby" }),
+    )
+    .await
+    .ok();
     let mut messages = Vec::new();
     for i in 0..40 {
         let who = if i % 2 == 0 { &alice } else { &bob };
         messages.push(who.send_text(&room, &format!("message {i}")).await);
     }
     alice
-        .put(&format!("{V3}/rooms/{}/redact/{}/{}", enc(&room), enc(&messages[4]), common::txn()), &json!({ "reason": "oops" }))
+        .put(
+            &format!(
+                "{V3}/rooms/{}/redact/{}/{}",
+                enc(&room),
+                enc(&messages[4]),
+                common::txn()
+            ),
+            &json!({ "reason": "oops" }),
+        )
         .await
         .ok();
-    bob.post(&format!("{V3}/rooms/{}/receipt/m.read/{}", enc(&room), enc(&messages[19])), &json!({})).await.ok();
+    bob.post(
+        &format!(
+            "{V3}/rooms/{}/receipt/m.read/{}",
+            enc(&room),
+            enc(&messages[19])
+        ),
+        &json!({}),
+    )
+    .await
+    .ok();
     alice
         .post(
             &format!("{V3}/rooms/{}/read_markers", enc(&room)),
@@ -185,27 +236,53 @@ async fn populate(base: &str) -> World {
         .await
         .ok();
     alice
-        .put(&format!("{V3}/user/{}/account_data/org.example.settings", enc(&alice.user_id)), &json!({ "theme": "dark", "n": 3 }))
+        .put(
+            &format!(
+                "{V3}/user/{}/account_data/org.example.settings",
+                enc(&alice.user_id)
+            ),
+            &json!({ "theme": "dark", "n": 3 }),
+        )
         .await
         .ok();
     alice
         .put(
-            &format!("{V3}/user/{}/rooms/{}/account_data/org.example.room", enc(&alice.user_id), enc(&room)),
+            &format!(
+                "{V3}/user/{}/rooms/{}/account_data/org.example.room",
+                enc(&alice.user_id),
+                enc(&room)
+            ),
             &json!({ "pinned": true }),
         )
         .await
         .ok();
-    let filter = json!({ "room": { "timeline": { "limit": 15 }, "state": { "lazy_load_members": true } } });
-    let filter_id = alice.post(&format!("{V3}/user/{}/filter", enc(&alice.user_id)), &filter).await.ok()["filter_id"]
+    let filter =
+        json!({ "room": { "timeline": { "limit": 15 }, "state": { "lazy_load_members": true } } });
+    let filter_id = alice
+        .post(
+            &format!("{V3}/user/{}/filter", enc(&alice.user_id)),
+            &filter,
+        )
+        .await
+        .ok()["filter_id"]
         .as_str()
         .unwrap()
         .to_owned();
-    World { alice, bob, room, filter_id, messages }
+    World {
+        alice,
+        bob,
+        room,
+        filter_id,
+        messages,
+    }
 }
 
 /// The same clients (same tokens) against another base URL.
 fn rebase(c: &Client, base: &str) -> Client {
-    Client { base: base.to_owned(), ..c.clone() }
+    Client {
+        base: base.to_owned(),
+        ..c.clone()
+    }
 }
 
 /// Every answer the restart must preserve, with `unsigned.age` removed.
@@ -218,28 +295,94 @@ async fn snapshot(w: &World, base: &str) -> Vec<(String, Value)> {
     let alice_sync = alice.sync(&format!("filter={}", w.filter_id)).await;
     let next = alice_sync["next_batch"].as_str().unwrap().to_owned();
     out.push(("alice /sync (filter id)".into(), alice_sync));
-    out.push(("alice /sync since".into(), alice.sync(&format!("since={next}&filter={}", w.filter_id)).await));
-    out.push(("bob /sync (inline filter)".into(), bob.sync(&format!("filter={inline}")).await));
-    out.push(("alice /messages".into(), alice.messages(&w.room, "dir=b&limit=100").await));
-    out.push(("bob /messages".into(), bob.messages(&w.room, "dir=b&limit=100").await));
-    out.push(("bob /messages dir=f".into(), bob.messages(&w.room, "dir=f&limit=30").await));
+    out.push((
+        "alice /sync since".into(),
+        alice
+            .sync(&format!("since={next}&filter={}", w.filter_id))
+            .await,
+    ));
+    out.push((
+        "bob /sync (inline filter)".into(),
+        bob.sync(&format!("filter={inline}")).await,
+    ));
+    out.push((
+        "alice /messages".into(),
+        alice.messages(&w.room, "dir=b&limit=100").await,
+    ));
+    out.push((
+        "bob /messages".into(),
+        bob.messages(&w.room, "dir=b&limit=100").await,
+    ));
+    out.push((
+        "bob /messages dir=f".into(),
+        bob.messages(&w.room, "dir=f&limit=30").await,
+    ));
     let gets = [
         ("alice whoami", &alice, format!("{V3}/account/whoami")),
         ("bob whoami", &bob, format!("{V3}/account/whoami")),
         ("state", &alice, format!("{V3}/rooms/{r}/state")),
         ("members", &bob, format!("{V3}/rooms/{r}/members")),
-        ("joined_members", &alice, format!("{V3}/rooms/{r}/joined_members")),
+        (
+            "joined_members",
+            &alice,
+            format!("{V3}/rooms/{r}/joined_members"),
+        ),
         ("joined_rooms", &bob, format!("{V3}/joined_rooms")),
-        ("context", &bob, format!("{V3}/rooms/{r}/context/{}?limit=6", enc(&w.messages[20]))),
-        ("redacted event", &bob, format!("{V3}/rooms/{r}/event/{}", enc(&w.messages[4]))),
-        ("alias", &alice, format!("{V3}/directory/room/{}", enc("#restart:localhost:8008"))),
-        ("second alias", &bob, format!("{V3}/directory/room/{}", enc("#second:localhost:8008"))),
+        (
+            "context",
+            &bob,
+            format!("{V3}/rooms/{r}/context/{}?limit=6", enc(&w.messages[20])),
+        ),
+        (
+            "redacted event",
+            &bob,
+            format!("{V3}/rooms/{r}/event/{}", enc(&w.messages[4])),
+        ),
+        (
+            "alias",
+            &alice,
+            format!("{V3}/directory/room/{}", enc("#restart:localhost:8008")),
+        ),
+        (
+            "second alias",
+            &bob,
+            format!("{V3}/directory/room/{}", enc("#second:localhost:8008")),
+        ),
         ("aliases", &alice, format!("{V3}/rooms/{r}/aliases")),
-        ("filter", &alice, format!("{V3}/user/{}/filter/{}", enc(&alice.user_id), w.filter_id)),
-        ("account data", &alice, format!("{V3}/user/{}/account_data/org.example.settings", enc(&alice.user_id))),
-        ("room account data", &alice, format!("{V3}/user/{}/rooms/{r}/account_data/org.example.room", enc(&alice.user_id))),
-        ("fully read", &alice, format!("{V3}/user/{}/rooms/{r}/account_data/m.fully_read", enc(&alice.user_id))),
-        ("profile", &alice, format!("{V3}/profile/{}", enc(&bob.user_id))),
+        (
+            "filter",
+            &alice,
+            format!("{V3}/user/{}/filter/{}", enc(&alice.user_id), w.filter_id),
+        ),
+        (
+            "account data",
+            &alice,
+            format!(
+                "{V3}/user/{}/account_data/org.example.settings",
+                enc(&alice.user_id)
+            ),
+        ),
+        (
+            "room account data",
+            &alice,
+            format!(
+                "{V3}/user/{}/rooms/{r}/account_data/org.example.room",
+                enc(&alice.user_id)
+            ),
+        ),
+        (
+            "fully read",
+            &alice,
+            format!(
+                "{V3}/user/{}/rooms/{r}/account_data/m.fully_read",
+                enc(&alice.user_id)
+            ),
+        ),
+        (
+            "profile",
+            &alice,
+            format!("{V3}/profile/{}", enc(&bob.user_id)),
+        ),
     ];
     for (name, who, path) in gets {
         out.push((name.into(), who.get(&path).await.ok()));
@@ -257,19 +400,33 @@ fn check_content(w: &World, snap: &[(String, Value)]) {
     // 9 createRoom events (create, join, power levels, canonical alias, join rules,
     // history visibility, guest access, name, topic), invite, join, displayname
     // change, 40 messages, 1 redaction.
-    assert_eq!(alice_msgs["chunk"].as_array().unwrap().len(), 9 + 3 + 40 + 1);
-    let timeline = ids(&get("alice /sync (filter id)")["rooms"]["join"][&w.room]["timeline"]["events"]);
+    assert_eq!(
+        alice_msgs["chunk"].as_array().unwrap().len(),
+        9 + 3 + 40 + 1
+    );
+    let timeline =
+        ids(&get("alice /sync (filter id)")["rooms"]["join"][&w.room]["timeline"]["events"]);
     assert_eq!(timeline.len(), 15);
     assert_eq!(timeline[13], w.messages[39]);
-    assert_eq!(get("bob /sync (inline filter)")["rooms"]["join"][&w.room]["timeline"]["events"].as_array().unwrap().len(), 25);
+    assert_eq!(
+        get("bob /sync (inline filter)")["rooms"]["join"][&w.room]["timeline"]["events"]
+            .as_array()
+            .unwrap()
+            .len(),
+        25
+    );
     assert_eq!(get("alice whoami")["user_id"], json!(w.alice.user_id));
     assert_eq!(get("alias")["room_id"], json!(w.room));
     assert_eq!(get("account data"), &json!({ "theme": "dark", "n": 3 }));
     assert_eq!(get("fully read"), &json!({ "event_id": w.messages[39] }));
     assert_eq!(get("redacted event")["content"], json!({}));
     assert_eq!(get("profile"), &json!({ "displayname": "Bobby" }));
-    let receipts = get("alice /sync (filter id)")["rooms"]["join"][&w.room]["ephemeral"]["events"].to_string();
-    assert!(receipts.contains(w.messages[19].as_str()), "bob's receipt is in alice's sync: {receipts}");
+    let receipts =
+        get("alice /sync (filter id)")["rooms"]["join"][&w.room]["ephemeral"]["events"].to_string();
+    assert!(
+        receipts.contains(w.messages[19].as_str()),
+        "bob's receipt is in alice's sync: {receipts}"
+    );
 }
 
 fn assert_same(before: &[(String, Value)], after: &[(String, Value)], when: &str) {
@@ -290,7 +447,10 @@ async fn restart_and_offline_rebuild_keep_every_answer() {
 
     let verified = verify(&s.config);
     let rebuilt = rebuild(&s.config);
-    assert_eq!(rebuilt, verified, "a rebuild from position 0 reproduces the live digests");
+    assert_eq!(
+        rebuilt, verified,
+        "a rebuild from position 0 reproduces the live digests"
+    );
     // And again after the rebuild: still equal, still ok.
     assert_eq!(verify(&s.config), verified);
 
@@ -302,7 +462,10 @@ async fn restart_and_offline_rebuild_keep_every_answer() {
     let again = common::login(&p.base, &http, "alice", None).await;
     let alice = rebase(&w.alice, &p.base);
     let id = alice.send_text(&w.room, "after restart").await;
-    assert_eq!(ids(&again.messages(&w.room, "dir=b&limit=1").await["chunk"]), vec![id]);
+    assert_eq!(
+        ids(&again.messages(&w.room, "dir=b&limit=1").await["chunk"]),
+        vec![id]
+    );
     p.stop();
     assert_eq!(verify(&s.config).len(), verified.len());
 }
@@ -319,14 +482,26 @@ async fn deleting_projections_rebuilds_them_at_start() {
 
     // A plain restart first.
     let p = Proc::start(&s.config);
-    assert_same(&before, &snapshot(&w, &p.base).await, "after a plain restart");
+    assert_same(
+        &before,
+        &snapshot(&w, &p.base).await,
+        "after a plain restart",
+    );
     p.stop();
 
     let projections = s.data.join("projections");
     assert!(projections.is_dir(), "{} exists", projections.display());
     std::fs::remove_dir_all(&projections).unwrap();
     let p = Proc::start(&s.config);
-    assert_same(&before, &snapshot(&w, &p.base).await, "after deleting data/projections");
+    assert_same(
+        &before,
+        &snapshot(&w, &p.base).await,
+        "after deleting data/projections",
+    );
     p.stop();
-    assert_eq!(verify(&s.config), verified, "projections rebuilt at start have the same digests");
+    assert_eq!(
+        verify(&s.config),
+        verified,
+        "projections rebuilt at start have the same digests"
+    );
 }

@@ -16,8 +16,10 @@ use crate::{
 };
 
 /// Spec versions advertised by `/versions`.
-pub const SPEC_VERSIONS: [&str; 12] =
-    ["v1.1", "v1.2", "v1.3", "v1.4", "v1.5", "v1.6", "v1.7", "v1.8", "v1.9", "v1.10", "v1.11", "v1.12"];
+pub const SPEC_VERSIONS: [&str; 12] = [
+    "v1.1", "v1.2", "v1.3", "v1.4", "v1.5", "v1.6", "v1.7", "v1.8", "v1.9", "v1.10", "v1.11",
+    "v1.12",
+];
 
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
@@ -25,24 +27,48 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/.well-known/matrix/client", get(well_known))
         .route("/_matrix/client/v3/capabilities", get(capabilities))
         .route("/_matrix/client/v3/register", post(register))
-        .route("/_matrix/client/v3/register/available", get(register_available))
+        .route(
+            "/_matrix/client/v3/register/available",
+            get(register_available),
+        )
         .route("/_matrix/client/v3/login", get(login_flows).post(login))
         .route("/_matrix/client/v3/logout", post(logout))
         .route("/_matrix/client/v3/logout/all", post(logout_all))
         .route("/_matrix/client/v3/account/whoami", get(whoami))
         .route("/_matrix/client/v3/profile/{user_id}", get(profile))
-        .route("/_matrix/client/v3/profile/{user_id}/{field}", get(profile_field).put(set_profile_field))
-        .route("/_matrix/client/v3/user/{user_id}/account_data/{data_type}", get(get_account_data).put(put_account_data))
+        .route(
+            "/_matrix/client/v3/profile/{user_id}/{field}",
+            get(profile_field).put(set_profile_field),
+        )
+        .route(
+            "/_matrix/client/v3/user/{user_id}/account_data/{data_type}",
+            get(get_account_data).put(put_account_data),
+        )
         .route(
             "/_matrix/client/v3/user/{user_id}/rooms/{room_id}/account_data/{data_type}",
             get(get_room_account_data).put(put_room_account_data),
         )
         .route("/_matrix/client/v3/pushrules/", get(push_rules))
-        .route("/_matrix/client/v3/pushrules/global/", get(push_rules_global))
-        .route("/_matrix/client/v3/user/{user_id}/rooms/{room_id}/tags", get(get_tags))
-        .route("/_matrix/client/v3/user/{user_id}/rooms/{room_id}/tags/{tag}", axum::routing::put(put_tag).delete(delete_tag))
-        .route("/_matrix/client/v3/user/{user_id}/filter", post(create_filter))
-        .route("/_matrix/client/v3/user/{user_id}/filter/{filter_id}", get(get_filter))
+        .route(
+            "/_matrix/client/v3/pushrules/global/",
+            get(push_rules_global),
+        )
+        .route(
+            "/_matrix/client/v3/user/{user_id}/rooms/{room_id}/tags",
+            get(get_tags),
+        )
+        .route(
+            "/_matrix/client/v3/user/{user_id}/rooms/{room_id}/tags/{tag}",
+            axum::routing::put(put_tag).delete(delete_tag),
+        )
+        .route(
+            "/_matrix/client/v3/user/{user_id}/filter",
+            post(create_filter),
+        )
+        .route(
+            "/_matrix/client/v3/user/{user_id}/filter/{filter_id}",
+            get(get_filter),
+        )
 }
 
 async fn versions() -> Json<Value> {
@@ -54,8 +80,10 @@ async fn well_known(State(s): State<AppState>) -> Json<Value> {
 }
 
 async fn capabilities(_r: Requester) -> Json<Value> {
-    let available: serde_json::Map<String, Value> =
-        spindle_core::room_version::SUPPORTED.iter().map(|v| (v.to_string(), json!("stable"))).collect();
+    let available: serde_json::Map<String, Value> = spindle_core::room_version::SUPPORTED
+        .iter()
+        .map(|v| (v.to_string(), json!("stable")))
+        .collect();
     Json(json!({
         "capabilities": {
             "m.change_password": { "enabled": false },
@@ -70,17 +98,28 @@ async fn capabilities(_r: Requester) -> Json<Value> {
 
 /// Localpart rules (spec: "User Identifiers": `a-z 0-9 . _ = - / +`).
 fn valid_localpart(l: &str) -> bool {
-    !l.is_empty() && l.bytes().all(|b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'=' | b'-' | b'/' | b'+'))
+    !l.is_empty()
+        && l.bytes().all(
+            |b| matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'.' | b'_' | b'=' | b'-' | b'/' | b'+'),
+        )
 }
 
 /// Checks a requested localpart: characters, and the spec's 255-byte limit on the
 /// whole user id. Errors are 400 `M_INVALID_USERNAME`.
 fn check_localpart(s: &AppState, local: &str) -> ApiResult<()> {
     if !valid_localpart(local) {
-        return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_INVALID_USERNAME", "Username contains invalid characters"));
+        return Err(MatrixError::new(
+            StatusCode::BAD_REQUEST,
+            "M_INVALID_USERNAME",
+            "Username contains invalid characters",
+        ));
     }
     if full_user_id(s, local).len() > 255 {
-        return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_INVALID_USERNAME", "Username is too long (user ids are at most 255 bytes)"));
+        return Err(MatrixError::new(
+            StatusCode::BAD_REQUEST,
+            "M_INVALID_USERNAME",
+            "Username is too long (user ids are at most 255 bytes)",
+        ));
     }
     Ok(())
 }
@@ -89,7 +128,9 @@ fn random_string(len: usize) -> String {
     use rand::Rng;
     const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
     let mut rng = rand::rng();
-    (0..len).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect()
+    (0..len)
+        .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char)
+        .collect()
 }
 
 fn full_user_id(s: &AppState, localpart_or_id: &str) -> String {
@@ -116,7 +157,9 @@ async fn hash_password(password: String) -> ApiResult<String> {
         use argon2::{PasswordHasher, password_hash::SaltString};
         let bytes: [u8; 16] = rand::random();
         let salt = SaltString::encode_b64(&bytes)?;
-        argon2::Argon2::default().hash_password(password.as_bytes(), &salt).map(|h| h.to_string())
+        argon2::Argon2::default()
+            .hash_password(password.as_bytes(), &salt)
+            .map(|h| h.to_string())
     })
     .await
     .map_err(|e| MatrixError::internal(e.to_string()))?
@@ -126,7 +169,13 @@ async fn hash_password(password: String) -> ApiResult<String> {
 async fn verify_password(password: String, hash: String) -> bool {
     tokio::task::spawn_blocking(move || {
         use argon2::{PasswordVerifier, password_hash::PasswordHash};
-        PasswordHash::new(&hash).map(|h| argon2::Argon2::default().verify_password(password.as_bytes(), &h).is_ok()).unwrap_or(false)
+        PasswordHash::new(&hash)
+            .map(|h| {
+                argon2::Argon2::default()
+                    .verify_password(password.as_bytes(), &h)
+                    .is_ok()
+            })
+            .unwrap_or(false)
     })
     .await
     .unwrap_or(false)
@@ -144,7 +193,13 @@ async fn start_session(
         s.submit_and_wait(
             user_id,
             Some(&device_id),
-            CommandBody::Fact { fact: Fact::DeviceCreated { user_id: user_id.into(), device_id: device_id.clone(), display_name } },
+            CommandBody::Fact {
+                fact: Fact::DeviceCreated {
+                    user_id: user_id.into(),
+                    device_id: device_id.clone(),
+                    display_name,
+                },
+            },
         )
         .await?;
     }
@@ -153,19 +208,31 @@ async fn start_session(
         user_id,
         Some(&device_id),
         CommandBody::Fact {
-            fact: Fact::TokenIssued { user_id: user_id.into(), device_id: device_id.clone(), token_hash: token_hash(&token) },
+            fact: Fact::TokenIssued {
+                user_id: user_id.into(),
+                device_id: device_id.clone(),
+                token_hash: token_hash(&token),
+            },
         },
     )
     .await?;
     Ok((device_id, token))
 }
 
-async fn register(State(s): State<AppState>, q: Query, JsonObject(body): JsonObject) -> ApiResult<axum::response::Response> {
+async fn register(
+    State(s): State<AppState>,
+    q: Query,
+    JsonObject(body): JsonObject,
+) -> ApiResult<axum::response::Response> {
     use axum::response::IntoResponse;
     match q.get("kind") {
         None | Some("user") => {}
         Some("guest") => return Err(MatrixError::forbidden("Guest access is disabled")),
-        Some(other) => return Err(MatrixError::invalid_param(format!("Unknown kind {other:?}"))),
+        Some(other) => {
+            return Err(MatrixError::invalid_param(format!(
+                "Unknown kind {other:?}"
+            )));
+        }
     }
     let flows = uia_flows(&s);
     if flows.is_empty() {
@@ -175,13 +242,25 @@ async fn register(State(s): State<AppState>, q: Query, JsonObject(body): JsonObj
     if let Some(u) = &username {
         let local = u.to_lowercase();
         check_localpart(&s, &local)?;
-        if s.projections.accounts.user(&full_user_id(&s, &local)).is_some() {
-            return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_USER_IN_USE", "User ID already taken."));
+        if s.projections
+            .accounts
+            .user(&full_user_id(&s, &local))
+            .is_some()
+        {
+            return Err(MatrixError::new(
+                StatusCode::BAD_REQUEST,
+                "M_USER_IN_USE",
+                "User ID already taken.",
+            ));
         }
     }
     let password = opt_str(&body, "password")?;
     if password.as_ref().is_some_and(|p| p.len() > 512) {
-        return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_WEAK_PASSWORD", "Password too long"));
+        return Err(MatrixError::new(
+            StatusCode::BAD_REQUEST,
+            "M_WEAK_PASSWORD",
+            "Password too long",
+        ));
     }
     // User-interactive auth (spec: "User-Interactive Authentication API").
     let session = body
@@ -198,13 +277,23 @@ async fn register(State(s): State<AppState>, q: Query, JsonObject(body): JsonObj
         }
         (StatusCode::UNAUTHORIZED, Json(body))
     };
-    let auth_type = body.get("auth").and_then(|a| a.get("type")).and_then(|v| v.as_str());
+    let auth_type = body
+        .get("auth")
+        .and_then(|a| a.get("type"))
+        .and_then(|v| v.as_str());
     let passed = match auth_type {
         Some("m.login.dummy") if s.config.registration_open => true,
         Some("m.login.registration_token") if !s.config.registration_tokens.is_empty() => {
-            let token = body.get("auth").and_then(|a| a.get("token")).and_then(|v| v.as_str()).unwrap_or("");
+            let token = body
+                .get("auth")
+                .and_then(|a| a.get("token"))
+                .and_then(|v| v.as_str())
+                .unwrap_or("");
             if !s.config.registration_tokens.iter().any(|t| t == token) {
-                return Ok(challenge(Some(MatrixError::forbidden("Invalid registration token"))).into_response());
+                return Ok(
+                    challenge(Some(MatrixError::forbidden("Invalid registration token")))
+                        .into_response(),
+                );
             }
             true
         }
@@ -222,10 +311,21 @@ async fn register(State(s): State<AppState>, q: Query, JsonObject(body): JsonObj
         Some(p) => Some(hash_password(p).await?),
         None => None,
     };
-    s.submit_and_wait(&user_id, None, CommandBody::Fact { fact: Fact::AccountRegistered { user_id: user_id.clone(), password_hash } })
-        .await?;
+    s.submit_and_wait(
+        &user_id,
+        None,
+        CommandBody::Fact {
+            fact: Fact::AccountRegistered {
+                user_id: user_id.clone(),
+                password_hash,
+            },
+        },
+    )
+    .await?;
     if body.get("inhibit_login").and_then(|v| v.as_bool()) == Some(true) {
-        return Ok(Json(json!({ "user_id": user_id, "home_server": s.server_name() })).into_response());
+        return Ok(
+            Json(json!({ "user_id": user_id, "home_server": s.server_name() })).into_response(),
+        );
     }
     let (device_id, token) = start_session(
         &s,
@@ -244,10 +344,21 @@ async fn register(State(s): State<AppState>, q: Query, JsonObject(body): JsonObj
 }
 
 async fn register_available(State(s): State<AppState>, q: Query) -> ApiResult<Json<Value>> {
-    let username = q.get("username").ok_or_else(|| MatrixError::missing_param("username is required"))?.to_lowercase();
+    let username = q
+        .get("username")
+        .ok_or_else(|| MatrixError::missing_param("username is required"))?
+        .to_lowercase();
     check_localpart(&s, &username)?;
-    if s.projections.accounts.user(&full_user_id(&s, &username)).is_some() {
-        return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_USER_IN_USE", "User ID already taken."));
+    if s.projections
+        .accounts
+        .user(&full_user_id(&s, &username))
+        .is_some()
+    {
+        return Err(MatrixError::new(
+            StatusCode::BAD_REQUEST,
+            "M_USER_IN_USE",
+            "User ID already taken.",
+        ));
     }
     Ok(Json(json!({ "available": true })))
 }
@@ -259,19 +370,28 @@ async fn login_flows() -> Json<Value> {
 async fn login(State(s): State<AppState>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
     let kind = opt_str(&body, "type")?.ok_or_else(|| MatrixError::bad_json("type is required"))?;
     if kind != "m.login.password" {
-        return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_UNKNOWN", format!("Unknown login type {kind}")));
+        return Err(MatrixError::new(
+            StatusCode::BAD_REQUEST,
+            "M_UNKNOWN",
+            format!("Unknown login type {kind}"),
+        ));
     }
     let user = match body.get("identifier") {
         Some(id) => {
             if id.get("type").and_then(|v| v.as_str()) != Some("m.id.user") {
-                return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_UNKNOWN", "Only m.id.user identifiers are supported"));
+                return Err(MatrixError::new(
+                    StatusCode::BAD_REQUEST,
+                    "M_UNKNOWN",
+                    "Only m.id.user identifiers are supported",
+                ));
             }
             id.get("user").and_then(|v| v.as_str()).map(str::to_owned)
         }
         None => opt_str(&body, "user")?,
     }
     .ok_or_else(|| MatrixError::bad_json("identifier.user is required"))?;
-    let password = opt_str(&body, "password")?.ok_or_else(|| MatrixError::bad_json("password is required"))?;
+    let password =
+        opt_str(&body, "password")?.ok_or_else(|| MatrixError::bad_json("password is required"))?;
     let user_id = full_user_id(&s, &user);
     let denied = || MatrixError::forbidden("Invalid username or password");
     let account = s.projections.accounts.user(&user_id).ok_or_else(denied)?;
@@ -279,8 +399,13 @@ async fn login(State(s): State<AppState>, JsonObject(body): JsonObject) -> ApiRe
     if !verify_password(password, hash).await {
         return Err(denied());
     }
-    let (device_id, token) =
-        start_session(&s, &user_id, opt_str(&body, "device_id")?, opt_str(&body, "initial_device_display_name")?).await?;
+    let (device_id, token) = start_session(
+        &s,
+        &user_id,
+        opt_str(&body, "device_id")?,
+        opt_str(&body, "initial_device_display_name")?,
+    )
+    .await?;
     Ok(Json(json!({
         "user_id": user_id,
         "access_token": token,
@@ -295,7 +420,12 @@ async fn logout(State(s): State<AppState>, r: Requester) -> ApiResult<Json<Value
     s.submit_and_wait(
         &r.user_id,
         Some(&r.device_id),
-        CommandBody::Fact { fact: Fact::DeviceDeleted { user_id: r.user_id.clone(), device_id: r.device_id.clone() } },
+        CommandBody::Fact {
+            fact: Fact::DeviceDeleted {
+                user_id: r.user_id.clone(),
+                device_id: r.device_id.clone(),
+            },
+        },
     )
     .await?;
     Ok(Json(json!({})))
@@ -306,7 +436,12 @@ async fn logout_all(State(s): State<AppState>, r: Requester) -> ApiResult<Json<V
         s.submit_and_wait(
             &r.user_id,
             Some(&r.device_id),
-            CommandBody::Fact { fact: Fact::DeviceDeleted { user_id: r.user_id.clone(), device_id } },
+            CommandBody::Fact {
+                fact: Fact::DeviceDeleted {
+                    user_id: r.user_id.clone(),
+                    device_id,
+                },
+            },
         )
         .await?;
     }
@@ -361,21 +496,35 @@ async fn set_profile_field(
     }
     // The field must be present (spec: 400 M_MISSING_PARAM); an empty string clears it.
     if !body.contains_key(&field) || body[&field].is_null() {
-        return Err(MatrixError::missing_param(format!("{field} is required (use \"\" to clear it)")));
+        return Err(MatrixError::missing_param(format!(
+            "{field} is required (use \"\" to clear it)"
+        )));
     }
     let value = opt_str(&body, &field)?.filter(|v| !v.is_empty());
     if field == "avatar_url" && value.as_ref().is_some_and(|v| !v.starts_with("mxc://")) {
         return Err(MatrixError::bad_json("avatar_url must be an mxc:// URI"));
     }
-    if value.as_ref().is_some_and(|v| v.len() > 256 && field == "displayname") {
+    if value
+        .as_ref()
+        .is_some_and(|v| v.len() > 256 && field == "displayname")
+    {
         return Err(MatrixError::bad_json("displayname is too long (max 256)"));
     }
     let fact = match field.as_str() {
-        "displayname" => Fact::ProfileSet { user_id: user_id.clone(), displayname: Some(value.clone()), avatar_url: None },
-        "avatar_url" => Fact::ProfileSet { user_id: user_id.clone(), displayname: None, avatar_url: Some(value.clone()) },
+        "displayname" => Fact::ProfileSet {
+            user_id: user_id.clone(),
+            displayname: Some(value.clone()),
+            avatar_url: None,
+        },
+        "avatar_url" => Fact::ProfileSet {
+            user_id: user_id.clone(),
+            displayname: None,
+            avatar_url: Some(value.clone()),
+        },
         _ => return Err(MatrixError::unrecognized()),
     };
-    s.submit_and_wait(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
+    s.submit_and_wait(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
+        .await?;
     // Propagate to every joined room as a new member event (what Synapse does).
     let profile = s.projections.accounts.profile(&user_id);
     for (room_id, m) in s.projections.membership.rooms_of(&user_id) {
@@ -431,7 +580,11 @@ async fn get_account_data(
     Path((user_id, data_type)): Path<(String, String)>,
 ) -> ApiResult<Json<Value>> {
     own(&r, &user_id)?;
-    s.projections.account_data.get(&user_id, None, &data_type).map(Json).ok_or_else(|| MatrixError::not_found("Account data not found"))
+    s.projections
+        .account_data
+        .get(&user_id, None, &data_type)
+        .map(Json)
+        .ok_or_else(|| MatrixError::not_found("Account data not found"))
 }
 
 async fn put_account_data(
@@ -442,8 +595,14 @@ async fn put_account_data(
 ) -> ApiResult<Json<Value>> {
     own(&r, &user_id)?;
     check_data_type(&data_type)?;
-    let fact = Fact::AccountDataSet { user_id, room_id: None, data_type, content: Value::Object(body) };
-    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
+    let fact = Fact::AccountDataSet {
+        user_id,
+        room_id: None,
+        data_type,
+        content: Value::Object(body),
+    };
+    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
+        .await?;
     Ok(Json(json!({})))
 }
 
@@ -471,8 +630,14 @@ async fn put_room_account_data(
     if ruma::RoomId::parse(&room_id).is_err() {
         return Err(MatrixError::invalid_param("Invalid room id"));
     }
-    let fact = Fact::AccountDataSet { user_id, room_id: Some(room_id), data_type, content: Value::Object(body) };
-    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
+    let fact = Fact::AccountDataSet {
+        user_id,
+        room_id: Some(room_id),
+        data_type,
+        content: Value::Object(body),
+    };
+    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
+        .await?;
     Ok(Json(json!({})))
 }
 
@@ -485,8 +650,13 @@ async fn create_filter(
     own(&r, &user_id)?;
     crate::sync::Filter::parse(&Value::Object(body.clone()))?;
     let filter_id = random_string(12);
-    let fact = Fact::FilterCreated { user_id, filter_id: filter_id.clone(), filter: Value::Object(body) };
-    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
+    let fact = Fact::FilterCreated {
+        user_id,
+        filter_id: filter_id.clone(),
+        filter: Value::Object(body),
+    };
+    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
+        .await?;
     Ok(Json(json!({ "filter_id": filter_id })))
 }
 
@@ -496,12 +666,17 @@ async fn get_filter(
     Path((user_id, filter_id)): Path<(String, String)>,
 ) -> ApiResult<Json<Value>> {
     own(&r, &user_id)?;
-    s.projections.filters.get(&user_id, &filter_id).map(Json).ok_or_else(|| MatrixError::not_found("Filter not found"))
+    s.projections
+        .filters
+        .get(&user_id, &filter_id)
+        .map(Json)
+        .ok_or_else(|| MatrixError::not_found("Filter not found"))
 }
 
 fn default_ruleset(user_id: &str) -> ApiResult<Value> {
     let user = ruma::UserId::parse(user_id).map_err(|e| MatrixError::internal(e.to_string()))?;
-    serde_json::to_value(ruma::push::Ruleset::server_default(&user)).map_err(|e| MatrixError::internal(e.to_string()))
+    serde_json::to_value(ruma::push::Ruleset::server_default(&user))
+        .map_err(|e| MatrixError::internal(e.to_string()))
 }
 
 /// `GET /pushrules/`: the spec's default push rules (read-only for now: rule changes
@@ -524,14 +699,21 @@ fn tags_of(s: &AppState, user_id: &str, room_id: &str) -> serde_json::Map<String
         .unwrap_or_default()
 }
 
-async fn save_tags(s: &AppState, r: &Requester, room_id: String, tags: serde_json::Map<String, Value>) -> ApiResult<()> {
+async fn save_tags(
+    s: &AppState,
+    r: &Requester,
+    room_id: String,
+    tags: serde_json::Map<String, Value>,
+) -> ApiResult<()> {
     let fact = Fact::AccountDataSet {
         user_id: r.user_id.clone(),
         room_id: Some(room_id),
         data_type: "m.tag".into(),
         content: json!({ "tags": tags }),
     };
-    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await.map(|_| ())
+    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
+        .await
+        .map(|_| ())
 }
 
 async fn get_tags(

@@ -24,7 +24,12 @@ pub struct MatrixError {
 impl MatrixError {
     /// A new error.
     pub fn new(status: StatusCode, errcode: &'static str, error: impl Into<String>) -> Self {
-        MatrixError { status, errcode, error: error.into(), extra: None }
+        MatrixError {
+            status,
+            errcode,
+            error: error.into(),
+            extra: None,
+        }
     }
     /// 403 `M_FORBIDDEN`.
     pub fn forbidden(msg: impl Into<String>) -> Self {
@@ -56,7 +61,11 @@ impl MatrixError {
     }
     /// 404 `M_UNRECOGNIZED` for unknown endpoints.
     pub fn unrecognized() -> Self {
-        Self::new(StatusCode::NOT_FOUND, "M_UNRECOGNIZED", "Unrecognized request")
+        Self::new(
+            StatusCode::NOT_FOUND,
+            "M_UNRECOGNIZED",
+            "Unrecognized request",
+        )
     }
     /// Adds extra top-level fields.
     pub fn with_extra(mut self, extra: serde_json::Value) -> Self {
@@ -68,7 +77,9 @@ impl MatrixError {
 impl IntoResponse for MatrixError {
     fn into_response(self) -> Response {
         let mut body = serde_json::json!({ "errcode": self.errcode, "error": self.error });
-        if let (Some(serde_json::Value::Object(extra)), Some(map)) = (self.extra, body.as_object_mut()) {
+        if let (Some(serde_json::Value::Object(extra)), Some(map)) =
+            (self.extra, body.as_object_mut())
+        {
             for (k, v) in extra {
                 map.insert(k, v);
             }
@@ -81,18 +92,32 @@ impl From<JournalError> for MatrixError {
     fn from(e: JournalError) -> Self {
         match &e {
             JournalError::Forbidden(m) => MatrixError::forbidden(m.clone()),
-            JournalError::BadState(m) => MatrixError::new(StatusCode::FORBIDDEN, "M_BAD_STATE", m.clone()),
+            JournalError::BadState(m) => {
+                MatrixError::new(StatusCode::FORBIDDEN, "M_BAD_STATE", m.clone())
+            }
             JournalError::UnknownRoom(_) => MatrixError::not_found(e.to_string()),
-            JournalError::UserInUse => MatrixError::new(StatusCode::BAD_REQUEST, "M_USER_IN_USE", "User ID already taken."),
-            JournalError::AliasInUse => MatrixError::new(StatusCode::BAD_REQUEST, "M_ROOM_IN_USE", "Room alias already taken"),
-            JournalError::TooLarge(m) => MatrixError::new(StatusCode::PAYLOAD_TOO_LARGE, "M_TOO_LARGE", m.clone()),
+            JournalError::UserInUse => MatrixError::new(
+                StatusCode::BAD_REQUEST,
+                "M_USER_IN_USE",
+                "User ID already taken.",
+            ),
+            JournalError::AliasInUse => MatrixError::new(
+                StatusCode::BAD_REQUEST,
+                "M_ROOM_IN_USE",
+                "Room alias already taken",
+            ),
+            JournalError::TooLarge(m) => {
+                MatrixError::new(StatusCode::PAYLOAD_TOO_LARGE, "M_TOO_LARGE", m.clone())
+            }
             JournalError::BadJson(m) => MatrixError::bad_json(m.clone()),
             JournalError::UnsupportedRoomVersion(v) => MatrixError::new(
                 StatusCode::BAD_REQUEST,
                 "M_UNSUPPORTED_ROOM_VERSION",
                 format!("Room version {v} is not supported"),
             ),
-            JournalError::BadSignature | JournalError::Storage(_) => MatrixError::internal(e.to_string()),
+            JournalError::BadSignature | JournalError::Storage(_) => {
+                MatrixError::internal(e.to_string())
+            }
         }
     }
 }

@@ -29,10 +29,15 @@ fn token_from(parts: &Parts) -> Option<String> {
     if let Some(h) = parts.headers.get(axum::http::header::AUTHORIZATION) {
         let v = h.to_str().ok()?;
         let (scheme, token) = v.split_once(' ')?;
-        return scheme.eq_ignore_ascii_case("bearer").then(|| token.trim().to_owned());
+        return scheme
+            .eq_ignore_ascii_case("bearer")
+            .then(|| token.trim().to_owned());
     }
     let q = parts.uri.query()?;
-    url_query(q).into_iter().find(|(k, _)| k == "access_token").map(|(_, v)| v)
+    url_query(q)
+        .into_iter()
+        .find(|(k, _)| k == "access_token")
+        .map(|(_, v)| v)
 }
 
 /// Percent-decoded query pairs.
@@ -54,7 +59,9 @@ fn percent_decode(s: &str) -> String {
         match bytes[i] {
             b'+' => out.push(b' '),
             b'%' if i + 2 < bytes.len() => {
-                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok());
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3])
+                    .ok()
+                    .and_then(|h| u8::from_str_radix(h, 16).ok());
                 match hex {
                     Some(b) => {
                         out.push(b);
@@ -73,18 +80,34 @@ fn percent_decode(s: &str) -> String {
 impl FromRequestParts<AppState> for Requester {
     type Rejection = MatrixError;
 
-    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
-        let token = token_from(parts)
-            .ok_or_else(|| MatrixError::new(StatusCode::UNAUTHORIZED, "M_MISSING_TOKEN", "Missing access token"))?;
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &AppState,
+    ) -> Result<Self, Self::Rejection> {
+        let token = token_from(parts).ok_or_else(|| {
+            MatrixError::new(
+                StatusCode::UNAUTHORIZED,
+                "M_MISSING_TOKEN",
+                "Missing access token",
+            )
+        })?;
         let hash = token_hash(&token);
         // Read-your-writes: everything acknowledged before this request is visible to it
         // (including a token issued or revoked just before).
         state.wait_for_acknowledged().await?;
         let owner = state.projections.accounts.token(&hash).ok_or_else(|| {
-            MatrixError::new(StatusCode::UNAUTHORIZED, "M_UNKNOWN_TOKEN", "Unknown access token")
-                .with_extra(serde_json::json!({"soft_logout": false}))
+            MatrixError::new(
+                StatusCode::UNAUTHORIZED,
+                "M_UNKNOWN_TOKEN",
+                "Unknown access token",
+            )
+            .with_extra(serde_json::json!({"soft_logout": false}))
         })?;
-        Ok(Requester { user_id: owner.user_id, device_id: owner.device_id, token_hash: hash })
+        Ok(Requester {
+            user_id: owner.user_id,
+            device_id: owner.device_id,
+            token_hash: hash,
+        })
     }
 }
 
@@ -99,9 +122,17 @@ impl FromRequest<AppState> for JsonObject {
         let is_put = req.method() == axum::http::Method::PUT;
         let bytes = Bytes::from_request(req, state).await.map_err(|e| {
             if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                MatrixError::new(StatusCode::PAYLOAD_TOO_LARGE, "M_TOO_LARGE", "Request body too large")
+                MatrixError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "M_TOO_LARGE",
+                    "Request body too large",
+                )
             } else if is_body_timeout(&e) {
-                MatrixError::new(StatusCode::REQUEST_TIMEOUT, "M_UNKNOWN", "Request body not received in time")
+                MatrixError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "M_UNKNOWN",
+                    "Request body not received in time",
+                )
             } else {
                 MatrixError::not_json(e.body_text())
             }
@@ -110,12 +141,14 @@ impl FromRequest<AppState> for JsonObject {
             // POST endpoints with optional bodies (join, leave, receipts, ...) take an
             // empty body as `{}`; a PUT's body is the content and must be JSON.
             if is_put {
-                return Err(MatrixError::not_json("Request body is empty; expected a JSON object"));
+                return Err(MatrixError::not_json(
+                    "Request body is empty; expected a JSON object",
+                ));
             }
             return Ok(JsonObject(serde_json::Map::new()));
         }
-        let value: serde_json::Value =
-            serde_json::from_slice(&bytes).map_err(|e| MatrixError::not_json(format!("Content not JSON: {e}")))?;
+        let value: serde_json::Value = serde_json::from_slice(&bytes)
+            .map_err(|e| MatrixError::not_json(format!("Content not JSON: {e}")))?;
         match value {
             serde_json::Value::Object(map) => Ok(JsonObject(map)),
             _ => Err(MatrixError::bad_json("Body must be a JSON object")),
@@ -141,17 +174,26 @@ pub struct Query(pub Vec<(String, String)>);
 impl Query {
     /// First value of a parameter.
     pub fn get(&self, name: &str) -> Option<&str> {
-        self.0.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_str())
+        self.0
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
     }
     /// Every value of a parameter.
     pub fn all(&self, name: &str) -> Vec<&str> {
-        self.0.iter().filter(|(k, _)| k == name).map(|(_, v)| v.as_str()).collect()
+        self.0
+            .iter()
+            .filter(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+            .collect()
     }
     /// An unsigned integer parameter; malformed: 400 `M_INVALID_PARAM`.
     pub fn u64(&self, name: &str) -> Result<Option<u64>, MatrixError> {
         match self.get(name) {
             None => Ok(None),
-            Some(v) => v.parse().map(Some).map_err(|_| MatrixError::invalid_param(format!("{name} must be a non-negative integer"))),
+            Some(v) => v.parse().map(Some).map_err(|_| {
+                MatrixError::invalid_param(format!("{name} must be a non-negative integer"))
+            }),
         }
     }
 }
@@ -164,7 +206,10 @@ impl<S: Send + Sync> FromRequestParts<S> for Query {
 }
 
 /// String field helper: `Some(string)` or a 400 when present with another type.
-pub fn opt_str(map: &serde_json::Map<String, serde_json::Value>, name: &str) -> Result<Option<String>, MatrixError> {
+pub fn opt_str(
+    map: &serde_json::Map<String, serde_json::Value>,
+    name: &str,
+) -> Result<Option<String>, MatrixError> {
     match map.get(name) {
         None | Some(serde_json::Value::Null) => Ok(None),
         Some(serde_json::Value::String(s)) => Ok(Some(s.clone())),

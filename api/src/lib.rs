@@ -9,8 +9,8 @@
 pub mod account;
 pub mod error;
 pub mod extract;
-pub mod rooms;
 pub mod read;
+pub mod rooms;
 pub mod sync;
 pub mod typing;
 pub mod visibility;
@@ -93,7 +93,12 @@ impl AppState {
     /// Signs and submits a command as `principal`/`device`. Returns once the records
     /// are durable; it does not wait for the projections (the writer never waits on a
     /// reader, BRIEF §2). Reads wait instead: see [`AppState::wait_for_acknowledged`].
-    pub async fn submit(&self, principal: &str, device_id: Option<&str>, body: CommandBody) -> ApiResult<Outcome> {
+    pub async fn submit(
+        &self,
+        principal: &str,
+        device_id: Option<&str>,
+        body: CommandBody,
+    ) -> ApiResult<Outcome> {
         let envelope = CommandEnvelope {
             principal: principal.to_owned(),
             device_id: device_id.map(str::to_owned),
@@ -108,7 +113,12 @@ impl AppState {
     /// command: for writes whose effect the same handler reads (profile propagation),
     /// or that must hold before the answer leaves (a logout revokes its token, a login
     /// answers with a token that works).
-    pub async fn submit_and_wait(&self, principal: &str, device_id: Option<&str>, body: CommandBody) -> ApiResult<Outcome> {
+    pub async fn submit_and_wait(
+        &self,
+        principal: &str,
+        device_id: Option<&str>,
+        body: CommandBody,
+    ) -> ApiResult<Outcome> {
         let outcome = self.submit(principal, device_id, body).await?;
         self.wait_for(outcome.position).await?;
         Ok(outcome)
@@ -129,10 +139,17 @@ impl AppState {
 
     /// Waits (bounded) for the projections to reach `position`.
     pub async fn wait_for(&self, position: u64) -> ApiResult<()> {
-        if self.projections.runtime.wait_for(position, READ_YOUR_WRITES_TIMEOUT).await {
+        if self
+            .projections
+            .runtime
+            .wait_for(position, READ_YOUR_WRITES_TIMEOUT)
+            .await
+        {
             Ok(())
         } else {
-            Err(MatrixError::internal("projections did not catch up in time"))
+            Err(MatrixError::internal(
+                "projections did not catch up in time",
+            ))
         }
     }
 
@@ -144,7 +161,10 @@ impl AppState {
 
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 /// The whole Client-Server router, with CORS (spec: "Web Browser Clients"), the body
@@ -152,7 +172,13 @@ pub fn now_ms() -> u64 {
 pub fn router(state: AppState) -> Router {
     let cors = CorsLayer::new()
         .allow_origin(Any)
-        .allow_methods([Method::GET, Method::POST, Method::PUT, Method::DELETE, Method::OPTIONS])
+        .allow_methods([
+            Method::GET,
+            Method::POST,
+            Method::PUT,
+            Method::DELETE,
+            Method::OPTIONS,
+        ])
         .allow_headers([
             header::HeaderName::from_static("x-requested-with"),
             header::CONTENT_TYPE,
@@ -168,7 +194,11 @@ pub fn router(state: AppState) -> Router {
         .merge(typing::routes())
         .fallback(|| async { MatrixError::unrecognized() })
         .method_not_allowed_fallback(|| async {
-            MatrixError::new(axum::http::StatusCode::METHOD_NOT_ALLOWED, "M_UNRECOGNIZED", "Unrecognized request method")
+            MatrixError::new(
+                axum::http::StatusCode::METHOD_NOT_ALLOWED,
+                "M_UNRECOGNIZED",
+                "Unrecognized request method",
+            )
         })
         .with_state(state)
         .layer(axum::extract::DefaultBodyLimit::max(limit))
@@ -189,11 +219,16 @@ async fn matrix_error_bodies(resp: axum::response::Response) -> axum::response::
     let status = resp.status();
     if is_json || !(status.is_client_error() || status.is_server_error()) {
         let mut resp = resp;
-        resp.headers_mut().entry(header::CONTENT_TYPE).or_insert(HeaderValue::from_static("application/json"));
+        resp.headers_mut()
+            .entry(header::CONTENT_TYPE)
+            .or_insert(HeaderValue::from_static("application/json"));
         return resp;
     }
     let (parts, body) = resp.into_parts();
-    let text = axum::body::to_bytes(body, 4096).await.map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default();
+    let text = axum::body::to_bytes(body, 4096)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
     let errcode = match status.as_u16() {
         400 => "M_INVALID_PARAM",
         401 => "M_MISSING_TOKEN",
@@ -201,7 +236,11 @@ async fn matrix_error_bodies(resp: axum::response::Response) -> axum::response::
         413 | 414 | 431 => "M_TOO_LARGE",
         _ => "M_UNKNOWN",
     };
-    let error = if text.trim().is_empty() { status.canonical_reason().unwrap_or("Error").to_owned() } else { text };
+    let error = if text.trim().is_empty() {
+        status.canonical_reason().unwrap_or("Error").to_owned()
+    } else {
+        text
+    };
     let mut out = MatrixError::new(status, errcode, error).into_response();
     for (k, v) in parts.headers.iter() {
         if k != header::CONTENT_TYPE && k != header::CONTENT_LENGTH {

@@ -24,15 +24,33 @@ pub const MAX_PAGE: usize = 1000;
 
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
-        .route("/_matrix/client/v3/rooms/{room_id}/event/{event_id}", get(get_event))
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/event/{event_id}",
+            get(get_event),
+        )
         .route("/_matrix/client/v3/rooms/{room_id}/state", get(get_state))
-        .route("/_matrix/client/v3/rooms/{room_id}/state/{event_type}", get(get_state_event_empty))
-        .route("/_matrix/client/v3/rooms/{room_id}/state/{event_type}/", get(get_state_event_empty))
-        .route("/_matrix/client/v3/rooms/{room_id}/state/{event_type}/{state_key}", get(get_state_event))
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/state/{event_type}",
+            get(get_state_event_empty),
+        )
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/",
+            get(get_state_event_empty),
+        )
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/{state_key}",
+            get(get_state_event),
+        )
         .route("/_matrix/client/v3/rooms/{room_id}/messages", get(messages))
-        .route("/_matrix/client/v3/rooms/{room_id}/context/{event_id}", get(context))
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/context/{event_id}",
+            get(context),
+        )
         .route("/_matrix/client/v3/rooms/{room_id}/members", get(members))
-        .route("/_matrix/client/v3/rooms/{room_id}/joined_members", get(joined_members))
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/joined_members",
+            get(joined_members),
+        )
         .route("/_matrix/client/v3/joined_rooms", get(joined_rooms))
 }
 
@@ -59,29 +77,42 @@ pub fn token(pos: u64) -> String {
 /// (`age`, `transaction_id` for the sending device, `prev_content` for state).
 pub fn render(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &str)>) -> Value {
     let mut unsigned = serde_json::Map::new();
-    unsigned.insert("age".into(), json!(crate::now_ms().saturating_sub(u64::from(ev.pdu.origin_server_ts.0))));
+    unsigned.insert(
+        "age".into(),
+        json!(crate::now_ms().saturating_sub(u64::from(ev.pdu.origin_server_ts.0))),
+    );
     if let (Some((user, device)), Some(dev), Some(txn)) = (viewer, &ev.device_id, &ev.txn_id)
-        && user == ev.pdu.sender.as_str() && device == dev {
-            unsigned.insert("transaction_id".into(), json!(txn.strip_prefix("redact/").unwrap_or(txn)));
-        }
+        && user == ev.pdu.sender.as_str()
+        && device == dev
+    {
+        unsigned.insert(
+            "transaction_id".into(),
+            json!(txn.strip_prefix("redact/").unwrap_or(txn)),
+        );
+    }
     if let Some(sk) = &ev.pdu.state_key
         && let Some((before, _)) = s.projections.state.roots_at(ev.pdu.event_id.as_str())
-            && let Some(prev_id) = s.projections.state.lookup(before, &ev.pdu.kind.to_string(), sk)
-                && let Some(prev) = s.projections.timeline.event(&prev_id) {
-                    unsigned.insert("prev_content".into(), prev.pdu.content_value());
-                }
+        && let Some(prev_id) = s
+            .projections
+            .state
+            .lookup(before, &ev.pdu.kind.to_string(), sk)
+        && let Some(prev) = s.projections.timeline.event(&prev_id)
+    {
+        unsigned.insert("prev_content".into(), prev.pdu.content_value());
+    }
     if let Some(redaction_id) = s.projections.timeline.redacted_by(ev.pdu.event_id.as_str())
-        && let Some(redaction) = s.projections.timeline.event(&redaction_id) {
-            let mut out = ev.pdu.to_redacted_client_event(&redaction.pdu);
-            if let Some(u) = out.get_mut("unsigned").and_then(|u| u.as_object_mut()) {
-                for (k, v) in unsigned {
-                    if k != "prev_content" {
-                        u.insert(k, v);
-                    }
+        && let Some(redaction) = s.projections.timeline.event(&redaction_id)
+    {
+        let mut out = ev.pdu.to_redacted_client_event(&redaction.pdu);
+        if let Some(u) = out.get_mut("unsigned").and_then(|u| u.as_object_mut()) {
+            for (k, v) in unsigned {
+                if k != "prev_content" {
+                    u.insert(k, v);
                 }
             }
-            return out;
         }
+        return out;
+    }
     ev.pdu.to_client_event(Some(Value::Object(unsigned)))
 }
 
@@ -89,9 +120,11 @@ pub fn render(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &str)>) -> V
 /// the state right after their leave for former members.
 pub fn readable_root(s: &AppState, room_id: &str, access: &Access) -> Option<Root> {
     match &access.membership {
-        Some(m) if m.membership == "leave" || m.membership == "ban" => {
-            s.projections.state.roots_at(&m.event_id).map(|(_, after)| after)
-        }
+        Some(m) if m.membership == "leave" || m.membership == "ban" => s
+            .projections
+            .state
+            .roots_at(&m.event_id)
+            .map(|(_, after)| after),
         _ => s.projections.state.current_root(room_id),
     }
 }
@@ -100,22 +133,39 @@ fn viewer(r: &Requester) -> Option<(&str, &str)> {
     Some((r.user_id.as_str(), r.device_id.as_str()))
 }
 
-async fn get_event(State(s): State<AppState>, r: Requester, Path((room_id, event_id)): Path<(String, String)>) -> ApiResult<Json<Value>> {
+async fn get_event(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((room_id, event_id)): Path<(String, String)>,
+) -> ApiResult<Json<Value>> {
     let not_found = || MatrixError::not_found("Event not found");
     let access = room_access(&s, &r.user_id, &room_id).map_err(|_| not_found())?;
-    let ev = s.projections.timeline.event(&event_id).ok_or_else(not_found)?;
+    let ev = s
+        .projections
+        .timeline
+        .event(&event_id)
+        .ok_or_else(not_found)?;
     if ev.pdu.room_id.as_str() != room_id || !can_see(&s, &r.user_id, &access, &ev) {
         return Err(not_found());
     }
     Ok(Json(render(&s, &ev, viewer(&r))))
 }
 
-async fn get_state(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>) -> ApiResult<Json<Value>> {
+async fn get_state(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(room_id): Path<String>,
+) -> ApiResult<Json<Value>> {
     let access = room_access(&s, &r.user_id, &room_id)?;
-    if access.membership.as_ref().is_some_and(|m| m.membership == "invite" || m.membership == "knock") {
+    if access
+        .membership
+        .as_ref()
+        .is_some_and(|m| m.membership == "invite" || m.membership == "knock")
+    {
         return Err(MatrixError::forbidden("You are not joined to this room"));
     }
-    let root = readable_root(&s, &room_id, &access).ok_or_else(|| MatrixError::forbidden("Room state unavailable"))?;
+    let root = readable_root(&s, &room_id, &access)
+        .ok_or_else(|| MatrixError::forbidden("Room state unavailable"))?;
     let events: Vec<Value> = s
         .projections
         .state
@@ -127,18 +177,34 @@ async fn get_state(State(s): State<AppState>, r: Requester, Path(room_id): Path<
     Ok(Json(Value::Array(events)))
 }
 
-async fn state_event(s: AppState, r: Requester, room_id: String, event_type: String, state_key: String, q: Query) -> ApiResult<Json<Value>> {
+async fn state_event(
+    s: AppState,
+    r: Requester,
+    room_id: String,
+    event_type: String,
+    state_key: String,
+    q: Query,
+) -> ApiResult<Json<Value>> {
     let access = room_access(&s, &r.user_id, &room_id)?;
-    if access.membership.as_ref().is_some_and(|m| m.membership == "invite" || m.membership == "knock") {
+    if access
+        .membership
+        .as_ref()
+        .is_some_and(|m| m.membership == "invite" || m.membership == "knock")
+    {
         return Err(MatrixError::forbidden("You are not joined to this room"));
     }
-    let root = readable_root(&s, &room_id, &access).ok_or_else(|| MatrixError::forbidden("Room state unavailable"))?;
+    let root = readable_root(&s, &room_id, &access)
+        .ok_or_else(|| MatrixError::forbidden("Room state unavailable"))?;
     let id = s
         .projections
         .state
         .lookup(root, &event_type, &state_key)
         .ok_or_else(|| MatrixError::not_found("Event not found"))?;
-    let ev = s.projections.timeline.event(&id).ok_or_else(|| MatrixError::not_found("Event not found"))?;
+    let ev = s
+        .projections
+        .timeline
+        .event(&id)
+        .ok_or_else(|| MatrixError::not_found("Event not found"))?;
     let rendered = render(&s, &ev, viewer(&r));
     if q.get("format") == Some("event") {
         return Ok(Json(rendered));
@@ -168,7 +234,8 @@ fn parse_filter(q: &Query) -> ApiResult<EventFilter> {
     match q.get("filter") {
         None => Ok(EventFilter::default()),
         Some(f) => {
-            let v: Value = serde_json::from_str(f).map_err(|_| MatrixError::invalid_param("filter is not valid JSON"))?;
+            let v: Value = serde_json::from_str(f)
+                .map_err(|_| MatrixError::invalid_param("filter is not valid JSON"))?;
             EventFilter::parse(&v)
         }
     }
@@ -186,7 +253,12 @@ pub fn lazy_members(s: &AppState, root: Root, senders: &[String]) -> Vec<EventRe
         .collect()
 }
 
-async fn messages(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, q: Query) -> ApiResult<Json<Value>> {
+async fn messages(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(room_id): Path<String>,
+    q: Query,
+) -> ApiResult<Json<Value>> {
     let access = room_access(&s, &r.user_id, &room_id)?;
     let dir = q.get("dir").unwrap_or("b");
     if dir != "b" && dir != "f" {
@@ -195,7 +267,10 @@ async fn messages(State(s): State<AppState>, r: Requester, Path(room_id): Path<S
     let limit = q.u64("limit")?.unwrap_or(10).min(MAX_PAGE as u64) as usize;
     let filter = parse_filter(&q)?;
     if limit == 0 {
-        let start = q.get("from").map(str::to_owned).unwrap_or_else(|| token(access.cap.min(s.projections.runtime.applied())));
+        let start = q
+            .get("from")
+            .map(str::to_owned)
+            .unwrap_or_else(|| token(access.cap.min(s.projections.runtime.applied())));
         return Ok(Json(json!({ "start": start, "end": start, "chunk": [] })));
     }
     let applied = s.projections.runtime.applied();
@@ -219,15 +294,20 @@ async fn messages(State(s): State<AppState>, r: Requester, Path(room_id): Path<S
         let floor = to.map(|t| t + 1).unwrap_or(0);
         let mut before = from.min(cap).saturating_add(1);
         loop {
-            let rows = s.projections.timeline.range_backward(&room_id, before, floor, page);
+            let rows = s
+                .projections
+                .timeline
+                .range_backward(&room_id, before, floor, page);
             let exhausted = rows.len() < page;
             let mut stopped_early = false;
             for (pos, id) in &rows {
                 before = *pos;
                 if let Some(ev) = s.projections.timeline.event(id)
-                    && filter.matches(&ev.pdu) && can_see(&s, &r.user_id, &access, &ev) {
-                        chunk.push(ev);
-                    }
+                    && filter.matches(&ev.pdu)
+                    && can_see(&s, &r.user_id, &access, &ev)
+                {
+                    chunk.push(ev);
+                }
                 if chunk.len() >= limit {
                     stopped_early = true;
                     break;
@@ -235,7 +315,11 @@ async fn messages(State(s): State<AppState>, r: Requester, Path(room_id): Path<S
             }
             if stopped_early {
                 // Only hand out `end` if something older exists (spec: omitted at the start).
-                let more = !s.projections.timeline.range_backward(&room_id, before, floor, 1).is_empty();
+                let more = !s
+                    .projections
+                    .timeline
+                    .range_backward(&room_id, before, floor, 1)
+                    .is_empty();
                 end = more.then(|| token(before - 1));
                 break;
             }
@@ -247,14 +331,19 @@ async fn messages(State(s): State<AppState>, r: Requester, Path(room_id): Path<S
         let upto = to.unwrap_or(u64::MAX).min(cap);
         let mut after = from;
         loop {
-            let rows = s.projections.timeline.range_forward(&room_id, after, upto, page);
+            let rows = s
+                .projections
+                .timeline
+                .range_forward(&room_id, after, upto, page);
             let exhausted = rows.len() < page;
             for (pos, id) in &rows {
                 after = *pos;
                 if let Some(ev) = s.projections.timeline.event(id)
-                    && filter.matches(&ev.pdu) && can_see(&s, &r.user_id, &access, &ev) {
-                        chunk.push(ev);
-                    }
+                    && filter.matches(&ev.pdu)
+                    && can_see(&s, &r.user_id, &access, &ev)
+                {
+                    chunk.push(ev);
+                }
                 if chunk.len() >= limit {
                     break;
                 }
@@ -269,10 +358,14 @@ async fn messages(State(s): State<AppState>, r: Requester, Path(room_id): Path<S
     }
     let mut state = Vec::new();
     if filter.lazy_load_members
-        && let Some(root) = readable_root(&s, &room_id, &access) {
-            let senders: Vec<String> = chunk.iter().map(|e| e.pdu.sender.to_string()).collect();
-            state = lazy_members(&s, root, &senders).iter().map(|e| render(&s, e, viewer(&r))).collect();
-        }
+        && let Some(root) = readable_root(&s, &room_id, &access)
+    {
+        let senders: Vec<String> = chunk.iter().map(|e| e.pdu.sender.to_string()).collect();
+        state = lazy_members(&s, root, &senders)
+            .iter()
+            .map(|e| render(&s, e, viewer(&r)))
+            .collect();
+    }
     let mut out = json!({
         "start": q.get("from").map(str::to_owned).unwrap_or_else(|| token(from)),
         "chunk": chunk.iter().map(|e| render(&s, e, viewer(&r))).collect::<Vec<_>>(),
@@ -294,7 +387,11 @@ async fn context(
 ) -> ApiResult<Json<Value>> {
     let not_found = || MatrixError::not_found("Event not found");
     let access = room_access(&s, &r.user_id, &room_id).map_err(|_| not_found())?;
-    let ev = s.projections.timeline.event(&event_id).ok_or_else(not_found)?;
+    let ev = s
+        .projections
+        .timeline
+        .event(&event_id)
+        .ok_or_else(not_found)?;
     if ev.pdu.room_id.as_str() != room_id || !can_see(&s, &r.user_id, &access, &ev) {
         return Err(not_found());
     }
@@ -312,21 +409,43 @@ async fn context(
             }
             last = Some(pos);
             if let Some(e) = s.projections.timeline.event(&id)
-                && filter.matches(&e.pdu) && can_see(&s, &r.user_id, &access, &e) {
-                    out.push(e);
-                }
+                && filter.matches(&e.pdu)
+                && can_see(&s, &r.user_id, &access, &e)
+            {
+                out.push(e);
+            }
         }
         (out, last)
     };
-    let (before, first_pos) = pick(s.projections.timeline.range_backward(&room_id, ev.position, 0, n_before * 2 + 1), n_before);
-    let (after, last_pos) = pick(s.projections.timeline.range_forward(&room_id, ev.position, cap, n_after * 2 + 1), n_after);
-    let last_event = after.last().map(|e| e.pdu.event_id.to_string()).unwrap_or_else(|| event_id.clone());
+    let (before, first_pos) = pick(
+        s.projections
+            .timeline
+            .range_backward(&room_id, ev.position, 0, n_before * 2 + 1),
+        n_before,
+    );
+    let (after, last_pos) = pick(
+        s.projections
+            .timeline
+            .range_forward(&room_id, ev.position, cap, n_after * 2 + 1),
+        n_after,
+    );
+    let last_event = after
+        .last()
+        .map(|e| e.pdu.event_id.to_string())
+        .unwrap_or_else(|| event_id.clone());
     let root = s.projections.state.roots_at(&last_event).map(|(_, a)| a);
     let state: Vec<Value> = match root {
         Some(root) if filter.lazy_load_members => {
-            let senders: Vec<String> =
-                before.iter().chain(after.iter()).chain(std::iter::once(&ev)).map(|e| e.pdu.sender.to_string()).collect();
-            lazy_members(&s, root, &senders).iter().map(|e| render(&s, e, viewer(&r))).collect()
+            let senders: Vec<String> = before
+                .iter()
+                .chain(after.iter())
+                .chain(std::iter::once(&ev))
+                .map(|e| e.pdu.sender.to_string())
+                .collect();
+            lazy_members(&s, root, &senders)
+                .iter()
+                .map(|e| render(&s, e, viewer(&r)))
+                .collect()
         }
         Some(root) => s
             .projections
@@ -348,24 +467,41 @@ async fn context(
     })))
 }
 
-async fn members(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, q: Query) -> ApiResult<Json<Value>> {
+async fn members(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(room_id): Path<String>,
+    q: Query,
+) -> ApiResult<Json<Value>> {
     let access = room_access(&s, &r.user_id, &room_id)?;
-    if access.membership.as_ref().is_some_and(|m| m.membership == "invite" || m.membership == "knock") {
+    if access
+        .membership
+        .as_ref()
+        .is_some_and(|m| m.membership == "invite" || m.membership == "knock")
+    {
         return Err(MatrixError::forbidden("You are not joined to this room"));
     }
-    let mut root = readable_root(&s, &room_id, &access).ok_or_else(|| MatrixError::forbidden("Room state unavailable"))?;
+    let mut root = readable_root(&s, &room_id, &access)
+        .ok_or_else(|| MatrixError::forbidden("Room state unavailable"))?;
     if let Some(at) = q.get("at") {
         let pos = parse_token(at)?.min(access.cap);
-        if let Some((_, id)) = s.projections.timeline.range_backward(&room_id, pos.saturating_add(1), 0, 1).first()
-            && let Some((_, after)) = s.projections.state.roots_at(id) {
-                root = after;
-            }
+        if let Some((_, id)) = s
+            .projections
+            .timeline
+            .range_backward(&room_id, pos.saturating_add(1), 0, 1)
+            .first()
+            && let Some((_, after)) = s.projections.state.roots_at(id)
+        {
+            root = after;
+        }
     }
     let want = q.get("membership");
     let not = q.get("not_membership");
     for m in [want, not].into_iter().flatten() {
         if !["join", "invite", "leave", "ban", "knock"].contains(&m) {
-            return Err(MatrixError::invalid_param(format!("unknown membership {m:?}")));
+            return Err(MatrixError::invalid_param(format!(
+                "unknown membership {m:?}"
+            )));
         }
     }
     let events: Vec<Value> = s
@@ -375,7 +511,13 @@ async fn members(State(s): State<AppState>, r: Requester, Path(room_id): Path<St
         .into_iter()
         .filter_map(|(_, id)| s.projections.timeline.event(&id))
         .filter(|e| {
-            let m = e.pdu.content_value().get("membership").and_then(|v| v.as_str()).unwrap_or("").to_owned();
+            let m = e
+                .pdu
+                .content_value()
+                .get("membership")
+                .and_then(|v| v.as_str())
+                .unwrap_or("")
+                .to_owned();
             want.is_none_or(|w| w == m) && not.is_none_or(|n| n != m)
         })
         .map(|e| render(&s, &e, viewer(&r)))
@@ -383,7 +525,11 @@ async fn members(State(s): State<AppState>, r: Requester, Path(room_id): Path<St
     Ok(Json(json!({ "chunk": events })))
 }
 
-async fn joined_members(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>) -> ApiResult<Json<Value>> {
+async fn joined_members(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(room_id): Path<String>,
+) -> ApiResult<Json<Value>> {
     let access = room_access(&s, &r.user_id, &room_id)?;
     if !access.joined() {
         return Err(MatrixError::forbidden("You are not joined to this room"));
@@ -391,14 +537,23 @@ async fn joined_members(State(s): State<AppState>, r: Requester, Path(room_id): 
     let mut joined = serde_json::Map::new();
     for (user, m) in s.projections.membership.members(&room_id) {
         if m.membership == "join" {
-            joined.insert(user, json!({ "display_name": m.displayname, "avatar_url": m.avatar_url }));
+            joined.insert(
+                user,
+                json!({ "display_name": m.displayname, "avatar_url": m.avatar_url }),
+            );
         }
     }
     Ok(Json(json!({ "joined": joined })))
 }
 
 async fn joined_rooms(State(s): State<AppState>, r: Requester) -> Json<Value> {
-    let rooms: Vec<String> =
-        s.projections.membership.rooms_of(&r.user_id).into_iter().filter(|(_, m)| m.membership == "join").map(|(r, _)| r).collect();
+    let rooms: Vec<String> = s
+        .projections
+        .membership
+        .rooms_of(&r.user_id)
+        .into_iter()
+        .filter(|(_, m)| m.membership == "join")
+        .map(|(r, _)| r)
+        .collect();
     Json(json!({ "joined_rooms": rooms }))
 }

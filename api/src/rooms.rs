@@ -18,37 +18,86 @@ use crate::{
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
         .route("/_matrix/client/v3/createRoom", post(create_room))
-        .route("/_matrix/client/v3/rooms/{room_id}/join", post(join_room_id))
-        .route("/_matrix/client/v3/join/{room_id_or_alias}", post(join_by_id_or_alias))
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/join",
+            post(join_room_id),
+        )
+        .route(
+            "/_matrix/client/v3/join/{room_id_or_alias}",
+            post(join_by_id_or_alias),
+        )
         .route("/_matrix/client/v3/rooms/{room_id}/invite", post(invite))
         .route("/_matrix/client/v3/rooms/{room_id}/leave", post(leave))
         .route("/_matrix/client/v3/rooms/{room_id}/kick", post(kick))
         .route("/_matrix/client/v3/rooms/{room_id}/ban", post(ban))
         .route("/_matrix/client/v3/rooms/{room_id}/unban", post(unban))
         .route("/_matrix/client/v3/rooms/{room_id}/forget", post(forget))
-        .route("/_matrix/client/v3/rooms/{room_id}/send/{event_type}/{txn_id}", put(send))
-        .route("/_matrix/client/v3/rooms/{room_id}/state/{event_type}", put(put_state_empty_key))
-        .route("/_matrix/client/v3/rooms/{room_id}/state/{event_type}/", put(put_state_empty_key))
-        .route("/_matrix/client/v3/rooms/{room_id}/state/{event_type}/{state_key}", put(put_state))
-        .route("/_matrix/client/v3/rooms/{room_id}/redact/{event_id}/{txn_id}", put(redact))
-        .route("/_matrix/client/v3/directory/room/{alias}", put(set_alias).get(resolve_alias).delete(delete_alias))
-        .route("/_matrix/client/v3/rooms/{room_id}/aliases", get(room_aliases))
-        .route("/_matrix/client/v3/rooms/{room_id}/receipt/{receipt_type}/{event_id}", post(receipt))
-        .route("/_matrix/client/v3/rooms/{room_id}/read_markers", post(read_markers))
-        .route("/_matrix/client/v3/rooms/{room_id}/typing/{user_id}", put(crate::typing::set_typing))
-        .route("/_matrix/client/v3/directory/list/room/{room_id}", get(directory_visibility))
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/send/{event_type}/{txn_id}",
+            put(send),
+        )
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/state/{event_type}",
+            put(put_state_empty_key),
+        )
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/",
+            put(put_state_empty_key),
+        )
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/{state_key}",
+            put(put_state),
+        )
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/redact/{event_id}/{txn_id}",
+            put(redact),
+        )
+        .route(
+            "/_matrix/client/v3/directory/room/{alias}",
+            put(set_alias).get(resolve_alias).delete(delete_alias),
+        )
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/aliases",
+            get(room_aliases),
+        )
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/receipt/{receipt_type}/{event_id}",
+            post(receipt),
+        )
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/read_markers",
+            post(read_markers),
+        )
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/typing/{user_id}",
+            put(crate::typing::set_typing),
+        )
+        .route(
+            "/_matrix/client/v3/directory/list/room/{room_id}",
+            get(directory_visibility),
+        )
 }
 
 fn valid_room_id(room_id: &str) -> ApiResult<()> {
-    ruma::RoomId::parse(room_id).map(|_| ()).map_err(|_| MatrixError::invalid_param(format!("Invalid room id {room_id}")))
+    ruma::RoomId::parse(room_id)
+        .map(|_| ())
+        .map_err(|_| MatrixError::invalid_param(format!("Invalid room id {room_id}")))
 }
 
 fn valid_user_id(user_id: &str) -> ApiResult<()> {
-    ruma::UserId::parse(user_id).map(|_| ()).map_err(|_| MatrixError::invalid_param(format!("Invalid user id {user_id}")))
+    ruma::UserId::parse(user_id)
+        .map(|_| ())
+        .map_err(|_| MatrixError::invalid_param(format!("Invalid user id {user_id}")))
 }
 
 /// Sends one event into a room as the requester.
-pub(crate) async fn send_spec(s: &AppState, r: &Requester, room_id: &str, event: EventSpec, txn_id: Option<String>) -> ApiResult<Outcome> {
+pub(crate) async fn send_spec(
+    s: &AppState,
+    r: &Requester,
+    room_id: &str,
+    event: EventSpec,
+    txn_id: Option<String>,
+) -> ApiResult<Outcome> {
     send_checked(s, r, room_id, event, txn_id, None).await
 }
 
@@ -65,9 +114,18 @@ async fn send_checked(
         return Err(MatrixError::forbidden("Unknown room or not a member of it"));
     }
     if event.state_key.as_ref().is_some_and(|k| k.len() > 255) {
-        return Err(MatrixError::new(StatusCode::PAYLOAD_TOO_LARGE, "M_TOO_LARGE", "state_key is longer than 255 bytes"));
+        return Err(MatrixError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "M_TOO_LARGE",
+            "state_key is longer than 255 bytes",
+        ));
     }
-    let body = CommandBody::SendEvent { room_id: room_id.to_owned(), event, txn_id, precondition };
+    let body = CommandBody::SendEvent {
+        room_id: room_id.to_owned(),
+        event,
+        txn_id,
+        precondition,
+    };
     s.submit(&r.user_id, Some(&r.device_id), body).await
 }
 
@@ -77,12 +135,30 @@ async fn send_checked(
 fn precondition(membership: &str, target_is_self: bool) -> Option<MembershipPrecondition> {
     let list = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
     Some(match (membership, target_is_self) {
-        ("join", true) => MembershipPrecondition { allowed: list(&["none", "invite", "leave", "knock", "join"]), unchanged_ok: true },
-        ("leave", true) => MembershipPrecondition { allowed: list(&["join", "invite", "knock"]), unchanged_ok: true },
-        ("invite", _) => MembershipPrecondition { allowed: list(&["none", "leave", "knock"]), unchanged_ok: true },
-        ("kick", _) => MembershipPrecondition { allowed: list(&["join", "invite", "knock"]), unchanged_ok: false },
-        ("ban", _) => MembershipPrecondition { allowed: list(&["none", "join", "invite", "leave", "knock"]), unchanged_ok: true },
-        ("unban", _) => MembershipPrecondition { allowed: list(&["ban"]), unchanged_ok: false },
+        ("join", true) => MembershipPrecondition {
+            allowed: list(&["none", "invite", "leave", "knock", "join"]),
+            unchanged_ok: true,
+        },
+        ("leave", true) => MembershipPrecondition {
+            allowed: list(&["join", "invite", "knock"]),
+            unchanged_ok: true,
+        },
+        ("invite", _) => MembershipPrecondition {
+            allowed: list(&["none", "leave", "knock"]),
+            unchanged_ok: true,
+        },
+        ("kick", _) => MembershipPrecondition {
+            allowed: list(&["join", "invite", "knock"]),
+            unchanged_ok: false,
+        },
+        ("ban", _) => MembershipPrecondition {
+            allowed: list(&["none", "join", "invite", "leave", "knock"]),
+            unchanged_ok: true,
+        },
+        ("unban", _) => MembershipPrecondition {
+            allowed: list(&["ban"]),
+            unchanged_ok: false,
+        },
         _ => return None,
     })
 }
@@ -91,7 +167,9 @@ fn int_field(c: &serde_json::Map<String, Value>, name: &str) -> ApiResult<()> {
     match c.get(name) {
         None => Ok(()),
         Some(v) if v.is_i64() => Ok(()),
-        Some(_) => Err(MatrixError::bad_json(format!("power levels: `{name}` must be an integer"))),
+        Some(_) => Err(MatrixError::bad_json(format!(
+            "power levels: `{name}` must be an integer"
+        ))),
     }
 }
 
@@ -99,25 +177,44 @@ fn int_map(c: &serde_json::Map<String, Value>, name: &str) -> ApiResult<()> {
     match c.get(name) {
         None => Ok(()),
         Some(Value::Object(m)) if m.values().all(|v| v.is_i64()) => Ok(()),
-        Some(_) => Err(MatrixError::bad_json(format!("power levels: `{name}` must map to integers"))),
+        Some(_) => Err(MatrixError::bad_json(format!(
+            "power levels: `{name}` must map to integers"
+        ))),
     }
 }
 
 /// Checks the content of the state events whose shape the auth rules or clients
 /// depend on, so a malformed one is refused with 400 `M_BAD_JSON` instead of being
 /// stored (or failing later with an auth-rule message).
-pub(crate) fn validate_state_content(s: &AppState, room_id: Option<&str>, kind: &str, content: &Value) -> ApiResult<()> {
-    let Some(c) = content.as_object() else { return Err(MatrixError::bad_json("content must be an object")) };
+pub(crate) fn validate_state_content(
+    s: &AppState,
+    room_id: Option<&str>,
+    kind: &str,
+    content: &Value,
+) -> ApiResult<()> {
+    let Some(c) = content.as_object() else {
+        return Err(MatrixError::bad_json("content must be an object"));
+    };
     let string = |name: &str, required: bool| -> ApiResult<Option<&str>> {
         match c.get(name) {
             None if !required => Ok(None),
             Some(Value::String(v)) => Ok(Some(v.as_str())),
-            _ => Err(MatrixError::bad_json(format!("{kind}: `{name}` must be a string"))),
+            _ => Err(MatrixError::bad_json(format!(
+                "{kind}: `{name}` must be a string"
+            ))),
         }
     };
     match kind {
         "m.room.power_levels" => {
-            for f in ["ban", "events_default", "invite", "kick", "redact", "state_default", "users_default"] {
+            for f in [
+                "ban",
+                "events_default",
+                "invite",
+                "kick",
+                "redact",
+                "state_default",
+                "users_default",
+            ] {
                 int_field(c, f)?;
             }
             int_map(c, "events")?;
@@ -131,23 +228,35 @@ pub(crate) fn validate_state_content(s: &AppState, room_id: Option<&str>, kind: 
         }
         "m.room.join_rules" => {
             let rule = string("join_rule", true)?.unwrap_or_default();
-            if !["public", "invite", "knock", "restricted", "knock_restricted", "private"].contains(&rule) {
+            if ![
+                "public",
+                "invite",
+                "knock",
+                "restricted",
+                "knock_restricted",
+                "private",
+            ]
+            .contains(&rule)
+            {
                 return Err(MatrixError::bad_json(format!("unknown join_rule {rule:?}")));
             }
         }
         "m.room.history_visibility" => {
             let v = string("history_visibility", true)?.unwrap_or_default();
             if !["world_readable", "shared", "invited", "joined"].contains(&v) {
-                return Err(MatrixError::bad_json(format!("unknown history_visibility {v:?}")));
+                return Err(MatrixError::bad_json(format!(
+                    "unknown history_visibility {v:?}"
+                )));
             }
         }
         "m.room.guest_access" => {
             string("guest_access", true)?;
         }
-        "m.room.name"
-            if string("name", false)?.is_some_and(|n| n.len() > 255) => {
-                return Err(MatrixError::bad_json("m.room.name: name is longer than 255 bytes"));
-            }
+        "m.room.name" if string("name", false)?.is_some_and(|n| n.len() > 255) => {
+            return Err(MatrixError::bad_json(
+                "m.room.name: name is longer than 255 bytes",
+            ));
+        }
         "m.room.topic" => {
             string("topic", false)?;
         }
@@ -164,19 +273,33 @@ pub(crate) fn validate_state_content(s: &AppState, room_id: Option<&str>, kind: 
                 None => {}
                 Some(Value::Array(a)) => {
                     for v in a {
-                        aliases.push(v.as_str().ok_or_else(|| MatrixError::bad_json("alt_aliases must be a list of strings"))?);
+                        aliases.push(v.as_str().ok_or_else(|| {
+                            MatrixError::bad_json("alt_aliases must be a list of strings")
+                        })?);
                     }
                 }
-                Some(_) => return Err(MatrixError::bad_json("alt_aliases must be a list of strings")),
+                Some(_) => {
+                    return Err(MatrixError::bad_json(
+                        "alt_aliases must be a list of strings",
+                    ));
+                }
             }
             for a in aliases {
                 if ruma::RoomAliasId::parse(a).is_err() {
-                    return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_INVALID_PARAM", format!("{a:?} is not a room alias")));
+                    return Err(MatrixError::new(
+                        StatusCode::BAD_REQUEST,
+                        "M_INVALID_PARAM",
+                        format!("{a:?} is not a room alias"),
+                    ));
                 }
                 if a.ends_with(&format!(":{}", s.server_name())) {
                     let target = s.projections.aliases.resolve(a).map(|t| t.room_id);
                     if room_id.is_some() && target.as_deref() != room_id {
-                        return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_BAD_ALIAS", format!("{a} does not point to this room")));
+                        return Err(MatrixError::new(
+                            StatusCode::BAD_REQUEST,
+                            "M_BAD_ALIAS",
+                            format!("{a} does not point to this room"),
+                        ));
                     }
                 }
             }
@@ -204,7 +327,14 @@ fn member_content(s: &AppState, user_id: &str, membership: &str, reason: Option<
 }
 
 /// Sends a member event for an endpoint `action` (join, leave, invite, kick, ban, unban).
-async fn membership(s: &AppState, r: &Requester, room_id: &str, target: &str, action: &str, reason: Option<String>) -> ApiResult<Outcome> {
+async fn membership(
+    s: &AppState,
+    r: &Requester,
+    room_id: &str,
+    target: &str,
+    action: &str,
+    reason: Option<String>,
+) -> ApiResult<Outcome> {
     valid_user_id(target)?;
     let membership = match action {
         "kick" | "unban" => "leave",
@@ -215,7 +345,12 @@ async fn membership(s: &AppState, r: &Requester, room_id: &str, target: &str, ac
         s,
         r,
         room_id,
-        EventSpec { kind: "m.room.member".into(), state_key: Some(target.to_owned()), content, redacts: None },
+        EventSpec {
+            kind: "m.room.member".into(),
+            state_key: Some(target.to_owned()),
+            content,
+            redacts: None,
+        },
         None,
         precondition(action, target == r.user_id),
     )
@@ -226,8 +361,13 @@ fn event_id_json(o: &Outcome) -> Json<Value> {
     Json(json!({ "event_id": o.event_ids.last().map(|e| e.to_string()) }))
 }
 
-async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
-    let version = opt_str(&body, "room_version")?.unwrap_or_else(|| spindle_core::room_version::DEFAULT_ROOM_VERSION.into());
+async fn create_room(
+    State(s): State<AppState>,
+    r: Requester,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let version = opt_str(&body, "room_version")?
+        .unwrap_or_else(|| spindle_core::room_version::DEFAULT_ROOM_VERSION.into());
     if spindle_core::room_version::rules(&version).is_none() {
         return Err(MatrixError::new(
             StatusCode::BAD_REQUEST,
@@ -237,16 +377,26 @@ async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): 
     }
     let visibility = opt_str(&body, "visibility")?.unwrap_or_else(|| "private".into());
     if visibility != "public" && visibility != "private" {
-        return Err(MatrixError::bad_json("visibility must be public or private"));
+        return Err(MatrixError::bad_json(
+            "visibility must be public or private",
+        ));
     }
     match body.get("invite_3pid") {
         None | Some(Value::Null) => {}
         Some(Value::Array(a)) if a.is_empty() => {}
-        Some(Value::Array(_)) => return Err(MatrixError::forbidden("Third-party invites are not supported")),
+        Some(Value::Array(_)) => {
+            return Err(MatrixError::forbidden(
+                "Third-party invites are not supported",
+            ));
+        }
         Some(_) => return Err(MatrixError::bad_json("invite_3pid must be a list")),
     }
     let preset = opt_str(&body, "preset")?.unwrap_or_else(|| {
-        if visibility == "public" { "public_chat".into() } else { "private_chat".into() }
+        if visibility == "public" {
+            "public_chat".into()
+        } else {
+            "private_chat".into()
+        }
     });
     if !["private_chat", "public_chat", "trusted_private_chat"].contains(&preset.as_str()) {
         return Err(MatrixError::bad_json(format!("Unknown preset {preset}")));
@@ -255,28 +405,44 @@ async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): 
         None | Some(Value::Null) => vec![],
         Some(Value::Array(a)) => a
             .iter()
-            .map(|v| v.as_str().map(str::to_owned).ok_or_else(|| MatrixError::bad_json("invite must be a list of user ids")))
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| MatrixError::bad_json("invite must be a list of user ids"))
+            })
             .collect::<ApiResult<_>>()?,
         Some(_) => return Err(MatrixError::bad_json("invite must be a list of user ids")),
     };
     for u in &invites {
         valid_user_id(u)?;
         if !u.ends_with(&format!(":{}", s.server_name())) {
-            return Err(MatrixError::forbidden(format!("Inviting {u} needs federation, which is not served yet")));
+            return Err(MatrixError::forbidden(format!(
+                "Inviting {u} needs federation, which is not served yet"
+            )));
         }
         if s.projections.accounts.user(u).is_none() {
             return Err(MatrixError::not_found(format!("Unknown user {u}")));
         }
     }
-    let is_direct = body.get("is_direct").and_then(|v| v.as_bool()).unwrap_or(false);
+    let is_direct = body
+        .get("is_direct")
+        .and_then(|v| v.as_bool())
+        .unwrap_or(false);
     let alias = match opt_str(&body, "room_alias_name")? {
         Some(local) => {
             let alias = format!("#{local}:{}", s.server_name());
-            if !valid_alias_localpart(&local) || alias.len() > 255 || ruma::RoomAliasId::parse(&alias).is_err() {
+            if !valid_alias_localpart(&local)
+                || alias.len() > 255
+                || ruma::RoomAliasId::parse(&alias).is_err()
+            {
                 return Err(MatrixError::invalid_param("Invalid room_alias_name"));
             }
             if s.projections.aliases.resolve(&alias).is_some() {
-                return Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_ROOM_IN_USE", "Room alias already taken"));
+                return Err(MatrixError::new(
+                    StatusCode::BAD_REQUEST,
+                    "M_ROOM_IN_USE",
+                    "Room alias already taken",
+                ));
             }
             Some(alias)
         }
@@ -291,10 +457,17 @@ async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): 
         Some(_) => return Err(MatrixError::bad_json("creation_content must be an object")),
     };
     if create_content.get("type").is_some_and(|t| !t.is_string()) {
-        return Err(MatrixError::bad_json("creation_content.type must be a string"));
+        return Err(MatrixError::bad_json(
+            "creation_content.type must be a string",
+        ));
     }
-    if create_content.get("m.federate").is_some_and(|t| !t.is_boolean()) {
-        return Err(MatrixError::bad_json("creation_content.m.federate must be a boolean"));
+    if create_content
+        .get("m.federate")
+        .is_some_and(|t| !t.is_boolean())
+    {
+        return Err(MatrixError::bad_json(
+            "creation_content.m.federate must be a boolean",
+        ));
     }
     create_content["room_version"] = json!(version);
     if uses_creator_field {
@@ -307,7 +480,11 @@ async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): 
         redacts: None,
     };
     let mut events = vec![ev("m.room.create", "", create_content)];
-    events.push(ev("m.room.member", &r.user_id, member_content(&s, &r.user_id, "join", None)));
+    events.push(ev(
+        "m.room.member",
+        &r.user_id,
+        member_content(&s, &r.user_id, "join", None),
+    ));
 
     // Power levels: Synapse's defaults, then the override merged on top.
     let mut users = serde_json::Map::new();
@@ -338,7 +515,11 @@ async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): 
             }
             validate_state_content(&s, None, "m.room.power_levels", &pl)?;
         }
-        Some(_) => return Err(MatrixError::bad_json("power_level_content_override must be an object")),
+        Some(_) => {
+            return Err(MatrixError::bad_json(
+                "power_level_content_override must be an object",
+            ));
+        }
     }
     events.push(ev("m.room.power_levels", "", pl));
     if let Some(a) = &alias {
@@ -348,20 +529,41 @@ async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): 
         "public_chat" => ("public", "forbidden"),
         _ => ("invite", "can_join"),
     };
-    events.push(ev("m.room.join_rules", "", json!({ "join_rule": join_rule })));
-    events.push(ev("m.room.history_visibility", "", json!({ "history_visibility": "shared" })));
-    events.push(ev("m.room.guest_access", "", json!({ "guest_access": guest })));
+    events.push(ev(
+        "m.room.join_rules",
+        "",
+        json!({ "join_rule": join_rule }),
+    ));
+    events.push(ev(
+        "m.room.history_visibility",
+        "",
+        json!({ "history_visibility": "shared" }),
+    ));
+    events.push(ev(
+        "m.room.guest_access",
+        "",
+        json!({ "guest_access": guest }),
+    ));
     if let Some(initial) = body.get("initial_state") {
-        let Value::Array(list) = initial else { return Err(MatrixError::bad_json("initial_state must be a list")) };
+        let Value::Array(list) = initial else {
+            return Err(MatrixError::bad_json("initial_state must be a list"));
+        };
         for item in list {
-            let kind = item.get("type").and_then(|v| v.as_str()).ok_or_else(|| MatrixError::bad_json("initial_state event needs a type"))?;
+            let kind = item
+                .get("type")
+                .and_then(|v| v.as_str())
+                .ok_or_else(|| MatrixError::bad_json("initial_state event needs a type"))?;
             let sk = item.get("state_key").and_then(|v| v.as_str()).unwrap_or("");
             let content = item.get("content").cloned().unwrap_or(json!({}));
             if !content.is_object() {
-                return Err(MatrixError::bad_json("initial_state content must be an object"));
+                return Err(MatrixError::bad_json(
+                    "initial_state content must be an object",
+                ));
             }
             if kind == "m.room.create" || kind == "m.room.member" || kind == "m.room.power_levels" {
-                return Err(MatrixError::bad_json(format!("{kind} cannot be set through initial_state")));
+                return Err(MatrixError::bad_json(format!(
+                    "{kind} cannot be set through initial_state"
+                )));
             }
             if kind != "m.room.canonical_alias" {
                 validate_state_content(&s, None, kind, &content)?;
@@ -383,9 +585,21 @@ async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): 
         events.push(ev("m.room.member", u, c));
     }
     let outcome = s
-        .submit(&r.user_id, Some(&r.device_id), CommandBody::CreateRoom { room_version: version, events, alias })
+        .submit(
+            &r.user_id,
+            Some(&r.device_id),
+            CommandBody::CreateRoom {
+                room_version: version,
+                events,
+                alias,
+            },
+        )
         .await?;
-    let room_id = outcome.room_id.clone().ok_or_else(|| MatrixError::internal("createRoom produced no room"))?.to_string();
+    let room_id = outcome
+        .room_id
+        .clone()
+        .ok_or_else(|| MatrixError::internal("createRoom produced no room"))?
+        .to_string();
     if visibility == "public" {
         tracing::debug!(room = %room_id, "public room directory is not served yet; visibility recorded only as join rules");
     }
@@ -395,22 +609,40 @@ async fn create_room(State(s): State<AppState>, r: Requester, JsonObject(body): 
 async fn join(s: &AppState, r: &Requester, room_id: &str) -> ApiResult<Json<Value>> {
     valid_room_id(room_id)?;
     if !s.journal.room_exists(room_id) {
-        return Err(MatrixError::not_found("No known servers for this room (federation is not served yet)"));
+        return Err(MatrixError::not_found(
+            "No known servers for this room (federation is not served yet)",
+        ));
     }
-    if s.projections.membership.get(room_id, &r.user_id).is_some_and(|m| m.membership == "join") {
+    if s.projections
+        .membership
+        .get(room_id, &r.user_id)
+        .is_some_and(|m| m.membership == "join")
+    {
         return Ok(Json(json!({ "room_id": room_id })));
     }
     membership(s, r, room_id, &r.user_id.clone(), "join", None).await?;
     Ok(Json(json!({ "room_id": room_id })))
 }
 
-async fn join_room_id(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>) -> ApiResult<Json<Value>> {
+async fn join_room_id(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(room_id): Path<String>,
+) -> ApiResult<Json<Value>> {
     join(&s, &r, &room_id).await
 }
 
-async fn join_by_id_or_alias(State(s): State<AppState>, r: Requester, Path(target): Path<String>) -> ApiResult<Json<Value>> {
+async fn join_by_id_or_alias(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(target): Path<String>,
+) -> ApiResult<Json<Value>> {
     if target.starts_with('#') {
-        let room = s.projections.aliases.resolve(&target).ok_or_else(|| MatrixError::not_found("Room alias not found"))?;
+        let room = s
+            .projections
+            .aliases
+            .resolve(&target)
+            .ok_or_else(|| MatrixError::not_found("Room alias not found"))?;
         join(&s, &r, &room.room_id).await
     } else {
         join(&s, &r, &target).await
@@ -418,61 +650,107 @@ async fn join_by_id_or_alias(State(s): State<AppState>, r: Requester, Path(targe
 }
 
 fn target_and_reason(body: &serde_json::Map<String, Value>) -> ApiResult<(String, Option<String>)> {
-    let user = opt_str(body, "user_id")?.ok_or_else(|| MatrixError::missing_param("user_id is required"))?;
+    let user = opt_str(body, "user_id")?
+        .ok_or_else(|| MatrixError::missing_param("user_id is required"))?;
     valid_user_id(&user)?;
     Ok((user, opt_str(body, "reason")?))
 }
 
-async fn invite(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+async fn invite(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(room_id): Path<String>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
     let (target, reason) = target_and_reason(&body)?;
     let local_suffix = format!(":{}", s.server_name());
     if target.ends_with(&local_suffix) && s.projections.accounts.user(&target).is_none() {
         return Err(MatrixError::not_found("Unknown user"));
     }
     if !target.ends_with(&local_suffix) {
-        return Err(MatrixError::forbidden("Inviting users on other servers needs federation, which is not served yet"));
+        return Err(MatrixError::forbidden(
+            "Inviting users on other servers needs federation, which is not served yet",
+        ));
     }
     membership(&s, &r, &room_id, &target, "invite", reason).await?;
     Ok(Json(json!({})))
 }
 
-async fn leave(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+async fn leave(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(room_id): Path<String>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
     let reason = opt_str(&body, "reason")?;
     membership(&s, &r, &room_id, &r.user_id.clone(), "leave", reason).await?;
     Ok(Json(json!({})))
 }
 
-async fn kick(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+async fn kick(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(room_id): Path<String>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
     let (target, reason) = target_and_reason(&body)?;
     membership(&s, &r, &room_id, &target, "kick", reason).await?;
     Ok(Json(json!({})))
 }
 
-async fn ban(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+async fn ban(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(room_id): Path<String>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
     let (target, reason) = target_and_reason(&body)?;
     membership(&s, &r, &room_id, &target, "ban", reason).await?;
     Ok(Json(json!({})))
 }
 
-async fn unban(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+async fn unban(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(room_id): Path<String>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
     let (target, reason) = target_and_reason(&body)?;
     membership(&s, &r, &room_id, &target, "unban", reason).await?;
     Ok(Json(json!({})))
 }
 
-async fn forget(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>) -> ApiResult<Json<Value>> {
+async fn forget(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(room_id): Path<String>,
+) -> ApiResult<Json<Value>> {
     valid_room_id(&room_id)?;
     match s.projections.membership.get(&room_id, &r.user_id) {
-        Some(m) if m.membership == "join" || m.membership == "invite" || m.membership == "knock" => {
-            Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_UNKNOWN", "User is still in the room"))
+        Some(m)
+            if m.membership == "join" || m.membership == "invite" || m.membership == "knock" =>
+        {
+            Err(MatrixError::new(
+                StatusCode::BAD_REQUEST,
+                "M_UNKNOWN",
+                "User is still in the room",
+            ))
         }
         Some(_) => {
             // The journal checks again under the room lock (a join may race the forget).
-            let fact = Fact::RoomForgotten { user_id: r.user_id.clone(), room_id };
-            match s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await {
-                Err(e) if e.errcode == "M_BAD_STATE" => {
-                    Err(MatrixError::new(StatusCode::BAD_REQUEST, "M_UNKNOWN", "User is still in the room"))
-                }
+            let fact = Fact::RoomForgotten {
+                user_id: r.user_id.clone(),
+                room_id,
+            };
+            match s
+                .submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
+                .await
+            {
+                Err(e) if e.errcode == "M_BAD_STATE" => Err(MatrixError::new(
+                    StatusCode::BAD_REQUEST,
+                    "M_UNKNOWN",
+                    "User is still in the room",
+                )),
                 other => other.map(|_| Json(json!({}))),
             }
         }
@@ -505,26 +783,48 @@ async fn send(
         &s,
         &r,
         &room_id,
-        EventSpec { kind: event_type, state_key: None, content: Value::Object(body), redacts },
+        EventSpec {
+            kind: event_type,
+            state_key: None,
+            content: Value::Object(body),
+            redacts,
+        },
         Some(txn_id),
     )
     .await?;
     Ok(event_id_json(&o))
 }
 
-async fn put_state_inner(s: AppState, r: Requester, room_id: String, event_type: String, state_key: String, body: serde_json::Map<String, Value>) -> ApiResult<Json<Value>> {
+async fn put_state_inner(
+    s: AppState,
+    r: Requester,
+    room_id: String,
+    event_type: String,
+    state_key: String,
+    body: serde_json::Map<String, Value>,
+) -> ApiResult<Json<Value>> {
     if event_type == "m.room.create" {
         return Err(MatrixError::forbidden("m.room.create cannot be sent"));
     }
     if event_type == "m.room.member" {
         valid_user_id(&state_key)?;
     }
-    validate_state_content(&s, Some(&room_id), &event_type, &Value::Object(body.clone()))?;
+    validate_state_content(
+        &s,
+        Some(&room_id),
+        &event_type,
+        &Value::Object(body.clone()),
+    )?;
     let o = send_spec(
         &s,
         &r,
         &room_id,
-        EventSpec { kind: event_type, state_key: Some(state_key), content: Value::Object(body), redacts: None },
+        EventSpec {
+            kind: event_type,
+            state_key: Some(state_key),
+            content: Value::Object(body),
+            redacts: None,
+        },
         None,
     )
     .await?;
@@ -553,12 +853,16 @@ async fn put_state(
 pub(crate) fn user_power(s: &AppState, room_id: &str, user_id: &str) -> (i64, Value) {
     let meta = s.projections.state.room(room_id);
     let root = s.projections.state.current_root(room_id);
-    let pl = root.and_then(|root| crate::visibility::state_content(s, root, "m.room.power_levels", ""));
+    let pl =
+        root.and_then(|root| crate::visibility::state_content(s, root, "m.room.power_levels", ""));
     let Some(pl) = pl else {
         let creator = meta.map(|m| m.creator == user_id).unwrap_or(false);
         return (if creator { 100 } else { 0 }, json!({}));
     };
-    if meta.as_ref().is_some_and(|m| m.room_version == "12" && m.creator == user_id) {
+    if meta
+        .as_ref()
+        .is_some_and(|m| m.room_version == "12" && m.creator == user_id)
+    {
         return (i64::MAX, pl);
     }
     let level = pl
@@ -586,14 +890,19 @@ async fn redact(
         .projections
         .timeline
         .event(&event_id)
-        .filter(|e| e.pdu.room_id.as_str() == room_id && crate::visibility::can_see(&s, &r.user_id, &access, e))
+        .filter(|e| {
+            e.pdu.room_id.as_str() == room_id
+                && crate::visibility::can_see(&s, &r.user_id, &access, e)
+        })
         .ok_or_else(|| MatrixError::not_found("Event not found"))?;
     // Spec: the sender may redact their own events, others need the `redact` level.
     if target.pdu.sender.as_str() != r.user_id {
         let (level, pl) = user_power(&s, &room_id, &r.user_id);
         let needed = pl.get("redact").and_then(|v| v.as_i64()).unwrap_or(50);
         if level < needed {
-            return Err(MatrixError::forbidden("You don't have permission to redact this event"));
+            return Err(MatrixError::forbidden(
+                "You don't have permission to redact this event",
+            ));
         }
     }
     let mut content = serde_json::Map::new();
@@ -604,7 +913,12 @@ async fn redact(
         &s,
         &r,
         &room_id,
-        EventSpec { kind: "m.room.redaction".into(), state_key: None, content: Value::Object(content), redacts: Some(event_id) },
+        EventSpec {
+            kind: "m.room.redaction".into(),
+            state_key: None,
+            content: Value::Object(content),
+            redacts: Some(event_id),
+        },
         Some(format!("redact/{txn_id}")),
     )
     .await?;
@@ -614,13 +928,22 @@ async fn redact(
 /// An alias localpart: non-empty, no whitespace or control characters, no `:` or `#`
 /// (Synapse's rules; the spec's grammar leaves them open).
 fn valid_alias_localpart(local: &str) -> bool {
-    !local.is_empty() && !local.chars().any(|c| c.is_whitespace() || c.is_control() || c == ':' || c == '#')
+    !local.is_empty()
+        && !local
+            .chars()
+            .any(|c| c.is_whitespace() || c.is_control() || c == ':' || c == '#')
 }
 
 fn valid_local_alias(s: &AppState, alias: &str) -> ApiResult<()> {
-    ruma::RoomAliasId::parse(alias).map_err(|_| MatrixError::invalid_param("Invalid room alias"))?;
-    let Some(local) = alias.strip_prefix('#').and_then(|a| a.strip_suffix(&format!(":{}", s.server_name()))) else {
-        return Err(MatrixError::invalid_param("Room alias must be on this server"));
+    ruma::RoomAliasId::parse(alias)
+        .map_err(|_| MatrixError::invalid_param("Invalid room alias"))?;
+    let Some(local) = alias
+        .strip_prefix('#')
+        .and_then(|a| a.strip_suffix(&format!(":{}", s.server_name())))
+    else {
+        return Err(MatrixError::invalid_param(
+            "Room alias must be on this server",
+        ));
     };
     if !valid_alias_localpart(local) || alias.len() > 255 {
         return Err(MatrixError::invalid_param("Invalid room alias localpart"));
@@ -628,67 +951,147 @@ fn valid_local_alias(s: &AppState, alias: &str) -> ApiResult<()> {
     Ok(())
 }
 
-async fn set_alias(State(s): State<AppState>, r: Requester, Path(alias): Path<String>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+async fn set_alias(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(alias): Path<String>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
     valid_local_alias(&s, &alias)?;
-    let room_id = opt_str(&body, "room_id")?.ok_or_else(|| MatrixError::missing_param("room_id is required"))?;
+    let room_id = opt_str(&body, "room_id")?
+        .ok_or_else(|| MatrixError::missing_param("room_id is required"))?;
     valid_room_id(&room_id)?;
-    if s.projections.membership.get(&room_id, &r.user_id).map(|m| m.membership) != Some("join".into()) {
-        return Err(MatrixError::forbidden("You must be joined to the room to add an alias"));
+    if s.projections
+        .membership
+        .get(&room_id, &r.user_id)
+        .map(|m| m.membership)
+        != Some("join".into())
+    {
+        return Err(MatrixError::forbidden(
+            "You must be joined to the room to add an alias",
+        ));
     }
     if s.projections.aliases.resolve(&alias).is_some() {
-        return Err(MatrixError::new(StatusCode::CONFLICT, "M_UNKNOWN", "Room alias already exists"));
+        return Err(MatrixError::new(
+            StatusCode::CONFLICT,
+            "M_UNKNOWN",
+            "Room alias already exists",
+        ));
     }
-    let fact = Fact::AliasSet { alias, room_id, creator: r.user_id.clone() };
-    match s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await {
-        Err(e) if e.errcode == "M_ROOM_IN_USE" => Err(MatrixError::new(StatusCode::CONFLICT, "M_UNKNOWN", "Room alias already exists")),
+    let fact = Fact::AliasSet {
+        alias,
+        room_id,
+        creator: r.user_id.clone(),
+    };
+    match s
+        .submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
+        .await
+    {
+        Err(e) if e.errcode == "M_ROOM_IN_USE" => Err(MatrixError::new(
+            StatusCode::CONFLICT,
+            "M_UNKNOWN",
+            "Room alias already exists",
+        )),
         other => other.map(|_| Json(json!({}))),
     }
 }
 
-async fn resolve_alias(State(s): State<AppState>, Path(alias): Path<String>) -> ApiResult<Json<Value>> {
-    ruma::RoomAliasId::parse(&alias).map_err(|_| MatrixError::invalid_param("Invalid room alias"))?;
-    let t = s.projections.aliases.resolve(&alias).ok_or_else(|| MatrixError::not_found("Room alias not found"))?;
-    Ok(Json(json!({ "room_id": t.room_id, "servers": [s.server_name()] })))
+async fn resolve_alias(
+    State(s): State<AppState>,
+    Path(alias): Path<String>,
+) -> ApiResult<Json<Value>> {
+    ruma::RoomAliasId::parse(&alias)
+        .map_err(|_| MatrixError::invalid_param("Invalid room alias"))?;
+    let t = s
+        .projections
+        .aliases
+        .resolve(&alias)
+        .ok_or_else(|| MatrixError::not_found("Room alias not found"))?;
+    Ok(Json(
+        json!({ "room_id": t.room_id, "servers": [s.server_name()] }),
+    ))
 }
 
-async fn delete_alias(State(s): State<AppState>, r: Requester, Path(alias): Path<String>) -> ApiResult<Json<Value>> {
+async fn delete_alias(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(alias): Path<String>,
+) -> ApiResult<Json<Value>> {
     valid_local_alias(&s, &alias)?;
-    let t = s.projections.aliases.resolve(&alias).ok_or_else(|| MatrixError::not_found("Room alias not found"))?;
+    let t = s
+        .projections
+        .aliases
+        .resolve(&alias)
+        .ok_or_else(|| MatrixError::not_found("Room alias not found"))?;
     if t.creator != r.user_id {
         let (level, pl) = user_power(&s, &t.room_id, &r.user_id);
-        let needed = pl.get("state_default").and_then(|v| v.as_i64()).unwrap_or(50);
+        let needed = pl
+            .get("state_default")
+            .and_then(|v| v.as_i64())
+            .unwrap_or(50);
         if level < needed {
             return Err(MatrixError::forbidden("You may not delete this alias"));
         }
     }
-    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact: Fact::AliasDeleted { alias } })
-        .await
-        .map_err(|e| if e.errcode == "M_FORBIDDEN" { MatrixError::not_found("Room alias not found") } else { e })?;
+    s.submit(
+        &r.user_id,
+        Some(&r.device_id),
+        CommandBody::Fact {
+            fact: Fact::AliasDeleted { alias },
+        },
+    )
+    .await
+    .map_err(|e| {
+        if e.errcode == "M_FORBIDDEN" {
+            MatrixError::not_found("Room alias not found")
+        } else {
+            e
+        }
+    })?;
     Ok(Json(json!({})))
 }
 
-async fn room_aliases(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>) -> ApiResult<Json<Value>> {
+async fn room_aliases(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(room_id): Path<String>,
+) -> ApiResult<Json<Value>> {
     let access = crate::visibility::room_access(&s, &r.user_id, &room_id)?;
     if !access.joined() {
         return Err(MatrixError::forbidden("You are not joined to this room"));
     }
-    Ok(Json(json!({ "aliases": s.projections.aliases.of_room(&room_id) })))
+    Ok(Json(
+        json!({ "aliases": s.projections.aliases.of_room(&room_id) }),
+    ))
 }
 
-async fn directory_visibility(State(s): State<AppState>, Path(room_id): Path<String>) -> ApiResult<Json<Value>> {
+async fn directory_visibility(
+    State(s): State<AppState>,
+    Path(room_id): Path<String>,
+) -> ApiResult<Json<Value>> {
     if s.projections.state.room(&room_id).is_none() {
         return Err(MatrixError::not_found("Room not found"));
     }
     Ok(Json(json!({ "visibility": "private" })))
 }
 
-async fn set_receipt(s: &AppState, r: &Requester, room_id: &str, receipt_type: &str, event_id: &str, thread_id: Option<String>) -> ApiResult<()> {
+async fn set_receipt(
+    s: &AppState,
+    r: &Requester,
+    room_id: &str,
+    receipt_type: &str,
+    event_id: &str,
+    thread_id: Option<String>,
+) -> ApiResult<()> {
     let access = crate::visibility::room_access(s, &r.user_id, room_id)?;
     let ev = s
         .projections
         .timeline
         .event(event_id)
-        .filter(|e| e.pdu.room_id.as_str() == room_id && crate::visibility::can_see(s, &r.user_id, &access, e))
+        .filter(|e| {
+            e.pdu.room_id.as_str() == room_id
+                && crate::visibility::can_see(s, &r.user_id, &access, e)
+        })
         .ok_or_else(|| MatrixError::not_found("Event not found"))?;
     let _ = ev;
     let fact = match receipt_type {
@@ -706,9 +1109,14 @@ async fn set_receipt(s: &AppState, r: &Requester, room_id: &str, receipt_type: &
             data_type: "m.fully_read".into(),
             content: json!({ "event_id": event_id }),
         },
-        other => return Err(MatrixError::invalid_param(format!("Unknown receipt type {other}"))),
+        other => {
+            return Err(MatrixError::invalid_param(format!(
+                "Unknown receipt type {other}"
+            )));
+        }
     };
-    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact }).await?;
+    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
+        .await?;
     Ok(())
 }
 
@@ -723,7 +1131,12 @@ async fn receipt(
     Ok(Json(json!({})))
 }
 
-async fn read_markers(State(s): State<AppState>, r: Requester, Path(room_id): Path<String>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+async fn read_markers(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(room_id): Path<String>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
     for kind in ["m.fully_read", "m.read", "m.read.private"] {
         if let Some(event_id) = opt_str(&body, kind)? {
             set_receipt(&s, &r, &room_id, kind, &event_id, None).await?;

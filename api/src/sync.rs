@@ -8,11 +8,7 @@
 
 use std::time::Duration;
 
-use axum::{
-    Json, Router,
-    extract::State,
-    routing::get,
-};
+use axum::{Json, Router, extract::State, routing::get};
 use serde_json::{Value, json};
 use spindle_core::{pdu::Pdu, trie::Root};
 use spindle_projections::{membership::Membership, timeline::EventRecord};
@@ -33,10 +29,16 @@ fn string_list(v: &Value, name: &str) -> ApiResult<Option<Vec<String>>> {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Array(a)) => a
             .iter()
-            .map(|x| x.as_str().map(str::to_owned).ok_or_else(|| MatrixError::bad_json(format!("{name} must be a list of strings"))))
+            .map(|x| {
+                x.as_str().map(str::to_owned).ok_or_else(|| {
+                    MatrixError::bad_json(format!("{name} must be a list of strings"))
+                })
+            })
             .collect::<ApiResult<Vec<_>>>()
             .map(Some),
-        Some(_) => Err(MatrixError::bad_json(format!("{name} must be a list of strings"))),
+        Some(_) => Err(MatrixError::bad_json(format!(
+            "{name} must be a list of strings"
+        ))),
     }
 }
 
@@ -81,7 +83,11 @@ impl EventFilter {
         }
         let limit = match v.get("limit") {
             None | Some(Value::Null) => None,
-            Some(l) => Some(l.as_u64().ok_or_else(|| MatrixError::bad_json("limit must be a non-negative integer"))? as usize),
+            Some(l) => Some(
+                l.as_u64()
+                    .ok_or_else(|| MatrixError::bad_json("limit must be a non-negative integer"))?
+                    as usize,
+            ),
         };
         Ok(EventFilter {
             limit,
@@ -91,7 +97,10 @@ impl EventFilter {
             not_senders: string_list(v, "not_senders")?.unwrap_or_default(),
             rooms: string_list(v, "rooms")?,
             not_rooms: string_list(v, "not_rooms")?.unwrap_or_default(),
-            lazy_load_members: v.get("lazy_load_members").and_then(|b| b.as_bool()).unwrap_or(false),
+            lazy_load_members: v
+                .get("lazy_load_members")
+                .and_then(|b| b.as_bool())
+                .unwrap_or(false),
             contains_url: match v.get("contains_url") {
                 None | Some(Value::Null) => None,
                 Some(Value::Bool(b)) => Some(*b),
@@ -107,9 +116,10 @@ impl EventFilter {
             return false;
         }
         if let Some(types) = &self.types
-            && !types.iter().any(|t| glob(t, &kind)) {
-                return false;
-            }
+            && !types.iter().any(|t| glob(t, &kind))
+        {
+            return false;
+        }
         let sender = pdu.sender.as_str();
         if self.not_senders.iter().any(|s| s == sender) {
             return false;
@@ -120,7 +130,10 @@ impl EventFilter {
             return false;
         }
         if let Some(want) = self.contains_url {
-            let has = pdu.content_value().get("url").is_some_and(|u| u.is_string());
+            let has = pdu
+                .content_value()
+                .get("url")
+                .is_some_and(|u| u.is_string());
             if has != want {
                 return false;
             }
@@ -130,11 +143,19 @@ impl EventFilter {
 
     /// Whether a data type passes (for account data filters).
     pub fn matches_type(&self, kind: &str) -> bool {
-        !self.not_types.iter().any(|t| glob(t, kind)) && self.types.as_ref().is_none_or(|ts| ts.iter().any(|t| glob(t, kind)))
+        !self.not_types.iter().any(|t| glob(t, kind))
+            && self
+                .types
+                .as_ref()
+                .is_none_or(|ts| ts.iter().any(|t| glob(t, kind)))
     }
 
     fn allows_room(&self, room: &str) -> bool {
-        !self.not_rooms.iter().any(|r| r == room) && self.rooms.as_ref().is_none_or(|rs| rs.iter().any(|r| r == room))
+        !self.not_rooms.iter().any(|r| r == room)
+            && self
+                .rooms
+                .as_ref()
+                .is_none_or(|rs| rs.iter().any(|r| r == room))
     }
 }
 
@@ -174,7 +195,10 @@ impl Filter {
             ephemeral: sub("ephemeral")?,
             room_account_data: sub("account_data")?,
             account_data: EventFilter::parse(v.get("account_data").unwrap_or(&Value::Null))?,
-            include_leave: room.get("include_leave").and_then(|b| b.as_bool()).unwrap_or(false),
+            include_leave: room
+                .get("include_leave")
+                .and_then(|b| b.as_bool())
+                .unwrap_or(false),
             rooms: EventFilter {
                 rooms: string_list(&room, "rooms")?,
                 not_rooms: string_list(&room, "not_rooms")?.unwrap_or_default(),
@@ -191,7 +215,10 @@ fn parse_since(token: &str) -> ApiResult<(u64, u64)> {
     let bad = || MatrixError::invalid_param(format!("Invalid since token {token:?}"));
     let rest = token.strip_prefix('s').ok_or_else(bad)?;
     let (pos, typ) = rest.split_once('_').ok_or_else(bad)?;
-    Ok((pos.parse().map_err(|_| bad())?, typ.parse().map_err(|_| bad())?))
+    Ok((
+        pos.parse().map_err(|_| bad())?,
+        typ.parse().map_err(|_| bad())?,
+    ))
 }
 
 struct Ctx<'a> {
@@ -213,7 +240,9 @@ impl Ctx<'_> {
     }
 
     fn render_all(&self, evs: &[EventRecord]) -> Vec<Value> {
-        evs.iter().map(|e| render(self.s, e, self.viewer())).collect()
+        evs.iter()
+            .map(|e| render(self.s, e, self.viewer()))
+            .collect()
     }
 
     /// The state root after the last event of the room at or before `pos`.
@@ -230,30 +259,47 @@ impl Ctx<'_> {
 
     /// Up to `limit` visible, filter-passing events in `(after, upto]`, newest last, and
     /// whether older ones were left out.
-    fn timeline(&self, room: &str, access: &Access, after: u64, upto: u64) -> (Vec<EventRecord>, bool) {
+    fn timeline(
+        &self,
+        room: &str,
+        access: &Access,
+        after: u64,
+        upto: u64,
+    ) -> (Vec<EventRecord>, bool) {
         let limit = self.filter.timeline.limit.unwrap_or(DEFAULT_TIMELINE_LIMIT);
         let mut out = Vec::new();
         if limit == 0 {
-            let more = !self.s.projections.timeline.range_backward(room, upto.saturating_add(1), after + 1, 1).is_empty();
+            let more = !self
+                .s
+                .projections
+                .timeline
+                .range_backward(room, upto.saturating_add(1), after + 1, 1)
+                .is_empty();
             return (out, more);
         }
         let mut before = upto.saturating_add(1);
         let mut limited = false;
         'scan: loop {
-            let rows = self.s.projections.timeline.range_backward(room, before, after + 1, limit + 1);
+            let rows =
+                self.s
+                    .projections
+                    .timeline
+                    .range_backward(room, before, after + 1, limit + 1);
             if rows.is_empty() {
                 break;
             }
             for (pos, id) in &rows {
                 before = *pos;
                 if let Some(ev) = self.s.projections.timeline.event(id)
-                    && self.filter.timeline.matches(&ev.pdu) && can_see(self.s, &self.r.user_id, access, &ev) {
-                        if out.len() == limit {
-                            limited = true;
-                            break 'scan;
-                        }
-                        out.push(ev);
+                    && self.filter.timeline.matches(&ev.pdu)
+                    && can_see(self.s, &self.r.user_id, access, &ev)
+                {
+                    if out.len() == limit {
+                        limited = true;
+                        break 'scan;
                     }
+                    out.push(ev);
+                }
             }
             if rows.len() < limit + 1 {
                 break;
@@ -270,16 +316,32 @@ impl Ctx<'_> {
         match timeline.first() {
             Some(first) => {
                 let id = first.pdu.event_id.as_str();
-                let full = state.roots_at(id).map(|(b, _)| b).unwrap_or_else(Root::empty);
-                let others = state.others_at(id).map(|(b, _)| b).unwrap_or_else(Root::empty);
+                let full = state
+                    .roots_at(id)
+                    .map(|(b, _)| b)
+                    .unwrap_or_else(Root::empty);
+                let others = state
+                    .others_at(id)
+                    .map(|(b, _)| b)
+                    .unwrap_or_else(Root::empty);
                 (full, others)
             }
             None => {
-                let last = self.s.projections.timeline.range_backward(room, pos.saturating_add(1), 0, 1);
+                let last =
+                    self.s
+                        .projections
+                        .timeline
+                        .range_backward(room, pos.saturating_add(1), 0, 1);
                 match last.first() {
                     Some((_, id)) => (
-                        state.roots_at(id).map(|(_, a)| a).unwrap_or_else(Root::empty),
-                        state.others_at(id).map(|(_, a)| a).unwrap_or_else(Root::empty),
+                        state
+                            .roots_at(id)
+                            .map(|(_, a)| a)
+                            .unwrap_or_else(Root::empty),
+                        state
+                            .others_at(id)
+                            .map(|(_, a)| a)
+                            .unwrap_or_else(Root::empty),
                     ),
                     None => (Root::empty(), Root::empty()),
                 }
@@ -290,10 +352,21 @@ impl Ctx<'_> {
     /// The state section for a full room: every state event, or with lazy-loading the
     /// non-member state (its own trie: member count does not matter) plus the member
     /// events of the timeline's senders and the requester (point lookups).
-    fn state_events(&self, (full, others): (Root, Root), timeline: &[EventRecord], lazy: bool) -> Vec<EventRecord> {
-        let in_timeline: std::collections::HashSet<&str> = timeline.iter().map(|e| e.pdu.event_id.as_str()).collect();
+    fn state_events(
+        &self,
+        (full, others): (Root, Root),
+        timeline: &[EventRecord],
+        lazy: bool,
+    ) -> Vec<EventRecord> {
+        let in_timeline: std::collections::HashSet<&str> =
+            timeline.iter().map(|e| e.pdu.event_id.as_str()).collect();
         let mut out = Vec::new();
-        for (_kind, _sk, id) in self.s.projections.state.entries(if lazy { others } else { full }) {
+        for (_kind, _sk, id) in self
+            .s
+            .projections
+            .state
+            .entries(if lazy { others } else { full })
+        {
             if in_timeline.contains(id.as_str()) {
                 continue;
             }
@@ -304,10 +377,13 @@ impl Ctx<'_> {
             }
         }
         if lazy {
-            let mut senders: Vec<String> = timeline.iter().map(|e| e.pdu.sender.to_string()).collect();
+            let mut senders: Vec<String> =
+                timeline.iter().map(|e| e.pdu.sender.to_string()).collect();
             senders.push(self.r.user_id.clone());
             for ev in lazy_members(self.s, full, &senders) {
-                if !in_timeline.contains(ev.pdu.event_id.as_str()) && self.filter.state.matches(&ev.pdu) {
+                if !in_timeline.contains(ev.pdu.event_id.as_str())
+                    && self.filter.state.matches(&ev.pdu)
+                {
                     out.push(ev);
                 }
             }
@@ -329,7 +405,13 @@ impl Ctx<'_> {
         }
         if self.filter.ephemeral.matches_type("m.receipt") {
             let receipts: Vec<(String, String)> = if initial {
-                self.s.projections.receipts.all(room).into_iter().map(|(u, t, _)| (u, t)).collect()
+                self.s
+                    .projections
+                    .receipts
+                    .all(room)
+                    .into_iter()
+                    .map(|(u, t, _)| (u, t))
+                    .collect()
             } else {
                 let since = self.since.map(|s| s.0).unwrap_or(0);
                 // In memory first: most rooms have no new receipt.
@@ -344,12 +426,16 @@ impl Ctx<'_> {
                 if kind == "m.read.private" && user != self.r.user_id {
                     continue;
                 }
-                let Some(rec) = self.s.projections.receipts.get(room, &user, &kind) else { continue };
+                let Some(rec) = self.s.projections.receipts.get(room, &user, &kind) else {
+                    continue;
+                };
                 let mut entry = json!({ "ts": rec.ts });
                 if let Some(t) = &rec.thread_id {
                     entry["thread_id"] = json!(t);
                 }
-                let by_event = content.entry(rec.event_id.clone()).or_insert_with(|| json!({}));
+                let by_event = content
+                    .entry(rec.event_id.clone())
+                    .or_insert_with(|| json!({}));
                 by_event[&kind][&user] = entry;
             }
             if !content.is_empty() {
@@ -368,7 +454,12 @@ impl Ctx<'_> {
                 .iter()
                 .filter(|(r, _)| r == room)
                 .cloned()
-                .filter_map(|(_, t)| Some((t.clone(), self.s.projections.account_data.get(user, Some(room), &t)?)))
+                .filter_map(|(_, t)| {
+                    Some((
+                        t.clone(),
+                        self.s.projections.account_data.get(user, Some(room), &t)?,
+                    ))
+                })
                 .collect()
         };
         entries
@@ -387,8 +478,14 @@ impl Ctx<'_> {
             Some(v) => v,
             None => {
                 let members = self.s.projections.membership.members(room);
-                let joined = members.iter().filter(|(_, m)| m.membership == "join").count();
-                let invited = members.iter().filter(|(_, m)| m.membership == "invite").count();
+                let joined = members
+                    .iter()
+                    .filter(|(_, m)| m.membership == "join")
+                    .count();
+                let invited = members
+                    .iter()
+                    .filter(|(_, m)| m.membership == "invite")
+                    .count();
                 let candidates: Vec<&String> = members
                     .iter()
                     .filter(|(_, m)| m.membership == "join" || m.membership == "invite")
@@ -406,7 +503,13 @@ impl Ctx<'_> {
         };
         let heroes: Vec<&str> = base["candidates"]
             .as_array()
-            .map(|a| a.iter().filter_map(|u| u.as_str()).filter(|u| *u != self.r.user_id).take(5).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|u| u.as_str())
+                    .filter(|u| *u != self.r.user_id)
+                    .take(5)
+                    .collect()
+            })
             .unwrap_or_default();
         json!({
             "m.joined_member_count": base["m.joined_member_count"],
@@ -416,7 +519,12 @@ impl Ctx<'_> {
     }
 
     fn unread(&self, room: &str, m: &Membership) -> Value {
-        let from = self.s.projections.receipts.read_position(room, &self.r.user_id).unwrap_or(m.position);
+        let from = self
+            .s
+            .projections
+            .receipts
+            .read_position(room, &self.r.user_id)
+            .unwrap_or(m.position);
         json!({
             "notification_count": self.s.projections.receipts.unread(room, &self.r.user_id, from, self.upto),
             "highlight_count": 0,
@@ -424,7 +532,12 @@ impl Ctx<'_> {
     }
 
     fn joined_room(&self, room: &str, m: &Membership) -> Option<Value> {
-        let access = Access { membership: Some(m.clone()), cap: u64::MAX, was_joined: false, left_at: None };
+        let access = Access {
+            membership: Some(m.clone()),
+            cap: u64::MAX,
+            was_joined: false,
+            left_at: None,
+        };
         let since = self.since.map(|s| s.0);
         // Newly joined = not joined at the token. A later member event of a user who was
         // already joined (a profile change) is not a new join.
@@ -432,15 +545,30 @@ impl Ctx<'_> {
             m.position > sp && {
                 let root = self.root_at(room, sp);
                 crate::visibility::state_content(self.s, root, "m.room.member", &self.r.user_id)
-                    .and_then(|c| c.get("membership").and_then(|v| v.as_str()).map(|v| v != "join"))
+                    .and_then(|c| {
+                        c.get("membership")
+                            .and_then(|v| v.as_str())
+                            .map(|v| v != "join")
+                    })
                     .unwrap_or(true)
             }
         });
         let full = since.is_none() || self.full_state || newly_joined;
         // `full_state` resends the state but the timeline still starts at `since`
         // (spec: "The timeline will still be limited by the since parameter").
-        let after = if since.is_none() || newly_joined { 0 } else { since.unwrap_or(0) };
-        if !full && self.s.projections.timeline.last_activity(room).is_none_or(|p| p <= after) {
+        let after = if since.is_none() || newly_joined {
+            0
+        } else {
+            since.unwrap_or(0)
+        };
+        if !full
+            && self
+                .s
+                .projections
+                .timeline
+                .last_activity(room)
+                .is_none_or(|p| p <= after)
+        {
             // Nothing new in the timeline: only ephemeral or account data can matter.
             let ephemeral = self.ephemeral(room, false);
             let account_data = self.room_account_data(room, false);
@@ -472,7 +600,10 @@ impl Ctx<'_> {
                 .state
                 .diff(from, to)
                 .into_iter()
-                .filter_map(|c| c.new_value().map(|v| String::from_utf8_lossy(v).into_owned()))
+                .filter_map(|c| {
+                    c.new_value()
+                        .map(|v| String::from_utf8_lossy(v).into_owned())
+                })
                 .filter_map(|id| self.s.projections.timeline.event(&id))
                 .filter(|e| self.filter.state.matches(&e.pdu))
                 .collect()
@@ -484,7 +615,10 @@ impl Ctx<'_> {
         if !full && timeline.is_empty() && ephemeral.is_empty() && account_data.is_empty() {
             return None;
         }
-        let prev_batch = timeline.first().map(|e| token(e.position - 1)).unwrap_or_else(|| token(self.upto));
+        let prev_batch = timeline
+            .first()
+            .map(|e| token(e.position - 1))
+            .unwrap_or_else(|| token(self.upto));
         let mut out = json!({
             "timeline": { "events": self.render_all(&timeline), "limited": limited, "prev_batch": prev_batch },
             "state": { "events": self.render_all(&state) },
@@ -492,7 +626,10 @@ impl Ctx<'_> {
             "account_data": { "events": account_data },
             "unread_notifications": self.unread(room, m),
         });
-        let membership_changed = timeline.iter().chain(state.iter()).any(|e| e.pdu.kind.to_string() == "m.room.member");
+        let membership_changed = timeline
+            .iter()
+            .chain(state.iter())
+            .any(|e| e.pdu.kind.to_string() == "m.room.member");
         if full || membership_changed {
             let root = self.root_at(room, self.upto);
             out["summary"] = self.summary(room, root);
@@ -503,24 +640,43 @@ impl Ctx<'_> {
     fn invited_room(&self, m: &Membership) -> Option<Value> {
         let (_, root) = self.s.projections.state.roots_at(&m.event_id)?;
         let mut events = Vec::new();
-        for kind in ["m.room.create", "m.room.join_rules", "m.room.name", "m.room.avatar", "m.room.canonical_alias", "m.room.encryption", "m.room.topic"] {
+        for kind in [
+            "m.room.create",
+            "m.room.join_rules",
+            "m.room.name",
+            "m.room.avatar",
+            "m.room.canonical_alias",
+            "m.room.encryption",
+            "m.room.topic",
+        ] {
             if let Some(id) = self.s.projections.state.lookup(root, kind, "")
-                && let Some(ev) = self.s.projections.timeline.event(&id) {
-                    events.push(stripped(&ev.pdu));
-                }
-        }
-        let invite = self.s.projections.timeline.event(&m.event_id)?;
-        if let Some(id) = self.s.projections.state.lookup(root, "m.room.member", invite.pdu.sender.as_str())
-            && let Some(ev) = self.s.projections.timeline.event(&id) {
+                && let Some(ev) = self.s.projections.timeline.event(&id)
+            {
                 events.push(stripped(&ev.pdu));
             }
+        }
+        let invite = self.s.projections.timeline.event(&m.event_id)?;
+        if let Some(id) =
+            self.s
+                .projections
+                .state
+                .lookup(root, "m.room.member", invite.pdu.sender.as_str())
+            && let Some(ev) = self.s.projections.timeline.event(&id)
+        {
+            events.push(stripped(&ev.pdu));
+        }
         events.push(stripped(&invite.pdu));
         Some(json!({ "invite_state": { "events": events } }))
     }
 
     fn left_room(&self, room: &str, m: &Membership) -> Option<Value> {
-        let access = crate::visibility::room_access(self.s, &self.r.user_id, room)
-            .unwrap_or(Access { membership: Some(m.clone()), cap: m.position, was_joined: false, left_at: Some(m.position) });
+        let access =
+            crate::visibility::room_access(self.s, &self.r.user_id, room).unwrap_or(Access {
+                membership: Some(m.clone()),
+                cap: m.position,
+                was_joined: false,
+                left_at: Some(m.position),
+            });
         let after = self.since.map(|s| s.0).unwrap_or(0);
         let (timeline, limited) = self.timeline(room, &access, after, m.position.min(self.upto));
         let state = if self.since.is_none() || limited {
@@ -529,7 +685,10 @@ impl Ctx<'_> {
         } else {
             vec![]
         };
-        let prev_batch = timeline.first().map(|e| token(e.position - 1)).unwrap_or_else(|| token(after));
+        let prev_batch = timeline
+            .first()
+            .map(|e| token(e.position - 1))
+            .unwrap_or_else(|| token(after));
         Some(json!({
             "timeline": { "events": self.render_all(&timeline), "limited": limited, "prev_batch": prev_batch },
             "state": { "events": self.render_all(&state) },
@@ -554,7 +713,9 @@ fn has_updates(s: &AppState, user: &str, joined: &[String], since: (u64, u64), u
     }
     for room in joined {
         let room = room.as_str();
-        if p.timeline.last_activity(room).is_some_and(|pos| pos > since.0)
+        if p.timeline
+            .last_activity(room)
+            .is_some_and(|pos| pos > since.0)
             && !p.timeline.range_forward(room, since.0, upto, 1).is_empty()
         {
             return true;
@@ -570,11 +731,16 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
     let filter = match q.get("filter") {
         None => Filter::default(),
         Some(f) if f.trim_start().starts_with('{') => {
-            let v: Value = serde_json::from_str(f).map_err(|_| MatrixError::invalid_param("filter is not valid JSON"))?;
+            let v: Value = serde_json::from_str(f)
+                .map_err(|_| MatrixError::invalid_param("filter is not valid JSON"))?;
             Filter::parse(&v)?
         }
         Some(id) => {
-            let v = s.projections.filters.get(&r.user_id, id).ok_or_else(|| MatrixError::invalid_param("Unknown filter id"))?;
+            let v = s
+                .projections
+                .filters
+                .get(&r.user_id, id)
+                .ok_or_else(|| MatrixError::invalid_param("Unknown filter id"))?;
             Filter::parse(&v)?
         }
     };
@@ -582,13 +748,23 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
     let full_state = match q.get("full_state") {
         None | Some("false") => false,
         Some("true") => true,
-        Some(other) => return Err(MatrixError::invalid_param(format!("full_state must be true or false, not {other:?}"))),
+        Some(other) => {
+            return Err(MatrixError::invalid_param(format!(
+                "full_state must be true or false, not {other:?}"
+            )));
+        }
     };
     if let Some(p) = q.get("set_presence")
-        && !["online", "offline", "unavailable"].contains(&p) {
-            return Err(MatrixError::invalid_param(format!("set_presence must be online, offline or unavailable, not {p:?}")));
-        }
-    let timeout = q.u64("timeout")?.unwrap_or(0).min(s.config.max_sync_timeout_ms);
+        && !["online", "offline", "unavailable"].contains(&p)
+    {
+        return Err(MatrixError::invalid_param(format!(
+            "set_presence must be online, offline or unavailable, not {p:?}"
+        )));
+    }
+    let timeout = q
+        .u64("timeout")?
+        .unwrap_or(0)
+        .min(s.config.max_sync_timeout_ms);
     if let Some(since) = since {
         if since.0 > s.journal.durable_head() {
             return Err(MatrixError::invalid_param("since token is from the future"));
@@ -613,7 +789,13 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
                 if *shutdown.borrow_and_update() {
                     break;
                 }
-                if has_updates(&s, &r.user_id, &joined, since, s.projections.runtime.applied()) {
+                if has_updates(
+                    &s,
+                    &r.user_id,
+                    &joined,
+                    since,
+                    s.projections.runtime.applied(),
+                ) {
                     break;
                 }
                 tokio::select! {
@@ -644,7 +826,16 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
         }
         _ => Vec::new(),
     };
-    let ctx = Ctx { s: &s, r: &r, filter, since, upto, typing, full_state, account_data_changes };
+    let ctx = Ctx {
+        s: &s,
+        r: &r,
+        filter,
+        since,
+        upto,
+        typing,
+        full_state,
+        account_data_changes,
+    };
     let mut join = serde_json::Map::new();
     let mut invite = serde_json::Map::new();
     let mut leave = serde_json::Map::new();
@@ -669,10 +860,9 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
                     None => ctx.filter.include_leave,
                     Some(_) => changed_in_window,
                 };
-                if include
-                    && let Some(v) = ctx.left_room(&room, &m) {
-                        leave.insert(room, v);
-                    }
+                if include && let Some(v) = ctx.left_room(&room, &m) {
+                    leave.insert(room, v);
+                }
             }
             _ => {}
         }
@@ -684,7 +874,12 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
             .iter()
             .filter(|(room, _)| room.is_empty())
             .cloned()
-            .filter_map(|(_, t)| Some((t.clone(), s.projections.account_data.get(&r.user_id, None, &t)?)))
+            .filter_map(|(_, t)| {
+                Some((
+                    t.clone(),
+                    s.projections.account_data.get(&r.user_id, None, &t)?,
+                ))
+            })
             .collect(),
     }
     .into_iter()

@@ -38,7 +38,10 @@ pub struct Typing {
 
 impl Default for Typing {
     fn default() -> Self {
-        Typing { rooms: Arc::default(), counter: Arc::new(watch::channel(0).0) }
+        Typing {
+            rooms: Arc::default(),
+            counter: Arc::new(watch::channel(0).0),
+        }
     }
 }
 
@@ -57,7 +60,9 @@ impl Typing {
         let mut rooms = self.rooms.lock();
         let room = rooms.entry(room_id.to_owned()).or_default();
         let changed = if typing {
-            room.users.insert(user_id.to_owned(), Instant::now() + timeout).is_none()
+            room.users
+                .insert(user_id.to_owned(), Instant::now() + timeout)
+                .is_none()
         } else {
             room.users.remove(user_id).is_some()
         };
@@ -72,10 +77,14 @@ impl Typing {
                 tokio::time::sleep(timeout + Duration::from_millis(10)).await;
                 let mut rooms = this.rooms.lock();
                 if let Some(room) = rooms.get_mut(&room_id)
-                    && room.users.get(&user_id).is_some_and(|t| *t <= Instant::now()) {
-                        room.users.remove(&user_id);
-                        this.bump(room);
-                    }
+                    && room
+                        .users
+                        .get(&user_id)
+                        .is_some_and(|t| *t <= Instant::now())
+                {
+                    room.users.remove(&user_id);
+                    this.bump(room);
+                }
             });
         }
     }
@@ -86,7 +95,13 @@ impl Typing {
         let rooms = self.rooms.lock();
         let mut users: Vec<String> = rooms
             .get(room_id)
-            .map(|r| r.users.iter().filter(|(_, t)| **t > now).map(|(u, _)| u.clone()).collect())
+            .map(|r| {
+                r.users
+                    .iter()
+                    .filter(|(_, t)| **t > now)
+                    .map(|(u, _)| u.clone())
+                    .collect()
+            })
             .unwrap_or_default();
         users.sort();
         users
@@ -94,7 +109,11 @@ impl Typing {
 
     /// The counter value of the room's last typing change.
     pub fn room_serial(&self, room_id: &str) -> u64 {
-        self.rooms.lock().get(room_id).map(|r| r.serial).unwrap_or(0)
+        self.rooms
+            .lock()
+            .get(room_id)
+            .map(|r| r.serial)
+            .unwrap_or(0)
     }
 
     /// The current counter.
@@ -116,18 +135,31 @@ pub(crate) async fn set_typing(
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
     if user_id != r.user_id {
-        return Err(MatrixError::forbidden("Cannot set another user's typing state"));
+        return Err(MatrixError::forbidden(
+            "Cannot set another user's typing state",
+        ));
     }
-    let typing = body.get("typing").and_then(|v| v.as_bool()).ok_or_else(|| MatrixError::bad_json("typing (boolean) is required"))?;
-    if s.projections.membership.get(&room_id, &r.user_id).map(|m| m.membership) != Some("join".into()) {
+    let typing = body
+        .get("typing")
+        .and_then(|v| v.as_bool())
+        .ok_or_else(|| MatrixError::bad_json("typing (boolean) is required"))?;
+    if s.projections
+        .membership
+        .get(&room_id, &r.user_id)
+        .map(|m| m.membership)
+        != Some("join".into())
+    {
         return Err(MatrixError::forbidden("You are not joined to this room"));
     }
     let timeout = match body.get("timeout") {
         None | Some(Value::Null) => 30_000,
-        Some(v) => v.as_u64().ok_or_else(|| MatrixError::bad_json("timeout must be a non-negative integer (ms)"))?,
+        Some(v) => v
+            .as_u64()
+            .ok_or_else(|| MatrixError::bad_json("timeout must be a non-negative integer (ms)"))?,
     }
     .min(MAX_TYPING_TIMEOUT_MS);
-    s.typing.set(&room_id, &r.user_id, typing, Duration::from_millis(timeout));
+    s.typing
+        .set(&room_id, &r.user_id, typing, Duration::from_millis(timeout));
     Ok(Json(json!({})))
 }
 

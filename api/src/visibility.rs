@@ -28,12 +28,19 @@ pub struct Access {
 impl Access {
     /// Whether the user is joined now.
     pub fn joined(&self) -> bool {
-        self.membership.as_ref().is_some_and(|m| m.membership == "join")
+        self.membership
+            .as_ref()
+            .is_some_and(|m| m.membership == "join")
     }
 }
 
 /// The content of a state event at `root`, if set.
-pub fn state_content(s: &AppState, root: spindle_core::trie::Root, kind: &str, state_key: &str) -> Option<serde_json::Value> {
+pub fn state_content(
+    s: &AppState,
+    root: spindle_core::trie::Root,
+    kind: &str,
+    state_key: &str,
+) -> Option<serde_json::Value> {
     let id = s.projections.state.lookup(root, kind, state_key)?;
     let ev = s.projections.timeline.event(&id)?;
     Some(ev.pdu.content_value())
@@ -41,14 +48,22 @@ pub fn state_content(s: &AppState, root: spindle_core::trie::Root, kind: &str, s
 
 fn history_visibility_at(s: &AppState, root: spindle_core::trie::Root) -> String {
     state_content(s, root, "m.room.history_visibility", "")
-        .and_then(|c| c.get("history_visibility").and_then(|v| v.as_str()).map(str::to_owned))
+        .and_then(|c| {
+            c.get("history_visibility")
+                .and_then(|v| v.as_str())
+                .map(str::to_owned)
+        })
         .unwrap_or_else(|| "shared".into())
 }
 
 /// May `user_id` read this room at all? Errors with 403 `M_FORBIDDEN` (also for rooms
 /// that do not exist, so existence does not leak).
 pub fn room_access(s: &AppState, user_id: &str, room_id: &str) -> ApiResult<Access> {
-    let denied = || MatrixError::forbidden("You aren't a member of the room and weren't previously a member of the room.");
+    let denied = || {
+        MatrixError::forbidden(
+            "You aren't a member of the room and weren't previously a member of the room.",
+        )
+    };
     if s.projections.state.room(room_id).is_none() {
         return Err(denied());
     }
@@ -58,7 +73,12 @@ pub fn room_access(s: &AppState, user_id: &str, room_id: &str) -> ApiResult<Acce
         return Err(denied());
     }
     match membership.as_ref().map(|m| m.membership.as_str()) {
-        Some("join") | Some("invite") | Some("knock") => Ok(Access { membership, cap: u64::MAX, was_joined: false, left_at: None }),
+        Some("join") | Some("invite") | Some("knock") => Ok(Access {
+            membership,
+            cap: u64::MAX,
+            was_joined: false,
+            left_at: None,
+        }),
         Some(_) => {
             let m = membership.as_ref().expect("matched Some");
             let was_joined = s
@@ -66,7 +86,11 @@ pub fn room_access(s: &AppState, user_id: &str, room_id: &str) -> ApiResult<Acce
                 .state
                 .roots_at(&m.event_id)
                 .and_then(|(before, _)| state_content(s, before, "m.room.member", user_id))
-                .and_then(|c| c.get("membership").and_then(|v| v.as_str()).map(|v| v == "join"))
+                .and_then(|c| {
+                    c.get("membership")
+                        .and_then(|v| v.as_str())
+                        .map(|v| v == "join")
+                })
                 .unwrap_or(false);
             // A world-readable room stays readable after leaving, like for anyone else.
             let world_readable = s
@@ -75,12 +99,26 @@ pub fn room_access(s: &AppState, user_id: &str, room_id: &str) -> ApiResult<Acce
                 .current_root(room_id)
                 .is_some_and(|root| history_visibility_at(s, root) == "world_readable");
             let cap = if world_readable { u64::MAX } else { m.position };
-            Ok(Access { cap, left_at: Some(m.position), membership, was_joined })
+            Ok(Access {
+                cap,
+                left_at: Some(m.position),
+                membership,
+                was_joined,
+            })
         }
         None => {
-            let root = s.projections.state.current_root(room_id).ok_or_else(denied)?;
+            let root = s
+                .projections
+                .state
+                .current_root(room_id)
+                .ok_or_else(denied)?;
             if history_visibility_at(s, root) == "world_readable" {
-                Ok(Access { membership: None, cap: u64::MAX, was_joined: false, left_at: None })
+                Ok(Access {
+                    membership: None,
+                    cap: u64::MAX,
+                    was_joined: false,
+                    left_at: None,
+                })
             } else {
                 Err(denied())
             }
@@ -95,24 +133,37 @@ pub fn can_see(s: &AppState, user_id: &str, access: &Access, ev: &EventRecord) -
     }
     // Fast path: joined now, and already joined when the event was sent.
     if let Some(m) = &access.membership
-        && m.membership == "join" && m.position <= ev.position {
-            return true;
-        }
+        && m.membership == "join"
+        && m.position <= ev.position
+    {
+        return true;
+    }
     // A user always sees their own leave, kick and ban (otherwise the room would just
     // vanish for them); their invite follows the ordinary rules.
     if ev.pdu.kind.to_string() == "m.room.member" && ev.pdu.state_key.as_deref() == Some(user_id) {
-        let m = ev.pdu.content_value().get("membership").and_then(|v| v.as_str()).map(str::to_owned);
+        let m = ev
+            .pdu
+            .content_value()
+            .get("membership")
+            .and_then(|v| v.as_str())
+            .map(str::to_owned);
         if matches!(m.as_deref(), Some("leave") | Some("ban") | Some("join")) {
             return true;
         }
     }
-    let Some((before, after)) = s.projections.state.roots_at(ev.pdu.event_id.as_str()) else { return false };
+    let Some((before, after)) = s.projections.state.roots_at(ev.pdu.event_id.as_str()) else {
+        return false;
+    };
     let visibility = history_visibility_at(s, before);
     if visibility == "world_readable" {
         return true;
     }
     let membership_at = state_content(s, after, "m.room.member", user_id)
-        .and_then(|c| c.get("membership").and_then(|v| v.as_str()).map(str::to_owned))
+        .and_then(|c| {
+            c.get("membership")
+                .and_then(|v| v.as_str())
+                .map(str::to_owned)
+        })
         .unwrap_or_else(|| "leave".into());
     match membership_at.as_str() {
         "join" => true,
@@ -121,7 +172,8 @@ pub fn can_see(s: &AppState, user_id: &str, access: &Access, ev: &EventRecord) -
         // (for a former member: joined right before they left, and the event is before that).
         _ => {
             visibility == "shared"
-                && (access.joined() || (access.was_joined && access.left_at.is_some_and(|l| ev.position <= l)))
+                && (access.joined()
+                    || (access.was_joined && access.left_at.is_some_and(|l| ev.position <= l)))
         }
     }
 }

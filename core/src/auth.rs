@@ -27,7 +27,13 @@ pub fn auth_types(
     content: &RawValue,
 ) -> Result<Vec<(String, String)>, String> {
     let kind = TimelineEventType::from(kind);
-    let types = ruma::state_res::auth_types_for_event(&kind, sender, state_key, content, &rules.authorization)?;
+    let types = ruma::state_res::auth_types_for_event(
+        &kind,
+        sender,
+        state_key,
+        content,
+        &rules.authorization,
+    )?;
     Ok(types.into_iter().map(|(t, k)| (t.to_string(), k)).collect())
 }
 
@@ -45,7 +51,9 @@ pub fn authorize<'a>(
     ruma::state_res::check_state_independent_auth_rules(&rules.authorization, event, |id| {
         auth_events.get(id).copied()
     })?;
-    ruma::state_res::check_state_dependent_auth_rules(&rules.authorization, event, |t: &StateEventType, k: &str| {
-        state(&t.to_string(), k)
-    })
+    ruma::state_res::check_state_dependent_auth_rules(
+        &rules.authorization,
+        event,
+        |t: &StateEventType, k: &str| state(&t.to_string(), k),
+    )
 }

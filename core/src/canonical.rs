@@ -53,6 +53,9 @@ mod tests {
     fn refuses_floats_and_big_integers() {
         assert!(to_object(serde_json::json!({"a": 1.5})).is_err());
         assert!(to_object(serde_json::json!({"a": 9007199254740993u64})).is_err());
-        assert!(matches!(to_object(serde_json::json!([1])), Err(CanonicalError::NotAnObject)));
+        assert!(matches!(
+            to_object(serde_json::json!([1])),
+            Err(CanonicalError::NotAnObject)
+        ));
     }
 }

@@ -46,7 +46,8 @@ impl ServerKey {
         let doc = Ed25519KeyPair::generate();
         let version: String = {
             let h = blake3::hash(&doc);
-            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&h.as_bytes()[..6])
+            base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .encode(&h.as_bytes()[..6])
                 .replace(['-', '_'], "a")
         };
         Self::from_pkcs8(server_name, &version, &doc).expect("freshly generated key parses")
@@ -56,7 +57,12 @@ impl ServerKey {
     pub fn from_pkcs8(server_name: &str, version: &str, pkcs8: &[u8]) -> Result<Self, KeyError> {
         let pair = Ed25519KeyPair::from_der(pkcs8, version.to_owned())
             .map_err(|e| KeyError::InvalidKey(e.to_string()))?;
-        Ok(Self { server_name: server_name.to_owned(), version: version.to_owned(), pair, pkcs8: pkcs8.to_vec() })
+        Ok(Self {
+            server_name: server_name.to_owned(),
+            version: version.to_owned(),
+            pair,
+            pkcs8: pkcs8.to_vec(),
+        })
     }
 
     /// The PKCS#8 document, for persisting.

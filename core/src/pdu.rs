@@ -8,9 +8,8 @@
 use std::sync::Arc;
 
 use ruma::{
-    CanonicalJsonObject, CanonicalJsonValue, MilliSecondsSinceUnixEpoch, OwnedEventId,
-    OwnedRoomId, OwnedUserId, RoomId, UInt, UserId,
-    events::TimelineEventType,
+    CanonicalJsonObject, CanonicalJsonValue, MilliSecondsSinceUnixEpoch, OwnedEventId, OwnedRoomId,
+    OwnedUserId, RoomId, UInt, UserId, events::TimelineEventType,
     room_version_rules::RoomVersionRules,
 };
 use serde_json::value::RawValue;
@@ -97,7 +96,10 @@ fn rules(version: &str) -> Result<RoomVersionRules, PduError> {
     room_version::rules(version).ok_or_else(|| PduError::UnsupportedRoomVersion(version.to_owned()))
 }
 
-fn reference_id(object: &CanonicalJsonObject, rules: &RoomVersionRules) -> Result<String, PduError> {
+fn reference_id(
+    object: &CanonicalJsonObject,
+    rules: &RoomVersionRules,
+) -> Result<String, PduError> {
     ruma::signatures::reference_hash(object, rules).map_err(|e| match e {
         ruma::signatures::JsonError::PduTooLarge => PduError::TooLarge(MAX_PDU_BYTES + 1),
         other => PduError::Invalid(other.to_string()),
@@ -116,54 +118,91 @@ impl PduTemplate {
         };
         let mut obj = CanonicalJsonObject::new();
         let ids = |v: &[OwnedEventId]| {
-            CanonicalJsonValue::Array(v.iter().map(|e| CanonicalJsonValue::String(e.to_string())).collect())
+            CanonicalJsonValue::Array(
+                v.iter()
+                    .map(|e| CanonicalJsonValue::String(e.to_string()))
+                    .collect(),
+            )
         };
         let mut content = content;
         if let Some(redacts) = &self.redacts {
             if rules.redaction.content_field_redacts {
-                content.insert("redacts".into(), CanonicalJsonValue::String(redacts.to_string()));
+                content.insert(
+                    "redacts".into(),
+                    CanonicalJsonValue::String(redacts.to_string()),
+                );
             } else {
-                obj.insert("redacts".into(), CanonicalJsonValue::String(redacts.to_string()));
+                obj.insert(
+                    "redacts".into(),
+                    CanonicalJsonValue::String(redacts.to_string()),
+                );
             }
         }
         obj.insert("auth_events".into(), ids(&self.auth_events));
         obj.insert("content".into(), CanonicalJsonValue::Object(content));
-        obj.insert("depth".into(), CanonicalJsonValue::Integer(UInt::try_from(self.depth).map_err(|_| PduError::Invalid("depth".into()))?.into()));
+        obj.insert(
+            "depth".into(),
+            CanonicalJsonValue::Integer(
+                UInt::try_from(self.depth)
+                    .map_err(|_| PduError::Invalid("depth".into()))?
+                    .into(),
+            ),
+        );
         obj.insert(
             "origin_server_ts".into(),
-            CanonicalJsonValue::Integer(UInt::try_from(self.origin_server_ts).map_err(|_| PduError::Invalid("ts".into()))?.into()),
+            CanonicalJsonValue::Integer(
+                UInt::try_from(self.origin_server_ts)
+                    .map_err(|_| PduError::Invalid("ts".into()))?
+                    .into(),
+            ),
         );
         obj.insert("prev_events".into(), ids(&self.prev_events));
         if let Some(room_id) = &self.room_id {
-            obj.insert("room_id".into(), CanonicalJsonValue::String(room_id.to_string()));
+            obj.insert(
+                "room_id".into(),
+                CanonicalJsonValue::String(room_id.to_string()),
+            );
         }
-        obj.insert("sender".into(), CanonicalJsonValue::String(self.sender.to_string()));
+        obj.insert(
+            "sender".into(),
+            CanonicalJsonValue::String(self.sender.to_string()),
+        );
         if let Some(sk) = &self.state_key {
             obj.insert("state_key".into(), CanonicalJsonValue::String(sk.clone()));
         }
         obj.insert("type".into(), CanonicalJsonValue::String(self.kind.clone()));
 
-        ruma::signatures::hash_and_sign_event(key.server_name(), key.pair(), &mut obj, &rules.redaction)
-            .map_err(|e| match e {
-                ruma::signatures::JsonError::PduTooLarge => PduError::TooLarge(canonical::to_bytes(&obj).len()),
-                other => PduError::Invalid(other.to_string()),
-            })?;
+        ruma::signatures::hash_and_sign_event(
+            key.server_name(),
+            key.pair(),
+            &mut obj,
+            &rules.redaction,
+        )
+        .map_err(|e| match e {
+            ruma::signatures::JsonError::PduTooLarge => {
+                PduError::TooLarge(canonical::to_bytes(&obj).len())
+            }
+            other => PduError::Invalid(other.to_string()),
+        })?;
         let json = canonical::to_bytes(&obj);
         if json.len() > MAX_PDU_BYTES {
             return Err(PduError::TooLarge(json.len()));
         }
         let hash = reference_id(&obj, &rules)?;
-        let event_id = OwnedEventId::try_from(format!("${hash}")).map_err(|e| PduError::Invalid(e.to_string()))?;
+        let event_id = OwnedEventId::try_from(format!("${hash}"))
+            .map_err(|e| PduError::Invalid(e.to_string()))?;
         let room_id = match self.room_id {
             Some(r) => r,
-            None => OwnedRoomId::try_from(format!("!{hash}")).map_err(|e| PduError::Invalid(e.to_string()))?,
+            None => OwnedRoomId::try_from(format!("!{hash}"))
+                .map_err(|e| PduError::Invalid(e.to_string()))?,
         };
         Pdu::parse(&json, &self.room_version, Some(event_id), Some(room_id))
     }
 }
 
 fn field<'a>(obj: &'a CanonicalJsonObject, name: &str) -> Result<&'a CanonicalJsonValue, PduError> {
-    obj.get(name).ok_or_else(|| PduError::Invalid(format!("missing field `{name}`")))
+    obj.get(name)
+        .ok_or_else(|| PduError::Invalid(format!("missing field `{name}`")))
 }
 
 fn string_field(obj: &CanonicalJsonObject, name: &str) -> Result<String, PduError> {
@@ -203,7 +242,8 @@ impl Pdu {
         };
         let event_id = match (event_id, &hash) {
             (Some(id), _) => id,
-            (None, Some(h)) => OwnedEventId::try_from(format!("${h}")).map_err(|e| PduError::Invalid(e.to_string()))?,
+            (None, Some(h)) => OwnedEventId::try_from(format!("${h}"))
+                .map_err(|e| PduError::Invalid(e.to_string()))?,
             (None, None) => unreachable!(),
         };
         let room_id_in_json = obj.contains_key("room_id");
@@ -215,16 +255,22 @@ impl Pdu {
                     .map_err(|e| PduError::Invalid(e.to_string()))?,
             },
         };
-        let sender = OwnedUserId::try_from(string_field(&obj, "sender")?).map_err(|e| PduError::Invalid(e.to_string()))?;
+        let sender = OwnedUserId::try_from(string_field(&obj, "sender")?)
+            .map_err(|e| PduError::Invalid(e.to_string()))?;
         let kind = TimelineEventType::from(string_field(&obj, "type")?);
         let state_key = match obj.get("state_key") {
             None => None,
-            Some(v) => Some(v.as_str().ok_or_else(|| PduError::Invalid("state_key".into()))?.to_owned()),
+            Some(v) => Some(
+                v.as_str()
+                    .ok_or_else(|| PduError::Invalid("state_key".into()))?
+                    .to_owned(),
+            ),
         };
         let content_obj = field(&obj, "content")?
             .as_object()
             .ok_or_else(|| PduError::Invalid("content is not an object".into()))?;
-        let content = serde_json::value::to_raw_value(content_obj).map_err(|e| PduError::Invalid(e.to_string()))?;
+        let content = serde_json::value::to_raw_value(content_obj)
+            .map_err(|e| PduError::Invalid(e.to_string()))?;
         let ts = field(&obj, "origin_server_ts")?
             .as_integer()
             .and_then(|i| UInt::try_from(i64::from(i)).ok())
@@ -282,13 +328,25 @@ impl Pdu {
 
     /// Content kept by the redaction algorithm of this room version.
     pub fn redacted_content(&self) -> serde_json::Value {
-        let Some(rules) = room_version::rules(&self.room_version) else { return serde_json::json!({}) };
-        let Ok(mut content) = canonical::to_object(self.content_value()) else { return serde_json::json!({}) };
-        ruma::canonical_json::redact_content_in_place(&mut content, &rules.redaction, self.kind.to_string());
+        let Some(rules) = room_version::rules(&self.room_version) else {
+            return serde_json::json!({});
+        };
+        let Ok(mut content) = canonical::to_object(self.content_value()) else {
+            return serde_json::json!({});
+        };
+        ruma::canonical_json::redact_content_in_place(
+            &mut content,
+            &rules.redaction,
+            self.kind.to_string(),
+        );
         serde_json::to_value(content).unwrap_or_else(|_| serde_json::json!({}))
     }
 
-    fn render(&self, content: serde_json::Value, unsigned: Option<serde_json::Value>) -> serde_json::Value {
+    fn render(
+        &self,
+        content: serde_json::Value,
+        unsigned: Option<serde_json::Value>,
+    ) -> serde_json::Value {
         let mut ev = serde_json::json!({
             "content": content,
             "event_id": self.event_id,
@@ -324,7 +382,11 @@ impl ruma::state_res::Event for Pdu {
         &self.event_id
     }
     fn room_id(&self) -> Option<&RoomId> {
-        if self.room_id_in_json { Some(&self.room_id) } else { None }
+        if self.room_id_in_json {
+            Some(&self.room_id)
+        } else {
+            None
+        }
     }
     fn sender(&self) -> &UserId {
         &self.sender
@@ -378,14 +440,21 @@ mod tests {
     #[test]
     fn event_id_is_reference_hash_and_stable_across_parse() {
         let key = ServerKey::generate("example.org");
-        let pdu = template("10", Some("!abc:example.org")).build(&key).unwrap();
+        let pdu = template("10", Some("!abc:example.org"))
+            .build(&key)
+            .unwrap();
         assert_eq!(pdu.event_id.as_str().len(), 44); // '$' + 43 chars of unpadded base64
         let reparsed = Pdu::parse(&pdu.json, "10", None, None).unwrap();
         assert_eq!(reparsed.event_id, pdu.event_id);
         assert_eq!(reparsed.room_id.as_str(), "!abc:example.org");
         // The signature and content hash verify with ruma.
         let obj = canonical::from_bytes(&pdu.json).unwrap();
-        let verified = ruma::signatures::verify_event(&key.public_key_map(), &obj, &room_version::rules("10").unwrap()).unwrap();
+        let verified = ruma::signatures::verify_event(
+            &key.public_key_map(),
+            &obj,
+            &room_version::rules("10").unwrap(),
+        )
+        .unwrap();
         assert_eq!(verified, ruma::signatures::Verified::All);
     }
 
@@ -415,6 +484,9 @@ mod tests {
         t.state_key = Some("@alice:example.org".into());
         t.content = serde_json::json!({"membership": "join", "displayname": "Alice"});
         let pdu = t.build(&key).unwrap();
-        assert_eq!(pdu.redacted_content(), serde_json::json!({"membership": "join"}));
+        assert_eq!(
+            pdu.redacted_content(),
+            serde_json::json!({"membership": "join"})
+        );
     }
 }

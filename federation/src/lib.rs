@@ -18,10 +18,16 @@ pub const KEY_VALIDITY_MS: u64 = 7 * 24 * 3600 * 1000;
 pub fn load_or_create_key(data_dir: &Path, server_name: &str) -> Result<ServerKey, String> {
     let path = data_dir.join("signing.key");
     if path.exists() {
-        let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         let mut parts = text.split_whitespace();
-        let (Some("ed25519"), Some(version), Some(b64)) = (parts.next(), parts.next(), parts.next()) else {
-            return Err(format!("{}: expected `ed25519 <version> <base64>`", path.display()));
+        let (Some("ed25519"), Some(version), Some(b64)) =
+            (parts.next(), parts.next(), parts.next())
+        else {
+            return Err(format!(
+                "{}: expected `ed25519 <version> <base64>`",
+                path.display()
+            ));
         };
         let doc = base64::engine::general_purpose::STANDARD_NO_PAD
             .decode(b64.trim_end_matches('='))
@@ -47,7 +53,10 @@ pub fn load_or_create_key(data_dir: &Path, server_name: &str) -> Result<ServerKe
 }
 
 fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 /// The signed key response (spec: `ServerKeys` schema): `server_name`, `verify_keys`,
@@ -94,7 +103,10 @@ mod tests {
         assert_eq!(a.key_id(), b.key_id());
         let resp = server_keys_response(&b);
         assert_eq!(resp["server_name"], "example.org");
-        assert_eq!(resp["verify_keys"][a.key_id()]["key"], a.public_key_base64());
+        assert_eq!(
+            resp["verify_keys"][a.key_id()]["key"],
+            a.public_key_base64()
+        );
         let obj = spindle_core::canonical::to_object(resp).unwrap();
         ruma::signatures::verify_json(&a.public_key_map(), &obj).unwrap();
     }

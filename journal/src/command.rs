@@ -104,6 +104,9 @@ impl SignedCommand {
     /// Signs an envelope with the server key.
     pub fn sign(key: &ServerKey, envelope: CommandEnvelope) -> Result<SignedCommand, String> {
         let bytes = envelope.canonical_bytes()?;
-        Ok(SignedCommand { signature: key.sign_bytes(&bytes), envelope })
+        Ok(SignedCommand {
+            signature: key.sign_bytes(&bytes),
+            envelope,
+        })
     }
 }

@@ -24,11 +24,15 @@ use std::{
 };
 
 use ruma::{OwnedEventId, OwnedRoomId, OwnedUserId};
-use spindle_core::{keys::ServerKey, pdu::{Pdu, PduError, PduTemplate}, room_version};
+use spindle_core::{
+    keys::ServerKey,
+    pdu::{Pdu, PduError, PduTemplate},
+    room_version,
+};
 use tokio::sync::watch;
 
 pub use command::{CommandBody, CommandEnvelope, EventSpec, MembershipPrecondition, SignedCommand};
-pub use record::{Fact, Record, RecordKind, StoredRecord, RECORD_FORMAT};
+pub use record::{Fact, RECORD_FORMAT, Record, RecordKind, StoredRecord};
 pub use store::{FjallStore, JournalStore};
 
 /// Why a command was refused. Each maps to one Matrix error in the API.
@@ -90,8 +94,13 @@ pub struct Outcome {
 }
 
 /// Event types the aggregate keeps: what the auth rules can look up.
-const AUTH_TYPES: [&str; 5] =
-    ["m.room.create", "m.room.power_levels", "m.room.join_rules", "m.room.member", "m.room.third_party_invite"];
+const AUTH_TYPES: [&str; 5] = [
+    "m.room.create",
+    "m.room.power_levels",
+    "m.room.join_rules",
+    "m.room.member",
+    "m.room.third_party_invite",
+];
 
 /// The journal's per-room write model: head and auth-relevant state. Restored from
 /// the room's own records at start-up.
@@ -105,7 +114,12 @@ struct RoomAggregate {
 
 impl RoomAggregate {
     fn new(version: &str) -> Self {
-        Self { version: version.to_owned(), head: None, auth_state: HashMap::new(), txns: HashMap::new() }
+        Self {
+            version: version.to_owned(),
+            head: None,
+            auth_state: HashMap::new(),
+            txns: HashMap::new(),
+        }
     }
 
     fn apply(&mut self, pdu: Arc<Pdu>) {
@@ -156,27 +170,37 @@ struct Inner {
 }
 
 fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 fn random_id(len: usize) -> String {
     use rand::Rng;
     const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz";
     let mut rng = rand::rng();
-    (0..len).map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char).collect()
+    (0..len)
+        .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char)
+        .collect()
 }
 
 impl Journal {
     /// Opens the journal on a store, restores every room aggregate by replaying the
     /// log, and starts the group-commit appender thread.
-    pub fn open(store: Arc<dyn JournalStore>, key: Arc<ServerKey>) -> Result<Journal, JournalError> {
+    pub fn open(
+        store: Arc<dyn JournalStore>,
+        key: Arc<ServerKey>,
+    ) -> Result<Journal, JournalError> {
         let mut rooms: HashMap<OwnedRoomId, RoomAggregate> = HashMap::new();
         let mut users = HashSet::new();
         let mut aliases = HashMap::new();
         let mut head = 0;
         let mut after = 0;
         loop {
-            let batch = store.read_after(after, 4096).map_err(JournalError::Storage)?;
+            let batch = store
+                .read_after(after, 4096)
+                .map_err(JournalError::Storage)?;
             if batch.is_empty() {
                 break;
             }
@@ -186,9 +210,14 @@ impl Journal {
                 match rec.is_event() {
                     true => {
                         let Some(pdu) = rec.pdu() else {
-                            return Err(JournalError::Storage(format!("unreadable PDU at position {}", rec.position())));
+                            return Err(JournalError::Storage(format!(
+                                "unreadable PDU at position {}",
+                                rec.position()
+                            )));
                         };
-                        let agg = rooms.entry(pdu.room_id.clone()).or_insert_with(|| RoomAggregate::new(&pdu.room_version));
+                        let agg = rooms
+                            .entry(pdu.room_id.clone())
+                            .or_insert_with(|| RoomAggregate::new(&pdu.room_version));
                         if let (Some(txn), Some(dev)) = (rec.txn_id(), rec.device_id()) {
                             agg.txns.insert(
                                 (rec.principal().to_owned(), dev.to_owned(), txn.to_owned()),
@@ -228,7 +257,10 @@ impl Journal {
                 key,
                 store,
                 rooms: parking_lot::Mutex::new(
-                    rooms.into_iter().map(|(k, v)| (k, Arc::new(tokio::sync::Mutex::new(v)))).collect(),
+                    rooms
+                        .into_iter()
+                        .map(|(k, v)| (k, Arc::new(tokio::sync::Mutex::new(v))))
+                        .collect(),
                 ),
                 users: parking_lot::Mutex::new(users),
                 aliases: parking_lot::Mutex::new(aliases),
@@ -266,31 +298,63 @@ impl Journal {
             return Ok(Vec::new());
         }
         let limit = limit.min((head - after) as usize);
-        let recs = self.inner.store.read_after(after, limit).map_err(JournalError::Storage)?;
-        self.inner.stats.records_read.fetch_add(recs.len() as u64, Ordering::Relaxed);
+        let recs = self
+            .inner
+            .store
+            .read_after(after, limit)
+            .map_err(JournalError::Storage)?;
+        self.inner
+            .stats
+            .records_read
+            .fetch_add(recs.len() as u64, Ordering::Relaxed);
         Ok(recs.into_iter().filter(|r| r.position() <= head).collect())
     }
 
     /// Whether a room exists (has a create event in the journal).
     pub fn room_exists(&self, room_id: &str) -> bool {
-        ruma::RoomId::parse(room_id).map(|r| self.inner.rooms.lock().contains_key(&*r)).unwrap_or(false)
+        ruma::RoomId::parse(room_id)
+            .map(|r| self.inner.rooms.lock().contains_key(&*r))
+            .unwrap_or(false)
     }
 
     /// Verifies, authorizes and durably appends a command. Returns once the records
     /// are fsynced.
     pub async fn submit(&self, cmd: SignedCommand) -> Result<Outcome, JournalError> {
-        let bytes = cmd.envelope.canonical_bytes().map_err(JournalError::BadJson)?;
-        self.inner.key.verify_bytes(&bytes, &cmd.signature).map_err(|_| JournalError::BadSignature)?;
+        let bytes = cmd
+            .envelope
+            .canonical_bytes()
+            .map_err(JournalError::BadJson)?;
+        self.inner
+            .key
+            .verify_bytes(&bytes, &cmd.signature)
+            .map_err(|_| JournalError::BadSignature)?;
         let outcome = match &cmd.envelope.body {
-            CommandBody::Fact { fact: fact @ Fact::RoomForgotten { room_id, user_id } } => {
-                self.forget_room(&cmd, fact, room_id, user_id).await?
-            }
+            CommandBody::Fact {
+                fact: fact @ Fact::RoomForgotten { room_id, user_id },
+            } => self.forget_room(&cmd, fact, room_id, user_id).await?,
             CommandBody::Fact { fact } => self.append_fact(&cmd, fact)?,
-            CommandBody::SendEvent { room_id, event, txn_id, precondition } => {
-                self.send_event(&cmd, room_id, event, txn_id.as_deref(), precondition.as_ref()).await?
+            CommandBody::SendEvent {
+                room_id,
+                event,
+                txn_id,
+                precondition,
+            } => {
+                self.send_event(
+                    &cmd,
+                    room_id,
+                    event,
+                    txn_id.as_deref(),
+                    precondition.as_ref(),
+                )
+                .await?
             }
-            CommandBody::CreateRoom { room_version, events, alias } => {
-                self.create_room(&cmd, room_version, events, alias.as_deref()).await?
+            CommandBody::CreateRoom {
+                room_version,
+                events,
+                alias,
+            } => {
+                self.create_room(&cmd, room_version, events, alias.as_deref())
+                    .await?
             }
         };
         self.wait_durable(outcome.position).await?;
@@ -299,7 +363,9 @@ impl Journal {
 
     async fn wait_durable(&self, position: u64) -> Result<(), JournalError> {
         let mut rx = self.inner.durable.clone();
-        rx.wait_for(|h| *h >= position).await.map_err(|_| JournalError::Storage("appender stopped".into()))?;
+        rx.wait_for(|h| *h >= position)
+            .await
+            .map_err(|_| JournalError::Storage("appender stopped".into()))?;
         Ok(())
     }
 
@@ -357,13 +423,19 @@ impl Journal {
             Fact::AliasDeleted { alias } => {
                 let mut aliases = self.inner.aliases.lock();
                 if aliases.remove(alias).is_none() {
-                    return Err(JournalError::Forbidden(format!("alias {alias} does not exist")));
+                    return Err(JournalError::Forbidden(format!(
+                        "alias {alias} does not exist"
+                    )));
                 }
                 self.enqueue(vec![rec])
             }
             _ => self.enqueue(vec![rec]),
         };
-        Ok(Outcome { position, room_id: None, event_ids: vec![] })
+        Ok(Outcome {
+            position,
+            room_id: None,
+            event_ids: vec![],
+        })
     }
 
     /// Builds one event on top of the aggregate's head and authorizes it.
@@ -378,24 +450,37 @@ impl Journal {
         let rules = room_version::rules(&agg.version)
             .ok_or_else(|| JournalError::UnsupportedRoomVersion(agg.version.clone()))?;
         if !spec.content.is_object() {
-            return Err(JournalError::BadJson("content must be a JSON object".into()));
+            return Err(JournalError::BadJson(
+                "content must be a JSON object".into(),
+            ));
         }
-        let content_raw = serde_json::value::to_raw_value(&spec.content).map_err(|e| JournalError::BadJson(e.to_string()))?;
-        let auth_types = spindle_core::auth::auth_types(&rules, &spec.kind, sender, spec.state_key.as_deref(), &content_raw)
-            .map_err(JournalError::BadJson)?;
+        let content_raw = serde_json::value::to_raw_value(&spec.content)
+            .map_err(|e| JournalError::BadJson(e.to_string()))?;
+        let auth_types = spindle_core::auth::auth_types(
+            &rules,
+            &spec.kind,
+            sender,
+            spec.state_key.as_deref(),
+            &content_raw,
+        )
+        .map_err(JournalError::BadJson)?;
         let mut auth_events = Vec::new();
         for (t, k) in &auth_types {
             if let Some(p) = agg.auth_state.get(&(t.clone(), k.clone()))
-                && !auth_events.contains(&p.event_id) {
-                    auth_events.push(p.event_id.clone());
-                }
+                && !auth_events.contains(&p.event_id)
+            {
+                auth_events.push(p.event_id.clone());
+            }
         }
         let (prev_events, depth) = match &agg.head {
             Some((id, d)) => (vec![id.clone()], d + 1),
             None => (vec![], 1),
         };
         let redacts = match &spec.redacts {
-            Some(r) => Some(OwnedEventId::try_from(r.as_str()).map_err(|e| JournalError::BadJson(e.to_string()))?),
+            Some(r) => Some(
+                OwnedEventId::try_from(r.as_str())
+                    .map_err(|e| JournalError::BadJson(e.to_string()))?,
+            ),
             None => None,
         };
         let pdu = PduTemplate {
@@ -414,7 +499,9 @@ impl Journal {
         .build(&self.inner.key)?;
         // The auth events, plus the create event: from room version 12 it is not among
         // the auth events but the rules still fetch it (by the room id).
-        let create = agg.auth_state.get(&("m.room.create".to_owned(), String::new()));
+        let create = agg
+            .auth_state
+            .get(&("m.room.create".to_owned(), String::new()));
         let auth_map: HashMap<OwnedEventId, &Pdu> = agg
             .auth_state
             .values()
@@ -423,7 +510,9 @@ impl Journal {
             .map(|p| (p.event_id.clone(), &**p))
             .collect();
         spindle_core::auth::authorize(&rules, &pdu, &auth_map, |t, k| {
-            agg.auth_state.get(&(t.to_owned(), k.to_owned())).map(|p| &**p)
+            agg.auth_state
+                .get(&(t.to_owned(), k.to_owned()))
+                .map(|p| &**p)
         })
         .map_err(JournalError::Forbidden)?;
         Ok(pdu)
@@ -439,29 +528,54 @@ impl Journal {
     }
 
     fn sender_of(cmd: &SignedCommand) -> Result<OwnedUserId, JournalError> {
-        OwnedUserId::try_from(cmd.envelope.principal.as_str()).map_err(|e| JournalError::BadJson(e.to_string()))
+        OwnedUserId::try_from(cmd.envelope.principal.as_str())
+            .map_err(|e| JournalError::BadJson(e.to_string()))
     }
 
     /// `RoomForgotten` is only true of a user who is not in the room: checked under the
     /// room lock so a concurrent join cannot be followed by a forget.
-    async fn forget_room(&self, cmd: &SignedCommand, fact: &Fact, room_id: &str, user_id: &str) -> Result<Outcome, JournalError> {
-        let room = OwnedRoomId::try_from(room_id).map_err(|_| JournalError::UnknownRoom(room_id.to_owned()))?;
-        let agg = self.inner.rooms.lock().get(&room).cloned().ok_or_else(|| JournalError::UnknownRoom(room_id.to_owned()))?;
+    async fn forget_room(
+        &self,
+        cmd: &SignedCommand,
+        fact: &Fact,
+        room_id: &str,
+        user_id: &str,
+    ) -> Result<Outcome, JournalError> {
+        let room = OwnedRoomId::try_from(room_id)
+            .map_err(|_| JournalError::UnknownRoom(room_id.to_owned()))?;
+        let agg = self
+            .inner
+            .rooms
+            .lock()
+            .get(&room)
+            .cloned()
+            .ok_or_else(|| JournalError::UnknownRoom(room_id.to_owned()))?;
         let agg = agg.lock().await;
         let current = Self::membership_of(&agg, user_id);
         if matches!(current.as_str(), "join" | "invite" | "knock") {
-            return Err(JournalError::BadState(format!("{user_id} is still in the room ({current})")));
+            return Err(JournalError::BadState(format!(
+                "{user_id} is still in the room ({current})"
+            )));
         }
         let payload = serde_json::to_vec(fact).map_err(|e| JournalError::BadJson(e.to_string()))?;
         let position = self.enqueue(vec![self.base_record(cmd, RecordKind::Fact, payload)]);
-        Ok(Outcome { position, room_id: Some(room), event_ids: vec![] })
+        Ok(Outcome {
+            position,
+            room_id: Some(room),
+            event_ids: vec![],
+        })
     }
 
     /// The target's current membership in the aggregate (`"none"` without a member event).
     fn membership_of(agg: &RoomAggregate, user_id: &str) -> String {
         agg.auth_state
             .get(&("m.room.member".to_owned(), user_id.to_owned()))
-            .and_then(|p| p.content_value().get("membership").and_then(|m| m.as_str()).map(str::to_owned))
+            .and_then(|p| {
+                p.content_value()
+                    .get("membership")
+                    .and_then(|m| m.as_str())
+                    .map(str::to_owned)
+            })
             .unwrap_or_else(|| "none".into())
     }
 
@@ -474,23 +588,46 @@ impl Journal {
         precondition: Option<&MembershipPrecondition>,
     ) -> Result<Outcome, JournalError> {
         let sender = Self::sender_of(cmd)?;
-        let room = OwnedRoomId::try_from(room_id).map_err(|_| JournalError::UnknownRoom(room_id.to_owned()))?;
-        let agg = self.inner.rooms.lock().get(&room).cloned().ok_or_else(|| JournalError::UnknownRoom(room_id.to_owned()))?;
+        let room = OwnedRoomId::try_from(room_id)
+            .map_err(|_| JournalError::UnknownRoom(room_id.to_owned()))?;
+        let agg = self
+            .inner
+            .rooms
+            .lock()
+            .get(&room)
+            .cloned()
+            .ok_or_else(|| JournalError::UnknownRoom(room_id.to_owned()))?;
         let mut agg = agg.lock().await;
         let txn_key = match (txn_id, &cmd.envelope.device_id) {
             (Some(t), Some(d)) => Some((cmd.envelope.principal.clone(), d.clone(), t.to_owned())),
             _ => None,
         };
         if let Some(k) = &txn_key
-            && let Some((event_id, position)) = agg.txns.get(k) {
-                return Ok(Outcome { position: *position, room_id: Some(room), event_ids: vec![event_id.clone()] });
-            }
+            && let Some((event_id, position)) = agg.txns.get(k)
+        {
+            return Ok(Outcome {
+                position: *position,
+                room_id: Some(room),
+                event_ids: vec![event_id.clone()],
+            });
+        }
         if let (Some(pre), Some(target)) = (precondition, spec.state_key.as_deref()) {
             let current = Self::membership_of(&agg, target);
-            let wanted = spec.content.get("membership").and_then(|m| m.as_str()).unwrap_or("");
+            let wanted = spec
+                .content
+                .get("membership")
+                .and_then(|m| m.as_str())
+                .unwrap_or("");
             if pre.unchanged_ok && current == wanted {
-                let existing = agg.auth_state.get(&("m.room.member".to_owned(), target.to_owned())).map(|p| p.event_id.clone());
-                return Ok(Outcome { position: self.durable_head(), room_id: Some(room), event_ids: existing.into_iter().collect() });
+                let existing = agg
+                    .auth_state
+                    .get(&("m.room.member".to_owned(), target.to_owned()))
+                    .map(|p| p.event_id.clone());
+                return Ok(Outcome {
+                    position: self.durable_head(),
+                    room_id: Some(room),
+                    event_ids: existing.into_iter().collect(),
+                });
             }
             if !pre.allowed.contains(&current) {
                 if target == sender.as_str() {
@@ -501,11 +638,16 @@ impl Journal {
                 }
                 // Someone outside the room learns nothing about its members.
                 if target != sender.as_str()
-                    && !matches!(Self::membership_of(&agg, sender.as_str()).as_str(), "join" | "invite" | "knock")
+                    && !matches!(
+                        Self::membership_of(&agg, sender.as_str()).as_str(),
+                        "join" | "invite" | "knock"
+                    )
                 {
                     return Err(JournalError::Forbidden("You are not in this room".into()));
                 }
-                return Err(JournalError::BadState(format!("{target}'s membership is {current}; cannot change it to {wanted} here")));
+                return Err(JournalError::BadState(format!(
+                    "{target}'s membership is {current}; cannot change it to {wanted} here"
+                )));
             }
         }
         let pdu = self.build_event(&agg, Some(&room), &sender, spec, cmd.envelope.issued_at)?;
@@ -516,7 +658,11 @@ impl Journal {
         }
         let event_id = pdu.event_id.clone();
         agg.apply(Arc::new(pdu));
-        Ok(Outcome { position, room_id: Some(room), event_ids: vec![event_id] })
+        Ok(Outcome {
+            position,
+            room_id: Some(room),
+            event_ids: vec![event_id],
+        })
     }
 
     async fn create_room(
@@ -531,18 +677,29 @@ impl Journal {
         }
         let sender = Self::sender_of(cmd)?;
         if events.first().map(|e| e.kind.as_str()) != Some("m.room.create") {
-            return Err(JournalError::BadJson("the first event of a room must be m.room.create".into()));
+            return Err(JournalError::BadJson(
+                "the first event of a room must be m.room.create".into(),
+            ));
         }
         let mut agg = RoomAggregate::new(version);
         let server = self.inner.key.server_name().to_owned();
         let mut room_id = if room_version::room_id_from_create(version) {
             None
         } else {
-            Some(OwnedRoomId::try_from(format!("!{}:{}", random_id(18), server)).map_err(|e| JournalError::BadJson(e.to_string()))?)
+            Some(
+                OwnedRoomId::try_from(format!("!{}:{}", random_id(18), server))
+                    .map_err(|e| JournalError::BadJson(e.to_string()))?,
+            )
         };
         let mut pdus = Vec::with_capacity(events.len());
         for spec in events {
-            let pdu = self.build_event(&agg, room_id.as_ref(), &sender, spec, cmd.envelope.issued_at)?;
+            let pdu = self.build_event(
+                &agg,
+                room_id.as_ref(),
+                &sender,
+                spec,
+                cmd.envelope.issued_at,
+            )?;
             if room_id.is_none() {
                 room_id = Some(pdu.room_id.clone());
             }
@@ -551,7 +708,10 @@ impl Journal {
             pdus.push(pdu);
         }
         let room_id = room_id.expect("create event gives the room id");
-        let mut records: Vec<Record> = pdus.iter().map(|p| self.event_record(cmd, p, None)).collect();
+        let mut records: Vec<Record> = pdus
+            .iter()
+            .map(|p| self.event_record(cmd, p, None))
+            .collect();
         let agg = Arc::new(tokio::sync::Mutex::new(agg));
         let _guard = agg.lock().await;
         // The alias is checked and taken in the same critical section that enqueues the
@@ -561,8 +721,13 @@ impl Journal {
             if aliases.contains_key(a) {
                 return Err(JournalError::AliasInUse);
             }
-            let fact = Fact::AliasSet { alias: a.to_owned(), room_id: room_id.to_string(), creator: cmd.envelope.principal.clone() };
-            let payload = serde_json::to_vec(&fact).map_err(|e| JournalError::BadJson(e.to_string()))?;
+            let fact = Fact::AliasSet {
+                alias: a.to_owned(),
+                room_id: room_id.to_string(),
+                creator: cmd.envelope.principal.clone(),
+            };
+            let payload =
+                serde_json::to_vec(&fact).map_err(|e| JournalError::BadJson(e.to_string()))?;
             records.push(self.base_record(cmd, RecordKind::Fact, payload));
         }
         {
@@ -577,7 +742,11 @@ impl Journal {
         }
         let position = self.enqueue(records);
         drop(aliases);
-        Ok(Outcome { position, room_id: Some(room_id), event_ids: pdus.iter().map(|p| p.event_id.clone()).collect() })
+        Ok(Outcome {
+            position,
+            room_id: Some(room_id),
+            event_ids: pdus.iter().map(|p| p.event_id.clone()).collect(),
+        })
     }
 }
 
@@ -604,7 +773,9 @@ fn appender(
             std::process::abort();
         }
         stats.fsyncs.fetch_add(1, Ordering::Relaxed);
-        stats.appended.fetch_add(records.len() as u64, Ordering::Relaxed);
+        stats
+            .appended
+            .fetch_add(records.len() as u64, Ordering::Relaxed);
         durable.send_replace(last);
     }
 }

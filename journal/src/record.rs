@@ -54,7 +54,9 @@ pub struct Record {
 impl Record {
     /// Encodes the record with rkyv.
     pub fn encode(&self) -> Vec<u8> {
-        rkyv::to_bytes::<rkyv::rancor::Error>(self).expect("record encodes").into_vec()
+        rkyv::to_bytes::<rkyv::rancor::Error>(self)
+            .expect("record encodes")
+            .into_vec()
     }
 
     /// Decodes and validates stored bytes. Errors on torn or foreign bytes.
@@ -76,9 +78,21 @@ impl Record {
     pub fn pdu(&self) -> Option<spindle_core::pdu::Pdu> {
         match self.kind {
             RecordKind::Event => {
-                let event_id = self.event_id.as_deref().and_then(|e| ruma::OwnedEventId::try_from(e).ok());
-                let room_id = self.room_id.as_deref().and_then(|r| ruma::OwnedRoomId::try_from(r).ok());
-                spindle_core::pdu::Pdu::parse(&self.payload, self.room_version.as_deref()?, event_id, room_id).ok()
+                let event_id = self
+                    .event_id
+                    .as_deref()
+                    .and_then(|e| ruma::OwnedEventId::try_from(e).ok());
+                let room_id = self
+                    .room_id
+                    .as_deref()
+                    .and_then(|r| ruma::OwnedRoomId::try_from(r).ok());
+                spindle_core::pdu::Pdu::parse(
+                    &self.payload,
+                    self.room_version.as_deref()?,
+                    event_id,
+                    room_id,
+                )
+                .ok()
             }
             RecordKind::Fact => None,
         }
@@ -94,7 +108,10 @@ pub struct StoredRecord {
 
 impl std::fmt::Debug for StoredRecord {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StoredRecord").field("position", &self.position()).field("event", &self.is_event()).finish()
+        f.debug_struct("StoredRecord")
+            .field("position", &self.position())
+            .field("event", &self.is_event())
+            .finish()
     }
 }
 
@@ -174,14 +191,19 @@ impl StoredRecord {
         if !self.is_event() {
             return None;
         }
-        let event_id = self.event_id().and_then(|e| ruma::OwnedEventId::try_from(e).ok());
-        let room_id = self.room_id().and_then(|r| ruma::OwnedRoomId::try_from(r).ok());
+        let event_id = self
+            .event_id()
+            .and_then(|e| ruma::OwnedEventId::try_from(e).ok());
+        let room_id = self
+            .room_id()
+            .and_then(|r| ruma::OwnedRoomId::try_from(r).ok());
         spindle_core::pdu::Pdu::parse(self.payload(), self.room_version()?, event_id, room_id).ok()
     }
 
     /// Deserializes into an owned [`Record`] (exports, tests).
     pub fn to_record(&self) -> Record {
-        rkyv::deserialize::<Record, rkyv::rancor::Error>(self.view()).expect("validated record deserializes")
+        rkyv::deserialize::<Record, rkyv::rancor::Error>(self.view())
+            .expect("validated record deserializes")
     }
 }
 
@@ -192,21 +214,45 @@ impl StoredRecord {
 #[allow(missing_docs)] // Fields carry the spec's names (user_id, device_id, ...); each variant says what it means.
 pub enum Fact {
     /// A local account was created. `password_hash` is an argon2 PHC string.
-    AccountRegistered { user_id: String, password_hash: Option<String> },
+    AccountRegistered {
+        user_id: String,
+        password_hash: Option<String>,
+    },
     /// A device was created (or logged in again with the same id).
-    DeviceCreated { user_id: String, device_id: String, display_name: Option<String> },
+    DeviceCreated {
+        user_id: String,
+        device_id: String,
+        display_name: Option<String>,
+    },
     /// A device's display name changed.
-    DeviceRenamed { user_id: String, device_id: String, display_name: Option<String> },
+    DeviceRenamed {
+        user_id: String,
+        device_id: String,
+        display_name: Option<String>,
+    },
     /// A device was deleted; its tokens are revoked with it.
     DeviceDeleted { user_id: String, device_id: String },
     /// An access token was issued. Only the blake3 hash of the token is stored.
-    TokenIssued { user_id: String, device_id: String, token_hash: String },
+    TokenIssued {
+        user_id: String,
+        device_id: String,
+        token_hash: String,
+    },
     /// An access token was revoked (logout).
     TokenRevoked { token_hash: String },
     /// A filter was stored (spec: `POST /user/{userId}/filter`).
-    FilterCreated { user_id: String, filter_id: String, filter: serde_json::Value },
+    FilterCreated {
+        user_id: String,
+        filter_id: String,
+        filter: serde_json::Value,
+    },
     /// Global (`room_id: None`) or per-room account data was set.
-    AccountDataSet { user_id: String, room_id: Option<String>, data_type: String, content: serde_json::Value },
+    AccountDataSet {
+        user_id: String,
+        room_id: Option<String>,
+        data_type: String,
+        content: serde_json::Value,
+    },
     /// A receipt (`m.read`, `m.read.private`) was set; `ts` is the server's time.
     ReceiptSet {
         user_id: String,
@@ -225,7 +271,11 @@ pub enum Fact {
         avatar_url: Option<Option<String>>,
     },
     /// A room alias was created.
-    AliasSet { alias: String, room_id: String, creator: String },
+    AliasSet {
+        alias: String,
+        room_id: String,
+        creator: String,
+    },
     /// A room alias was deleted.
     AliasDeleted { alias: String },
     /// A user forgot a room they left.
@@ -250,17 +300,30 @@ mod tests {
             device_id: Some("D".into()),
             txn_id: None,
             command_signature: "sig".into(),
-            payload: serde_json::to_vec(&Fact::TokenRevoked { token_hash: "h".into() }).unwrap(),
+            payload: serde_json::to_vec(&Fact::TokenRevoked {
+                token_hash: "h".into(),
+            })
+            .unwrap(),
         };
         let bytes = rec.encode();
         assert_eq!(Record::decode(&bytes).unwrap(), rec);
-        assert_eq!(rec.fact(), Some(Fact::TokenRevoked { token_hash: "h".into() }));
+        assert_eq!(
+            rec.fact(),
+            Some(Fact::TokenRevoked {
+                token_hash: "h".into()
+            })
+        );
         assert!(Record::decode(&bytes[..bytes.len() - 3]).is_err());
         let stored = StoredRecord::from_bytes(&bytes).unwrap();
         assert_eq!(stored.position(), 42);
         assert!(!stored.is_event());
         assert_eq!(stored.device_id(), Some("D"));
-        assert_eq!(stored.fact(), Some(Fact::TokenRevoked { token_hash: "h".into() }));
+        assert_eq!(
+            stored.fact(),
+            Some(Fact::TokenRevoked {
+                token_hash: "h".into()
+            })
+        );
         assert_eq!(stored.to_record(), rec);
         assert!(StoredRecord::from_bytes(&bytes[..bytes.len() - 3]).is_err());
     }

@@ -30,10 +30,21 @@ pub struct FjallStore {
 impl FjallStore {
     /// Opens (or creates) the journal database in `dir`.
     pub fn open(dir: &Path) -> Result<FjallStore, String> {
-        let db = Database::builder(dir).manual_journal_persist(true).open().map_err(|e| e.to_string())?;
-        let records = db.keyspace("records", KeyspaceCreateOptions::default).map_err(|e| e.to_string())?;
-        let room_log = db.keyspace("room_log", KeyspaceCreateOptions::default).map_err(|e| e.to_string())?;
-        Ok(FjallStore { db, records, room_log })
+        let db = Database::builder(dir)
+            .manual_journal_persist(true)
+            .open()
+            .map_err(|e| e.to_string())?;
+        let records = db
+            .keyspace("records", KeyspaceCreateOptions::default)
+            .map_err(|e| e.to_string())?;
+        let room_log = db
+            .keyspace("room_log", KeyspaceCreateOptions::default)
+            .map_err(|e| e.to_string())?;
+        Ok(FjallStore {
+            db,
+            records,
+            room_log,
+        })
     }
 }
 
@@ -55,7 +66,9 @@ impl JournalStore for FjallStore {
             }
         }
         batch.commit().map_err(|e| e.to_string())?;
-        self.db.persist(PersistMode::SyncAll).map_err(|e| e.to_string())
+        self.db
+            .persist(PersistMode::SyncAll)
+            .map_err(|e| e.to_string())
     }
 
     fn read_after(&self, after: u64, limit: usize) -> Result<Vec<StoredRecord>, String> {
@@ -80,7 +93,9 @@ impl JournalStore for FjallStore {
                 break;
             }
             let k = kv.key().map_err(|e| e.to_string())?;
-            let pos: [u8; 8] = k[k.len() - 8..].try_into().map_err(|_| "bad room_log key".to_string())?;
+            let pos: [u8; 8] = k[k.len() - 8..]
+                .try_into()
+                .map_err(|_| "bad room_log key".to_string())?;
             out.push(u64::from_be_bytes(pos));
         }
         Ok(out)

@@ -86,7 +86,12 @@ impl Accounts {
         self.devices
             .scan_prefix(&prefix, usize::MAX)
             .into_iter()
-            .filter_map(|(k, v)| Some((String::from_utf8_lossy(&k[prefix.len()..]).into_owned(), serde_json::from_slice(&v).ok()?)))
+            .filter_map(|(k, v)| {
+                Some((
+                    String::from_utf8_lossy(&k[prefix.len()..]).into_owned(),
+                    serde_json::from_slice(&v).ok()?,
+                ))
+            })
             .collect()
     }
 
@@ -107,12 +112,21 @@ impl Accounts {
 
     /// The user's profile (empty if never set).
     pub fn profile(&self, user_id: &str) -> Profile {
-        self.profiles.get(user_id.as_bytes()).and_then(|v| serde_json::from_slice(&v).ok()).unwrap_or_default()
+        self.profiles
+            .get(user_id.as_bytes())
+            .and_then(|v| serde_json::from_slice(&v).ok())
+            .unwrap_or_default()
     }
 
     fn revoke(&self, ctx: &ApplyCtx, token_hash: &str) {
-        if let Some(owner) = ctx.get(&self.tokens, token_hash.as_bytes()).and_then(|v| serde_json::from_slice::<TokenOwner>(&v).ok()) {
-            ctx.delete(&self.device_tokens, key::join(&[&owner.user_id, &owner.device_id, token_hash]));
+        if let Some(owner) = ctx
+            .get(&self.tokens, token_hash.as_bytes())
+            .and_then(|v| serde_json::from_slice::<TokenOwner>(&v).ok())
+        {
+            ctx.delete(
+                &self.device_tokens,
+                key::join(&[&owner.user_id, &owner.device_id, token_hash]),
+            );
         }
         ctx.delete(&self.tokens, token_hash.as_bytes().to_vec());
     }
@@ -124,18 +138,46 @@ impl Projection for Accounts {
     }
 
     fn tables(&self) -> Vec<Table> {
-        vec![self.users.clone(), self.devices.clone(), self.tokens.clone(), self.device_tokens.clone(), self.profiles.clone()]
+        vec![
+            self.users.clone(),
+            self.devices.clone(),
+            self.tokens.clone(),
+            self.device_tokens.clone(),
+            self.profiles.clone(),
+        ]
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
-        let Some(fact) = record.fact() else { return Ok(()) };
+        let Some(fact) = record.fact() else {
+            return Ok(());
+        };
         let json = |v: &dyn erased::Ser| v.to_vec();
         match fact {
-            Fact::AccountRegistered { user_id, password_hash } => {
-                ctx.put(&self.users, user_id.into_bytes(), json(&Account { password_hash }));
+            Fact::AccountRegistered {
+                user_id,
+                password_hash,
+            } => {
+                ctx.put(
+                    &self.users,
+                    user_id.into_bytes(),
+                    json(&Account { password_hash }),
+                );
             }
-            Fact::DeviceCreated { user_id, device_id, display_name } | Fact::DeviceRenamed { user_id, device_id, display_name } => {
-                ctx.put(&self.devices, key::join(&[&user_id, &device_id]), json(&Device { display_name }));
+            Fact::DeviceCreated {
+                user_id,
+                device_id,
+                display_name,
+            }
+            | Fact::DeviceRenamed {
+                user_id,
+                device_id,
+                display_name,
+            } => {
+                ctx.put(
+                    &self.devices,
+                    key::join(&[&user_id, &device_id]),
+                    json(&Device { display_name }),
+                );
             }
             Fact::DeviceDeleted { user_id, device_id } => {
                 ctx.delete(&self.devices, key::join(&[&user_id, &device_id]));
@@ -145,12 +187,31 @@ impl Projection for Accounts {
                     self.revoke(ctx, &hash);
                 }
             }
-            Fact::TokenIssued { user_id, device_id, token_hash } => {
-                ctx.put(&self.tokens, token_hash.clone().into_bytes(), json(&TokenOwner { user_id: user_id.clone(), device_id: device_id.clone() }));
-                ctx.put(&self.device_tokens, key::join(&[&user_id, &device_id, &token_hash]), Vec::new());
+            Fact::TokenIssued {
+                user_id,
+                device_id,
+                token_hash,
+            } => {
+                ctx.put(
+                    &self.tokens,
+                    token_hash.clone().into_bytes(),
+                    json(&TokenOwner {
+                        user_id: user_id.clone(),
+                        device_id: device_id.clone(),
+                    }),
+                );
+                ctx.put(
+                    &self.device_tokens,
+                    key::join(&[&user_id, &device_id, &token_hash]),
+                    Vec::new(),
+                );
             }
             Fact::TokenRevoked { token_hash } => self.revoke(ctx, &token_hash),
-            Fact::ProfileSet { user_id, displayname, avatar_url } => {
+            Fact::ProfileSet {
+                user_id,
+                displayname,
+                avatar_url,
+            } => {
                 let mut p: Profile = ctx
                     .get(&self.profiles, user_id.as_bytes())
                     .and_then(|v| serde_json::from_slice(&v).ok())

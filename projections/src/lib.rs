@@ -76,6 +76,17 @@ impl Projections {
             aliases.clone(),
         ];
         let runtime = Runtime::start(journal, db.clone(), all);
-        Ok(Projections { timeline, state, membership, accounts, filters, account_data, receipts, aliases, runtime, db })
+        Ok(Projections {
+            timeline,
+            state,
+            membership,
+            accounts,
+            filters,
+            account_data,
+            receipts,
+            aliases,
+            runtime,
+            db,
+        })
     }
 }

@@ -65,7 +65,12 @@ impl Memberships {
         self.user_rooms
             .scan_prefix(&prefix, usize::MAX)
             .into_iter()
-            .filter_map(|(k, v)| Some((String::from_utf8_lossy(&k[prefix.len()..]).into_owned(), decode(&v)?)))
+            .filter_map(|(k, v)| {
+                Some((
+                    String::from_utf8_lossy(&k[prefix.len()..]).into_owned(),
+                    decode(&v)?,
+                ))
+            })
             .collect()
     }
 
@@ -80,7 +85,12 @@ impl Memberships {
         self.room_members
             .scan_prefix(&prefix, usize::MAX)
             .into_iter()
-            .filter_map(|(k, v)| Some((String::from_utf8_lossy(&k[prefix.len()..]).into_owned(), decode(&v)?)))
+            .filter_map(|(k, v)| {
+                Some((
+                    String::from_utf8_lossy(&k[prefix.len()..]).into_owned(),
+                    decode(&v)?,
+                ))
+            })
             .collect()
     }
 
@@ -100,7 +110,12 @@ impl Memberships {
         self.user_log
             .scan_range(&start, &end, false, usize::MAX)
             .into_iter()
-            .map(|(k, v)| (key::trailing_pos(&k), String::from_utf8_lossy(&v).into_owned()))
+            .map(|(k, v)| {
+                (
+                    key::trailing_pos(&k),
+                    String::from_utf8_lossy(&v).into_owned(),
+                )
+            })
             .collect()
     }
 }
@@ -111,7 +126,11 @@ impl Projection for Memberships {
     }
 
     fn tables(&self) -> Vec<Table> {
-        vec![self.user_rooms.clone(), self.room_members.clone(), self.user_log.clone()]
+        vec![
+            self.user_rooms.clone(),
+            self.room_members.clone(),
+            self.user_log.clone(),
+        ]
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
@@ -119,7 +138,11 @@ impl Projection for Memberships {
             let k = key::join(&[&user_id, &room_id]);
             if let Some(mut m) = ctx.get(&self.user_rooms, &k).and_then(|v| decode(&v)) {
                 m.forgotten = true;
-                ctx.put(&self.user_rooms, k, serde_json::to_vec(&m).map_err(|e| e.to_string())?);
+                ctx.put(
+                    &self.user_rooms,
+                    k,
+                    serde_json::to_vec(&m).map_err(|e| e.to_string())?,
+                );
             }
             return Ok(());
         }
@@ -130,22 +153,38 @@ impl Projection for Memberships {
         if pdu.kind.to_string() != "m.room.member" {
             return Ok(());
         }
-        let Some(user) = pdu.state_key.clone() else { return Ok(()) };
+        let Some(user) = pdu.state_key.clone() else {
+            return Ok(());
+        };
         let content = pdu.content_value();
         let m = Membership {
-            membership: content.get("membership").and_then(|v| v.as_str()).unwrap_or("leave").to_owned(),
+            membership: content
+                .get("membership")
+                .and_then(|v| v.as_str())
+                .unwrap_or("leave")
+                .to_owned(),
             position: record.position(),
             event_id: pdu.event_id.to_string(),
             sender: pdu.sender.to_string(),
-            displayname: content.get("displayname").and_then(|v| v.as_str()).map(str::to_owned),
-            avatar_url: content.get("avatar_url").and_then(|v| v.as_str()).map(str::to_owned),
+            displayname: content
+                .get("displayname")
+                .and_then(|v| v.as_str())
+                .map(str::to_owned),
+            avatar_url: content
+                .get("avatar_url")
+                .and_then(|v| v.as_str())
+                .map(str::to_owned),
             forgotten: false,
         };
         let room = pdu.room_id.to_string();
         let bytes = serde_json::to_vec(&m).map_err(|e| e.to_string())?;
         ctx.put(&self.user_rooms, key::join(&[&user, &room]), bytes.clone());
         ctx.put(&self.room_members, key::join(&[&room, &user]), bytes);
-        ctx.put(&self.user_log, key::with_pos(&[&user], record.position()), room.into_bytes());
+        ctx.put(
+            &self.user_log,
+            key::with_pos(&[&user], record.position()),
+            room.into_bytes(),
+        );
         let (last, pos) = (self.last.clone(), record.position());
         ctx.after_commit(move || last.bump(user, pos));
         Ok(())

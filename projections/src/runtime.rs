@@ -51,17 +51,32 @@ pub struct Runtime {
 
 impl Runtime {
     /// Starts one tailing thread per projection. Each resumes from its checkpoint.
-    pub fn start(journal: Journal, db: ProjectionDb, projections: Vec<Arc<dyn Projection>>) -> Runtime {
+    pub fn start(
+        journal: Journal,
+        db: ProjectionDb,
+        projections: Vec<Arc<dyn Projection>>,
+    ) -> Runtime {
         let slots: Vec<Slot> = projections
             .into_iter()
             .map(|p| {
                 p.reload();
-                Slot { checkpoint: AtomicU64::new(db.checkpoint(p.name())), projection: p }
+                Slot {
+                    checkpoint: AtomicU64::new(db.checkpoint(p.name())),
+                    projection: p,
+                }
             })
             .collect();
-        let min = slots.iter().map(|s| s.checkpoint.load(Ordering::Acquire)).min().unwrap_or(0);
+        let min = slots
+            .iter()
+            .map(|s| s.checkpoint.load(Ordering::Acquire))
+            .min()
+            .unwrap_or(0);
         let (tx, _) = watch::channel(min);
-        let rt = Runtime { slots: Arc::new(slots), applied_tx: Arc::new(tx), db };
+        let rt = Runtime {
+            slots: Arc::new(slots),
+            applied_tx: Arc::new(tx),
+            db,
+        };
         for i in 0..rt.slots.len() {
             let rt2 = rt.clone();
             let journal = journal.clone();
@@ -77,7 +92,10 @@ impl Runtime {
     fn tail(&self, i: usize, journal: Journal) {
         let slot = &self.slots[i];
         let mut head_rx = journal.subscribe();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
         loop {
             let cp = slot.checkpoint.load(Ordering::Acquire);
             let records = match journal.read_after(cp, BATCH) {
@@ -89,9 +107,7 @@ impl Runtime {
                 }
             };
             if records.is_empty() {
-                let done = rt.block_on(async {
-                    head_rx.wait_for(|h| *h > cp).await.is_err()
-                });
+                let done = rt.block_on(async { head_rx.wait_for(|h| *h > cp).await.is_err() });
                 if done {
                     return;
                 }
@@ -113,7 +129,12 @@ impl Runtime {
                 continue;
             }
             slot.checkpoint.store(last, Ordering::Release);
-            let min = self.slots.iter().map(|s| s.checkpoint.load(Ordering::Acquire)).min().unwrap_or(0);
+            let min = self
+                .slots
+                .iter()
+                .map(|s| s.checkpoint.load(Ordering::Acquire))
+                .min()
+                .unwrap_or(0);
             self.applied_tx.send_if_modified(|v| {
                 if min > *v {
                     *v = min;
@@ -139,18 +160,27 @@ impl Runtime {
     /// Returns whether it got there.
     pub async fn wait_for(&self, position: u64, timeout: Duration) -> bool {
         let mut rx = self.applied_tx.subscribe();
-        tokio::time::timeout(timeout, rx.wait_for(|p| *p >= position)).await.map(|r| r.is_ok()).unwrap_or(false)
+        tokio::time::timeout(timeout, rx.wait_for(|p| *p >= position))
+            .await
+            .map(|r| r.is_ok())
+            .unwrap_or(false)
     }
 
     /// Checkpoint of each projection, by name.
     pub fn checkpoints(&self) -> Vec<(&'static str, u64)> {
-        self.slots.iter().map(|s| (s.projection.name(), s.checkpoint.load(Ordering::Acquire))).collect()
+        self.slots
+            .iter()
+            .map(|s| (s.projection.name(), s.checkpoint.load(Ordering::Acquire)))
+            .collect()
     }
 
     /// blake3 digest of every table of every projection, by name (BRIEF §3.2: a
     /// rebuild from position 0 must reproduce these exactly).
     pub fn digests(&self) -> Vec<(&'static str, String)> {
-        self.slots.iter().map(|s| (s.projection.name(), digest(&*s.projection))).collect()
+        self.slots
+            .iter()
+            .map(|s| (s.projection.name(), digest(&*s.projection)))
+            .collect()
     }
 }
 

@@ -159,7 +159,13 @@ impl Projection for State {
     }
 
     fn tables(&self) -> Vec<Table> {
-        vec![self.nodes.clone(), self.event_roots.clone(), self.current.clone(), self.current_others.clone(), self.rooms.clone()]
+        vec![
+            self.nodes.clone(),
+            self.event_roots.clone(),
+            self.current.clone(),
+            self.current_others.clone(),
+            self.rooms.clone(),
+        ]
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
@@ -168,15 +174,24 @@ impl Projection for State {
         }
         let pdu = record.pdu().ok_or("unreadable PDU")?;
         let room = pdu.room_id.to_string();
-        let before = ctx.get(&self.current, room.as_bytes()).and_then(|v| root_from(&v)).unwrap_or_else(Root::empty);
-        let others_before =
-            ctx.get(&self.current_others, room.as_bytes()).and_then(|v| root_from(&v)).unwrap_or_else(Root::empty);
+        let before = ctx
+            .get(&self.current, room.as_bytes())
+            .and_then(|v| root_from(&v))
+            .unwrap_or_else(Root::empty);
+        let others_before = ctx
+            .get(&self.current_others, room.as_bytes())
+            .and_then(|v| root_from(&v))
+            .unwrap_or_else(Root::empty);
         let kind = pdu.kind.to_string();
         let (after, others_after) = match &pdu.state_key {
             Some(sk) => {
-                let store = CtxNodes { ctx, table: &self.nodes };
+                let store = CtxNodes {
+                    ctx,
+                    table: &self.nodes,
+                };
                 let id = pdu.event_id.as_str().as_bytes();
-                let after = trie::insert(&store, before, &kind, sk, id).map_err(|e| e.to_string())?;
+                let after =
+                    trie::insert(&store, before, &kind, sk, id).map_err(|e| e.to_string())?;
                 let others_after = if kind == "m.room.member" {
                     others_before
                 } else {
@@ -192,14 +207,26 @@ impl Projection for State {
                 create_event_id: pdu.event_id.to_string(),
                 creator: pdu.sender.to_string(),
             };
-            ctx.put(&self.rooms, room.clone().into_bytes(), serde_json::to_vec(&meta).map_err(|e| e.to_string())?);
+            ctx.put(
+                &self.rooms,
+                room.clone().into_bytes(),
+                serde_json::to_vec(&meta).map_err(|e| e.to_string())?,
+            );
         }
         let mut roots = before.0.to_vec();
         roots.extend_from_slice(&after.0);
         roots.extend_from_slice(&others_before.0);
         roots.extend_from_slice(&others_after.0);
-        ctx.put(&self.event_roots, pdu.event_id.to_string().into_bytes(), roots);
-        ctx.put(&self.current_others, room.clone().into_bytes(), others_after.0.to_vec());
+        ctx.put(
+            &self.event_roots,
+            pdu.event_id.to_string().into_bytes(),
+            roots,
+        );
+        ctx.put(
+            &self.current_others,
+            room.clone().into_bytes(),
+            others_after.0.to_vec(),
+        );
         ctx.put(&self.current, room.into_bytes(), after.0.to_vec());
         Ok(())
     }

@@ -48,17 +48,30 @@ impl ProjectionDb {
     /// only rewinds a checkpoint.
     pub fn open(dir: &Path) -> Result<ProjectionDb, String> {
         let db = Database::builder(dir).open().map_err(|e| e.to_string())?;
-        let checkpoints = db.keyspace("checkpoints", KeyspaceCreateOptions::default).map_err(|e| e.to_string())?;
-        Ok(ProjectionDb { db, checkpoints, stats: Arc::new(StoreStats::default()) })
+        let checkpoints = db
+            .keyspace("checkpoints", KeyspaceCreateOptions::default)
+            .map_err(|e| e.to_string())?;
+        Ok(ProjectionDb {
+            db,
+            checkpoints,
+            stats: Arc::new(StoreStats::default()),
+        })
     }
 
     /// Opens one table of a projection.
     pub fn table(&self, projection: &str, name: &str) -> Result<Table, String> {
         let ks = self
             .db
-            .keyspace(&format!("{projection}.{name}"), KeyspaceCreateOptions::default)
+            .keyspace(
+                &format!("{projection}.{name}"),
+                KeyspaceCreateOptions::default,
+            )
             .map_err(|e| e.to_string())?;
-        Ok(Table { ks, stats: self.stats.clone(), id: Arc::from(format!("{projection}.{name}")) })
+        Ok(Table {
+            ks,
+            stats: self.stats.clone(),
+            id: Arc::from(format!("{projection}.{name}")),
+        })
     }
 
     /// The checkpoint (last applied position) of a projection; 0 if it never ran.
@@ -106,20 +119,34 @@ impl Table {
                 out.push((k.to_vec(), v.to_vec()));
             }
         }
-        self.stats.rows_scanned.fetch_add(out.len() as u64, Ordering::Relaxed);
+        self.stats
+            .rows_scanned
+            .fetch_add(out.len() as u64, Ordering::Relaxed);
         out
     }
 
     /// Scan of `[start, end)` ascending (or descending when `reverse`), at most `limit` rows.
-    pub fn scan_range(&self, start: &[u8], end: &[u8], reverse: bool, limit: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
+    pub fn scan_range(
+        &self,
+        start: &[u8],
+        end: &[u8],
+        reverse: bool,
+        limit: usize,
+    ) -> Vec<(Vec<u8>, Vec<u8>)> {
         let iter = self.ks.range(start.to_vec()..end.to_vec());
-        let rows: Box<dyn Iterator<Item = fjall::Guard>> = if reverse { Box::new(iter.rev()) } else { Box::new(iter) };
+        let rows: Box<dyn Iterator<Item = fjall::Guard>> = if reverse {
+            Box::new(iter.rev())
+        } else {
+            Box::new(iter)
+        };
         let out: Vec<(Vec<u8>, Vec<u8>)> = rows
             .filter_map(|kv| kv.into_inner().ok())
             .take(limit)
             .map(|(k, v)| (k.to_vec(), v.to_vec()))
             .collect();
-        self.stats.rows_scanned.fetch_add(out.len() as u64, Ordering::Relaxed);
+        self.stats
+            .rows_scanned
+            .fetch_add(out.len() as u64, Ordering::Relaxed);
         out
     }
 
@@ -130,7 +157,10 @@ impl Table {
 
     /// Every row, for digests and snapshots.
     pub(crate) fn all(&self) -> impl Iterator<Item = (Vec<u8>, Vec<u8>)> + '_ {
-        self.ks.iter().filter_map(|kv| kv.into_inner().ok()).map(|(k, v)| (k.to_vec(), v.to_vec()))
+        self.ks
+            .iter()
+            .filter_map(|kv| kv.into_inner().ok())
+            .map(|(k, v)| (k.to_vec(), v.to_vec()))
     }
 }
 
@@ -152,7 +182,11 @@ impl LastChange {
         let start = key::prefix(&[k]);
         let mut end = start.clone();
         *end.last_mut().expect("non-empty") = 1;
-        let found = table.scan_range(&start, &end, true, 1).first().map(|(k, _)| key::trailing_pos(k)).unwrap_or(0);
+        let found = table
+            .scan_range(&start, &end, true, 1)
+            .first()
+            .map(|(k, _)| key::trailing_pos(k))
+            .unwrap_or(0);
         let mut map = self.map.write();
         let entry = map.entry(k.to_owned()).or_insert(found);
         *entry = (*entry).max(found);
@@ -189,7 +223,10 @@ impl Default for ApplyCtx {
 impl ApplyCtx {
     /// An empty context.
     pub fn new() -> Self {
-        ApplyCtx { overlay: parking_lot::Mutex::new(BTreeMap::new()), hooks: Vec::new() }
+        ApplyCtx {
+            overlay: parking_lot::Mutex::new(BTreeMap::new()),
+            hooks: Vec::new(),
+        }
     }
 
     /// Reads a key, seeing this batch's staged writes first.
@@ -203,7 +240,8 @@ impl ApplyCtx {
     /// Rows with keys starting with `prefix`: committed rows merged with this batch's
     /// staged writes and deletes, ascending. Keeps apply independent of batch boundaries.
     pub fn scan_prefix(&self, table: &Table, prefix: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
-        let mut rows: BTreeMap<Vec<u8>, Vec<u8>> = table.scan_prefix(prefix, usize::MAX).into_iter().collect();
+        let mut rows: BTreeMap<Vec<u8>, Vec<u8>> =
+            table.scan_prefix(prefix, usize::MAX).into_iter().collect();
         for (k, v) in self.staged_range(table, prefix) {
             match v {
                 Some(v) => rows.insert(k, v),
@@ -226,17 +264,24 @@ impl ApplyCtx {
 
     /// Only this batch's staged (not deleted) rows under `prefix`, ascending.
     pub fn staged_prefix(&self, table: &Table, prefix: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
-        self.staged_range(table, prefix).into_iter().filter_map(|(k, v)| v.map(|v| (k, v))).collect()
+        self.staged_range(table, prefix)
+            .into_iter()
+            .filter_map(|(k, v)| v.map(|v| (k, v)))
+            .collect()
     }
 
     /// Stages a write.
     pub fn put(&self, table: &Table, key: Vec<u8>, value: Vec<u8>) {
-        self.overlay.lock().insert((table.id.clone(), key), (table.clone(), Some(value)));
+        self.overlay
+            .lock()
+            .insert((table.id.clone(), key), (table.clone(), Some(value)));
     }
 
     /// Stages a delete.
     pub fn delete(&self, table: &Table, key: Vec<u8>) {
-        self.overlay.lock().insert((table.id.clone(), key), (table.clone(), None));
+        self.overlay
+            .lock()
+            .insert((table.id.clone(), key), (table.clone(), None));
     }
 
     /// Runs `f` after the batch is committed.
@@ -245,7 +290,12 @@ impl ApplyCtx {
     }
 
     /// Commits staged writes and the checkpoint atomically, then runs the hooks.
-    pub fn commit(self, db: &ProjectionDb, projection: &str, checkpoint: u64) -> Result<(), String> {
+    pub fn commit(
+        self,
+        db: &ProjectionDb,
+        projection: &str,
+        checkpoint: u64,
+    ) -> Result<(), String> {
         let mut batch = db.db.batch();
         for ((_, key), (table, value)) in self.overlay.into_inner() {
             match value {
@@ -323,8 +373,14 @@ mod tests {
         // Reads see the batch: the delete hides the committed row, the new row shows.
         assert_eq!(ctx.get(&a, b"room1\0x"), None);
         assert_eq!(ctx.get(&a, b"room1\0y"), Some(b"2".to_vec()));
-        assert_eq!(ctx.scan_prefix(&a, b"room1\0"), vec![(b"room1\0y".to_vec(), b"2".to_vec())]);
-        assert_eq!(ctx.staged_prefix(&a, b"room1\0"), vec![(b"room1\0y".to_vec(), b"2".to_vec())]);
+        assert_eq!(
+            ctx.scan_prefix(&a, b"room1\0"),
+            vec![(b"room1\0y".to_vec(), b"2".to_vec())]
+        );
+        assert_eq!(
+            ctx.staged_prefix(&a, b"room1\0"),
+            vec![(b"room1\0y".to_vec(), b"2".to_vec())]
+        );
         // Nothing is visible outside the batch before the commit.
         assert_eq!(a.get(b"room1\0y"), None);
         assert_eq!(db.checkpoint("p"), 1);

@@ -89,11 +89,22 @@ impl Timeline {
         let raw = self.events.get(event_id.as_bytes())?;
         let stored: StoredEvent = serde_json::from_slice(&raw).ok()?;
         let pdu = stored.parse(event_id)?;
-        Some(EventRecord { position: stored.position, pdu: Arc::new(pdu), device_id: stored.device_id, txn_id: stored.txn_id })
+        Some(EventRecord {
+            position: stored.position,
+            pdu: Arc::new(pdu),
+            device_id: stored.device_id,
+            txn_id: stored.txn_id,
+        })
     }
 
     /// Event ids of a room with positions in `(after, upto]`, ascending, at most `limit`.
-    pub fn range_forward(&self, room_id: &str, after: u64, upto: u64, limit: usize) -> Vec<(u64, String)> {
+    pub fn range_forward(
+        &self,
+        room_id: &str,
+        after: u64,
+        upto: u64,
+        limit: usize,
+    ) -> Vec<(u64, String)> {
         if upto <= after {
             return vec![];
         }
@@ -103,7 +114,13 @@ impl Timeline {
     }
 
     /// Event ids of a room with positions in `[from, before)`, descending, at most `limit`.
-    pub fn range_backward(&self, room_id: &str, before: u64, from: u64, limit: usize) -> Vec<(u64, String)> {
+    pub fn range_backward(
+        &self,
+        room_id: &str,
+        before: u64,
+        from: u64,
+        limit: usize,
+    ) -> Vec<(u64, String)> {
         if before <= from {
             return vec![];
         }
@@ -113,12 +130,21 @@ impl Timeline {
     }
 
     fn decode(&self, rows: Vec<(Vec<u8>, Vec<u8>)>) -> Vec<(u64, String)> {
-        rows.into_iter().map(|(k, v)| (key::trailing_pos(&k), String::from_utf8_lossy(&v).into_owned())).collect()
+        rows.into_iter()
+            .map(|(k, v)| {
+                (
+                    key::trailing_pos(&k),
+                    String::from_utf8_lossy(&v).into_owned(),
+                )
+            })
+            .collect()
     }
 
     /// The redaction that redacted `event_id`, if any.
     pub fn redacted_by(&self, event_id: &str) -> Option<String> {
-        self.redactions.get(event_id.as_bytes()).map(|v| String::from_utf8_lossy(&v).into_owned())
+        self.redactions
+            .get(event_id.as_bytes())
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
     }
 
     /// Position of the room's latest event (in memory; no store read).
@@ -133,7 +159,12 @@ impl Projection for Timeline {
     }
 
     fn tables(&self) -> Vec<Table> {
-        vec![self.events.clone(), self.room_events.clone(), self.redactions.clone(), self.rooms.clone()]
+        vec![
+            self.events.clone(),
+            self.room_events.clone(),
+            self.redactions.clone(),
+            self.rooms.clone(),
+        ]
     }
 
     fn reload(&self) {
@@ -141,7 +172,10 @@ impl Projection for Timeline {
         map.clear();
         for (k, v) in self.rooms.all() {
             if v.len() == 8 {
-                map.insert(String::from_utf8_lossy(&k).into_owned(), u64::from_be_bytes(v[..8].try_into().expect("8")));
+                map.insert(
+                    String::from_utf8_lossy(&k).into_owned(),
+                    u64::from_be_bytes(v[..8].try_into().expect("8")),
+                );
             }
         }
     }
@@ -161,16 +195,29 @@ impl Projection for Timeline {
             device_id: record.device_id().map(str::to_owned),
             txn_id: record.txn_id().map(str::to_owned),
         };
-        ctx.put(&self.events, event_id.clone().into_bytes(), serde_json::to_vec(&stored).map_err(|e| e.to_string())?);
-        ctx.put(&self.room_events, key::with_pos(&[&room], record.position()), event_id.into_bytes());
-        ctx.put(&self.rooms, room.clone().into_bytes(), record.position().to_be_bytes().to_vec());
+        ctx.put(
+            &self.events,
+            event_id.clone().into_bytes(),
+            serde_json::to_vec(&stored).map_err(|e| e.to_string())?,
+        );
+        ctx.put(
+            &self.room_events,
+            key::with_pos(&[&room], record.position()),
+            event_id.into_bytes(),
+        );
+        ctx.put(
+            &self.rooms,
+            room.clone().into_bytes(),
+            record.position().to_be_bytes().to_vec(),
+        );
         if pdu.kind.to_string() == "m.room.redaction"
-            && let Some(target) = &pdu.redacts {
-                let k = target.to_string().into_bytes();
-                if ctx.get(&self.redactions, &k).is_none() {
-                    ctx.put(&self.redactions, k, pdu.event_id.to_string().into_bytes());
-                }
+            && let Some(target) = &pdu.redacts
+        {
+            let k = target.to_string().into_bytes();
+            if ctx.get(&self.redactions, &k).is_none() {
+                ctx.put(&self.redactions, k, pdu.event_id.to_string().into_bytes());
             }
+        }
         let recency = self.recency.clone();
         let pos = record.position();
         ctx.after_commit(move || {

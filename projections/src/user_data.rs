@@ -21,7 +21,9 @@ pub struct Filters {
 impl Filters {
     /// Opens the table.
     pub fn open(db: &ProjectionDb) -> Result<Filters, String> {
-        Ok(Filters { filters: db.table("filters", "filters")? })
+        Ok(Filters {
+            filters: db.table("filters", "filters")?,
+        })
     }
 
     /// A stored filter.
@@ -38,8 +40,17 @@ impl Projection for Filters {
         vec![self.filters.clone()]
     }
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
-        if let Some(Fact::FilterCreated { user_id, filter_id, filter }) = record.fact() {
-            ctx.put(&self.filters, key::join(&[&user_id, &filter_id]), json(&filter));
+        if let Some(Fact::FilterCreated {
+            user_id,
+            filter_id,
+            filter,
+        }) = record.fact()
+        {
+            ctx.put(
+                &self.filters,
+                key::join(&[&user_id, &filter_id]),
+                json(&filter),
+            );
         }
         Ok(())
     }
@@ -57,12 +68,26 @@ pub struct AccountData {
 impl AccountData {
     /// Opens the tables.
     pub fn open(db: &ProjectionDb) -> Result<AccountData, String> {
-        Ok(AccountData { data: db.table("account_data", "data")?, log: db.table("account_data", "log")?, last: LastChange::default() })
+        Ok(AccountData {
+            data: db.table("account_data", "data")?,
+            log: db.table("account_data", "log")?,
+            last: LastChange::default(),
+        })
     }
 
     /// One entry (`room_id` `None` for global account data).
-    pub fn get(&self, user_id: &str, room_id: Option<&str>, data_type: &str) -> Option<serde_json::Value> {
-        serde_json::from_slice(&self.data.get(&key::join(&[user_id, room_id.unwrap_or(""), data_type]))?).ok()
+    pub fn get(
+        &self,
+        user_id: &str,
+        room_id: Option<&str>,
+        data_type: &str,
+    ) -> Option<serde_json::Value> {
+        serde_json::from_slice(&self.data.get(&key::join(&[
+            user_id,
+            room_id.unwrap_or(""),
+            data_type,
+        ]))?)
+        .ok()
     }
 
     /// Every entry of a scope (global or one room): (type, content).
@@ -71,7 +96,12 @@ impl AccountData {
         self.data
             .scan_prefix(&prefix, usize::MAX)
             .into_iter()
-            .filter_map(|(k, v)| Some((String::from_utf8_lossy(&k[prefix.len()..]).into_owned(), serde_json::from_slice(&v).ok()?)))
+            .filter_map(|(k, v)| {
+                Some((
+                    String::from_utf8_lossy(&k[prefix.len()..]).into_owned(),
+                    serde_json::from_slice(&v).ok()?,
+                ))
+            })
             .collect()
     }
 
@@ -94,9 +124,10 @@ impl AccountData {
         let mut out: Vec<(String, String)> = Vec::new();
         for (_, v) in rows {
             if let Ok(pair) = serde_json::from_slice::<(String, String)>(&v)
-                && !out.contains(&pair) {
-                    out.push(pair);
-                }
+                && !out.contains(&pair)
+            {
+                out.push(pair);
+            }
         }
         out
     }
@@ -110,10 +141,24 @@ impl Projection for AccountData {
         vec![self.data.clone(), self.log.clone()]
     }
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
-        if let Some(Fact::AccountDataSet { user_id, room_id, data_type, content }) = record.fact() {
+        if let Some(Fact::AccountDataSet {
+            user_id,
+            room_id,
+            data_type,
+            content,
+        }) = record.fact()
+        {
             let room = room_id.unwrap_or_default();
-            ctx.put(&self.data, key::join(&[&user_id, &room, &data_type]), json(&content));
-            ctx.put(&self.log, key::with_pos(&[&user_id], record.position()), json(&(room, data_type)));
+            ctx.put(
+                &self.data,
+                key::join(&[&user_id, &room, &data_type]),
+                json(&content),
+            );
+            ctx.put(
+                &self.log,
+                key::with_pos(&[&user_id], record.position()),
+                json(&(room, data_type)),
+            );
             let (last, pos) = (self.last.clone(), record.position());
             ctx.after_commit(move || last.bump(user_id, pos));
         }
@@ -163,7 +208,10 @@ fn last_count(table: &Table, prefix_parts: &[&str], at: u64) -> u64 {
     table
         .scan_range(&start, &end, true, 1)
         .first()
-        .and_then(|(_, v)| v.get(..8).map(|b| u64::from_be_bytes(b.try_into().expect("8"))))
+        .and_then(|(_, v)| {
+            v.get(..8)
+                .map(|b| u64::from_be_bytes(b.try_into().expect("8")))
+        })
         .unwrap_or(0)
 }
 
@@ -182,7 +230,12 @@ impl Receipts {
 
     /// A user's receipt of one type in a room.
     pub fn get(&self, room_id: &str, user_id: &str, receipt_type: &str) -> Option<Receipt> {
-        serde_json::from_slice(&self.receipts.get(&key::join(&[room_id, user_id, receipt_type]))?).ok()
+        serde_json::from_slice(
+            &self
+                .receipts
+                .get(&key::join(&[room_id, user_id, receipt_type]))?,
+        )
+        .ok()
     }
 
     /// Every receipt in a room: (user, type, receipt).
@@ -194,7 +247,11 @@ impl Receipts {
             .filter_map(|(k, v)| {
                 let rest = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();
                 let (user, kind) = rest.split_once('\0')?;
-                Some((user.to_owned(), kind.to_owned(), serde_json::from_slice(&v).ok()?))
+                Some((
+                    user.to_owned(),
+                    kind.to_owned(),
+                    serde_json::from_slice(&v).ok()?,
+                ))
             })
             .collect()
     }
@@ -210,7 +267,12 @@ impl Receipts {
             return vec![];
         }
         self.log
-            .scan_range(&key::with_pos(&[room_id], after + 1), &key::with_pos(&[room_id], upto.saturating_add(1)), false, usize::MAX)
+            .scan_range(
+                &key::with_pos(&[room_id], after + 1),
+                &key::with_pos(&[room_id], upto.saturating_add(1)),
+                false,
+                usize::MAX,
+            )
             .into_iter()
             .filter_map(|(_, v)| serde_json::from_slice(&v).ok())
             .collect()
@@ -222,8 +284,10 @@ impl Receipts {
         if upto <= from {
             return 0;
         }
-        let all = last_count(&self.counts, &[room_id], upto) - last_count(&self.counts, &[room_id], from);
-        let own = last_count(&self.own_counts, &[room_id, user_id], upto) - last_count(&self.own_counts, &[room_id, user_id], from);
+        let all =
+            last_count(&self.counts, &[room_id], upto) - last_count(&self.counts, &[room_id], from);
+        let own = last_count(&self.own_counts, &[room_id, user_id], upto)
+            - last_count(&self.own_counts, &[room_id, user_id], from);
         all.saturating_sub(own)
     }
 
@@ -242,13 +306,23 @@ impl Projection for Receipts {
         "receipts"
     }
     fn tables(&self) -> Vec<Table> {
-        vec![self.receipts.clone(), self.log.clone(), self.event_pos.clone(), self.counts.clone(), self.own_counts.clone()]
+        vec![
+            self.receipts.clone(),
+            self.log.clone(),
+            self.event_pos.clone(),
+            self.counts.clone(),
+            self.own_counts.clone(),
+        ]
     }
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
         match record.is_event() {
             true => {
                 let pdu = record.pdu().ok_or("unreadable PDU")?;
-                ctx.put(&self.event_pos, pdu.event_id.to_string().into_bytes(), record.position().to_be_bytes().to_vec());
+                ctx.put(
+                    &self.event_pos,
+                    pdu.event_id.to_string().into_bytes(),
+                    record.position().to_be_bytes().to_vec(),
+                );
                 let kind = pdu.kind.to_string();
                 if pdu.state_key.is_none() && NOTIFYING.contains(&kind.as_str()) {
                     let room = pdu.room_id.to_string();
@@ -256,23 +330,59 @@ impl Projection for Receipts {
                     // The running counts only ever grow, so "the last row" is found
                     // through the staged batch first, then the table.
                     let prev = self.latest(ctx, &self.counts, &[&room], record.position());
-                    ctx.put(&self.counts, key::with_pos(&[&room], record.position()), (prev + 1).to_be_bytes().to_vec());
-                    let prev_own = self.latest(ctx, &self.own_counts, &[&room, &sender], record.position());
-                    ctx.put(&self.own_counts, key::with_pos(&[&room, &sender], record.position()), (prev_own + 1).to_be_bytes().to_vec());
+                    ctx.put(
+                        &self.counts,
+                        key::with_pos(&[&room], record.position()),
+                        (prev + 1).to_be_bytes().to_vec(),
+                    );
+                    let prev_own =
+                        self.latest(ctx, &self.own_counts, &[&room, &sender], record.position());
+                    ctx.put(
+                        &self.own_counts,
+                        key::with_pos(&[&room, &sender], record.position()),
+                        (prev_own + 1).to_be_bytes().to_vec(),
+                    );
                 }
             }
             false => {
-                if let Some(Fact::ReceiptSet { user_id, room_id, event_id, receipt_type, thread_id, ts }) = record.fact() {
-                    let Some(pos) = ctx.get(&self.event_pos, event_id.as_bytes()) else { return Ok(()) };
-                    let event_position = u64::from_be_bytes(pos[..8].try_into().map_err(|_| "bad event_pos")?);
+                if let Some(Fact::ReceiptSet {
+                    user_id,
+                    room_id,
+                    event_id,
+                    receipt_type,
+                    thread_id,
+                    ts,
+                }) = record.fact()
+                {
+                    let Some(pos) = ctx.get(&self.event_pos, event_id.as_bytes()) else {
+                        return Ok(());
+                    };
+                    let event_position =
+                        u64::from_be_bytes(pos[..8].try_into().map_err(|_| "bad event_pos")?);
                     let k = key::join(&[&room_id, &user_id, &receipt_type]);
                     // Receipts never move backwards (spec: a receipt for an older event is ignored).
-                    if let Some(old) = ctx.get(&self.receipts, &k).and_then(|v| serde_json::from_slice::<Receipt>(&v).ok())
-                        && old.event_position >= event_position {
-                            return Ok(());
-                        }
-                    ctx.put(&self.receipts, k, json(&Receipt { event_id, event_position, ts, thread_id }));
-                    ctx.put(&self.log, key::with_pos(&[&room_id], record.position()), json(&(user_id, receipt_type)));
+                    if let Some(old) = ctx
+                        .get(&self.receipts, &k)
+                        .and_then(|v| serde_json::from_slice::<Receipt>(&v).ok())
+                        && old.event_position >= event_position
+                    {
+                        return Ok(());
+                    }
+                    ctx.put(
+                        &self.receipts,
+                        k,
+                        json(&Receipt {
+                            event_id,
+                            event_position,
+                            ts,
+                            thread_id,
+                        }),
+                    );
+                    ctx.put(
+                        &self.log,
+                        key::with_pos(&[&room_id], record.position()),
+                        json(&(user_id, receipt_type)),
+                    );
                     let (last, pos) = (self.last.clone(), record.position());
                     ctx.after_commit(move || last.bump(room_id, pos));
                 }
@@ -287,8 +397,15 @@ impl Receipts {
         // Staged rows of this batch are newer than anything committed; otherwise one
         // reverse seek in the table.
         let staged = ctx.staged_prefix(table, &key::prefix(parts));
-        match staged.iter().rev().find(|(k, _)| key::trailing_pos(k) < before) {
-            Some((_, v)) => v.get(..8).map(|b| u64::from_be_bytes(b.try_into().expect("8"))).unwrap_or(0),
+        match staged
+            .iter()
+            .rev()
+            .find(|(k, _)| key::trailing_pos(k) < before)
+        {
+            Some((_, v)) => v
+                .get(..8)
+                .map(|b| u64::from_be_bytes(b.try_into().expect("8")))
+                .unwrap_or(0),
             None => last_count(table, parts, before.saturating_sub(1)),
         }
     }
@@ -313,7 +430,10 @@ pub struct AliasTarget {
 impl Aliases {
     /// Opens the tables.
     pub fn open(db: &ProjectionDb) -> Result<Aliases, String> {
-        Ok(Aliases { aliases: db.table("aliases", "aliases")?, room_aliases: db.table("aliases", "room_aliases")? })
+        Ok(Aliases {
+            aliases: db.table("aliases", "aliases")?,
+            room_aliases: db.table("aliases", "room_aliases")?,
+        })
     }
 
     /// Resolves an alias.
@@ -341,12 +461,27 @@ impl Projection for Aliases {
     }
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
         match record.fact() {
-            Some(Fact::AliasSet { alias, room_id, creator }) => {
-                ctx.put(&self.room_aliases, key::join(&[&room_id, &alias]), Vec::new());
-                ctx.put(&self.aliases, alias.into_bytes(), json(&AliasTarget { room_id, creator }));
+            Some(Fact::AliasSet {
+                alias,
+                room_id,
+                creator,
+            }) => {
+                ctx.put(
+                    &self.room_aliases,
+                    key::join(&[&room_id, &alias]),
+                    Vec::new(),
+                );
+                ctx.put(
+                    &self.aliases,
+                    alias.into_bytes(),
+                    json(&AliasTarget { room_id, creator }),
+                );
             }
             Some(Fact::AliasDeleted { alias }) => {
-                if let Some(t) = ctx.get(&self.aliases, alias.as_bytes()).and_then(|v| serde_json::from_slice::<AliasTarget>(&v).ok()) {
+                if let Some(t) = ctx
+                    .get(&self.aliases, alias.as_bytes())
+                    .and_then(|v| serde_json::from_slice::<AliasTarget>(&v).ok())
+                {
                     ctx.delete(&self.room_aliases, key::join(&[&t.room_id, &alias]));
                 }
                 ctx.delete(&self.aliases, alias.into_bytes());

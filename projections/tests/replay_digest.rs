@@ -5,19 +5,31 @@ use std::{sync::Arc, time::Duration};
 
 use serde_json::json;
 use spindle_core::keys::ServerKey;
-use spindle_journal::{CommandBody, CommandEnvelope, EventSpec, Fact, FjallStore, Journal, SignedCommand};
+use spindle_journal::{
+    CommandBody, CommandEnvelope, EventSpec, Fact, FjallStore, Journal, SignedCommand,
+};
 use spindle_projections::Projections;
 
 fn cmd(key: &ServerKey, principal: &str, body: CommandBody) -> SignedCommand {
     SignedCommand::sign(
         key,
-        CommandEnvelope { principal: principal.into(), device_id: Some("DEV".into()), issued_at: 1_700_000_000_000, body },
+        CommandEnvelope {
+            principal: principal.into(),
+            device_id: Some("DEV".into()),
+            issued_at: 1_700_000_000_000,
+            body,
+        },
     )
     .unwrap()
 }
 
 fn ev(kind: &str, state_key: Option<&str>, content: serde_json::Value) -> EventSpec {
-    EventSpec { kind: kind.into(), state_key: state_key.map(str::to_owned), content, redacts: None }
+    EventSpec {
+        kind: kind.into(),
+        state_key: state_key.map(str::to_owned),
+        content,
+        redacts: None,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -33,7 +45,16 @@ async fn live_and_replayed_projections_have_identical_digests() {
     let bob = "@bob:example.org";
     for user in [alice, bob] {
         journal
-            .submit(cmd(&key, user, CommandBody::Fact { fact: Fact::AccountRegistered { user_id: user.into(), password_hash: None } }))
+            .submit(cmd(
+                &key,
+                user,
+                CommandBody::Fact {
+                    fact: Fact::AccountRegistered {
+                        user_id: user.into(),
+                        password_hash: None,
+                    },
+                },
+            ))
             .await
             .unwrap();
     }
@@ -45,9 +66,21 @@ async fn live_and_replayed_projections_have_identical_digests() {
                 room_version: "11".into(),
                 events: vec![
                     ev("m.room.create", Some(""), json!({ "room_version": "11" })),
-                    ev("m.room.member", Some(alice), json!({ "membership": "join" })),
-                    ev("m.room.power_levels", Some(""), json!({ "users": { alice: 100 } })),
-                    ev("m.room.join_rules", Some(""), json!({ "join_rule": "public" })),
+                    ev(
+                        "m.room.member",
+                        Some(alice),
+                        json!({ "membership": "join" }),
+                    ),
+                    ev(
+                        "m.room.power_levels",
+                        Some(""),
+                        json!({ "users": { alice: 100 } }),
+                    ),
+                    ev(
+                        "m.room.join_rules",
+                        Some(""),
+                        json!({ "join_rule": "public" }),
+                    ),
                 ],
                 alias: Some("#room:example.org".into()),
             },
@@ -56,14 +89,38 @@ async fn live_and_replayed_projections_have_identical_digests() {
         .unwrap();
     let room = created.room_id.unwrap().to_string();
     let send = |who: &str, spec: EventSpec, txn: Option<String>| {
-        cmd(&key, who, CommandBody::SendEvent { room_id: room.clone(), event: spec, txn_id: txn, precondition: None })
+        cmd(
+            &key,
+            who,
+            CommandBody::SendEvent {
+                room_id: room.clone(),
+                event: spec,
+                txn_id: txn,
+                precondition: None,
+            },
+        )
     };
-    journal.submit(send(bob, ev("m.room.member", Some(bob), json!({ "membership": "join" })), None)).await.unwrap();
+    journal
+        .submit(send(
+            bob,
+            ev("m.room.member", Some(bob), json!({ "membership": "join" })),
+            None,
+        ))
+        .await
+        .unwrap();
     let mut last = String::new();
     for i in 0..60 {
         let who = if i % 2 == 0 { alice } else { bob };
         let out = journal
-            .submit(send(who, ev("m.room.message", None, json!({ "msgtype": "m.text", "body": format!("m{i}") })), Some(format!("t{i}"))))
+            .submit(send(
+                who,
+                ev(
+                    "m.room.message",
+                    None,
+                    json!({ "msgtype": "m.text", "body": format!("m{i}") }),
+                ),
+                Some(format!("t{i}")),
+            ))
             .await
             .unwrap();
         last = out.event_ids[0].to_string();
@@ -85,14 +142,26 @@ async fn live_and_replayed_projections_have_identical_digests() {
         ))
         .await
         .unwrap();
-    journal.submit(send(alice, ev("m.room.name", Some(""), json!({ "name": "renamed" })), None)).await.unwrap();
+    journal
+        .submit(send(
+            alice,
+            ev("m.room.name", Some(""), json!({ "name": "renamed" })),
+            None,
+        ))
+        .await
+        .unwrap();
     let head = journal.durable_head();
     assert_eq!(head, 2 + 4 + 1 + 1 + 60 + 1 + 1);
     assert!(live.runtime.wait_for(head, Duration::from_secs(10)).await);
 
     // A rebuild from position 0 sees the whole journal in large batches.
     let rebuilt = Projections::start(&dir.path().join("rebuilt"), journal.clone()).unwrap();
-    assert!(rebuilt.runtime.wait_for(head, Duration::from_secs(10)).await);
+    assert!(
+        rebuilt
+            .runtime
+            .wait_for(head, Duration::from_secs(10))
+            .await
+    );
     let a = live.runtime.digests();
     let b = rebuilt.runtime.digests();
     assert_eq!(a.len(), 8);
@@ -102,8 +171,19 @@ async fn live_and_replayed_projections_have_identical_digests() {
     let alice_join = live.membership.get(&room, alice).unwrap().position;
     assert_eq!(live.receipts.unread(&room, alice, alice_join, head), 30);
     assert_eq!(rebuilt.receipts.unread(&room, alice, alice_join, head), 30);
-    assert_eq!(live.receipts.read_position(&room, bob), rebuilt.receipts.read_position(&room, bob));
+    assert_eq!(
+        live.receipts.read_position(&room, bob),
+        rebuilt.receipts.read_position(&room, bob)
+    );
     let root = rebuilt.state.current_root(&room).unwrap();
     let name_id = rebuilt.state.lookup(root, "m.room.name", "").unwrap();
-    assert_eq!(rebuilt.timeline.event(&name_id).unwrap().pdu.content_value()["name"], "renamed");
+    assert_eq!(
+        rebuilt
+            .timeline
+            .event(&name_id)
+            .unwrap()
+            .pdu
+            .content_value()["name"],
+        "renamed"
+    );
 }

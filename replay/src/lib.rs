@@ -11,16 +11,31 @@ use spindle_projections::Projections;
 /// Opens the journal of a data directory (replaying its room aggregates).
 pub fn open_journal(data_dir: &Path, server_name: &str) -> anyhow::Result<Journal> {
     if !data_dir.join("journal").is_dir() {
-        return Err(anyhow!("no journal in {} (check data_dir in the config)", data_dir.display()));
+        return Err(anyhow!(
+            "no journal in {} (check data_dir in the config)",
+            data_dir.display()
+        ));
     }
     if let Ok(stored) = std::fs::read_to_string(data_dir.join("server_name"))
-        && stored.trim() != server_name {
-            return Err(anyhow!("{} belongs to server name {:?}, not {:?}", data_dir.display(), stored.trim(), server_name));
-        }
-    let key = spindle_federation::load_or_create_key(data_dir, server_name).map_err(|e| anyhow!(e))?;
+        && stored.trim() != server_name
+    {
+        return Err(anyhow!(
+            "{} belongs to server name {:?}, not {:?}",
+            data_dir.display(),
+            stored.trim(),
+            server_name
+        ));
+    }
+    let key =
+        spindle_federation::load_or_create_key(data_dir, server_name).map_err(|e| anyhow!(e))?;
     let store = FjallStore::open(&data_dir.join("journal"))
         .map_err(|e| anyhow!(e))
-        .with_context(|| format!("opening the journal in {} (is the server still running?)", data_dir.display()))?;
+        .with_context(|| {
+            format!(
+                "opening the journal in {} (is the server still running?)",
+                data_dir.display()
+            )
+        })?;
     Journal::open(Arc::new(store), Arc::new(key)).map_err(|e| anyhow!(e.to_string()))
 }
 
@@ -28,7 +43,11 @@ pub fn open_journal(data_dir: &Path, server_name: &str) -> anyhow::Result<Journa
 pub async fn catch_up(projections: &Projections, journal: &Journal) -> anyhow::Result<()> {
     let head = journal.durable_head();
     // Generous: rebuilding a large journal takes a while; progress is in the log.
-    if !projections.runtime.wait_for(head, Duration::from_secs(24 * 3600)).await {
+    if !projections
+        .runtime
+        .wait_for(head, Duration::from_secs(24 * 3600))
+        .await
+    {
         return Err(anyhow!("projections did not reach position {head}"));
     }
     Ok(())
@@ -36,7 +55,10 @@ pub async fn catch_up(projections: &Projections, journal: &Journal) -> anyhow::R
 
 /// Deletes every projection of `data_dir` and rebuilds them from position 0.
 /// Returns each projection's digest.
-pub async fn rebuild_all(data_dir: &Path, server_name: &str) -> anyhow::Result<Vec<(&'static str, String)>> {
+pub async fn rebuild_all(
+    data_dir: &Path,
+    server_name: &str,
+) -> anyhow::Result<Vec<(&'static str, String)>> {
     let dir = data_dir.join("projections");
     if dir.exists() {
         std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
@@ -62,7 +84,8 @@ pub struct Verification {
 /// live ones (both caught up to the same head).
 pub async fn verify(data_dir: &Path, server_name: &str) -> anyhow::Result<Vec<Verification>> {
     let journal = open_journal(data_dir, server_name)?;
-    let live = Projections::start(&data_dir.join("projections"), journal.clone()).map_err(|e| anyhow!(e))?;
+    let live = Projections::start(&data_dir.join("projections"), journal.clone())
+        .map_err(|e| anyhow!(e))?;
     catch_up(&live, &journal).await?;
     let scratch = tempfile_dir(data_dir)?;
     let rebuilt = Projections::start(&scratch, journal.clone()).map_err(|e| anyhow!(e))?;
@@ -72,7 +95,11 @@ pub async fn verify(data_dir: &Path, server_name: &str) -> anyhow::Result<Vec<Ve
         .digests()
         .into_iter()
         .zip(rebuilt.runtime.digests())
-        .map(|((name, live), (_, rebuilt))| Verification { projection: name, live, rebuilt })
+        .map(|((name, live), (_, rebuilt))| Verification {
+            projection: name,
+            live,
+            rebuilt,
+        })
         .collect();
     let _ = std::fs::remove_dir_all(&scratch);
     Ok(out)
@@ -88,8 +115,12 @@ fn tempfile_dir(data_dir: &Path) -> anyhow::Result<std::path::PathBuf> {
 }
 
 /// Each projection's checkpoint and the journal head.
-pub async fn status(data_dir: &Path, server_name: &str) -> anyhow::Result<(u64, Vec<(&'static str, u64)>)> {
+pub async fn status(
+    data_dir: &Path,
+    server_name: &str,
+) -> anyhow::Result<(u64, Vec<(&'static str, u64)>)> {
     let journal = open_journal(data_dir, server_name)?;
-    let projections = Projections::start(&data_dir.join("projections"), journal.clone()).map_err(|e| anyhow!(e))?;
+    let projections = Projections::start(&data_dir.join("projections"), journal.clone())
+        .map_err(|e| anyhow!(e))?;
     Ok((journal.durable_head(), projections.runtime.checkpoints()))
 }

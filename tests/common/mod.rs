@@ -35,7 +35,10 @@ pub fn enc(s: &str) -> String {
 
 /// An HTTP client that never uses a proxy (tests talk to loopback only).
 pub fn http() -> reqwest::Client {
-    reqwest::Client::builder().no_proxy().build().expect("reqwest client")
+    reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("reqwest client")
 }
 
 /// An in-process server on a fresh temporary data directory.
@@ -64,7 +67,12 @@ impl TestServer {
         f(&mut config);
         let server = spindle::Server::start(config).await.expect("server starts");
         let base = format!("http://{}", server.addr);
-        TestServer { server, dir, base, http: http() }
+        TestServer {
+            server,
+            dir,
+            base,
+            http: http(),
+        }
     }
 
     /// A client with no access token.
@@ -104,7 +112,11 @@ impl Resp {
 
     /// Panics unless the status is 200; returns the body.
     pub fn ok(self) -> Value {
-        assert_eq!(self.status, 200, "expected 200, got {}: {}", self.status, self.text);
+        assert_eq!(
+            self.status, 200,
+            "expected 200, got {}: {}",
+            self.status, self.text
+        );
         self.body
     }
 
@@ -117,7 +129,11 @@ impl Resp {
             self.status,
             self.text
         );
-        assert!(self.body.get("error").is_some_and(|e| e.is_string()), "an error needs an `error` string: {}", self.text);
+        assert!(
+            self.body.get("error").is_some_and(|e| e.is_string()),
+            "an error needs an `error` string: {}",
+            self.text
+        );
     }
 }
 
@@ -141,17 +157,34 @@ pub struct Client {
 impl Client {
     /// A client with no access token.
     pub fn anon(base: &str, http: reqwest::Client) -> Client {
-        Client { http, base: base.to_owned(), token: None, user_id: String::new(), device_id: String::new() }
+        Client {
+            http,
+            base: base.to_owned(),
+            token: None,
+            user_id: String::new(),
+            device_id: String::new(),
+        }
     }
 
     /// The same user and device with another token (or none).
     pub fn with_token(&self, token: Option<&str>) -> Client {
-        Client { token: token.map(str::to_owned), ..self.clone() }
+        Client {
+            token: token.map(str::to_owned),
+            ..self.clone()
+        }
     }
 
     /// Sends raw bytes; `path` starts with `/`.
-    pub async fn raw(&self, method: Method, path: &str, body: Option<Vec<u8>>, headers: &[(&str, &str)]) -> Resp {
-        let mut req = self.http.request(method.clone(), format!("{}{}", self.base, path));
+    pub async fn raw(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+        headers: &[(&str, &str)],
+    ) -> Resp {
+        let mut req = self
+            .http
+            .request(method.clone(), format!("{}{}", self.base, path));
         if let Some(t) = &self.token {
             req = req.bearer_auth(t);
         }
@@ -161,18 +194,38 @@ impl Client {
         if let Some(b) = body {
             req = req.header("content-type", "application/json").body(b);
         }
-        let resp = req.send().await.unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+        let resp = req
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
         let status = resp.status().as_u16();
         let headers = resp.headers().clone();
-        let text = resp.text().await.unwrap_or_else(|e| panic!("{method} {path}: reading body: {e}"));
+        let text = resp
+            .text()
+            .await
+            .unwrap_or_else(|e| panic!("{method} {path}: reading body: {e}"));
         let body = serde_json::from_str(&text).unwrap_or(Value::Null);
-        assert!(status < 500, "{method} {path} answered {status} (no test may observe a 5xx): {text}");
-        Resp { status, body, text, headers }
+        assert!(
+            status < 500,
+            "{method} {path} answered {status} (no test may observe a 5xx): {text}"
+        );
+        Resp {
+            status,
+            body,
+            text,
+            headers,
+        }
     }
 
     /// Sends a JSON body (or none).
     pub async fn request(&self, method: Method, path: &str, body: Option<&Value>) -> Resp {
-        self.raw(method, path, body.map(|b| serde_json::to_vec(b).unwrap()), &[]).await
+        self.raw(
+            method,
+            path,
+            body.map(|b| serde_json::to_vec(b).unwrap()),
+            &[],
+        )
+        .await
     }
 
     pub async fn get(&self, path: &str) -> Resp {
@@ -195,48 +248,97 @@ impl Client {
 
     /// `PUT /send/{type}/{txn}` (raw response).
     pub async fn send_txn(&self, room: &str, kind: &str, txn_id: &str, content: &Value) -> Resp {
-        self.put(&format!("/_matrix/client/v3/rooms/{}/send/{}/{}", enc(room), enc(kind), enc(txn_id)), content).await
+        self.put(
+            &format!(
+                "/_matrix/client/v3/rooms/{}/send/{}/{}",
+                enc(room),
+                enc(kind),
+                enc(txn_id)
+            ),
+            content,
+        )
+        .await
     }
 
     /// Sends an `m.room.message` text; returns its event id.
     pub async fn send_text(&self, room: &str, body: &str) -> String {
-        let v = self.send_txn(room, "m.room.message", &txn(), &json!({ "msgtype": "m.text", "body": body })).await.ok();
+        let v = self
+            .send_txn(
+                room,
+                "m.room.message",
+                &txn(),
+                &json!({ "msgtype": "m.text", "body": body }),
+            )
+            .await
+            .ok();
         v["event_id"].as_str().expect("event_id").to_owned()
     }
 
     /// `PUT /state/{type}/{key}`; returns the event id.
-    pub async fn put_state(&self, room: &str, kind: &str, state_key: &str, content: Value) -> String {
+    pub async fn put_state(
+        &self,
+        room: &str,
+        kind: &str,
+        state_key: &str,
+        content: Value,
+    ) -> String {
         // An empty state key goes without the trailing slash (see the ignored
         // `empty_state_key_with_trailing_slash_*` test in invariants.rs).
         let path = if state_key.is_empty() {
             format!("/_matrix/client/v3/rooms/{}/state/{}", enc(room), enc(kind))
         } else {
-            format!("/_matrix/client/v3/rooms/{}/state/{}/{}", enc(room), enc(kind), enc(state_key))
+            format!(
+                "/_matrix/client/v3/rooms/{}/state/{}/{}",
+                enc(room),
+                enc(kind),
+                enc(state_key)
+            )
         };
         let v = self.put(&path, &content).await.ok();
         v["event_id"].as_str().expect("event_id").to_owned()
     }
 
     pub async fn invite(&self, room: &str, user: &str) {
-        self.post(&format!("/_matrix/client/v3/rooms/{}/invite", enc(room)), &json!({ "user_id": user })).await.ok();
+        self.post(
+            &format!("/_matrix/client/v3/rooms/{}/invite", enc(room)),
+            &json!({ "user_id": user }),
+        )
+        .await
+        .ok();
     }
 
     pub async fn join(&self, room: &str) {
-        self.post(&format!("/_matrix/client/v3/rooms/{}/join", enc(room)), &json!({})).await.ok();
+        self.post(
+            &format!("/_matrix/client/v3/rooms/{}/join", enc(room)),
+            &json!({}),
+        )
+        .await
+        .ok();
     }
 
     pub async fn leave(&self, room: &str) {
-        self.post(&format!("/_matrix/client/v3/rooms/{}/leave", enc(room)), &json!({})).await.ok();
+        self.post(
+            &format!("/_matrix/client/v3/rooms/{}/leave", enc(room)),
+            &json!({}),
+        )
+        .await
+        .ok();
     }
 
     /// `GET /sync?<query>` (query already encoded, may be empty); 200 body.
     pub async fn sync(&self, query: &str) -> Value {
-        self.get(&format!("/_matrix/client/v3/sync?{query}")).await.ok()
+        self.get(&format!("/_matrix/client/v3/sync?{query}"))
+            .await
+            .ok()
     }
 
     /// `GET /rooms/{id}/messages?<query>` (raw response).
     pub async fn messages_resp(&self, room: &str, query: &str) -> Resp {
-        self.get(&format!("/_matrix/client/v3/rooms/{}/messages?{query}", enc(room))).await
+        self.get(&format!(
+            "/_matrix/client/v3/rooms/{}/messages?{query}",
+            enc(room)
+        ))
+        .await
     }
 
     /// `GET /rooms/{id}/messages?<query>`; 200 body.
@@ -246,12 +348,22 @@ impl Client {
 
     /// `GET /rooms/{id}/event/{eid}` (raw response).
     pub async fn event(&self, room: &str, event_id: &str) -> Resp {
-        self.get(&format!("/_matrix/client/v3/rooms/{}/event/{}", enc(room), enc(event_id))).await
+        self.get(&format!(
+            "/_matrix/client/v3/rooms/{}/event/{}",
+            enc(room),
+            enc(event_id)
+        ))
+        .await
     }
 
     /// `GET /rooms/{id}/context/{eid}?limit=<limit>` (raw response).
     pub async fn context(&self, room: &str, event_id: &str, limit: u32) -> Resp {
-        self.get(&format!("/_matrix/client/v3/rooms/{}/context/{}?limit={limit}", enc(room), enc(event_id))).await
+        self.get(&format!(
+            "/_matrix/client/v3/rooms/{}/context/{}?limit={limit}",
+            enc(room),
+            enc(event_id)
+        ))
+        .await
     }
 
     /// Every event id of a room, oldest first, as this user sees it through `/messages`.
@@ -276,12 +388,22 @@ pub async fn register(base: &str, http: &reqwest::Client, localpart: &str) -> Cl
     let anon = Client::anon(base, http.clone());
     let password = format!("password-{localpart}");
     let first = anon
-        .post("/_matrix/client/v3/register", &json!({ "username": localpart, "password": password }))
+        .post(
+            "/_matrix/client/v3/register",
+            &json!({ "username": localpart, "password": password }),
+        )
         .await;
     assert_eq!(first.status, 401, "UIA challenge: {}", first.text);
-    let session = first.body["session"].as_str().expect("UIA session").to_owned();
+    let session = first.body["session"]
+        .as_str()
+        .expect("UIA session")
+        .to_owned();
     assert!(
-        first.body["flows"].as_array().unwrap().iter().any(|f| f["stages"] == json!(["m.login.dummy"])),
+        first.body["flows"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f["stages"] == json!(["m.login.dummy"])),
         "m.login.dummy flow offered: {}",
         first.text
     );
@@ -307,7 +429,12 @@ pub async fn register(base: &str, http: &reqwest::Client, localpart: &str) -> Cl
 }
 
 /// Logs in with the password [`register`] set.
-pub async fn login(base: &str, http: &reqwest::Client, localpart: &str, device_id: Option<&str>) -> Client {
+pub async fn login(
+    base: &str,
+    http: &reqwest::Client,
+    localpart: &str,
+    device_id: Option<&str>,
+) -> Client {
     let anon = Client::anon(base, http.clone());
     let mut body = json!({
         "type": "m.login.password",
