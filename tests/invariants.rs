@@ -35,11 +35,16 @@ const ROOMS: &str = "/_matrix/client/v3/rooms/{room_id}";
 
 /// Every (method, template) of a `/rooms/{room_id}/...` route in an api source file.
 fn room_routes(source: &str) -> (usize, Vec<(Method, String)>) {
-    let needle = format!(".route(\"{ROOMS}");
-    let count = source.matches(&needle).count();
+    // rustfmt may put the path on the line after `.route(`, so whitespace is skipped.
+    let needle = format!("\"{ROOMS}");
+    let count = source
+        .split(".route(")
+        .skip(1)
+        .filter(|chunk| chunk.trim_start().starts_with(&needle))
+        .count();
     let mut out = Vec::new();
     for chunk in source.split(".route(").skip(1) {
-        let Some(rest) = chunk.strip_prefix('"') else {
+        let Some(rest) = chunk.trim_start().strip_prefix('"') else {
             continue;
         };
         let Some(end) = rest.find('"') else { continue };

@@ -28,9 +28,18 @@ pub(crate) fn routes() -> Router<AppState> {
         )
         .route("/_matrix/client/v3/rooms/{room_id}/invite", post(invite))
         .route("/_matrix/client/v3/rooms/{room_id}/leave", post(leave))
-        .route("/_matrix/client/v3/rooms/{room_id}/kick", post(kick))
-        .route("/_matrix/client/v3/rooms/{room_id}/ban", post(ban))
-        .route("/_matrix/client/v3/rooms/{room_id}/unban", post(unban))
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/kick",
+            post(act_on_member::<KICK>),
+        )
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/ban",
+            post(act_on_member::<BAN>),
+        )
+        .route(
+            "/_matrix/client/v3/rooms/{room_id}/unban",
+            post(act_on_member::<UNBAN>),
+        )
         .route("/_matrix/client/v3/rooms/{room_id}/forget", post(forget))
         .route(
             "/_matrix/client/v3/rooms/{room_id}/send/{event_type}/{txn_id}",
@@ -110,9 +119,6 @@ async fn send_checked(
     precondition: Option<MembershipPrecondition>,
 ) -> ApiResult<Outcome> {
     valid_room_id(room_id)?;
-    if !s.journal.room_exists(room_id) {
-        return Err(MatrixError::forbidden("Unknown room or not a member of it"));
-    }
     if event.state_key.as_ref().is_some_and(|k| k.len() > 255) {
         return Err(MatrixError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -126,7 +132,16 @@ async fn send_checked(
         txn_id,
         precondition,
     };
-    s.submit(&r.user_id, Some(&r.device_id), body).await
+    // An unknown room answers like a room the user is not in, so existence does not leak.
+    s.submit(&r.user_id, Some(&r.device_id), body)
+        .await
+        .map_err(|e| {
+            if e.errcode == "M_NOT_FOUND" {
+                MatrixError::forbidden("Unknown room or not a member of it")
+            } else {
+                e
+            }
+        })
 }
 
 /// The membership transitions the endpoints allow (spec: kick needs the target in the
@@ -608,7 +623,7 @@ async fn create_room(
 
 async fn join(s: &AppState, r: &Requester, room_id: &str) -> ApiResult<Json<Value>> {
     valid_room_id(room_id)?;
-    if !s.journal.room_exists(room_id) {
+    if s.projections.state.room(room_id).is_none() {
         return Err(MatrixError::not_found(
             "No known servers for this room (federation is not served yet)",
         ));
@@ -687,36 +702,25 @@ async fn leave(
     Ok(Json(json!({})))
 }
 
-async fn kick(
-    State(s): State<AppState>,
-    r: Requester,
-    Path(room_id): Path<String>,
-    JsonObject(body): JsonObject,
-) -> ApiResult<Json<Value>> {
-    let (target, reason) = target_and_reason(&body)?;
-    membership(&s, &r, &room_id, &target, "kick", reason).await?;
-    Ok(Json(json!({})))
-}
+/// The member actions that share one request shape (`user_id`, `reason`).
+const KICK: u8 = 0;
+const BAN: u8 = 1;
+const UNBAN: u8 = 2;
 
-async fn ban(
+/// `POST /rooms/{roomId}/kick|ban|unban`: one handler, the action chosen by the route.
+async fn act_on_member<const ACTION: u8>(
     State(s): State<AppState>,
     r: Requester,
     Path(room_id): Path<String>,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
     let (target, reason) = target_and_reason(&body)?;
-    membership(&s, &r, &room_id, &target, "ban", reason).await?;
-    Ok(Json(json!({})))
-}
-
-async fn unban(
-    State(s): State<AppState>,
-    r: Requester,
-    Path(room_id): Path<String>,
-    JsonObject(body): JsonObject,
-) -> ApiResult<Json<Value>> {
-    let (target, reason) = target_and_reason(&body)?;
-    membership(&s, &r, &room_id, &target, "unban", reason).await?;
+    let action = match ACTION {
+        KICK => "kick",
+        BAN => "ban",
+        _ => "unban",
+    };
+    membership(&s, &r, &room_id, &target, action, reason).await?;
     Ok(Json(json!({})))
 }
 

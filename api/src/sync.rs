@@ -247,14 +247,21 @@ impl Ctx<'_> {
 
     /// The state root after the last event of the room at or before `pos`.
     fn root_at(&self, room: &str, pos: u64) -> Root {
+        self.last_event_at(room, pos)
+            .and_then(|id| self.s.projections.state.roots_at(&id))
+            .map(|(_, after)| after)
+            .unwrap_or_else(Root::empty)
+    }
+
+    /// The id of the room's last event at or before `pos`.
+    fn last_event_at(&self, room: &str, pos: u64) -> Option<String> {
         self.s
             .projections
             .timeline
             .range_backward(room, pos.saturating_add(1), 0, 1)
-            .first()
-            .and_then(|(_, id)| self.s.projections.state.roots_at(id))
-            .map(|(_, after)| after)
-            .unwrap_or_else(Root::empty)
+            .into_iter()
+            .next()
+            .map(|(_, id)| id)
     }
 
     /// Up to `limit` visible, filter-passing events in `(after, upto]`, newest last, and
@@ -313,40 +320,16 @@ impl Ctx<'_> {
     /// the room's last event at or before `pos` when the timeline is empty.
     fn roots_before(&self, room: &str, timeline: &[EventRecord], pos: u64) -> (Root, Root) {
         let state = &self.s.projections.state;
-        match timeline.first() {
-            Some(first) => {
-                let id = first.pdu.event_id.as_str();
-                let full = state
-                    .roots_at(id)
-                    .map(|(b, _)| b)
-                    .unwrap_or_else(Root::empty);
-                let others = state
-                    .others_at(id)
-                    .map(|(b, _)| b)
-                    .unwrap_or_else(Root::empty);
-                (full, others)
-            }
-            None => {
-                let last =
-                    self.s
-                        .projections
-                        .timeline
-                        .range_backward(room, pos.saturating_add(1), 0, 1);
-                match last.first() {
-                    Some((_, id)) => (
-                        state
-                            .roots_at(id)
-                            .map(|(_, a)| a)
-                            .unwrap_or_else(Root::empty),
-                        state
-                            .others_at(id)
-                            .map(|(_, a)| a)
-                            .unwrap_or_else(Root::empty),
-                    ),
-                    None => (Root::empty(), Root::empty()),
-                }
-            }
-        }
+        let roots = match timeline.first() {
+            Some(first) => state
+                .event_roots(first.pdu.event_id.as_str())
+                .map(|r| (r.before, r.others_before)),
+            None => self
+                .last_event_at(room, pos)
+                .and_then(|id| state.event_roots(&id))
+                .map(|r| (r.after, r.others_after)),
+        };
+        roots.unwrap_or((Root::empty(), Root::empty()))
     }
 
     /// The state section for a full room: every state event, or with lazy-loading the
@@ -544,13 +527,8 @@ impl Ctx<'_> {
         let newly_joined = since.is_some_and(|sp| {
             m.position > sp && {
                 let root = self.root_at(room, sp);
-                crate::visibility::state_content(self.s, root, "m.room.member", &self.r.user_id)
-                    .and_then(|c| {
-                        c.get("membership")
-                            .and_then(|v| v.as_str())
-                            .map(|v| v != "join")
-                    })
-                    .unwrap_or(true)
+                crate::visibility::membership_at(self.s, root, &self.r.user_id)
+                    .is_none_or(|m| m != "join")
             }
         });
         let full = since.is_none() || self.full_state || newly_joined;

@@ -46,6 +46,18 @@ pub fn state_content(
     Some(ev.pdu.content_value())
 }
 
+/// The `membership` of `user_id`'s member event at `root`, if there is one.
+pub fn membership_at(
+    s: &AppState,
+    root: spindle_core::trie::Root,
+    user_id: &str,
+) -> Option<String> {
+    state_content(s, root, "m.room.member", user_id)?
+        .get("membership")?
+        .as_str()
+        .map(str::to_owned)
+}
+
 fn history_visibility_at(s: &AppState, root: spindle_core::trie::Root) -> String {
     state_content(s, root, "m.room.history_visibility", "")
         .and_then(|c| {
@@ -85,13 +97,8 @@ pub fn room_access(s: &AppState, user_id: &str, room_id: &str) -> ApiResult<Acce
                 .projections
                 .state
                 .roots_at(&m.event_id)
-                .and_then(|(before, _)| state_content(s, before, "m.room.member", user_id))
-                .and_then(|c| {
-                    c.get("membership")
-                        .and_then(|v| v.as_str())
-                        .map(|v| v == "join")
-                })
-                .unwrap_or(false);
+                .and_then(|(before, _)| membership_at(s, before, user_id))
+                .is_some_and(|m| m == "join");
             // A world-readable room stays readable after leaving, like for anyone else.
             let world_readable = s
                 .projections
@@ -158,14 +165,8 @@ pub fn can_see(s: &AppState, user_id: &str, access: &Access, ev: &EventRecord) -
     if visibility == "world_readable" {
         return true;
     }
-    let membership_at = state_content(s, after, "m.room.member", user_id)
-        .and_then(|c| {
-            c.get("membership")
-                .and_then(|v| v.as_str())
-                .map(str::to_owned)
-        })
-        .unwrap_or_else(|| "leave".into());
-    match membership_at.as_str() {
+    let membership = membership_at(s, after, user_id).unwrap_or_else(|| "leave".into());
+    match membership.as_str() {
         "join" => true,
         "invite" if visibility == "invited" => true,
         // `shared`: visible to anyone joined now, or joined at some point after the event

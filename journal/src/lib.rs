@@ -207,26 +207,25 @@ impl Journal {
             for rec in batch {
                 after = rec.position();
                 head = rec.position();
-                match rec.is_event() {
-                    true => {
-                        let Some(pdu) = rec.pdu() else {
-                            return Err(JournalError::Storage(format!(
-                                "unreadable PDU at position {}",
-                                rec.position()
-                            )));
-                        };
-                        let agg = rooms
-                            .entry(pdu.room_id.clone())
-                            .or_insert_with(|| RoomAggregate::new(&pdu.room_version));
-                        if let (Some(txn), Some(dev)) = (rec.txn_id(), rec.device_id()) {
-                            agg.txns.insert(
-                                (rec.principal().to_owned(), dev.to_owned(), txn.to_owned()),
-                                (pdu.event_id.clone(), rec.position()),
-                            );
-                        }
-                        agg.apply(Arc::new(pdu));
+                if rec.is_event() {
+                    let Some(pdu) = rec.pdu() else {
+                        return Err(JournalError::Storage(format!(
+                            "unreadable PDU at position {}",
+                            rec.position()
+                        )));
+                    };
+                    let agg = rooms
+                        .entry(pdu.room_id.clone())
+                        .or_insert_with(|| RoomAggregate::new(&pdu.room_version));
+                    if let (Some(txn), Some(dev)) = (rec.txn_id(), rec.device_id()) {
+                        agg.txns.insert(
+                            (rec.principal().to_owned(), dev.to_owned(), txn.to_owned()),
+                            (pdu.event_id.clone(), rec.position()),
+                        );
                     }
-                    false => match rec.fact() {
+                    agg.apply(Arc::new(pdu));
+                } else {
+                    match rec.fact() {
                         Some(Fact::AccountRegistered { user_id, .. }) => {
                             users.insert(user_id);
                         }
@@ -237,7 +236,7 @@ impl Journal {
                             aliases.remove(&alias);
                         }
                         _ => {}
-                    },
+                    }
                 }
             }
         }
@@ -308,13 +307,6 @@ impl Journal {
             .records_read
             .fetch_add(recs.len() as u64, Ordering::Relaxed);
         Ok(recs.into_iter().filter(|r| r.position() <= head).collect())
-    }
-
-    /// Whether a room exists (has a create event in the journal).
-    pub fn room_exists(&self, room_id: &str) -> bool {
-        ruma::RoomId::parse(room_id)
-            .map(|r| self.inner.rooms.lock().contains_key(&*r))
-            .unwrap_or(false)
     }
 
     /// Verifies, authorizes and durably appends a command. Returns once the records

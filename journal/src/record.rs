@@ -58,45 +58,6 @@ impl Record {
             .expect("record encodes")
             .into_vec()
     }
-
-    /// Decodes and validates stored bytes. Errors on torn or foreign bytes.
-    pub fn decode(bytes: &[u8]) -> Result<Record, String> {
-        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
-        aligned.extend_from_slice(bytes);
-        rkyv::from_bytes::<Record, rkyv::rancor::Error>(&aligned).map_err(|e| e.to_string())
-    }
-
-    /// Parses the payload of a fact record.
-    pub fn fact(&self) -> Option<Fact> {
-        match self.kind {
-            RecordKind::Fact => serde_json::from_slice(&self.payload).ok(),
-            RecordKind::Event => None,
-        }
-    }
-
-    /// Parses the PDU of an event record.
-    pub fn pdu(&self) -> Option<spindle_core::pdu::Pdu> {
-        match self.kind {
-            RecordKind::Event => {
-                let event_id = self
-                    .event_id
-                    .as_deref()
-                    .and_then(|e| ruma::OwnedEventId::try_from(e).ok());
-                let room_id = self
-                    .room_id
-                    .as_deref()
-                    .and_then(|r| ruma::OwnedRoomId::try_from(r).ok());
-                spindle_core::pdu::Pdu::parse(
-                    &self.payload,
-                    self.room_version.as_deref()?,
-                    event_id,
-                    room_id,
-                )
-                .ok()
-            }
-            RecordKind::Fact => None,
-        }
-    }
 }
 
 /// A record as read back from storage: its rkyv bytes, validated once, read in place
@@ -306,14 +267,6 @@ mod tests {
             .unwrap(),
         };
         let bytes = rec.encode();
-        assert_eq!(Record::decode(&bytes).unwrap(), rec);
-        assert_eq!(
-            rec.fact(),
-            Some(Fact::TokenRevoked {
-                token_hash: "h".into()
-            })
-        );
-        assert!(Record::decode(&bytes[..bytes.len() - 3]).is_err());
         let stored = StoredRecord::from_bytes(&bytes).unwrap();
         assert_eq!(stored.position(), 42);
         assert!(!stored.is_event());

@@ -100,16 +100,6 @@ impl Accounts {
         serde_json::from_slice(&self.devices.get(&key::join(&[user_id, device_id]))?).ok()
     }
 
-    /// Token hashes issued to a device and not revoked.
-    pub fn device_token_hashes(&self, user_id: &str, device_id: &str) -> Vec<String> {
-        let prefix = key::prefix(&[user_id, device_id]);
-        self.device_tokens
-            .scan_prefix(&prefix, usize::MAX)
-            .into_iter()
-            .map(|(k, _)| String::from_utf8_lossy(&k[prefix.len()..]).into_owned())
-            .collect()
-    }
-
     /// The user's profile (empty if never set).
     pub fn profile(&self, user_id: &str) -> Profile {
         self.profiles

@@ -1,5 +1,6 @@
 //! Membership projection: per-user room memberships, per-room member lists, and a
-//! per-user log of membership changes (what incremental `/sync` scans).
+//! per-user log of membership changes, whose latest position tells a waiting `/sync`
+//! that the user's room list changed.
 //!
 //! Tables:
 //! - `user_rooms`: user, 0x00, room -> [`Membership`] JSON
@@ -97,26 +98,6 @@ impl Memberships {
     /// Position of the user's latest membership change (memory after the first ask).
     pub fn last_change(&self, user_id: &str) -> u64 {
         self.last.get(user_id, &self.user_log)
-    }
-
-    /// Rooms whose membership for this user changed in `(after, upto]`, with the
-    /// position of each change, ascending.
-    pub fn changes(&self, user_id: &str, after: u64, upto: u64) -> Vec<(u64, String)> {
-        if upto <= after {
-            return vec![];
-        }
-        let start = key::with_pos(&[user_id], after + 1);
-        let end = key::with_pos(&[user_id], upto.saturating_add(1));
-        self.user_log
-            .scan_range(&start, &end, false, usize::MAX)
-            .into_iter()
-            .map(|(k, v)| {
-                (
-                    key::trailing_pos(&k),
-                    String::from_utf8_lossy(&v).into_owned(),
-                )
-            })
-            .collect()
     }
 }
 

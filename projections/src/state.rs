@@ -27,6 +27,20 @@ use crate::{
     store::{ApplyCtx, ProjectionDb, Table},
 };
 
+/// The state roots recorded for one event: the full state and the non-member state,
+/// before and after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EventRoots {
+    /// Full state before the event.
+    pub before: Root,
+    /// Full state after the event.
+    pub after: Root,
+    /// State without `m.room.member` before the event.
+    pub others_before: Root,
+    /// State without `m.room.member` after the event.
+    pub others_after: Root,
+}
+
 /// Per-room facts fixed at creation.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct RoomMeta {
@@ -98,27 +112,23 @@ impl State {
         root_from(&self.current.get(room_id.as_bytes())?)
     }
 
+    /// Every state root recorded for an event (one point read).
+    pub fn event_roots(&self, event_id: &str) -> Option<EventRoots> {
+        let v = self.event_roots.get(event_id.as_bytes())?;
+        if v.len() != 128 {
+            return None;
+        }
+        Some(EventRoots {
+            before: root_from(&v[..32])?,
+            after: root_from(&v[32..64])?,
+            others_before: root_from(&v[64..96])?,
+            others_after: root_from(&v[96..])?,
+        })
+    }
+
     /// State roots (before, after) an event.
     pub fn roots_at(&self, event_id: &str) -> Option<(Root, Root)> {
-        let v = self.event_roots.get(event_id.as_bytes())?;
-        if v.len() != 128 {
-            return None;
-        }
-        Some((root_from(&v[..32])?, root_from(&v[32..64])?))
-    }
-
-    /// Roots of the non-member state (before, after) an event.
-    pub fn others_at(&self, event_id: &str) -> Option<(Root, Root)> {
-        let v = self.event_roots.get(event_id.as_bytes())?;
-        if v.len() != 128 {
-            return None;
-        }
-        Some((root_from(&v[64..96])?, root_from(&v[96..])?))
-    }
-
-    /// The room's current non-member state root.
-    pub fn current_others_root(&self, room_id: &str) -> Option<Root> {
-        root_from(&self.current_others.get(room_id.as_bytes())?)
+        self.event_roots(event_id).map(|r| (r.before, r.after))
     }
 
     /// Point lookup: the event id holding `(event_type, state_key)` at `root`.
