@@ -10,22 +10,63 @@ use std::{
 
 use serde_json::{Value, json};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// One server binary on a free port with its own data directory (kept across restarts).
+struct Node {
+    _dir: tempfile::TempDir,
+    config: std::path::PathBuf,
+    base: String,
+    http: reqwest::Client,
 }
 
-fn spawn(config: &std::path::Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_spindle"))
-        .arg("--config")
-        .arg(config)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start spindle")
+impl Node {
+    fn new() -> Node {
+        let dir = tempfile::tempdir().unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let config = dir.path().join("spindle.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "server_name = \"localhost:{port}\"\nbind = \"127.0.0.1:{port}\"\ndata_dir = \"{}\"\n",
+                dir.path().join("data").display()
+            ),
+        )
+        .unwrap();
+        Node {
+            _dir: dir,
+            config,
+            base: format!("http://127.0.0.1:{port}"),
+            http: reqwest::Client::new(),
+        }
+    }
+
+    /// Starts the binary and waits until it answers `/versions`.
+    async fn start(&self) -> Child {
+        let child = Command::new(env!("CARGO_BIN_EXE_spindle"))
+            .arg("--config")
+            .arg(&self.config)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start spindle");
+        wait_ready(&self.http, &self.base).await;
+        child
+    }
+
+    /// Registers a user (UIA dummy flow) and returns the access token.
+    async fn register(&self, username: &str) -> String {
+        let reg = post(
+            &self.http,
+            format!("{}/_matrix/client/v3/register", self.base),
+            None,
+            json!({ "username": username, "password": "pw", "auth": { "type": "m.login.dummy" } }),
+        )
+        .await;
+        reg["access_token"].as_str().unwrap().to_owned()
+    }
 }
 
 async fn wait_ready(http: &reqwest::Client, base: &str) {
@@ -53,30 +94,10 @@ async fn post(http: &reqwest::Client, url: String, token: Option<&str>, body: Va
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_during_concurrent_sends_loses_nothing_acknowledged() {
-    let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let config = dir.path().join("spindle.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "server_name = \"localhost:{port}\"\nbind = \"127.0.0.1:{port}\"\ndata_dir = \"{}\"\n",
-            dir.path().join("data").display()
-        ),
-    )
-    .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
-    let http = reqwest::Client::new();
-    let mut child = spawn(&config);
-    wait_ready(&http, &base).await;
-
-    let reg = post(
-        &http,
-        format!("{base}/_matrix/client/v3/register"),
-        None,
-        json!({ "username": "crash", "password": "pw", "auth": { "type": "m.login.dummy" } }),
-    )
-    .await;
-    let token = reg["access_token"].as_str().unwrap().to_owned();
+    let node = Node::new();
+    let (http, base) = (node.http.clone(), node.base.clone());
+    let mut child = node.start().await;
+    let token = node.register("crash").await;
     let mut rooms = Vec::new();
     for _ in 0..4 {
         let r = post(
@@ -134,8 +155,7 @@ async fn sigkill_during_concurrent_sends_loses_nothing_acknowledged() {
         acked.len()
     );
 
-    let mut child = spawn(&config);
-    wait_ready(&http, &base).await;
+    let mut child = node.start().await;
     for (w, room) in rooms.iter().enumerate() {
         let want: Vec<&str> = acked
             .iter()
@@ -181,29 +201,10 @@ async fn sigkill_during_concurrent_sends_loses_nothing_acknowledged() {
 /// cleanly well before the poll's timeout (it used to wait for every open poll).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_answers_waiting_long_polls_and_exits() {
-    let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let config = dir.path().join("spindle.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "server_name = \"localhost:{port}\"\nbind = \"127.0.0.1:{port}\"\ndata_dir = \"{}\"\n",
-            dir.path().join("data").display()
-        ),
-    )
-    .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
-    let http = reqwest::Client::new();
-    let mut child = spawn(&config);
-    wait_ready(&http, &base).await;
-    let reg = post(
-        &http,
-        format!("{base}/_matrix/client/v3/register"),
-        None,
-        json!({ "username": "poller", "password": "pw", "auth": { "type": "m.login.dummy" } }),
-    )
-    .await;
-    let token = reg["access_token"].as_str().unwrap().to_owned();
+    let node = Node::new();
+    let (http, base) = (node.http.clone(), node.base.clone());
+    let mut child = node.start().await;
+    let token = node.register("poller").await;
     let first: Value = http
         .get(format!("{base}/_matrix/client/v3/sync"))
         .bearer_auth(&token)
