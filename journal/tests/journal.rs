@@ -6,8 +6,8 @@ use std::sync::Arc;
 use serde_json::json;
 use spindle_core::keys::ServerKey;
 use spindle_journal::{
-    CommandBody, CommandEnvelope, EventSpec, Fact, FjallStore, Journal, JournalError,
-    JournalStore, SignedCommand,
+    CommandBody, CommandEnvelope, EventSpec, Fact, FjallStore, Journal, JournalError, JournalStore,
+    SignedCommand,
 };
 
 const ALICE: &str = "@alice:example.org";
@@ -23,7 +23,12 @@ fn signed(key: &ServerKey, body: CommandBody) -> SignedCommand {
 }
 
 fn state(kind: &str, key: &str, content: serde_json::Value) -> EventSpec {
-    EventSpec { kind: kind.into(), state_key: Some(key.into()), content, redacts: None }
+    EventSpec {
+        kind: kind.into(),
+        state_key: Some(key.into()),
+        content,
+        redacts: None,
+    }
 }
 
 fn create_room() -> CommandBody {
@@ -55,17 +60,29 @@ fn message(room: &str, txn: &str) -> CommandBody {
 async fn a_tampered_command_is_refused_and_nothing_is_appended() {
     let dir = tempfile::tempdir().unwrap();
     let key = Arc::new(ServerKey::generate("example.org"));
-    let journal = Journal::open(Arc::new(FjallStore::open(dir.path()).unwrap()), key.clone()).unwrap();
+    let journal =
+        Journal::open(Arc::new(FjallStore::open(dir.path()).unwrap()), key.clone()).unwrap();
     let mut cmd = signed(
         &key,
-        CommandBody::Fact { fact: Fact::AccountRegistered { user_id: ALICE.into(), password_hash: None } },
+        CommandBody::Fact {
+            fact: Fact::AccountRegistered {
+                user_id: ALICE.into(),
+                password_hash: None,
+            },
+        },
     );
     cmd.envelope.principal = "@mallory:example.org".into();
-    assert!(matches!(journal.submit(cmd).await, Err(JournalError::BadSignature)));
+    assert!(matches!(
+        journal.submit(cmd).await,
+        Err(JournalError::BadSignature)
+    ));
     // A signature from another key is refused too.
     let other = ServerKey::generate("example.org");
     let foreign = signed(&other, create_room());
-    assert!(matches!(journal.submit(foreign).await, Err(JournalError::BadSignature)));
+    assert!(matches!(
+        journal.submit(foreign).await,
+        Err(JournalError::BadSignature)
+    ));
     assert_eq!(journal.durable_head(), 0);
 }
 
@@ -76,7 +93,12 @@ async fn reopening_restores_heads_txns_users_and_aliases() {
     let register = || {
         signed(
             &key,
-            CommandBody::Fact { fact: Fact::AccountRegistered { user_id: ALICE.into(), password_hash: None } },
+            CommandBody::Fact {
+                fact: Fact::AccountRegistered {
+                    user_id: ALICE.into(),
+                    password_hash: None,
+                },
+            },
         )
     };
     let (room, first, head) = {
@@ -85,7 +107,10 @@ async fn reopening_restores_heads_txns_users_and_aliases() {
         journal.submit(register()).await.unwrap();
         let created = journal.submit(signed(&key, create_room())).await.unwrap();
         let room = created.room_id.unwrap().to_string();
-        let first = journal.submit(signed(&key, message(&room, "t1"))).await.unwrap();
+        let first = journal
+            .submit(signed(&key, message(&room, "t1")))
+            .await
+            .unwrap();
         (room, first.event_ids[0].clone(), journal.durable_head())
     };
     // 1 registration + 2 room events + 1 alias + 1 message.
@@ -95,20 +120,36 @@ async fn reopening_restores_heads_txns_users_and_aliases() {
     let journal = Journal::open(store.clone(), key.clone()).unwrap();
     assert_eq!(journal.durable_head(), head);
     // The txn map survived: the same txn id answers the same event and appends nothing.
-    let again = journal.submit(signed(&key, message(&room, "t1"))).await.unwrap();
+    let again = journal
+        .submit(signed(&key, message(&room, "t1")))
+        .await
+        .unwrap();
     assert_eq!(again.event_ids, vec![first.clone()]);
     assert_eq!(journal.durable_head(), head);
     // Uniqueness sets survived.
-    assert!(matches!(journal.submit(register()).await, Err(JournalError::UserInUse)));
+    assert!(matches!(
+        journal.submit(register()).await,
+        Err(JournalError::UserInUse)
+    ));
     let dup_alias = signed(
         &key,
         CommandBody::Fact {
-            fact: Fact::AliasSet { alias: "#kept:example.org".into(), room_id: room.clone(), creator: ALICE.into() },
+            fact: Fact::AliasSet {
+                alias: "#kept:example.org".into(),
+                room_id: room.clone(),
+                creator: ALICE.into(),
+            },
         },
     );
-    assert!(matches!(journal.submit(dup_alias).await, Err(JournalError::AliasInUse)));
+    assert!(matches!(
+        journal.submit(dup_alias).await,
+        Err(JournalError::AliasInUse)
+    ));
     // The room head survived: the next event's only prev_event is the last one before the restart.
-    let next = journal.submit(signed(&key, message(&room, "t2"))).await.unwrap();
+    let next = journal
+        .submit(signed(&key, message(&room, "t2")))
+        .await
+        .unwrap();
     let records = journal.read_after(head, 10).unwrap();
     assert_eq!(records.len(), 1);
     let pdu = records[0].pdu().unwrap();
@@ -117,7 +158,13 @@ async fn reopening_restores_heads_txns_users_and_aliases() {
     assert_eq!(pdu.depth, 4);
 
     // The per-room linear index lists exactly the room's positions, in order.
-    assert_eq!(store.room_positions(&room, 0, 100).unwrap(), vec![2, 3, 5, 6]);
+    assert_eq!(
+        store.room_positions(&room, 0, 100).unwrap(),
+        vec![2, 3, 5, 6]
+    );
     assert_eq!(store.room_positions(&room, 3, 1).unwrap(), vec![5]);
-    assert_eq!(store.room_positions("!other:example.org", 0, 100).unwrap(), Vec::<u64>::new());
+    assert_eq!(
+        store.room_positions("!other:example.org", 0, 100).unwrap(),
+        Vec::<u64>::new()
+    );
 }
