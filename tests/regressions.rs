@@ -551,3 +551,69 @@ async fn stalled_request_body_times_out() {
     let m = a.messages(&room, "dir=b&limit=1").await;
     assert_ne!(m["chunk"][0]["type"], "m.room.message");
 }
+
+/// Receipts in sync: initial syncs carry every receipt of the room, incremental ones only
+/// the changed ones, and a private receipt reaches no one but its owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receipts_in_sync_respect_privacy_and_tokens() {
+    let server = TestServer::start().await;
+    let alice = server.register("rcpt_a").await;
+    let bob = server.register("rcpt_b").await;
+    let room = alice.create_room(json!({ "preset": "public_chat" })).await;
+    bob.join(&room).await;
+    let m1 = alice.send_text(&room, "one").await;
+    let m2 = alice.send_text(&room, "two").await;
+    let receipt = |who: &common::Client, kind: &str, event: &str| {
+        let (who, path) = (
+            who.clone(),
+            format!(
+                "/_matrix/client/v3/rooms/{}/receipt/{kind}/{}",
+                enc(&room),
+                enc(event)
+            ),
+        );
+        async move { who.post(&path, &json!({})).await.ok() }
+    };
+    receipt(&bob, "m.read", &m1).await;
+    receipt(&bob, "m.read.private", &m2).await;
+    let receipts_of = |sync: &serde_json::Value| -> serde_json::Value {
+        sync["rooms"]["join"][&room]["ephemeral"]["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["type"] == "m.receipt")
+            .map(|e| e["content"].clone())
+            .unwrap_or(json!({}))
+    };
+    let strip_ts = |mut v: serde_json::Value| {
+        for (_, by_type) in v.as_object_mut().unwrap().iter_mut() {
+            for (_, by_user) in by_type.as_object_mut().unwrap().iter_mut() {
+                for (_, entry) in by_user.as_object_mut().unwrap().iter_mut() {
+                    entry.as_object_mut().unwrap().remove("ts");
+                }
+            }
+        }
+        v
+    };
+    let a = alice.sync("").await;
+    assert_eq!(
+        strip_ts(receipts_of(&a)),
+        json!({ m1.clone(): { "m.read": { bob.user_id.clone(): {} } } })
+    );
+    let b = bob.sync("").await;
+    assert_eq!(
+        strip_ts(receipts_of(&b)),
+        json!({
+            m1.clone(): { "m.read": { bob.user_id.clone(): {} } },
+            m2.clone(): { "m.read.private": { bob.user_id.clone(): {} } },
+        })
+    );
+    // Incremental: only what changed since the token.
+    let since = a["next_batch"].as_str().unwrap().to_owned();
+    receipt(&bob, "m.read", &m2).await;
+    let next = alice.sync(&format!("since={since}")).await;
+    assert_eq!(
+        strip_ts(receipts_of(&next)),
+        json!({ m2.clone(): { "m.read": { bob.user_id.clone(): {} } } })
+    );
+}

@@ -11,7 +11,7 @@ use std::time::Duration;
 use axum::{Json, Router, extract::State, routing::get};
 use serde_json::{Value, json};
 use spindle_core::{pdu::Pdu, trie::Root};
-use spindle_projections::{membership::Membership, timeline::EventRecord};
+use spindle_projections::{membership::Membership, timeline::EventRecord, user_data::Receipt};
 
 use crate::{
     ApiResult, AppState, MatrixError,
@@ -387,31 +387,35 @@ impl Ctx<'_> {
             }
         }
         if self.filter.ephemeral.matches_type("m.receipt") {
-            let receipts: Vec<(String, String)> = if initial {
-                self.s
-                    .projections
-                    .receipts
-                    .all(room)
-                    .into_iter()
-                    .map(|(u, t, _)| (u, t))
-                    .collect()
+            // Private receipts are only ever the requester's own.
+            let visible =
+                |user: &str, kind: &str| kind != "m.read.private" || user == self.r.user_id;
+            let receipts: Vec<(String, String, Receipt)> = if initial {
+                self.s.projections.receipts.all(room)
             } else {
                 let since = self.since.map(|s| s.0).unwrap_or(0);
                 // In memory first: most rooms have no new receipt.
-                if self.s.projections.receipts.last_change(room) > since {
+                let mut changed = if self.s.projections.receipts.last_change(room) > since {
                     self.s.projections.receipts.changes(room, since, self.upto)
                 } else {
                     Vec::new()
-                }
+                };
+                changed.sort();
+                changed.dedup();
+                changed
+                    .into_iter()
+                    .filter(|(user, kind)| visible(user, kind))
+                    .filter_map(|(user, kind)| {
+                        let rec = self.s.projections.receipts.get(room, &user, &kind)?;
+                        Some((user, kind, rec))
+                    })
+                    .collect()
             };
             let mut content = serde_json::Map::new();
-            for (user, kind) in receipts {
-                if kind == "m.read.private" && user != self.r.user_id {
+            for (user, kind, rec) in receipts {
+                if !visible(&user, &kind) {
                     continue;
                 }
-                let Some(rec) = self.s.projections.receipts.get(room, &user, &kind) else {
-                    continue;
-                };
                 let mut entry = json!({ "ts": rec.ts });
                 if let Some(t) = &rec.thread_id {
                     entry["thread_id"] = json!(t);
