@@ -396,13 +396,9 @@ impl Receipts {
     fn latest(&self, ctx: &ApplyCtx, table: &Table, parts: &[&str], before: u64) -> u64 {
         // Staged rows of this batch are newer than anything committed; otherwise one
         // reverse seek in the table.
-        let staged = ctx.staged_prefix(table, &key::prefix(parts));
-        match staged
-            .iter()
-            .rev()
-            .find(|(k, _)| key::trailing_pos(k) < before)
-        {
-            Some((_, v)) => v
+        let below = key::with_pos(parts, before);
+        match ctx.staged_last_below(table, &key::prefix(parts), &below) {
+            Some(v) => v
                 .get(..8)
                 .map(|b| u64::from_be_bytes(b.try_into().expect("8")))
                 .unwrap_or(0),
