@@ -1,0 +1,653 @@
+#!/usr/bin/env python3
+"""Client-Server API benchmark driver: one round against one homeserver.
+
+It talks to the server the way a client does (UIA registration with the dummy stage,
+password login for new devices, ordinary Client-Server requests over keep-alive HTTP/1.1),
+builds the rooms it needs, and times each operation with warm-ups and N samples per
+cell. It knows nothing about which server it talks to: the same workload goes through
+every front door. Standard library only, so the client's own cost is as small and as
+equal as it can be (the trivial-request floor, `/versions`, is measured and reported).
+
+Dimensions (each cell is one operation at one size):
+
+  events       rooms of 200/800/3200 messages: send, join (a fresh user into the public
+               room), state, members, messages_page (20 backwards from the end),
+               context_deep (the oldest visible event), sync_initial (no filter; each
+               sample on a fresh device, because Synapse caches a repeated initial sync
+               per device), sync_initial_lazy (lazy_load_members), sync_incremental (after
+               one new message), sync_poll (nothing new, timeout=0) and sliding_window
+               (the 11-room MSC4186 window Element X asks for; skipped when not served).
+  members      rooms of 50/200/800 joined members, the same operations.
+  concurrency  1/2/4/8 clients, each sending to its own room for a fixed time:
+               sends/s, mean and p95 latency.
+  tenants      one user's incremental sync after 0/50/200/800 events were sent in
+               rooms they are not in (and one in theirs).
+
+Rooms are seeded one request at a time per room (concurrent sends would fork a DAG
+server's room); different rooms are seeded in parallel.
+
+Usage:
+  driver.py --base http://127.0.0.1:8008 --label spindle --out round.json [--quick]
+  driver.py --help      (every size, sample count and duration is an option)
+
+The output is one JSON document: metadata (label, base, sizes, load average before and
+after), the floor, and a list of cells, each with every sample in milliseconds (or the
+rate, for throughput) plus its median. scripts/bench/compare.py reads these files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import string
+import sys
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+
+PASSWORD = "bench-password-1"
+SLIDING_PATH = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync"
+# The shape of Element X's room-list request (MSC4186): an 11-room window, the state a
+# room list renders, and a short timeline for the preview.
+SLIDING_BODY = {
+    "lists": {
+        "all": {
+            "ranges": [[0, 10]],
+            "timeline_limit": 3,
+            "required_state": [
+                ["m.room.name", ""],
+                ["m.room.avatar", ""],
+                ["m.room.topic", ""],
+                ["m.room.canonical_alias", ""],
+                ["m.room.encryption", ""],
+                ["m.room.join_rules", ""],
+                ["m.room.power_levels", ""],
+                ["m.room.create", ""],
+                ["m.room.history_visibility", ""],
+                ["m.room.member", "$ME"],
+                ["m.room.member", "$LAZY"],
+            ],
+        }
+    }
+}
+LAZY_FILTER = json.dumps({"room": {"state": {"lazy_load_members": True}}}, separators=(",", ":"))
+
+
+class BenchError(Exception):
+    """A request answered something the workload cannot continue from."""
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def loadavg() -> list[float]:
+    try:
+        with open("/proc/loadavg") as f:
+            return [float(x) for x in f.read().split()[:3]]
+    except OSError:
+        return []
+
+
+def q(s: str) -> str:
+    return urllib.parse.quote(s, safe="")
+
+
+class Conn:
+    """One keep-alive HTTP/1.1 connection (not thread-safe: one per thread)."""
+
+    def __init__(self, base: str, token: str | None = None):
+        u = urllib.parse.urlsplit(base)
+        self.host = u.hostname or "127.0.0.1"
+        self.port = u.port or 80
+        self.token = token
+        self.c: http.client.HTTPConnection | None = None
+
+    def _connect(self) -> http.client.HTTPConnection:
+        c = http.client.HTTPConnection(self.host, self.port, timeout=120)
+        c.connect()
+        c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return c
+
+    def with_token(self, token: str) -> "Conn":
+        return Conn(f"http://{self.host}:{self.port}", token)
+
+    def request(self, method: str, path: str, body=None, token: str | None = None):
+        """Returns (status, parsed JSON or None). Reconnects once on a dropped connection."""
+        headers = {}
+        tok = token or self.token
+        if tok:
+            headers["Authorization"] = f"Bearer {tok}"
+        data = None
+        if body is not None:
+            data = json.dumps(body, separators=(",", ":")).encode()
+            headers["Content-Type"] = "application/json"
+        for attempt in (0, 1):
+            if self.c is None:
+                self.c = self._connect()
+            try:
+                self.c.request(method, path, body=data, headers=headers)
+                r = self.c.getresponse()
+                raw = r.read()
+                if r.will_close:
+                    self.c.close()
+                    self.c = None
+                break
+            except (http.client.RemoteDisconnected, ConnectionError, BrokenPipeError):
+                if self.c is not None:
+                    self.c.close()
+                self.c = None
+                if attempt == 1:
+                    raise
+        try:
+            parsed = json.loads(raw) if raw else None
+        except ValueError:
+            parsed = None
+        return r.status, parsed
+
+    def ok(self, method: str, path: str, body=None, token: str | None = None):
+        status, v = self.request(method, path, body, token)
+        if status != 200:
+            raise BenchError(f"{method} {path} -> {status}: {v}")
+        return v
+
+    def timed(self, method: str, path: str, body=None, token: str | None = None):
+        """Times one request (send, server work, full body read, JSON parse)."""
+        t0 = time.perf_counter_ns()
+        status, v = self.request(method, path, body, token)
+        ms = (time.perf_counter_ns() - t0) / 1e6
+        return ms, status, v
+
+
+class User:
+    """A registered account; `conn` is a connection of the calling thread's own."""
+
+    def __init__(self, base: str, user_id: str, localpart: str, token: str, device: str):
+        self.base = base
+        self.user_id = user_id
+        self.localpart = localpart
+        self.token = token
+        self.device = device
+        self._local = threading.local()
+
+    @property
+    def conn(self) -> Conn:
+        c = getattr(self._local, "conn", None)
+        if c is None:
+            c = self._local.conn = Conn(self.base, self.token)
+        return c
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.base = args.base.rstrip("/")
+        self.conn = Conn(self.base)
+        self.run_id = "".join(random.choices(string.ascii_lowercase, k=6))
+        self.counter = 0
+        self.lock = threading.Lock()
+        self.cells: list[dict] = []
+        self.skipped: dict[str, str] = {}
+        self.txn = 0
+        self.floor_samples: list[float] = []
+
+    # ---------------------------------------------------------------- helpers
+    def next_name(self, prefix: str) -> str:
+        with self.lock:
+            self.counter += 1
+            return f"b{self.run_id}{prefix}{self.counter}"
+
+    def next_txn(self) -> str:
+        with self.lock:
+            self.txn += 1
+            return f"t{self.run_id}{self.txn}"
+
+    def register(self, prefix: str = "u") -> User:
+        """The UIA dance a real client does: ask, read the session, answer the dummy stage."""
+        name = self.next_name(prefix)
+        conn = Conn(self.base)
+        body = {"username": name, "password": PASSWORD, "initial_device_display_name": "bench"}
+        status, v = conn.request("POST", "/_matrix/client/v3/register", body)
+        if status == 401 and v and "session" in v:
+            flows = [f.get("stages", []) for f in v.get("flows", [])]
+            if not any(stages == ["m.login.dummy"] for stages in flows):
+                raise BenchError(f"no dummy-only registration flow offered: {flows}")
+            body["auth"] = {"type": "m.login.dummy", "session": v["session"]}
+            status, v = conn.request("POST", "/_matrix/client/v3/register", body)
+        if status != 200:
+            raise BenchError(f"register {name} -> {status}: {v}")
+        return User(self.base, v["user_id"], name, v["access_token"], v["device_id"])
+
+    def register_many(self, n: int, prefix: str = "u") -> list[User]:
+        with ThreadPoolExecutor(max_workers=4) as ex:
+            return list(ex.map(lambda _: self.register(prefix), range(n)))
+
+    def login_device(self, user: User) -> str:
+        """A new device for `user` (password login); returns its access token."""
+        v = self.conn.ok(
+            "POST",
+            "/_matrix/client/v3/login",
+            {
+                "type": "m.login.password",
+                "identifier": {"type": "m.id.user", "user": user.localpart},
+                "password": PASSWORD,
+                "initial_device_display_name": "bench",
+            },
+        )
+        return v["access_token"]
+
+    def create_room(self, user: User, name: str, preset: str = "public_chat") -> str:
+        v = user.conn.ok(
+            "POST", "/_matrix/client/v3/createRoom", {"preset": preset, "name": name}
+        )
+        return v["room_id"]
+
+    def send(self, user: User, room: str, body: str, conn: Conn | None = None) -> str:
+        c = conn or user.conn
+        v = c.ok(
+            "PUT",
+            f"/_matrix/client/v3/rooms/{q(room)}/send/m.room.message/{self.next_txn()}",
+            {"msgtype": "m.text", "body": body},
+            token=user.token,
+        )
+        return v["event_id"]
+
+    def join(self, user: User, room: str) -> None:
+        user.conn.ok("POST", f"/_matrix/client/v3/rooms/{q(room)}/join", {})
+
+    def seed_messages(self, user: User, room: str, n: int, tag: str) -> None:
+        """n messages, one request at a time (a room is seeded sequentially)."""
+        conn = Conn(self.base, user.token)
+        for i in range(n):
+            self.send(user, room, f"{tag} message {i} " + "lorem ipsum " * 4, conn=conn)
+
+    def parallel(self, jobs) -> None:
+        """Runs callables in parallel threads (one per room) and re-raises failures."""
+        if not jobs:
+            return
+        with ThreadPoolExecutor(max_workers=min(8, len(jobs))) as ex:
+            for f in [ex.submit(j) for j in jobs]:
+                f.result()
+
+    def sync_token(self, user: User, token: str | None = None) -> str:
+        """The current next_batch for `user` (an initial sync, then incremental to settle)."""
+        v = user.conn.ok(
+            "GET", "/_matrix/client/v3/sync?timeout=0&filter=" + q(json.dumps({"room": {"timeline": {"limit": 1}}})),
+            token=token,
+        )
+        return v["next_batch"]
+
+    # ---------------------------------------------------------------- measuring
+    def cell(self, dimension: str, op: str, size, sample, checker=None, unit="ms") -> dict:
+        """Runs `sample(i)` warm-up + N times; each returns (ms, status, body)."""
+        warm, n = self.args.warmup, self.args.samples
+        samples: list[float] = []
+        errors: list[str] = []
+        for i in range(warm + n):
+            ms, status, body = sample(i)
+            bad = None
+            if status != 200:
+                bad = f"status {status}: {str(body)[:200]}"
+            elif checker is not None:
+                bad = checker(body)
+            if bad:
+                errors.append(bad)
+                if len(errors) > 3:
+                    break
+                continue
+            if i >= warm:
+                samples.append(ms)
+        rec = summarize(dimension, op, size, samples, unit)
+        if errors:
+            rec["errors"] = errors[:4]
+        self.cells.append(rec)
+        tag = f"{dimension}/{op}/{size}"
+        if samples:
+            log(f"  {tag:<38} median {rec['median']:8.3f} {unit}  (n={len(samples)}, errors={len(errors)})")
+        else:
+            log(f"  {tag:<38} NO SAMPLES: {errors[:1]}")
+        return rec
+
+    def devices(self, user: User, n: int) -> list[str]:
+        return [self.login_device(user) for _ in range(n)]
+
+    def sliding_served(self, user: User) -> bool:
+        if "sliding" in self.skipped:
+            return False
+        status, v = user.conn.request("POST", SLIDING_PATH + "?timeout=0", SLIDING_BODY)
+        if status == 200 and isinstance(v, dict) and "lists" in v:
+            return True
+        self.skipped["sliding_window"] = f"not served: {status} {str(v)[:120]}"
+        self.skipped["sliding"] = "probe failed"
+        log(f"  sliding_window skipped: {self.skipped['sliding_window']}")
+        return False
+
+    # ---------------------------------------------------------------- the read/write set
+    def room_ops(self, dim: str, size, room: str, writer: User, observer: User, slider: User | None,
+                 joiners: list[User]) -> None:
+        """Every per-room operation against one prepared room."""
+        a = self.args
+        nsamp = a.warmup + a.samples
+        obs = observer.conn
+        r = q(room)
+
+        def expect_chunk(v):
+            return None if v and len(v.get("chunk", [])) == 20 else f"chunk {len((v or {}).get('chunk', []))} != 20"
+
+        self.cell(dim, "state", size, lambda i: obs.timed("GET", f"/_matrix/client/v3/rooms/{r}/state"),
+                  lambda v: None if isinstance(v, list) and len(v) >= 5 else "short state")
+        self.cell(dim, "members", size, lambda i: obs.timed("GET", f"/_matrix/client/v3/rooms/{r}/members"),
+                  lambda v: None if v and len(v.get("chunk", [])) >= 2 else "short members")
+        self.cell(dim, "messages_page", size,
+                  lambda i: obs.timed("GET", f"/_matrix/client/v3/rooms/{r}/messages?dir=b&limit=20"),
+                  expect_chunk)
+        first = obs.ok("GET", f"/_matrix/client/v3/rooms/{r}/messages?dir=f&limit=1")["chunk"][0]["event_id"]
+        self.cell(dim, "context_deep", size,
+                  lambda i: obs.timed("GET", f"/_matrix/client/v3/rooms/{r}/context/{q(first)}?limit=10"),
+                  lambda v: None if v and v.get("event", {}).get("event_id") == first else "wrong context")
+
+        def in_room(v):
+            return None if v and room in v.get("rooms", {}).get("join", {}) else "room missing from sync"
+
+        toks = self.devices(observer, nsamp)
+        self.cell(dim, "sync_initial", size,
+                  lambda i: obs.timed("GET", "/_matrix/client/v3/sync?timeout=0", token=toks[i]), in_room)
+        toks = self.devices(observer, nsamp)
+        self.cell(dim, "sync_initial_lazy", size,
+                  lambda i: obs.timed("GET", "/_matrix/client/v3/sync?timeout=0&filter=" + q(LAZY_FILTER),
+                                      token=toks[i]), in_room)
+
+        # sync_incremental: one new message since the last token, every sample.
+        state = {"since": self.sync_token(observer)}
+
+        def incremental(i):
+            eid = self.send(writer, room, f"incremental {i}")
+            ms, status, v = obs.timed("GET", f"/_matrix/client/v3/sync?timeout=0&since={q(state['since'])}")
+            if status == 200:
+                state["since"] = v["next_batch"]
+                evs = v.get("rooms", {}).get("join", {}).get(room, {}).get("timeline", {}).get("events", [])
+                if not any(e.get("event_id") == eid for e in evs):
+                    return ms, 200, {"_bad": f"new event {eid} missing"}
+            return ms, status, v
+
+        self.cell(dim, "sync_incremental", size, incremental, lambda v: v.get("_bad") if v else "empty")
+
+        # sync_poll: nothing new since the token; a different device per sample so a
+        # per-device response cache cannot answer it.
+        toks = self.devices(observer, nsamp)
+        since = self.sync_token(observer)
+        self.cell(dim, "sync_poll", size,
+                  lambda i: obs.timed("GET", f"/_matrix/client/v3/sync?timeout=0&since={q(since)}", token=toks[i]),
+                  lambda v: None if v and room not in v.get("rooms", {}).get("join", {}) else "poll not empty")
+
+        if slider is not None and self.sliding_served(slider):
+            self.cell(dim, "sliding_window", size,
+                      lambda i: slider.conn.timed("POST", SLIDING_PATH + "?timeout=0", SLIDING_BODY),
+                      lambda v: None if v and room in v.get("rooms", {}) else "room missing from window")
+
+        self.cell(dim, "send", size,
+                  lambda i: writer.conn.timed(
+                      "PUT", f"/_matrix/client/v3/rooms/{r}/send/m.room.message/{self.next_txn()}",
+                      {"msgtype": "m.text", "body": f"timed send {i}"}),
+                  lambda v: None if v and "event_id" in v else "no event_id")
+        self.cell(dim, "join", size,
+                  lambda i: joiners[i].conn.timed("POST", f"/_matrix/client/v3/rooms/{r}/join", {}),
+                  lambda v: None if v and v.get("room_id") == room else "join answer")
+
+    def slider_for(self, room: str, size) -> User | None:
+        """A user in the measured room plus 10 small rooms: an 11-room window."""
+        if self.args.no_sliding:
+            return None
+        u = self.register("s")
+        if not self.sliding_served(u):
+            return None
+        for k in range(10):
+            rid = self.create_room(u, f"side room {k} of {size}", preset="private_chat")
+            for m in range(3):
+                self.send(u, rid, f"side {k}/{m}")
+        self.join(u, room)
+        return u
+
+    # ---------------------------------------------------------------- dimensions
+    def dim_events(self) -> None:
+        sizes = self.args.events
+        log(f"events dimension: {sizes}")
+        nsamp = self.args.warmup + self.args.samples
+        rooms = {}
+        for n in sizes:
+            a, b = self.register("a"), self.register("o")
+            room = self.create_room(a, f"events {n}")
+            self.join(b, room)
+            rooms[n] = (a, b, room)
+        t0 = time.time()
+        self.parallel([lambda a=a, room=room, n=n: self.seed_messages(a, room, n, f"e{n}")
+                       for n, (a, _, room) in rooms.items()])
+        log(f"  seeded {sum(sizes)} messages in {time.time() - t0:.1f} s")
+        for n in sizes:
+            a, b, room = rooms[n]
+            slider = self.slider_for(room, n)
+            joiners = self.register_many(nsamp, "j")
+            self.room_ops("events", n, room, a, b, slider, joiners)
+
+    def dim_members(self) -> None:
+        sizes = self.args.members
+        log(f"members dimension: {sizes}")
+        nsamp = self.args.warmup + self.args.samples
+        pool = self.register_many(max(sizes) - 1, "m")
+        log(f"  registered {len(pool)} members")
+        rooms = {}
+        for n in sizes:
+            a = self.register("a")
+            rooms[n] = (a, self.create_room(a, f"members {n}"))
+
+        def fill(n, a, room):
+            for u in pool[: n - 1]:
+                self.join(u, room)
+            self.seed_messages(a, room, self.args.members_messages, f"m{n}")
+
+        t0 = time.time()
+        self.parallel([lambda n=n, a=a, room=room: fill(n, a, room) for n, (a, room) in rooms.items()])
+        log(f"  joined {sum(s - 1 for s in sizes)} memberships in {time.time() - t0:.1f} s")
+        for n in sizes:
+            a, room = rooms[n]
+            # The pool's users are in several of these rooms; the observer of this size
+            # is a user of its own, so its initial sync holds exactly one room.
+            observer = self.register("o")
+            self.join(observer, room)
+            slider = self.slider_for(room, n)
+            joiners = self.register_many(nsamp, "j")
+            self.room_ops("members", n, room, a, observer, slider, joiners)
+
+    def dim_concurrency(self) -> None:
+        levels, duration = self.args.concurrency, self.args.duration
+        log(f"concurrency dimension: {levels} clients, {duration} s each")
+        for c in levels:
+            users = self.register_many(c, "c")
+            rooms = [self.create_room(u, f"concurrency {c}/{k}") for k, u in enumerate(users)]
+            barrier = threading.Barrier(c + 1)
+            lat: list[list[float]] = [[] for _ in range(c)]
+            errs = [0] * c
+            stop_at = [0.0]
+
+            def worker(k):
+                u, room = users[k], rooms[k]
+                conn = Conn(self.base, u.token)
+                for w in range(3):  # warm-up
+                    self.send(u, room, f"warm {w}", conn=conn)
+                barrier.wait()
+                while time.perf_counter() < stop_at[0]:
+                    ms, status, _ = conn.timed(
+                        "PUT", f"/_matrix/client/v3/rooms/{q(room)}/send/m.room.message/{self.next_txn()}",
+                        {"msgtype": "m.text", "body": "throughput"})
+                    if status == 200:
+                        lat[k].append(ms)
+                    else:
+                        errs[k] += 1
+
+            stop_at[0] = float("inf")  # set once every client has warmed up
+            threads = [threading.Thread(target=worker, args=(k,)) for k in range(c)]
+            for t in threads:
+                t.start()
+            barrier.wait()
+            start = time.perf_counter()
+            stop_at[0] = start + duration
+            for t in threads:
+                t.join()
+            wall = time.perf_counter() - start
+            all_lat = [x for xs in lat for x in xs]
+            rate = len(all_lat) / wall
+            rec = {
+                "dimension": "concurrency", "op": "send_throughput", "size": c, "unit": "per_s",
+                "samples": [rate], "median": rate, "sends": len(all_lat), "wall_s": round(wall, 3),
+                "errors": sum(errs),
+                "per_client": [len(x) for x in lat],
+            }
+            self.cells.append(rec)
+            self.cells.append(summarize("concurrency", "send_latency_mean", c,
+                                        [statistics.fmean(all_lat)] if all_lat else [], "ms"))
+            self.cells.append(summarize("concurrency", "send_latency_p95", c,
+                                        [percentile(all_lat, 95)] if all_lat else [], "ms"))
+            log(f"  concurrency {c}: {rate:8.1f} sends/s, mean {statistics.fmean(all_lat) if all_lat else 0:.2f} ms, "
+                f"p95 {percentile(all_lat, 95) if all_lat else 0:.2f} ms, errors {sum(errs)}")
+
+    def dim_tenants(self) -> None:
+        sizes = self.args.tenants
+        log(f"tenants dimension: {sizes} strangers' events")
+        nsamp = self.args.warmup + self.args.samples
+        stranger = self.register("x")
+        strooms = [self.create_room(stranger, f"strangers {k}") for k in range(4)]
+        for k in sizes:
+            t = self.register("t")
+            mine = self.create_room(t, f"tenant {k}")
+            self.send(t, mine, "hello")
+            toks = self.devices(t, nsamp)
+            since = self.sync_token(t)
+            per = [k // 4 + (1 if j < k % 4 else 0) for j in range(4)]
+            self.parallel([lambda j=j: self.seed_messages(stranger, strooms[j], per[j], f"x{k}") for j in range(4)])
+            eid = self.send(t, mine, f"news after {k}")
+
+            def check(v, eid=eid, mine=mine):
+                if not v:
+                    return "empty"
+                joined = v.get("rooms", {}).get("join", {})
+                if set(joined) != {mine}:
+                    return f"rooms {sorted(joined)}"
+                evs = joined[mine].get("timeline", {}).get("events", [])
+                return None if [e.get("event_id") for e in evs] == [eid] else f"timeline {len(evs)} events"
+
+            self.cell("tenants", "sync_incremental", k,
+                      lambda i, since=since, toks=toks: t.conn.timed(
+                          "GET", f"/_matrix/client/v3/sync?timeout=0&since={q(since)}", token=toks[i]),
+                      check)
+
+    def floor(self, when: str) -> None:
+        """The trivial request (/versions): what the client and HTTP stack alone cost.
+
+        Measured before every dimension and at the end, so it sees the same machine the
+        cells around it saw; the `all` cell pools every floor sample of the round."""
+        rec = self.cell("floor", "versions", when, lambda i: self.conn.timed("GET", "/_matrix/client/versions"),
+                        lambda v: None if v and "versions" in v else "no versions")
+        self.floor_samples.extend(rec["samples"])
+
+    def run(self) -> dict:
+        started = time.time()
+        load_before = loadavg()
+        log(f"{self.args.label}: {self.base}, dimensions {self.args.dimensions}, load {load_before}")
+        for d in self.args.dimensions:
+            self.floor(d)
+            getattr(self, f"dim_{d}")()
+        self.floor("end")
+        self.cells.append(summarize("floor", "versions", "all", self.floor_samples, "ms"))
+        a = self.args
+        return {
+            "format": 1,
+            "label": a.label,
+            "base": self.base,
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "duration_s": round(time.time() - started, 1),
+            "load_before": load_before,
+            "load_after": loadavg(),
+            "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+            "params": {
+                "dimensions": a.dimensions, "events": a.events, "members": a.members,
+                "members_messages": a.members_messages, "concurrency": a.concurrency,
+                "duration_s": a.duration, "tenants": a.tenants, "samples": a.samples, "warmup": a.warmup,
+            },
+            "meta": dict(kv.split("=", 1) for kv in a.meta),
+            "skipped": {k: v for k, v in self.skipped.items() if k != "sliding"},
+            "cells": self.cells,
+        }
+
+
+def percentile(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(dimension, op, size, samples, unit) -> dict:
+    rec = {"dimension": dimension, "op": op, "size": size, "unit": unit,
+           "samples": [round(x, 4) for x in samples]}
+    if samples:
+        rec.update(median=round(statistics.median(samples), 4), mean=round(statistics.fmean(samples), 4),
+                   p95=round(percentile(samples, 95), 4), min=round(min(samples), 4))
+    return rec
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", default="http://127.0.0.1:8008", help="server base URL")
+    p.add_argument("--label", default="server", help="name written into the results")
+    p.add_argument("--out", help="write the JSON results here (default: stdout)")
+    p.add_argument("--dimensions", default="events,members,concurrency,tenants",
+                   help="comma list of: events, members, concurrency, tenants")
+    p.add_argument("--events", default="200,800,3200", help="messages per room (events dimension)")
+    p.add_argument("--members", default="50,200,800", help="joined members per room (members dimension)")
+    p.add_argument("--members-messages", type=int, default=20, help="messages in each members room")
+    p.add_argument("--concurrency", default="1,2,4,8", help="client counts (concurrency dimension)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per concurrency level")
+    p.add_argument("--tenants", default="0,50,200,800", help="strangers' events (tenants dimension)")
+    p.add_argument("--samples", type=int, default=20, help="timed samples per cell")
+    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up requests per cell")
+    p.add_argument("--no-sliding", action="store_true", help="do not probe or time sliding_window")
+    p.add_argument("--meta", action="append", default=[], help="KEY=VALUE recorded in the results")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke sizes: events 50,200; members 10,40; concurrency 1,4 for 2 s; "
+                        "tenants 0,50; 5 samples, 1 warm-up")
+    a = p.parse_args()
+    if a.quick:
+        a.events, a.members, a.concurrency, a.tenants = "50,200", "10,40", "1,4", "0,50"
+        a.duration, a.samples, a.warmup, a.members_messages = 2.0, 5, 1, 5
+    a.dimensions = [d.strip() for d in a.dimensions.split(",") if d.strip()]
+    for d in a.dimensions:
+        if d not in ("events", "members", "concurrency", "tenants"):
+            p.error(f"unknown dimension {d}")
+    a.events, a.members, a.concurrency, a.tenants = map(ints, (a.events, a.members, a.concurrency, a.tenants))
+    if any(m < 2 for m in a.members):
+        p.error("members sizes must be >= 2")
+    result = Bench(a).run()
+    text = json.dumps(result, indent=1)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+        log(f"wrote {a.out}")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
