@@ -537,10 +537,15 @@ async fn joined_members(
     let mut joined = serde_json::Map::new();
     for (user, m) in s.projections.membership.members(&room_id) {
         if m.membership == "join" {
-            joined.insert(
-                user,
-                json!({ "display_name": m.displayname, "avatar_url": m.avatar_url }),
-            );
+            // Spec (`RoomMember`): both fields are strings, omitted when not set.
+            let mut member = serde_json::Map::new();
+            if let Some(name) = m.displayname {
+                member.insert("display_name".into(), Value::String(name));
+            }
+            if let Some(url) = m.avatar_url {
+                member.insert("avatar_url".into(), Value::String(url));
+            }
+            joined.insert(user, Value::Object(member));
         }
     }
     Ok(Json(json!({ "joined": joined })))
