@@ -2,7 +2,7 @@
 //! its answer, not the size of the room or other users' traffic. Counts come from the
 //! projection store's counters (`ProjectionDb::stats`), never from wall clocks.
 
-use std::sync::atomic::Ordering;
+use std::sync::{Arc, atomic::Ordering};
 
 use serde_json::{Value, json};
 
@@ -462,4 +462,595 @@ fn urlencode(s: &str) -> String {
             _ => format!("%{b:02X}"),
         })
         .collect()
+}
+
+// ---------------------------------------------------------------------------------
+// Issue 7: one guard per cost trap of BRIEF §4 that is on main, each beside the check
+// that the same path still returns everything it must. Traps whose feature is not on
+// main yet (required_state in sliding sync, the delayed-event tick, push-rule globs and
+// gateway queues) are guarded by the issues that bring them.
+// ---------------------------------------------------------------------------------
+
+impl Harness {
+    async fn get(&self, path: &str, token: &str) -> Value {
+        let (status, v) = self
+            .call(reqwest::Method::GET, path, Some(token), None)
+            .await;
+        assert_eq!(status, 200, "{path}: {v}");
+        v
+    }
+
+    /// Store reads of one GET (the projections are quiet before it).
+    async fn counted_get(&self, path: &str, token: &str) -> (u64, Value) {
+        self.quiesce().await;
+        let before = self.reads();
+        let v = self.get(path, token).await;
+        (self.reads() - before, v)
+    }
+
+    async fn ban_ghosts(&self, token: &str, room: &str, n: usize) {
+        for i in 0..n {
+            let (status, v) = self
+                .call(
+                    reqwest::Method::POST,
+                    &format!("/_matrix/client/v3/rooms/{room}/ban"),
+                    Some(token),
+                    Some(json!({ "user_id": format!("@ghost{i}:elsewhere.example") })),
+                )
+                .await;
+            assert_eq!(status, 200, "{v}");
+        }
+    }
+}
+
+/// Two public rooms with the same state, one with 30 messages and one with 200, and a
+/// reader (`bob`, no read receipt) joined to both before the messages. (Both hold more
+/// than the 20 rows a `/messages` page reads ahead, so a page reads as much in both.)
+struct History {
+    h: Harness,
+    bob: String,
+    small: String,
+    big: String,
+    first: [String; 2],
+}
+
+async fn history_rooms() -> History {
+    let h = Harness::start().await;
+    let (_alice, alice) = h.register("alice").await;
+    let (_bob, bob) = h.register("bob").await;
+    let small = h
+        .create_room(&alice, json!({ "preset": "public_chat" }))
+        .await;
+    let big = h
+        .create_room(&alice, json!({ "preset": "public_chat" }))
+        .await;
+    h.join(&bob, &small).await;
+    h.join(&bob, &big).await;
+    let mut first = Vec::new();
+    for (room, n) in [(&small, 30), (&big, 200)] {
+        for i in 0..n {
+            let id = h
+                .send(
+                    &alice,
+                    room,
+                    &format!("{room}-{i}"),
+                    &format!("message {i}"),
+                )
+                .await;
+            if i == 0 {
+                first.push(id);
+            }
+        }
+    }
+    h.quiesce().await;
+    History {
+        h,
+        bob,
+        small,
+        big,
+        first: [first[0].clone(), first[1].clone()],
+    }
+}
+
+/// Trap: unread counts walked every event after the read receipt (O(room) per room
+/// per sync for every user without a receipt). An initial sync of one room costs the
+/// same with 30 or 200 unread messages, and still counts all of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn initial_sync_reads_do_not_grow_with_unread_history() {
+    let x = history_rooms().await;
+    let mut measure = Vec::new();
+    for (room, unread) in [(&x.small, 30), (&x.big, 200)] {
+        let filter = json!({ "room": { "rooms": [room], "timeline": { "limit": 3 } } });
+        let path = format!(
+            "/_matrix/client/v3/sync?filter={}",
+            urlencode(&filter.to_string())
+        );
+        x.h.get(&path, &x.bob).await; // warms the room summary (cached by state root)
+        let (reads, v) = x.h.counted_get(&path, &x.bob).await;
+        measure.push(reads);
+        let joined = &v["rooms"]["join"][room.as_str()];
+        assert_eq!(
+            joined["unread_notifications"]["notification_count"], unread,
+            "{joined}"
+        );
+        let bodies: Vec<&str> = joined["timeline"]["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["content"]["body"].as_str().unwrap())
+            .collect();
+        let want: Vec<String> = (unread - 3..unread)
+            .map(|i| format!("message {i}"))
+            .collect();
+        assert_eq!(bodies, want);
+        assert_eq!(joined["timeline"]["limited"], true);
+    }
+    assert_eq!(
+        measure[0], measure[1],
+        "initial sync store reads grew with the room's history (30 vs 200 unread): {measure:?}"
+    );
+}
+
+/// Cost follows the answer on the read paths a client pages with: a page of
+/// `/messages`, a deep `/context` (around the oldest message), `/state` and
+/// `/members` cost the same in a room of 30 or 200 messages (index by (room, position);
+/// state from the trie, not from history).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn room_reads_do_not_grow_with_room_history() {
+    let x = history_rooms().await;
+    let mut measure: Vec<Vec<u64>> = Vec::new();
+    for (k, (room, n)) in [(&x.small, 30), (&x.big, 200)].into_iter().enumerate() {
+        let mut reads = Vec::new();
+        let (r, v) =
+            x.h.counted_get(
+                &format!("/_matrix/client/v3/rooms/{room}/messages?dir=b&limit=4"),
+                &x.bob,
+            )
+            .await;
+        reads.push(r);
+        let bodies: Vec<&str> = v["chunk"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["content"]["body"].as_str().unwrap())
+            .collect();
+        let want: Vec<String> = (n - 4..n).rev().map(|i| format!("message {i}")).collect();
+        assert_eq!(bodies, want);
+
+        let first = &x.first[k];
+        let (r, v) =
+            x.h.counted_get(
+                &format!("/_matrix/client/v3/rooms/{room}/context/{first}?limit=4"),
+                &x.bob,
+            )
+            .await;
+        reads.push(r);
+        assert_eq!(v["event"]["event_id"], first.as_str());
+        assert_eq!(v["events_after"].as_array().unwrap().len(), 2);
+        assert_eq!(v["events_after"][0]["content"]["body"], "message 1");
+
+        let (r, v) =
+            x.h.counted_get(&format!("/_matrix/client/v3/rooms/{room}/state"), &x.bob)
+                .await;
+        reads.push(r);
+        let types: std::collections::BTreeSet<&str> = v
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["type"].as_str().unwrap())
+            .collect();
+        assert!(types.contains("m.room.create") && types.contains("m.room.join_rules"));
+        assert_eq!(
+            v.as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| e["type"] == "m.room.member")
+                .count(),
+            2
+        );
+
+        let (r, v) =
+            x.h.counted_get(&format!("/_matrix/client/v3/rooms/{room}/members"), &x.bob)
+                .await;
+        reads.push(r);
+        assert_eq!(v["chunk"].as_array().unwrap().len(), 2);
+        measure.push(reads);
+    }
+    assert_eq!(
+        measure[0], measure[1],
+        "[messages, context, state, members] reads grew with history (30 vs 200): {measure:?}"
+    );
+}
+
+/// A user who joins late pages back through events sent before their join: each
+/// event is decided from the state at it (history visibility, membership), which is a
+/// fixed number of point lookups per event, not a walk of the room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_joiner_pagination_reads_do_not_grow_with_room_history() {
+    let x = history_rooms().await;
+    let (_cat, cat) = x.h.register("cat").await;
+    x.h.join(&cat, &x.small).await;
+    x.h.join(&cat, &x.big).await;
+    let mut measure = Vec::new();
+    for (room, n) in [(&x.small, 30), (&x.big, 200)] {
+        // The page starts below cat's own join, so every event goes through can_see.
+        let (_, top) =
+            x.h.counted_get(
+                &format!("/_matrix/client/v3/rooms/{room}/messages?dir=b&limit=1"),
+                &cat,
+            )
+            .await;
+        let from = top["end"].as_str().unwrap();
+        let (r, v) =
+            x.h.counted_get(
+                &format!("/_matrix/client/v3/rooms/{room}/messages?dir=b&limit=4&from={from}"),
+                &cat,
+            )
+            .await;
+        measure.push(r);
+        let bodies: Vec<&str> = v["chunk"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["content"]["body"].as_str().unwrap())
+            .collect();
+        let want: Vec<String> = (n - 4..n).rev().map(|i| format!("message {i}")).collect();
+        assert_eq!(bodies, want, "shared history is visible to a late joiner");
+    }
+    assert_eq!(
+        measure[0], measure[1],
+        "late joiner's page reads grew with history (30 vs 200): {measure:?}"
+    );
+}
+
+/// Trap: room-list recency read each room's head event body to get one integer. The
+/// last activity of a room is in memory (no store read) and the append that changes
+/// it refreshes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn room_recency_is_answered_from_memory_and_follows_appends() {
+    let h = Harness::start().await;
+    let (_ann, at) = h.register("ann").await;
+    let rooms = [
+        h.create_room(&at, json!({})).await,
+        h.create_room(&at, json!({})).await,
+        h.create_room(&at, json!({})).await,
+    ];
+    let timeline = &h.server.projections.timeline;
+    for (i, room) in rooms.iter().enumerate() {
+        let id = h.send(&at, room, &format!("n{i}"), "news").await;
+        h.quiesce().await;
+        let position = timeline.event(&id).unwrap().position;
+        let before = h.reads();
+        let order: Vec<Option<u64>> = rooms.iter().map(|r| timeline.last_activity(r)).collect();
+        assert_eq!(h.reads() - before, 0, "recency read the store");
+        assert_eq!(order[i], Some(position), "the append refreshed recency");
+        // The most recently active room sorts first.
+        let newest = (0..3).max_by_key(|&k| order[k]).unwrap();
+        assert_eq!(newest, i);
+    }
+}
+
+/// Trap: joined-member counts parsed every member event per request. The room summary
+/// is cached by state root: a hit reads no member row, the counts are exact, and a
+/// state change (a new root) is seen at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn room_summary_is_cached_by_state_root() {
+    let h = Harness::start().await;
+    let (_ivy, it) = h.register("ivy").await;
+    let (_jon, jt) = h.register("jon").await;
+    let (kim, _kt) = h.register("kim").await;
+    let (_lee, lt) = h.register("lee").await;
+    let room = h.create_room(&it, json!({ "preset": "public_chat" })).await;
+    h.join(&jt, &room).await;
+    let (status, v) = h
+        .call(
+            reqwest::Method::POST,
+            &format!("/_matrix/client/v3/rooms/{room}/invite"),
+            Some(&it),
+            Some(json!({ "user_id": kim })),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    h.ban_ghosts(&it, &room, 300).await;
+    let filter = json!({ "room": { "rooms": [room], "state": { "lazy_load_members": true }, "timeline": { "limit": 1 } } });
+    let path = format!(
+        "/_matrix/client/v3/sync?filter={}",
+        urlencode(&filter.to_string())
+    );
+    let (miss, v) = h.counted_get(&path, &it).await;
+    let summary = &v["rooms"]["join"][&room]["summary"];
+    assert_eq!(summary["m.joined_member_count"], 2, "{summary}");
+    assert_eq!(summary["m.invited_member_count"], 1, "{summary}");
+    let (hit, v) = h.counted_get(&path, &it).await;
+    assert_eq!(v["rooms"]["join"][&room]["summary"], *summary);
+    // The miss scanned the 303 member rows; the hit reads none of them.
+    assert!(
+        miss >= hit + 303,
+        "summary cache hit still read the members: {miss} reads on a miss, {hit} on a hit"
+    );
+    // A new join is a new state root: the next sync counts it.
+    h.join(&lt, &room).await;
+    let (_, v) = h.counted_get(&path, &it).await;
+    assert_eq!(
+        v["rooms"]["join"][&room]["summary"]["m.joined_member_count"],
+        3
+    );
+}
+
+/// Trap: single state-key lookups walked the whole state. `GET /state/{type}/{key}`
+/// reads one trie path: a room with 400 more state entries costs at most a level or
+/// two more, never the entries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_event_endpoint_reads_one_path() {
+    let h = Harness::start().await;
+    let (_erin, et) = h.register("erin").await;
+    let small = h.create_room(&et, json!({ "name": "small" })).await;
+    let big = h.create_room(&et, json!({ "name": "big" })).await;
+    for i in 0..400 {
+        let path = format!("/_matrix/client/v3/rooms/{big}/state/org.example.filler/key{i}");
+        let (status, _) = h
+            .call(
+                reqwest::Method::PUT,
+                &path,
+                Some(&et),
+                Some(json!({ "i": i })),
+            )
+            .await;
+        assert_eq!(status, 200);
+    }
+    let mut reads = Vec::new();
+    for (room, name) in [(&small, "small"), (&big, "big")] {
+        let (r, v) = h
+            .counted_get(
+                &format!("/_matrix/client/v3/rooms/{room}/state/m.room.name/"),
+                &et,
+            )
+            .await;
+        assert_eq!(v, json!({ "name": name }));
+        reads.push(r);
+    }
+    let (_, v) = h
+        .counted_get(
+            &format!("/_matrix/client/v3/rooms/{big}/state/org.example.filler/key399"),
+            &et,
+        )
+        .await;
+    assert_eq!(v, json!({ "i": 399 }));
+    assert!(
+        reads[1] <= reads[0] + 2,
+        "state event lookup grew with the state (8 vs 400+ entries): {reads:?}"
+    );
+}
+
+/// Trap: lazy member loading fetched every member and discarded most. A lazy page of
+/// `/messages` fetches only the senders' member events: with 3 or 303 member entries
+/// the reads differ by a trie level at most, and `state` holds exactly the senders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lazy_messages_page_does_not_grow_with_members() {
+    let h = Harness::start().await;
+    let (ivy, it) = h.register("ivy").await;
+    let (jon, jt) = h.register("jon").await;
+    let small = h.create_room(&it, json!({ "preset": "public_chat" })).await;
+    let big = h.create_room(&it, json!({ "preset": "public_chat" })).await;
+    h.ban_ghosts(&it, &big, 300).await;
+    for room in [&small, &big] {
+        h.join(&jt, room).await;
+        for i in 0..24 {
+            let (who, tok) = if i % 2 == 0 { ("i", &it) } else { ("j", &jt) };
+            h.send(tok, room, &format!("{room}-{i}"), &format!("{who} {i}"))
+                .await;
+        }
+    }
+    let filter = urlencode(&json!({ "lazy_load_members": true }).to_string());
+    let mut measure = Vec::new();
+    for room in [&small, &big] {
+        let (r, v) = h
+            .counted_get(
+                &format!("/_matrix/client/v3/rooms/{room}/messages?dir=b&limit=4&filter={filter}"),
+                &it,
+            )
+            .await;
+        measure.push(r);
+        assert_eq!(v["chunk"].as_array().unwrap().len(), 4);
+        let mut members: Vec<&str> = v["state"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["state_key"].as_str().unwrap())
+            .collect();
+        members.sort();
+        assert_eq!(members, vec![ivy.as_str(), jon.as_str()]);
+    }
+    // Two member lookups (ivy, jon), each at most one trie level deeper in the room
+    // with 300 more members; fetching the roster would add 300 reads.
+    assert!(
+        measure[1] <= measure[0] + 2,
+        "lazy /messages reads grew with member count (3 vs 303 members): {measure:?}"
+    );
+}
+
+/// Joining and sending do not read the member list: the same store reads (including
+/// what the projections read to apply them) with 3 or 303 member entries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn join_and_send_reads_do_not_grow_with_members() {
+    let h = Harness::start().await;
+    let (_ivy, it) = h.register("ivy").await;
+    let small = h.create_room(&it, json!({ "preset": "public_chat" })).await;
+    let big = h.create_room(&it, json!({ "preset": "public_chat" })).await;
+    h.ban_ghosts(&it, &big, 300).await;
+    let mut measure = Vec::new();
+    for (k, room) in [&small, &big].into_iter().enumerate() {
+        let (pat, pt) = h.register(&format!("pat{k}")).await;
+        h.quiesce().await;
+        let before = h.reads();
+        h.join(&pt, room).await;
+        let id = h.send(&pt, room, &format!("p{k}"), "hello").await;
+        h.quiesce().await;
+        measure.push(h.reads() - before);
+        let ev = h.server.projections.timeline.event(&id).unwrap();
+        assert_eq!(ev.pdu.sender.as_str(), pat);
+        assert_eq!(
+            h.server
+                .projections
+                .membership
+                .get(room, &pat)
+                .unwrap()
+                .membership,
+            "join"
+        );
+    }
+    assert_eq!(
+        measure[0], measure[1],
+        "join + send reads grew with member count: {measure:?}"
+    );
+}
+
+/// A journal store whose next append, once armed, blocks until released: it holds an
+/// fsync "in progress" for as long as a test needs. Records every batch size.
+struct GatedStore {
+    inner: spindle_journal::FjallStore,
+    gate: std::sync::Mutex<Option<std::sync::mpsc::Receiver<()>>>,
+    blocked: std::sync::atomic::AtomicBool,
+    batches: std::sync::Mutex<Vec<usize>>,
+}
+
+impl spindle_journal::JournalStore for GatedStore {
+    fn append(&self, records: &[spindle_journal::Record]) -> Result<(), String> {
+        let gate = self.gate.lock().unwrap().take();
+        if let Some(rx) = gate {
+            self.blocked.store(true, Ordering::SeqCst);
+            rx.recv().ok();
+        }
+        self.batches.lock().unwrap().push(records.len());
+        self.inner.append(records)
+    }
+    fn read_after(
+        &self,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<spindle_journal::StoredRecord>, String> {
+        self.inner.read_after(after, limit)
+    }
+    fn room_positions(&self, room_id: &str, after: u64, limit: usize) -> Result<Vec<u64>, String> {
+        self.inner.room_positions(room_id, after, limit)
+    }
+}
+
+/// Trap: one process-wide mutex held across append + fsync serialized every room. While
+/// one append's fsync is in progress, writers to 8 other rooms and a second writer to
+/// the same room all get their records positioned and queued (no lock, not even the
+/// room's, is held across the fsync), and the next fsync covers all 9 of them (group
+/// commit). With a lock across the fsync this would be 9 more fsyncs, one per write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writers_queue_during_an_fsync_and_share_the_next_one() {
+    use spindle_journal::{CommandBody, CommandEnvelope, EventSpec, Journal, SignedCommand};
+    const ME: &str = "@writer:example.org";
+    let dir = tempfile::tempdir().unwrap();
+    let key = Arc::new(spindle_core::keys::ServerKey::generate("example.org"));
+    let store = Arc::new(GatedStore {
+        inner: spindle_journal::FjallStore::open(dir.path()).unwrap(),
+        gate: std::sync::Mutex::new(None),
+        blocked: std::sync::atomic::AtomicBool::new(false),
+        batches: std::sync::Mutex::new(Vec::new()),
+    });
+    let journal = Journal::open(store.clone(), key.clone()).unwrap();
+    let sign = |body: CommandBody| {
+        SignedCommand::sign(
+            &key,
+            CommandEnvelope {
+                principal: ME.into(),
+                device_id: Some("DEV".into()),
+                issued_at: 1_700_000_000_000,
+                body,
+            },
+        )
+        .unwrap()
+    };
+    let state = |kind: &str, sk: &str, content: Value| EventSpec {
+        kind: kind.into(),
+        state_key: Some(sk.into()),
+        content,
+        redacts: None,
+    };
+    let message = |room: &str, body: &str| CommandBody::SendEvent {
+        room_id: room.into(),
+        event: EventSpec {
+            kind: "m.room.message".into(),
+            state_key: None,
+            content: json!({ "msgtype": "m.text", "body": body }),
+            redacts: None,
+        },
+        txn_id: None,
+        precondition: None,
+    };
+    let mut rooms = Vec::new();
+    for _ in 0..9 {
+        let created = journal
+            .submit(sign(CommandBody::CreateRoom {
+                room_version: "11".into(),
+                events: vec![
+                    state("m.room.create", "", json!({ "room_version": "11" })),
+                    state("m.room.member", ME, json!({ "membership": "join" })),
+                ],
+                alias: None,
+            }))
+            .await
+            .unwrap();
+        rooms.push(created.room_id.unwrap().to_string());
+    }
+    let stats = journal.stats();
+    let fsyncs_before = stats.fsyncs.load(Ordering::SeqCst);
+    let enqueued_before = stats.enqueued.load(Ordering::SeqCst);
+    let (release, gate) = std::sync::mpsc::channel();
+    *store.gate.lock().unwrap() = Some(gate);
+    store.batches.lock().unwrap().clear();
+
+    // The first write's append blocks: its fsync is "in progress".
+    let first = {
+        let (journal, cmd) = (journal.clone(), sign(message(&rooms[0], "first")));
+        tokio::spawn(async move { journal.submit(cmd).await.unwrap() })
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !store.blocked.load(Ordering::SeqCst) {
+        assert!(std::time::Instant::now() < deadline, "append never started");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    // Nine more writes: rooms 1..8 and room 0 again.
+    let mut tasks = Vec::new();
+    for (i, room) in rooms.iter().enumerate().skip(1).chain([(0, &rooms[0])]) {
+        let (journal, cmd) = (journal.clone(), sign(message(room, &format!("w{i}"))));
+        tasks.push(tokio::spawn(
+            async move { journal.submit(cmd).await.unwrap() },
+        ));
+    }
+    while stats.enqueued.load(Ordering::SeqCst) < enqueued_before + 10 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "writers could not queue while an fsync was in progress: {} of 10 queued",
+            stats.enqueued.load(Ordering::SeqCst) - enqueued_before
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    // Every position is handed out, and none of the ten is durable (acknowledged) yet.
+    assert_eq!(
+        journal.durable_head(),
+        stats.enqueued.load(Ordering::SeqCst) - 10
+    );
+    release.send(()).unwrap();
+    let first = first.await.unwrap();
+    let mut positions = vec![first.position];
+    for t in tasks {
+        positions.push(t.await.unwrap().position);
+    }
+    positions.sort();
+    assert_eq!(
+        positions,
+        (first.position..first.position + 10).collect::<Vec<u64>>()
+    );
+    assert_eq!(
+        *store.batches.lock().unwrap(),
+        vec![1, 9],
+        "one fsync for the nine queued writes"
+    );
+    assert_eq!(stats.fsyncs.load(Ordering::SeqCst) - fsyncs_before, 2);
 }

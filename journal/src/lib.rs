@@ -146,6 +146,8 @@ pub struct JournalStats {
     pub appended: AtomicU64,
     /// records read by tailers.
     pub records_read: AtomicU64,
+    /// records handed to the appender (positioned, not yet necessarily durable).
+    pub enqueued: AtomicU64,
 }
 
 /// The journal handle (cheap to clone).
@@ -386,10 +388,15 @@ impl Journal {
             r.position = guard.0;
         }
         let last = guard.0;
+        let count = records.len() as u64;
         if guard.1.send(Pending { records }).is_err() {
             tracing::error!("journal appender is gone; refusing to continue");
             std::process::abort();
         }
+        self.inner
+            .stats
+            .enqueued
+            .fetch_add(count, Ordering::Relaxed);
         last
     }
 
