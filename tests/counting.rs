@@ -1054,3 +1054,131 @@ async fn writers_queue_during_an_fsync_and_share_the_next_one() {
     );
     assert_eq!(stats.fsyncs.load(Ordering::SeqCst) - fsyncs_before, 2);
 }
+
+/// The Element X room-list window (11 rooms, `required_state` `m.room.name` plus lazy
+/// members, `timeline_limit` 3): a sliding sync request's store reads do not grow with
+/// room size (200 → 3200 events) nor member count (50 → 800 member entries), neither
+/// for a new connection nor for an incremental request (BRIEF §4: recency from memory,
+/// point lookups for concrete `required_state`, counts from the room summary).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_sync_reads_do_not_grow_with_room_size_nor_members() {
+    let h: &'static Harness = Box::leak(Box::new(Harness::start().await));
+    let (_eli, et) = h.register("eli").await;
+    let mut rooms = Vec::new();
+    for i in 0..11 {
+        rooms.push(
+            h.create_room(
+                &et,
+                json!({ "preset": "public_chat", "name": format!("room {i}") }),
+            )
+            .await,
+        );
+    }
+    let subject = rooms[0].clone();
+    // ~50 member entries (bans need no account), then ~200 events in all.
+    ban_ghosts(h, &et, &subject, 0..49).await;
+    send_fillers(h, &et, &subject, 0, 140).await;
+    let small = measure_sliding(h, &et, &subject, 1).await;
+    // 200 → 3200 events.
+    send_fillers(h, &et, &subject, 1000, 3000).await;
+    let big_room = measure_sliding(h, &et, &subject, 2).await;
+    // 50 → 800 member entries.
+    ban_ghosts(h, &et, &subject, 49..799).await;
+    let many_members = measure_sliding(h, &et, &subject, 3).await;
+    assert_eq!(
+        small, big_room,
+        "sliding sync store reads (initial, incremental) grew with room size"
+    );
+    assert_eq!(
+        small, many_members,
+        "sliding sync store reads (initial, incremental) grew with member count"
+    );
+}
+
+async fn ban_ghosts(h: &Harness, token: &str, room: &str, range: std::ops::Range<usize>) {
+    for i in range {
+        let (status, v) = h
+            .call(
+                reqwest::Method::POST,
+                &format!("/_matrix/client/v3/rooms/{room}/ban"),
+                Some(token),
+                Some(json!({ "user_id": format!("@ghost{i}:elsewhere.example") })),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+    }
+}
+
+/// `n` messages, four at a time (concurrent sends share fsyncs).
+async fn send_fillers(h: &Harness, token: &str, room: &str, from: usize, n: usize) {
+    let mut i = from;
+    while i < from + n {
+        let t: Vec<String> = (0..4).map(|k| format!("fill{}", i + k)).collect();
+        tokio::join!(
+            h.send(token, room, &t[0], "filler"),
+            h.send(token, room, &t[1], "filler"),
+            h.send(token, room, &t[2], "filler"),
+            h.send(token, room, &t[3], "filler"),
+        );
+        i += 4;
+    }
+}
+
+/// Store reads of (a new connection's first request, an incremental request after
+/// one new message) for the Element X window shape.
+async fn measure_sliding(h: &Harness, token: &str, subject: &str, round: u32) -> (u64, u64) {
+    const SS: &str = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync";
+    // The subject room ends with three messages, so every round's answer has the
+    // same shape.
+    for i in 0..3 {
+        h.send(token, subject, &format!("tail{round}-{i}"), "latest")
+            .await;
+    }
+    h.quiesce().await;
+    let body = json!({
+        "conn_id": format!("c{round}"),
+        "lists": { "all_rooms": {
+            "ranges": [[0, 10]],
+            "timeline_limit": 3,
+            "required_state": [["m.room.name", ""], ["m.room.member", "$LAZY"]],
+        } }
+    });
+    let before = h.reads();
+    let (status, first) = h
+        .call(reqwest::Method::POST, SS, Some(token), Some(body.clone()))
+        .await;
+    let initial_reads = h.reads() - before;
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["lists"]["all_rooms"]["count"], 11);
+    assert_eq!(first["rooms"].as_object().unwrap().len(), 11);
+    let r = &first["rooms"][subject];
+    assert_eq!(r["timeline"].as_array().unwrap().len(), 3);
+    assert_eq!(r["required_state"].as_array().unwrap().len(), 2, "{r}");
+    // The first delta warms the per-room "last receipt change" caches; the second is
+    // measured.
+    let mut pos = first["pos"].as_str().unwrap().to_owned();
+    let mut incremental_reads = 0;
+    for step in 0..2 {
+        h.send(token, subject, &format!("inc{round}-{step}"), "incremental")
+            .await;
+        h.quiesce().await;
+        let before = h.reads();
+        let (status, next) = h
+            .call(
+                reqwest::Method::POST,
+                &format!("{SS}?pos={pos}"),
+                Some(token),
+                Some(body.clone()),
+            )
+            .await;
+        incremental_reads = h.reads() - before;
+        assert_eq!(status, 200, "{next}");
+        assert_eq!(next["rooms"].as_object().unwrap().len(), 1, "{next}");
+        assert_eq!(
+            next["rooms"][subject]["timeline"].as_array().unwrap().len(),
+            1
+        );
+        pos = next["pos"].as_str().unwrap().to_owned();
+    }
+    (initial_reads, incremental_reads)
+}

@@ -482,6 +482,31 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
             assert!(!resp.text.contains(s), "sync {query} leaked {s}");
         }
     }
+    // Sliding sync (MSC4186) shows nothing of the room either: not in a list, and a
+    // subscription to it is ignored.
+    let resp = eve
+        .post(
+            "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync",
+            &json!({
+                "lists": { "all": { "ranges": [[0, 99]], "timeline_limit": 10,
+                    "required_state": [["*", "*"]] } },
+                "room_subscriptions": { (room.clone()): { "timeline_limit": 10,
+                    "required_state": [["*", "*"], ["m.room.member", "$LAZY"]] } },
+                "extensions": { "account_data": { "enabled": true }, "receipts": { "enabled": true },
+                    "typing": { "enabled": true } }
+            }),
+        )
+        .await;
+    assert_eq!(resp.status, 200, "{}", resp.text);
+    assert_eq!(resp.body["lists"]["all"]["count"], 0, "{}", resp.text);
+    assert!(
+        !resp.text.contains(&room),
+        "sliding sync names the room: {}",
+        resp.text
+    );
+    for s in secrets {
+        assert!(!resp.text.contains(s), "sliding sync leaked {s}");
+    }
     // Nothing eve sent changed the room.
     assert_eq!(alice.all_event_ids(&room).await, before_ids);
     let mut after_state = alice

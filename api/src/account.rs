@@ -72,7 +72,11 @@ pub(crate) fn routes() -> Router<AppState> {
 }
 
 async fn versions() -> Json<Value> {
-    Json(json!({ "versions": SPEC_VERSIONS, "unstable_features": {} }))
+    // MSC4186 (Simplified Sliding Sync) is served on its unstable path.
+    Json(json!({
+        "versions": SPEC_VERSIONS,
+        "unstable_features": { "org.matrix.simplified_msc3575": true },
+    }))
 }
 
 async fn well_known(State(s): State<AppState>) -> Json<Value> {

@@ -11,6 +11,7 @@ pub mod error;
 pub mod extract;
 pub mod read;
 pub mod rooms;
+pub mod sliding;
 pub mod sync;
 pub mod typing;
 pub mod visibility;
@@ -66,6 +67,8 @@ pub struct AppState {
     pub typing: typing::Typing,
     /// `/sync` room summaries cached by state root.
     pub summaries: Arc<parking_lot::Mutex<HashMap<[u8; 32], serde_json::Value>>>,
+    /// Simplified Sliding Sync connections (MSC4186), in memory.
+    pub sliding: Arc<sliding::Connections>,
     /// Becomes `true` when the server shuts down: waiting long-polls answer at once.
     pub shutdown: tokio::sync::watch::Receiver<bool>,
 }
@@ -86,6 +89,7 @@ impl AppState {
             config: Arc::new(config),
             typing: typing::Typing::default(),
             summaries: Arc::default(),
+            sliding: Arc::default(),
             shutdown,
         }
     }
@@ -191,6 +195,7 @@ pub fn router(state: AppState) -> Router {
         .merge(rooms::routes())
         .merge(read::routes())
         .merge(sync::routes())
+        .merge(sliding::routes())
         .merge(typing::routes())
         .fallback(|| async { MatrixError::unrecognized() })
         .method_not_allowed_fallback(|| async {

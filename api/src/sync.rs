@@ -620,35 +620,7 @@ impl Ctx<'_> {
     }
 
     fn invited_room(&self, m: &Membership) -> Option<Value> {
-        let (_, root) = self.s.projections.state.roots_at(&m.event_id)?;
-        let mut events = Vec::new();
-        for kind in [
-            "m.room.create",
-            "m.room.join_rules",
-            "m.room.name",
-            "m.room.avatar",
-            "m.room.canonical_alias",
-            "m.room.encryption",
-            "m.room.topic",
-        ] {
-            if let Some(id) = self.s.projections.state.lookup(root, kind, "")
-                && let Some(ev) = self.s.projections.timeline.event(&id)
-            {
-                events.push(stripped(&ev.pdu));
-            }
-        }
-        let invite = self.s.projections.timeline.event(&m.event_id)?;
-        if let Some(id) =
-            self.s
-                .projections
-                .state
-                .lookup(root, "m.room.member", invite.pdu.sender.as_str())
-            && let Some(ev) = self.s.projections.timeline.event(&id)
-        {
-            events.push(stripped(&ev.pdu));
-        }
-        events.push(stripped(&invite.pdu));
-        Some(json!({ "invite_state": { "events": events } }))
+        Some(json!({ "invite_state": { "events": invite_state(self.s, m)? } }))
     }
 
     fn left_room(&self, room: &str, m: &Membership) -> Option<Value> {
@@ -679,6 +651,40 @@ impl Ctx<'_> {
     }
 }
 
+/// The stripped state shown to an invitee (spec: `invite_state`): the room's
+/// create, join rules, name, avatar, canonical alias, encryption and topic as of the
+/// invite, the inviter's member event and the invite itself. Point lookups only.
+pub(crate) fn invite_state(s: &AppState, m: &Membership) -> Option<Vec<Value>> {
+    let (_, root) = s.projections.state.roots_at(&m.event_id)?;
+    let mut events = Vec::new();
+    for kind in [
+        "m.room.create",
+        "m.room.join_rules",
+        "m.room.name",
+        "m.room.avatar",
+        "m.room.canonical_alias",
+        "m.room.encryption",
+        "m.room.topic",
+    ] {
+        if let Some(id) = s.projections.state.lookup(root, kind, "")
+            && let Some(ev) = s.projections.timeline.event(&id)
+        {
+            events.push(stripped(&ev.pdu));
+        }
+    }
+    let invite = s.projections.timeline.event(&m.event_id)?;
+    if let Some(id) = s
+        .projections
+        .state
+        .lookup(root, "m.room.member", invite.pdu.sender.as_str())
+        && let Some(ev) = s.projections.timeline.event(&id)
+    {
+        events.push(stripped(&ev.pdu));
+    }
+    events.push(stripped(&invite.pdu));
+    Some(events)
+}
+
 fn stripped(pdu: &Pdu) -> Value {
     json!({ "type": pdu.kind.to_string(), "state_key": pdu.state_key, "content": pdu.content_value(), "sender": pdu.sender })
 }
@@ -688,7 +694,13 @@ fn stripped(pdu: &Pdu) -> Value {
 /// it answers from memory: per-user and per-room "latest change" positions, and the
 /// rooms' last activity. Only a room that did change costs a store read (to check the
 /// change is within `upto`).
-fn has_updates(s: &AppState, user: &str, joined: &[String], since: (u64, u64), upto: u64) -> bool {
+pub(crate) fn has_updates(
+    s: &AppState,
+    user: &str,
+    joined: &[String],
+    since: (u64, u64),
+    upto: u64,
+) -> bool {
     let p = &s.projections;
     if p.membership.last_change(user) > since.0 || p.account_data.last_change(user) > since.0 {
         return true;

@@ -12,9 +12,11 @@
 //! | [`user_data::AccountData`] | global and per-room account data |
 //! | [`user_data::Receipts`] | receipts and unread counts (running-count index) |
 //! | [`user_data::Aliases`] | room aliases |
+//! | [`room_summary::RoomSummary`] | joined/invited counts and heroes per room |
 
 pub mod accounts;
 pub mod membership;
+pub mod room_summary;
 pub mod runtime;
 pub mod state;
 pub mod store;
@@ -47,6 +49,8 @@ pub struct Projections {
     pub receipts: Arc<user_data::Receipts>,
     /// Aliases.
     pub aliases: Arc<user_data::Aliases>,
+    /// Member counts and heroes per room.
+    pub room_summary: Arc<room_summary::RoomSummary>,
     /// The runtime (checkpoints, waiting).
     pub runtime: Runtime,
     /// The database (counters).
@@ -65,6 +69,7 @@ impl Projections {
         let account_data = Arc::new(user_data::AccountData::open(&db)?);
         let receipts = Arc::new(user_data::Receipts::open(&db)?);
         let aliases = Arc::new(user_data::Aliases::open(&db)?);
+        let room_summary = Arc::new(room_summary::RoomSummary::open(&db)?);
         let all: Vec<Arc<dyn Projection>> = vec![
             timeline.clone(),
             state.clone(),
@@ -74,6 +79,7 @@ impl Projections {
             account_data.clone(),
             receipts.clone(),
             aliases.clone(),
+            room_summary.clone(),
         ];
         let runtime = Runtime::start(journal, db.clone(), all);
         Ok(Projections {
@@ -85,6 +91,7 @@ impl Projections {
             account_data,
             receipts,
             aliases,
+            room_summary,
             runtime,
             db,
         })

@@ -278,6 +278,21 @@ impl Receipts {
             .collect()
     }
 
+    /// The (user, type) pairs of the room's latest `limit` receipt changes at or before
+    /// `upto`, newest first (one bounded reverse scan; duplicates possible).
+    pub fn recent(&self, room_id: &str, upto: u64, limit: usize) -> Vec<(String, String)> {
+        self.log
+            .scan_range(
+                &key::with_pos(&[room_id], 0),
+                &key::with_pos(&[room_id], upto.saturating_add(1)),
+                true,
+                limit,
+            )
+            .into_iter()
+            .filter_map(|(_, v)| serde_json::from_slice(&v).ok())
+            .collect()
+    }
+
     /// Unread notifying events for `user_id` in `room_id` in `(from, upto]`, not counting
     /// the user's own. `from` is the position of the user's read receipt (or their join).
     pub fn unread(&self, room_id: &str, user_id: &str, from: u64, upto: u64) -> u64 {

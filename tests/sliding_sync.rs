@@ -1,0 +1,581 @@
+//! Simplified Sliding Sync (MSC4186): exact room order, ranges, required_state,
+//! counts and extension payloads across incremental requests on one connection.
+
+mod common;
+
+use common::{Client, TestServer, enc};
+use serde_json::{Value, json};
+
+const SS: &str = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync";
+
+/// One request; `pos` in the query (as matrix-rust-sdk sends it). Panics unless 200.
+async fn ss(c: &Client, pos: Option<&str>, body: Value) -> Value {
+    let path = match pos {
+        Some(p) => format!("{SS}?pos={}", enc(p)),
+        None => SS.to_owned(),
+    };
+    c.post(&path, &body).await.ok()
+}
+
+fn pos(v: &Value) -> String {
+    v["pos"].as_str().expect("pos").to_owned()
+}
+
+fn room_ids(v: &Value) -> Vec<String> {
+    let mut ids: Vec<String> = v["rooms"]
+        .as_object()
+        .map(|m| m.keys().cloned().collect())
+        .unwrap_or_default();
+    ids.sort();
+    ids
+}
+
+fn sorted(mut v: Vec<String>) -> Vec<String> {
+    v.sort();
+    v
+}
+
+fn bodies(room: &Value) -> Vec<String> {
+    room["timeline"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no timeline in {room}"))
+        .iter()
+        .map(|e| e["content"]["body"].as_str().unwrap_or("").to_owned())
+        .collect()
+}
+
+/// (type, state_key) of each `required_state` event, sorted.
+fn state_keys(room: &Value) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = room["required_state"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|e| {
+                    (
+                        e["type"].as_str().unwrap().to_owned(),
+                        e["state_key"].as_str().unwrap().to_owned(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    out.sort();
+    out
+}
+
+fn list(ranges: Value, timeline_limit: u64, required_state: Value) -> Value {
+    json!({ "ranges": ranges, "timeline_limit": timeline_limit, "required_state": required_state })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rooms_are_listed_by_recency_and_ranges_slice_the_list() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let a = alice.create_room(json!({ "name": "A" })).await;
+    let b = alice.create_room(json!({ "name": "B" })).await;
+    let c = alice.create_room(json!({ "name": "C" })).await;
+    let d = alice.create_room(json!({ "name": "D" })).await;
+    alice.send_text(&b, "b1").await;
+    // Recency: b (message), d, c, a (creation order).
+    let body = |ranges: Value| json!({ "lists": { "all": list(ranges, 1, json!([["m.room.name", ""]])) } });
+    let first = ss(&alice, None, body(json!([[0, 1]]))).await;
+    assert_eq!(first["lists"]["all"]["count"], 4);
+    assert_eq!(room_ids(&first), sorted(vec![b.clone(), d.clone()]));
+    let rb = &first["rooms"][&b];
+    let rd = &first["rooms"][&d];
+    assert_eq!(rb["initial"], true);
+    assert_eq!(rb["name"], "B");
+    assert_eq!(rb["membership"], "join");
+    assert_eq!(bodies(rb), vec!["b1"]);
+    assert_eq!(rb["limited"], true);
+    assert_eq!(rb["num_live"], 0);
+    assert_eq!(rb["joined_count"], 1);
+    assert_eq!(rb["invited_count"], 0);
+    assert_eq!(rb["notification_count"], 0);
+    assert_eq!(
+        state_keys(rb),
+        vec![("m.room.name".to_owned(), String::new())]
+    );
+    assert_eq!(rb["required_state"][0]["content"]["name"], "B");
+    assert!(rb.get("heroes").is_none(), "a named room has no heroes");
+    assert!(rb["bump_stamp"].as_u64().unwrap() > rd["bump_stamp"].as_u64().unwrap());
+    assert!(rb["prev_batch"].as_str().unwrap().starts_with('t'));
+
+    // Widening the range sends only the rooms the connection does not have yet.
+    let second = ss(&alice, Some(&pos(&first)), body(json!([[0, 3]]))).await;
+    assert_eq!(second["lists"]["all"]["count"], 4);
+    assert_eq!(room_ids(&second), sorted(vec![a.clone(), c.clone()]));
+    assert!(
+        second["rooms"][&a]["bump_stamp"].as_u64() < second["rooms"][&c]["bump_stamp"].as_u64()
+    );
+
+    // Nothing new: an immediate answer with no rooms.
+    let third = ss(&alice, Some(&pos(&second)), body(json!([[0, 3]]))).await;
+    assert_eq!(room_ids(&third), Vec::<String>::new());
+
+    // A message in the oldest room sends that room alone, as a delta.
+    alice.send_text(&a, "a1").await;
+    let fourth = ss(&alice, Some(&pos(&third)), body(json!([[0, 3]]))).await;
+    assert_eq!(room_ids(&fourth), vec![a.clone()]);
+    let ra = &fourth["rooms"][&a];
+    assert!(ra.get("initial").is_none(), "{ra}");
+    assert!(
+        ra.get("name").is_none(),
+        "unchanged fields are not resent: {ra}"
+    );
+    assert!(ra.get("required_state").is_none(), "{ra}");
+    assert_eq!(bodies(ra), vec!["a1"]);
+    assert_eq!(ra["num_live"], 1);
+    assert_eq!(ra["limited"], false);
+
+    // It is now first: the top-1 range of a new connection is that room.
+    let fresh = ss(
+        &alice,
+        None,
+        json!({ "conn_id": "other", "lists": { "top": list(json!([[0, 0]]), 3, json!([])) } }),
+    )
+    .await;
+    assert_eq!(room_ids(&fresh), vec![a.clone()]);
+    // The newest three events: the room's last two state events, then the message.
+    assert_eq!(bodies(&fresh["rooms"][&a]), vec!["", "", "a1"]);
+    ts.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn required_state_lazy_members_me_and_wildcards() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    let carol = ts.register("carol").await;
+    let room = alice
+        .create_room(json!({ "preset": "public_chat", "name": "R", "topic": "T" }))
+        .await;
+    bob.join(&room).await;
+    carol.join(&room).await;
+    alice.send_text(&room, "from alice").await;
+    bob.send_text(&room, "from bob").await;
+    let member = |u: &Client| ("m.room.member".to_owned(), u.user_id.clone());
+    let name = ("m.room.name".to_owned(), String::new());
+
+    // $LAZY: the members of the timeline's senders only; $ME: the requester.
+    let body = json!({ "room_subscriptions": { (room.clone()): {
+        "timeline_limit": 2,
+        "required_state": [["m.room.name", ""], ["m.room.member", "$LAZY"]] } } });
+    let first = ss(&alice, None, body.clone()).await;
+    let r = &first["rooms"][&room];
+    assert_eq!(bodies(r), vec!["from alice", "from bob"]);
+    assert_eq!(
+        state_keys(r),
+        sorted_pairs(vec![name.clone(), member(&alice), member(&bob)])
+    );
+    assert_eq!(r["joined_count"], 3);
+
+    // A new sender's member event follows in the next delta; known ones do not.
+    carol.send_text(&room, "from carol").await;
+    bob.send_text(&room, "bob again").await;
+    let next = ss(&alice, Some(&pos(&first)), body.clone()).await;
+    let r = &next["rooms"][&room];
+    assert_eq!(bodies(r), vec!["from carol", "bob again"]);
+    assert_eq!(r["num_live"], 2);
+    assert_eq!(state_keys(r), vec![member(&carol)]);
+
+    // $ME and a type wildcard on another connection.
+    let me = ss(
+        &bob,
+        None,
+        json!({ "room_subscriptions": { (room.clone()): {
+            "timeline_limit": 0,
+            "required_state": [["m.room.member", "$ME"], ["m.room.topic", "*"]] } } }),
+    )
+    .await;
+    let r = &me["rooms"][&room];
+    assert_eq!(
+        state_keys(r),
+        vec![member(&bob), ("m.room.topic".to_owned(), String::new())]
+    );
+    assert!(r.get("timeline").is_none() || bodies(r).is_empty());
+
+    // Every member with ["m.room.member", "*"]; everything with ["*", "*"].
+    let all = ss(
+        &carol,
+        None,
+        json!({ "room_subscriptions": { (room.clone()): {
+            "timeline_limit": 1, "required_state": [["m.room.member", "*"]] } } }),
+    )
+    .await;
+    assert_eq!(
+        state_keys(&all["rooms"][&room]),
+        sorted_pairs(vec![member(&alice), member(&bob), member(&carol)])
+    );
+    let everything = ss(
+        &carol,
+        None,
+        json!({ "conn_id": "x", "room_subscriptions": { (room.clone()): {
+            "timeline_limit": 1, "required_state": [["*", "*"]] } } }),
+    )
+    .await;
+    let keys = state_keys(&everything["rooms"][&room]);
+    for want in [
+        ("m.room.create".to_owned(), String::new()),
+        ("m.room.power_levels".to_owned(), String::new()),
+        ("m.room.join_rules".to_owned(), String::new()),
+        ("m.room.topic".to_owned(), String::new()),
+        name.clone(),
+        member(&alice),
+        member(&bob),
+        member(&carol),
+    ] {
+        assert!(keys.contains(&want), "{want:?} missing from {keys:?}");
+    }
+    ts.stop().await;
+}
+
+fn sorted_pairs(mut v: Vec<(String, String)>) -> Vec<(String, String)> {
+    v.sort();
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_filters_dm_encrypted_invite_and_room_types() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    let plain = alice.create_room(json!({ "name": "plain" })).await;
+    let _encrypted = alice
+        .create_room(json!({ "name": "enc", "initial_state": [
+            { "type": "m.room.encryption", "state_key": "", "content": { "algorithm": "m.megolm.v1.aes-sha2" } }
+        ] }))
+        .await;
+    let space = alice
+        .create_room(json!({ "name": "space", "creation_content": { "type": "m.space" } }))
+        .await;
+    let dm = alice.create_room(json!({ "is_direct": true })).await;
+    alice
+        .put(
+            &format!(
+                "/_matrix/client/v3/user/{}/account_data/m.direct",
+                enc(&alice.user_id)
+            ),
+            &json!({ (bob.user_id.clone()): [dm.clone()] }),
+        )
+        .await
+        .ok();
+    let invite = bob.create_room(json!({ "name": "invite" })).await;
+    bob.invite(&invite, &alice.user_id).await;
+    alice
+        .put_state(
+            &space,
+            "m.space.child",
+            &plain,
+            json!({ "via": ["localhost:8008"] }),
+        )
+        .await;
+
+    let l = |filters: Value| json!({ "ranges": [[0, 20]], "timeline_limit": 0, "required_state": [], "filters": filters });
+    let v = ss(
+        &alice,
+        None,
+        json!({ "lists": {
+            "dms": l(json!({ "is_dm": true })),
+            "not_dms": l(json!({ "is_dm": false, "is_invite": false })),
+            "encrypted": l(json!({ "is_encrypted": true })),
+            "invites": l(json!({ "is_invite": true })),
+            "spaces": l(json!({ "room_types": ["m.space"] })),
+            "no_spaces": l(json!({ "not_room_types": ["m.space"], "is_invite": false })),
+            "untyped": l(json!({ "room_types": [null] })),
+            "in_space": l(json!({ "spaces": [space.clone()] })),
+        } }),
+    )
+    .await;
+    let count = |name: &str| v["lists"][name]["count"].as_u64().unwrap();
+    assert_eq!(count("dms"), 1);
+    assert_eq!(count("not_dms"), 3);
+    assert_eq!(count("encrypted"), 1);
+    assert_eq!(count("invites"), 1);
+    assert_eq!(count("spaces"), 1);
+    assert_eq!(count("no_spaces"), 3);
+    assert_eq!(count("untyped"), 4);
+    assert_eq!(count("in_space"), 1);
+    assert_eq!(v["rooms"][&dm]["is_dm"], true);
+    assert!(v["rooms"][&plain].get("is_dm").is_none());
+    // The invite: stripped state only, no timeline.
+    let inv = &v["rooms"][&invite];
+    assert_eq!(inv["membership"], "invite");
+    assert!(inv.get("timeline").is_none());
+    let stripped: Vec<&str> = inv["invite_state"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["type"].as_str().unwrap())
+        .collect();
+    assert!(stripped.contains(&"m.room.name"), "{stripped:?}");
+    assert!(stripped.contains(&"m.room.member"), "{stripped:?}");
+    // A DM without a name gets heroes.
+    let heroes = v["rooms"][&dm]["heroes"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        heroes.is_empty(),
+        "alice is alone in the DM and is not her own hero: {heroes:?}"
+    );
+    ts.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heroes_counts_and_unread_counts_follow_the_room() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    let carol = ts.register("carol").await;
+    let room = alice.create_room(json!({ "preset": "private_chat" })).await;
+    alice.invite(&room, &bob.user_id).await;
+    bob.join(&room).await;
+    alice.invite(&room, &carol.user_id).await;
+    let body = json!({ "lists": { "all": list(json!([[0, 9]]), 1, json!([])) } });
+    let first = ss(&bob, None, body.clone()).await;
+    let r = &first["rooms"][&room];
+    assert_eq!(r["joined_count"], 2);
+    assert_eq!(r["invited_count"], 1);
+    // Joined first, then invited; never the requester.
+    let heroes: Vec<&str> = r["heroes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h["user_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(heroes, vec![alice.user_id.as_str(), carol.user_id.as_str()]);
+    assert!(r.get("name").is_none());
+    assert_eq!(r["notification_count"], 0);
+
+    let m1 = alice.send_text(&room, "one").await;
+    alice.send_text(&room, "two").await;
+    let second = ss(&bob, Some(&pos(&first)), body.clone()).await;
+    let r = &second["rooms"][&room];
+    assert_eq!(r["notification_count"], 2);
+    assert_eq!(bodies(r), vec!["two"]);
+    assert_eq!(r["limited"], true);
+    assert!(r.get("joined_count").is_none(), "counts unchanged: {r}");
+
+    // A read receipt changes only the unread count: the room comes back with it.
+    bob.post(
+        &format!(
+            "/_matrix/client/v3/rooms/{}/receipt/m.read/{}",
+            enc(&room),
+            enc(&m1)
+        ),
+        &json!({}),
+    )
+    .await
+    .ok();
+    let third = ss(&bob, Some(&pos(&second)), body.clone()).await;
+    let r = &third["rooms"][&room];
+    assert_eq!(r["notification_count"], 1);
+    assert!(r.get("timeline").is_none(), "{r}");
+
+    // Carol joins: counts change and the room is sent with them.
+    carol.join(&room).await;
+    let fourth = ss(&bob, Some(&pos(&third)), body.clone()).await;
+    let r = &fourth["rooms"][&room];
+    assert_eq!(r["joined_count"], 3);
+    assert_eq!(r["invited_count"], 0);
+    ts.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bigger_timeline_limit_expands_the_timeline() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let room = alice.create_room(json!({ "name": "x" })).await;
+    for i in 0..6 {
+        alice.send_text(&room, &format!("m{i}")).await;
+    }
+    let first = ss(
+        &alice,
+        None,
+        json!({ "lists": { "all": list(json!([[0, 0]]), 1, json!([])) } }),
+    )
+    .await;
+    assert_eq!(bodies(&first["rooms"][&room]), vec!["m5"]);
+    let second = ss(
+        &alice,
+        Some(&pos(&first)),
+        json!({ "lists": { "all": list(json!([[0, 0]]), 1, json!([])) },
+                "room_subscriptions": { (room.clone()): { "timeline_limit": 4, "required_state": [] } } }),
+    )
+    .await;
+    let r = &second["rooms"][&room];
+    assert_eq!(r["unstable_expanded_timeline"], true);
+    assert_eq!(bodies(r), vec!["m2", "m3", "m4", "m5"]);
+    assert_eq!(r["num_live"], 0);
+    assert!(r.get("initial").is_none());
+    ts.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_pos_and_bad_requests_are_client_errors() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let r = alice.post(&format!("{SS}?pos=nope"), &json!({})).await;
+    r.expect_err(400, "M_UNKNOWN_POS");
+    let first = ss(&alice, None, json!({ "conn_id": "a" })).await;
+    // A pos belongs to its connection.
+    let r = alice
+        .post(
+            &format!("{SS}?pos={}", enc(&pos(&first))),
+            &json!({ "conn_id": "b" }),
+        )
+        .await;
+    r.expect_err(400, "M_UNKNOWN_POS");
+    let r = alice
+        .post(
+            SS,
+            &json!({ "lists": { "a": { "ranges": [[3, 1]], "timeline_limit": 1 } } }),
+        )
+        .await;
+    r.expect_err(400, "M_INVALID_PARAM");
+    let r = alice.post(SS, &json!({ "lists": "nope" })).await;
+    r.expect_err(400, "M_BAD_JSON");
+    let r = alice.post(&format!("{SS}?timeout=soon"), &json!({})).await;
+    r.expect_err(400, "M_INVALID_PARAM");
+    ts.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_request_wakes_on_a_message_in_one_of_its_rooms() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    let room = alice.create_room(json!({ "preset": "public_chat" })).await;
+    bob.join(&room).await;
+    let body = json!({ "lists": { "all": list(json!([[0, 9]]), 5, json!([])) } });
+    let first = ss(&bob, None, body.clone()).await;
+    let p = pos(&first);
+    let waiting = {
+        let (bob, body, p) = (bob.clone(), body.clone(), p.clone());
+        tokio::spawn(async move {
+            bob.post(&format!("{SS}?pos={}&timeout=20000", enc(&p)), &body)
+                .await
+                .ok()
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    alice.send_text(&room, "wake up").await;
+    let v = waiting.await.unwrap();
+    assert_eq!(room_ids(&v), vec![room.clone()]);
+    assert_eq!(bodies(&v["rooms"][&room]), vec!["wake up"]);
+    ts.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extensions_account_data_receipts_and_typing_follow_their_scope() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    let old = alice.create_room(json!({ "preset": "public_chat" })).await;
+    let top = alice.create_room(json!({ "preset": "public_chat" })).await;
+    bob.join(&old).await;
+    bob.join(&top).await;
+    let msg = alice.send_text(&top, "hi").await;
+    let body = json!({
+        "lists": { "top": list(json!([[0, 0]]), 1, json!([])) },
+        "extensions": {
+            "account_data": { "enabled": true },
+            "receipts": { "enabled": true, "lists": ["top"] },
+            "typing": { "enabled": true, "lists": ["top"] },
+        }
+    });
+    bob.put(
+        &format!(
+            "/_matrix/client/v3/user/{}/account_data/org.example.global",
+            enc(&bob.user_id)
+        ),
+        &json!({ "g": 2 }),
+    )
+    .await
+    .ok();
+    bob.put(
+        &format!(
+            "/_matrix/client/v3/user/{}/rooms/{}/account_data/org.example.room",
+            enc(&bob.user_id),
+            enc(&top)
+        ),
+        &json!({ "r": 1 }),
+    )
+    .await
+    .ok();
+    alice
+        .post(
+            &format!(
+                "/_matrix/client/v3/rooms/{}/receipt/m.read/{}",
+                enc(&top),
+                enc(&msg)
+            ),
+            &json!({}),
+        )
+        .await
+        .ok();
+    let first = ss(&bob, None, body.clone()).await;
+    assert_eq!(room_ids(&first), vec![top.clone()]);
+    let ext = &first["extensions"];
+    let global: Vec<&Value> = ext["account_data"]["global"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["type"] == "org.example.global")
+        .collect();
+    assert_eq!(global.len(), 1);
+    assert_eq!(global[0]["content"], json!({ "g": 2 }));
+    assert_eq!(
+        ext["account_data"]["rooms"][&top],
+        json!([{ "type": "org.example.room", "content": { "r": 1 } }])
+    );
+    assert_eq!(
+        ext["receipts"]["rooms"][&top]["content"][&msg]["m.read"][&alice.user_id]["ts"]
+            .as_u64()
+            .map(|_| true),
+        Some(true),
+        "{ext}"
+    );
+    assert!(ext.get("typing").is_none(), "nobody types: {ext}");
+
+    // Typing in the room of the list shows; typing in a room outside the range does not.
+    for room in [&top, &old] {
+        alice
+            .put(
+                &format!(
+                    "/_matrix/client/v3/rooms/{}/typing/{}",
+                    enc(room),
+                    enc(&alice.user_id)
+                ),
+                &json!({ "typing": true, "timeout": 30000 }),
+            )
+            .await
+            .ok();
+    }
+    let second = ss(&bob, Some(&pos(&first)), body.clone()).await;
+    let ext = &second["extensions"];
+    assert_eq!(
+        ext["typing"]["rooms"],
+        json!({ (top.clone()): { "type": "m.typing", "content": { "user_ids": [alice.user_id.clone()] } } })
+    );
+    assert!(ext.get("account_data").is_none(), "no change: {ext}");
+    assert!(ext.get("receipts").is_none(), "no change: {ext}");
+
+    // Incremental account data: only the change.
+    bob.put(
+        &format!(
+            "/_matrix/client/v3/user/{}/account_data/org.example.other",
+            enc(&bob.user_id)
+        ),
+        &json!({ "o": 1 }),
+    )
+    .await
+    .ok();
+    let third = ss(&bob, Some(&pos(&second)), body.clone()).await;
+    assert_eq!(
+        third["extensions"]["account_data"],
+        json!({ "global": [{ "type": "org.example.other", "content": { "o": 1 } }] })
+    );
+    ts.stop().await;
+}
