@@ -505,3 +505,30 @@ async fn deleting_projections_rebuilds_them_at_start() {
         "projections rebuilt at start have the same digests"
     );
 }
+
+/// Sliding sync connections live in memory: after a restart a `pos` from before is
+/// unknown (400 `M_UNKNOWN_POS`, MSC4186), and a new connection works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sliding_sync_pos_from_before_a_restart_is_unknown() {
+    const SS: &str = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync";
+    let s = setup();
+    let p = Proc::start(&s.config);
+    let http = common::http();
+    let alice = common::register(&p.base, &http, "alice").await;
+    let room = alice.create_room(json!({ "name": "r" })).await;
+    let body = json!({ "lists": { "all": { "ranges": [[0, 9]], "timeline_limit": 1, "required_state": [] } } });
+    let first = alice.post(SS, &body).await.ok();
+    assert_eq!(first["lists"]["all"]["count"], 1);
+    let pos = first["pos"].as_str().unwrap().to_owned();
+    p.stop();
+    let p = Proc::start(&s.config);
+    let alice = rebase(&alice, &p.base);
+    alice
+        .post(&format!("{SS}?pos={}", enc(&pos)), &body)
+        .await
+        .expect_err(400, "M_UNKNOWN_POS");
+    let again = alice.post(SS, &body).await.ok();
+    assert_eq!(again["lists"]["all"]["count"], 1);
+    assert_eq!(again["rooms"][&room]["initial"], true);
+    p.stop();
+}

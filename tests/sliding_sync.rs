@@ -579,3 +579,56 @@ async fn extensions_account_data_receipts_and_typing_follow_their_scope() {
     );
     ts.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leave_is_sent_as_a_delta_then_the_room_leaves_the_list() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    let stays = alice
+        .create_room(json!({ "preset": "public_chat", "name": "stays" }))
+        .await;
+    let left = alice
+        .create_room(json!({ "preset": "public_chat", "name": "left" }))
+        .await;
+    let kicked = alice
+        .create_room(json!({ "preset": "public_chat", "name": "kicked" }))
+        .await;
+    for r in [&stays, &left, &kicked] {
+        bob.join(r).await;
+    }
+    let body =
+        json!({ "lists": { "all": list(json!([[0, 9]]), 2, json!([["m.room.name", ""]])) } });
+    let first = ss(&bob, None, body.clone()).await;
+    assert_eq!(first["lists"]["all"]["count"], 3);
+    bob.leave(&left).await;
+    alice
+        .post(
+            &format!("/_matrix/client/v3/rooms/{}/kick", enc(&kicked)),
+            &json!({ "user_id": bob.user_id }),
+        )
+        .await
+        .ok();
+    alice.send_text(&left, "after bob left").await;
+    let second = ss(&bob, Some(&pos(&first)), body.clone()).await;
+    assert_eq!(
+        room_ids(&second),
+        sorted(vec![left.clone(), kicked.clone()])
+    );
+    for room in [&left, &kicked] {
+        let r = &second["rooms"][room];
+        assert_eq!(r["membership"], "leave");
+        assert!(r.get("initial").is_none(), "{r}");
+        let last = r["timeline"].as_array().unwrap().last().unwrap().clone();
+        assert_eq!(last["type"], "m.room.member");
+        assert_eq!(last["state_key"], bob.user_id);
+        assert_eq!(last["content"]["membership"], "leave");
+        // Nothing after the leave.
+        assert!(!r.to_string().contains("after bob left"));
+    }
+    // Self-left rooms drop out of the list once the client knows; kicks stay.
+    let third = ss(&bob, Some(&pos(&second)), body.clone()).await;
+    assert_eq!(third["lists"]["all"]["count"], 2);
+    assert_eq!(room_ids(&third), Vec::<String>::new());
+    ts.stop().await;
+}

@@ -164,8 +164,14 @@ async fn live_and_replayed_projections_have_identical_digests() {
     );
     let a = live.runtime.digests();
     let b = rebuilt.runtime.digests();
-    assert_eq!(a.len(), 8);
+    assert_eq!(a.len(), 9);
     assert_eq!(a, b);
+    // The room summary (member counts, heroes) agrees: alice and bob joined.
+    for p in [&live, &rebuilt] {
+        let counts = p.room_summary.counts(&room);
+        assert_eq!((counts.joined, counts.invited), (2, 0));
+        assert_eq!(p.room_summary.heroes(&room, alice, 5), vec![bob.to_owned()]);
+    }
 
     // The answers agree too: unread count for alice after bob's receipt-less messages.
     let alice_join = live.membership.get(&room, alice).unwrap().position;

@@ -329,7 +329,7 @@ impl<'a> Build<'a> {
             let Some(m) = s.projections.membership.get(room, self.user) else {
                 continue;
             };
-            if m.forgotten || m.position > self.upto {
+            if !self.may_subscribe(&m) {
                 continue;
             }
             let recency = self.recency(room, &m);
@@ -396,19 +396,33 @@ impl<'a> Build<'a> {
                     .get(room)
                     .is_some_and(|sent| sent.membership != "leave")
             }),
-            "leave" | "ban" => {
-                // A ban of someone who was never in the room is not theirs to see.
-                self.s
-                    .projections
-                    .state
-                    .roots_at(&m.event_id)
-                    .and_then(|(before, _)| {
-                        crate::visibility::membership_at(self.s, before, self.user)
-                    })
-                    .is_some_and(|prev| prev == "join" || prev == "invite" || prev == "knock")
-            }
+            "leave" | "ban" => self.was_in_room(m),
             _ => false,
         }
+    }
+
+    /// Whether a room subscription may show the room: any current membership but a
+    /// forgotten one, and for a leave or ban only after having been in the room.
+    fn may_subscribe(&self, m: &Membership) -> bool {
+        if m.forgotten || m.position > self.upto {
+            return false;
+        }
+        match m.membership.as_str() {
+            "join" | "invite" | "knock" => true,
+            "leave" | "ban" => self.was_in_room(m),
+            _ => false,
+        }
+    }
+
+    /// Whether the user was joined, invited or knocking right before their leave or
+    /// ban (a ban of someone who was never in the room is not theirs to see).
+    fn was_in_room(&self, m: &Membership) -> bool {
+        self.s
+            .projections
+            .state
+            .roots_at(&m.event_id)
+            .and_then(|(before, _)| crate::visibility::membership_at(self.s, before, self.user))
+            .is_some_and(|prev| prev == "join" || prev == "invite" || prev == "knock")
     }
 
     /// The recency sort key and `bump_stamp`: the room's last activity while joined,
@@ -600,7 +614,9 @@ impl<'a> Build<'a> {
             room_access(s, self.user, room).ok()?
         };
         let end = self.upto.min(access.cap);
-        let initial = sent.is_none_or(|x| x.membership != m.membership);
+        // A room first sent as an invite or knock (stripped state only) is sent in full
+        // once joined; a join that became a leave is a delta up to the leave.
+        let initial = sent.is_none_or(|x| matches!(x.membership.as_str(), "invite" | "knock"));
         let expanded = !initial && sent.is_some_and(|x| config.timeline_limit > x.timeline_limit);
         let state_expanded =
             !initial && sent.is_some_and(|x| !x.required_state.covers(&config.required_state));
