@@ -27,6 +27,26 @@ enum Command {
         #[command(subcommand)]
         verb: Replay,
     },
+    /// Check, migrate, export or import the journal itself (stop the server first).
+    Journal {
+        #[command(subcommand)]
+        verb: JournalVerb,
+    },
+}
+
+#[derive(Subcommand)]
+enum JournalVerb {
+    /// Verify the hash chain and every record's own integrity (event id, content hash,
+    /// our signature, fact payload); prints the head position and hash, or the first bad
+    /// position (exit status 1).
+    Check {
+        /// Check only the chain (decoding, positions, prev_hash), not each record's content.
+        #[arg(long)]
+        chain_only: bool,
+    },
+    /// Rewrite a journal written in record format 1 (before the hash chain) in the
+    /// current format; the old journal is kept as `journal.format1`.
+    Migrate,
 }
 
 #[derive(Subcommand)]
@@ -117,6 +137,40 @@ async fn run() -> anyhow::Result<()> {
             if failed {
                 return Err(anyhow!("some projections differ from a rebuild"));
             }
+        }
+        Command::Journal {
+            verb: JournalVerb::Check { chain_only },
+        } => {
+            let report =
+                spindle_replay::journal_check(&config.data_dir, &config.server_name, !chain_only)?;
+            match report.broken {
+                None => println!(
+                    "ok\thead {}\t{}",
+                    report.head.position,
+                    spindle_replay::hex(&report.head.hash)
+                ),
+                Some(brk) => {
+                    println!(
+                        "BROKEN\tfirst bad position {}\tverified up to {}\t{}",
+                        brk.position,
+                        brk.good.position,
+                        spindle_replay::hex(&brk.good.hash)
+                    );
+                    return Err(anyhow!("{brk}"));
+                }
+            }
+        }
+        Command::Journal {
+            verb: JournalVerb::Migrate,
+        } => {
+            let m = spindle_replay::journal_migrate(&config.data_dir)?;
+            println!(
+                "migrated {} records; head {} {}; old journal kept in {}",
+                m.records,
+                m.head.position,
+                spindle_replay::hex(&m.head.hash),
+                m.kept.display()
+            );
         }
         Command::Replay {
             verb: Replay::Status,

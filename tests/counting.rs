@@ -915,7 +915,7 @@ struct GatedStore {
 }
 
 impl spindle_journal::JournalStore for GatedStore {
-    fn append(&self, records: &[spindle_journal::Record]) -> Result<(), String> {
+    fn append(&self, records: &[spindle_journal::EncodedRecord]) -> Result<(), String> {
         let gate = self.gate.lock().unwrap().take();
         if let Some(rx) = gate {
             self.blocked.store(true, Ordering::SeqCst);
@@ -924,15 +924,14 @@ impl spindle_journal::JournalStore for GatedStore {
         self.batches.lock().unwrap().push(records.len());
         self.inner.append(records)
     }
-    fn read_after(
-        &self,
-        after: u64,
-        limit: usize,
-    ) -> Result<Vec<spindle_journal::StoredRecord>, String> {
-        self.inner.read_after(after, limit)
+    fn read_raw_after(&self, after: u64, limit: usize) -> Result<Vec<(u64, Vec<u8>)>, String> {
+        self.inner.read_raw_after(after, limit)
     }
     fn room_positions(&self, room_id: &str, after: u64, limit: usize) -> Result<Vec<u64>, String> {
         self.inner.room_positions(room_id, after, limit)
+    }
+    fn truncate_from(&self, position: u64) -> Result<(), String> {
+        self.inner.truncate_from(position)
     }
 }
 

@@ -468,6 +468,16 @@ async fn restart_and_offline_rebuild_keep_every_answer() {
     );
     p.stop();
     assert_eq!(verify(&s.config).len(), verified.len());
+
+    // The journal's hash chain and every record's content verify; the head hash is
+    // stable across runs of the check (nothing was written since).
+    let check = run(&s.config, &["journal", "check"]);
+    let fields: Vec<&str> = check.trim().split('\t').collect();
+    assert_eq!(fields[0], "ok", "{check}");
+    let head: u64 = fields[1].strip_prefix("head ").unwrap().parse().unwrap();
+    assert!(head > 20, "{check}");
+    assert_eq!(fields[2].len(), 64, "{check}");
+    assert_eq!(run(&s.config, &["journal", "check", "--chain-only"]), check);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,7 +11,9 @@
 //! them in order; [`Journal::durable_head`] is published (watch channel) only after the
 //! fsync that covers it, and readers never see past it.
 
+pub mod chain;
 pub mod command;
+pub mod migrate;
 pub mod record;
 pub mod store;
 
@@ -31,9 +33,12 @@ use spindle_core::{
 };
 use tokio::sync::watch;
 
+pub use chain::{BreakKind, ChainBreak, ChainHead};
 pub use command::{CommandBody, CommandEnvelope, EventSpec, MembershipPrecondition, SignedCommand};
-pub use record::{Fact, RECORD_FORMAT, Record, RecordKind, StoredRecord};
-pub use store::{FjallStore, JournalStore};
+pub use record::{
+    Fact, GENESIS_HASH, RECORD_FORMAT, Record, RecordKind, StoredRecord, record_hash,
+};
+pub use store::{EncodedRecord, FjallStore, JournalStore};
 
 /// Why a command was refused. Each maps to one Matrix error in the API.
 #[derive(Debug, thiserror::Error)]
@@ -188,8 +193,13 @@ fn random_id(len: usize) -> String {
 }
 
 impl Journal {
-    /// Opens the journal on a store, restores every room aggregate by replaying the
-    /// log, and starts the group-commit appender thread.
+    /// Opens the journal on a store, verifies the hash chain while restoring every
+    /// room aggregate by replaying the log, and starts the group-commit appender thread.
+    ///
+    /// A torn tail (the last records unreadable, nothing readable after them) is
+    /// truncated with a warning naming what was dropped; any other break (a bad record
+    /// followed by good ones, a broken chain, a gap) refuses to open: that is
+    /// corruption or tampering, not a crash, and only the operator can decide.
     pub fn open(
         store: Arc<dyn JournalStore>,
         key: Arc<ServerKey>,
@@ -197,51 +207,40 @@ impl Journal {
         let mut rooms: HashMap<OwnedRoomId, RoomAggregate> = HashMap::new();
         let mut users = HashSet::new();
         let mut aliases = HashMap::new();
-        let mut head = 0;
-        let mut after = 0;
-        loop {
-            let batch = store
-                .read_after(after, 4096)
-                .map_err(JournalError::Storage)?;
-            if batch.is_empty() {
-                break;
-            }
-            for rec in batch {
-                after = rec.position();
-                head = rec.position();
-                if rec.is_event() {
-                    let Some(pdu) = rec.pdu() else {
-                        return Err(JournalError::Storage(format!(
-                            "unreadable PDU at position {}",
-                            rec.position()
-                        )));
-                    };
-                    let agg = rooms
-                        .entry(pdu.room_id.clone())
-                        .or_insert_with(|| RoomAggregate::new(&pdu.room_version));
-                    if let (Some(txn), Some(dev)) = (rec.txn_id(), rec.device_id()) {
-                        agg.txns.insert(
-                            (rec.principal().to_owned(), dev.to_owned(), txn.to_owned()),
-                            (pdu.event_id.clone(), rec.position()),
-                        );
+        let walked = chain::walk(&*store, |rec| {
+            if rec.is_event() {
+                let pdu = rec.pdu().ok_or("unreadable PDU")?;
+                let agg = rooms
+                    .entry(pdu.room_id.clone())
+                    .or_insert_with(|| RoomAggregate::new(&pdu.room_version));
+                if let (Some(txn), Some(dev)) = (rec.txn_id(), rec.device_id()) {
+                    agg.txns.insert(
+                        (rec.principal().to_owned(), dev.to_owned(), txn.to_owned()),
+                        (pdu.event_id.clone(), rec.position()),
+                    );
+                }
+                agg.apply(Arc::new(pdu));
+            } else {
+                match rec.fact() {
+                    Some(Fact::AccountRegistered { user_id, .. }) => {
+                        users.insert(user_id);
                     }
-                    agg.apply(Arc::new(pdu));
-                } else {
-                    match rec.fact() {
-                        Some(Fact::AccountRegistered { user_id, .. }) => {
-                            users.insert(user_id);
-                        }
-                        Some(Fact::AliasSet { alias, room_id, .. }) => {
-                            aliases.insert(alias, room_id);
-                        }
-                        Some(Fact::AliasDeleted { alias }) => {
-                            aliases.remove(&alias);
-                        }
-                        _ => {}
+                    Some(Fact::AliasSet { alias, room_id, .. }) => {
+                        aliases.insert(alias, room_id);
                     }
+                    Some(Fact::AliasDeleted { alias }) => {
+                        aliases.remove(&alias);
+                    }
+                    _ => {}
                 }
             }
-        }
+            Ok(())
+        });
+        let chain_head = match walked {
+            Ok(h) => h,
+            Err(brk) => recover_torn_tail(&*store, brk)?,
+        };
+        let head = chain_head.position;
         let (durable_tx, durable_rx) = watch::channel(head);
         let (tx, rx) = std::sync::mpsc::channel::<Pending>();
         let stats = Arc::new(JournalStats::default());
@@ -250,7 +249,7 @@ impl Journal {
             let stats = stats.clone();
             std::thread::Builder::new()
                 .name("journal-appender".into())
-                .spawn(move || appender(store, rx, durable_tx, stats))
+                .spawn(move || appender(store, rx, durable_tx, stats, chain_head))
                 .map_err(|e| JournalError::Storage(e.to_string()))?;
         }
         Ok(Journal {
@@ -368,6 +367,7 @@ impl Journal {
             format: RECORD_FORMAT,
             position: 0,
             appended_at: now_ms(),
+            prev_hash: GENESIS_HASH,
             kind,
             room_id: None,
             event_id: None,
@@ -752,11 +752,16 @@ impl Journal {
 /// The group-commit loop: take everything queued, write it in one batch, fsync once,
 /// publish the new durable head. A storage failure aborts the process: the in-memory
 /// aggregates are ahead of the disk and only a restart (replay) makes them true again.
+///
+/// The appender is also where the hash chain is made: it sees records in position
+/// order, sets each one's `prev_hash` to the hash of the bytes it encoded for the one
+/// before, and hands the store exactly those bytes.
 fn appender(
     store: Arc<dyn JournalStore>,
     rx: std::sync::mpsc::Receiver<Pending>,
     durable: watch::Sender<u64>,
     stats: Arc<JournalStats>,
+    mut chain: ChainHead,
 ) {
     while let Ok(first) = rx.recv() {
         let mut records = first.records;
@@ -766,15 +771,83 @@ fn appender(
                 Err(_) => break,
             }
         }
-        let last = records.last().map(|r| r.position).unwrap_or(0);
-        if let Err(e) = store.append(&records) {
+        let mut encoded = Vec::with_capacity(records.len());
+        for mut r in records {
+            if r.position != chain.position + 1 {
+                tracing::error!(
+                    expected = chain.position + 1,
+                    got = r.position,
+                    "journal positions out of order; aborting"
+                );
+                std::process::abort();
+            }
+            r.prev_hash = chain.hash;
+            let bytes = r.encode();
+            chain = ChainHead {
+                position: r.position,
+                hash: record_hash(&bytes),
+            };
+            encoded.push(EncodedRecord {
+                position: r.position,
+                room_id: r.room_id,
+                bytes,
+            });
+        }
+        let last = chain.position;
+        if let Err(e) = store.append(&encoded) {
             tracing::error!(error = %e, "journal append failed; aborting to protect acknowledged writes");
             std::process::abort();
         }
         stats.fsyncs.fetch_add(1, Ordering::Relaxed);
         stats
             .appended
-            .fetch_add(records.len() as u64, Ordering::Relaxed);
+            .fetch_add(encoded.len() as u64, Ordering::Relaxed);
         durable.send_replace(last);
     }
+}
+
+/// Decides what a chain break at start-up means. Only a torn tail is repaired: the
+/// first bad record is unreadable and so is every record after it (a write that never
+/// completed; nothing after it can have been acknowledged, since acknowledgement
+/// follows the fsync of everything before). fjall itself already discards an
+/// incomplete last batch on recovery, so with the fjall store this is defence in
+/// depth for stores without atomic batches.
+fn recover_torn_tail(store: &dyn JournalStore, brk: ChainBreak) -> Result<ChainHead, JournalError> {
+    let refuse = |brk: &ChainBreak| {
+        JournalError::Storage(format!(
+            "{brk}; refusing to start. Run `spindle journal check` for details and restore \
+             from a backup (records after a bad one cannot be trusted)"
+        ))
+    };
+    if !matches!(brk.kind, BreakKind::Unreadable(_)) {
+        return Err(refuse(&brk));
+    }
+    let tail = store
+        .read_raw_after(brk.position - 1, usize::MAX)
+        .map_err(JournalError::Storage)?;
+    if tail
+        .iter()
+        .any(|(_, bytes)| StoredRecord::from_bytes(bytes).is_ok())
+    {
+        return Err(refuse(&brk));
+    }
+    let bytes: usize = tail.iter().map(|(_, b)| b.len()).sum();
+    let last = tail.last().map(|(p, _)| *p).unwrap_or(brk.position);
+    tracing::warn!(
+        first = brk.position,
+        last,
+        records = tail.len(),
+        bytes,
+        kept_head = brk.good.position,
+        "journal: dropping a torn tail of {} unreadable record(s) at positions {}..={} ({} bytes); \
+         they were never acknowledged",
+        tail.len(),
+        brk.position,
+        last,
+        bytes
+    );
+    store
+        .truncate_from(brk.position)
+        .map_err(JournalError::Storage)?;
+    Ok(brk.good)
 }

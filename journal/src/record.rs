@@ -2,13 +2,28 @@
 //!
 //! A record is an rkyv-encoded envelope. Room events carry the PDU's canonical JSON
 //! bytes; every other fact carries a small JSON document ([`Fact`]). The envelope
-//! format is versioned ([`RECORD_FORMAT`]) so a later release can read old journals.
+//! format is versioned ([`RECORD_FORMAT`]) so a later release can read old journals
+//! (format 1 is read by [`v1`] for `spindle journal migrate`).
+//!
+//! Tamper evidence: every record carries `prev_hash`, the blake3 hash of the previous
+//! record's stored bytes ([`record_hash`]); the first record's is all zeros
+//! ([`GENESIS_HASH`]). Changing, removing or reordering any record breaks the chain at
+//! the next one; see `chain.rs`.
 
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// Version of the record envelope. Bump on any layout change and keep a reader for
-/// every older version.
-pub const RECORD_FORMAT: u16 = 1;
+/// every older version. Format 2 added `prev_hash` (the hash chain).
+pub const RECORD_FORMAT: u16 = 2;
+
+/// `prev_hash` of the record at position 1.
+pub const GENESIS_HASH: [u8; 32] = [0; 32];
+
+/// The hash of a record: blake3 of its stored bytes (exactly what the store keeps
+/// under its position). The next record's `prev_hash` must equal it.
+pub fn record_hash(stored_bytes: &[u8]) -> [u8; 32] {
+    *blake3::hash(stored_bytes).as_bytes()
+}
 
 /// What a record holds.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,6 +43,9 @@ pub struct Record {
     pub format: u16,
     /// Global stream position (1-based, contiguous).
     pub position: u64,
+    /// [`record_hash`] of the record at `position - 1` ([`GENESIS_HASH`] at position 1).
+    /// Set by the appender, which sees records in position order.
+    pub prev_hash: [u8; 32],
     /// Server wall clock at append, ms since the Unix epoch (for audit only; projections
     /// never read the clock, they read this).
     pub appended_at: u64,
@@ -99,6 +117,31 @@ impl StoredRecord {
         self.view().position.to_native()
     }
 
+    /// Envelope format the record was written in.
+    pub fn format(&self) -> u16 {
+        self.view().format.to_native()
+    }
+
+    /// The previous record's hash, as this record carries it.
+    pub fn prev_hash(&self) -> [u8; 32] {
+        self.view().prev_hash
+    }
+
+    /// This record's hash ([`record_hash`] of its stored bytes).
+    pub fn hash(&self) -> [u8; 32] {
+        record_hash(&self.bytes)
+    }
+
+    /// The stored bytes (what [`record_hash`] covers; what exports carry).
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// Server wall clock at append (ms since the Unix epoch).
+    pub fn appended_at(&self) -> u64 {
+        self.view().appended_at.to_native()
+    }
+
     /// Whether this is a room event (else a fact).
     pub fn is_event(&self) -> bool {
         matches!(self.view().kind, ArchivedRecordKind::Event)
@@ -132,6 +175,11 @@ impl StoredRecord {
     /// Client transaction id.
     pub fn txn_id(&self) -> Option<&str> {
         self.view().txn_id.as_ref().map(|s| s.as_str())
+    }
+
+    /// The command signature kept for the audit trail.
+    pub fn command_signature(&self) -> &str {
+        self.view().command_signature.as_str()
     }
 
     /// The payload bytes (PDU canonical JSON or fact JSON), borrowed.
@@ -243,6 +291,58 @@ pub enum Fact {
     RoomForgotten { user_id: String, room_id: String },
 }
 
+/// Format 1 (before the hash chain), kept so `spindle journal migrate` can read it.
+pub mod v1 {
+    use rkyv::{Archive, Deserialize, Serialize};
+
+    use super::{GENESIS_HASH, RECORD_FORMAT, Record, RecordKind};
+
+    /// The format-1 envelope, field for field (no `prev_hash`).
+    #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+    #[allow(missing_docs)] // Same fields as [`Record`], which documents them.
+    pub struct RecordV1 {
+        pub format: u16,
+        pub position: u64,
+        pub appended_at: u64,
+        pub kind: RecordKind,
+        pub room_id: Option<String>,
+        pub event_id: Option<String>,
+        pub room_version: Option<String>,
+        pub principal: String,
+        pub device_id: Option<String>,
+        pub txn_id: Option<String>,
+        pub command_signature: String,
+        pub payload: Vec<u8>,
+    }
+
+    /// Decodes a format-1 record into a current [`Record`] with `prev_hash` unset
+    /// ([`GENESIS_HASH`]; the migration chains it).
+    pub fn decode(bytes: &[u8]) -> Result<Record, String> {
+        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
+        aligned.extend_from_slice(bytes);
+        let old = rkyv::from_bytes::<RecordV1, rkyv::rancor::Error>(&aligned)
+            .map_err(|e| e.to_string())?;
+        if old.format != 1 {
+            return Err(format!("record says format {}, expected 1", old.format));
+        }
+        Ok(Record {
+            format: RECORD_FORMAT,
+            position: old.position,
+            prev_hash: GENESIS_HASH,
+            appended_at: old.appended_at,
+            kind: old.kind,
+            room_id: old.room_id,
+            event_id: old.event_id,
+            room_version: old.room_version,
+            principal: old.principal,
+            device_id: old.device_id,
+            txn_id: old.txn_id,
+            command_signature: old.command_signature,
+            payload: old.payload,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -252,6 +352,7 @@ mod tests {
         let rec = Record {
             format: RECORD_FORMAT,
             position: 42,
+            prev_hash: [7; 32],
             appended_at: 1,
             kind: RecordKind::Fact,
             room_id: None,
@@ -278,6 +379,33 @@ mod tests {
             })
         );
         assert_eq!(stored.to_record(), rec);
+        assert_eq!(stored.prev_hash(), [7; 32]);
+        assert_eq!(stored.hash(), record_hash(&bytes));
         assert!(StoredRecord::from_bytes(&bytes[..bytes.len() - 3]).is_err());
+    }
+
+    #[test]
+    fn format_1_records_are_read_by_the_v1_reader() {
+        let old = v1::RecordV1 {
+            format: 1,
+            position: 3,
+            appended_at: 5,
+            kind: RecordKind::Event,
+            room_id: Some("!r:x".into()),
+            event_id: Some("$e".into()),
+            room_version: Some("10".into()),
+            principal: "@a:x".into(),
+            device_id: None,
+            txn_id: Some("t".into()),
+            command_signature: "sig".into(),
+            payload: b"{}".to_vec(),
+        };
+        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&old).unwrap();
+        let rec = v1::decode(&bytes).unwrap();
+        assert_eq!(rec.format, RECORD_FORMAT);
+        assert_eq!(rec.position, 3);
+        assert_eq!(rec.prev_hash, GENESIS_HASH);
+        assert_eq!(rec.txn_id.as_deref(), Some("t"));
+        assert_eq!(rec.payload, b"{}");
     }
 }

@@ -1,35 +1,90 @@
 //! Journal storage behind a narrow trait (BRIEF §7): append a batch durably, read in
 //! position order. [`FjallStore`] is the embedded default; a replicated log
-//! (partitioned by room) could implement the same two calls.
+//! (partitioned by room) could implement the same calls.
+//!
+//! The store keeps bytes, not meaning: records arrive encoded (the appender hashes
+//! the exact bytes it hands over, so the hash chain covers what is on disk) and come
+//! back as raw bytes or validated [`StoredRecord`]s.
 
 use std::path::Path;
 
 use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode};
 
-use crate::record::{Record, StoredRecord};
+use crate::record::{RECORD_FORMAT, StoredRecord};
+
+/// One record ready to be written: its position, its room (for the per-room index)
+/// and its encoded envelope.
+#[derive(Debug, Clone)]
+pub struct EncodedRecord {
+    /// Global position.
+    pub position: u64,
+    /// Room of an event record.
+    pub room_id: Option<String>,
+    /// The rkyv bytes ([`crate::Record::encode`]), exactly what is stored and hashed.
+    pub bytes: Vec<u8>,
+}
 
 /// Durable, ordered record storage.
 pub trait JournalStore: Send + Sync + 'static {
     /// Writes the records (already positioned, contiguous, ascending) atomically and
     /// returns only once they are on disk (fsync).
-    fn append(&self, records: &[Record]) -> Result<(), String>;
-    /// Up to `limit` records with position > `after`, ascending.
-    fn read_after(&self, after: u64, limit: usize) -> Result<Vec<StoredRecord>, String>;
+    fn append(&self, records: &[EncodedRecord]) -> Result<(), String>;
+    /// Up to `limit` stored values with position > `after`, ascending, unvalidated:
+    /// `(position key, bytes)`. The chain check reads these to name a bad position.
+    fn read_raw_after(&self, after: u64, limit: usize) -> Result<Vec<(u64, Vec<u8>)>, String>;
+    /// Up to `limit` records with position > `after`, ascending, validated.
+    fn read_after(&self, after: u64, limit: usize) -> Result<Vec<StoredRecord>, String> {
+        self.read_raw_after(after, limit)?
+            .into_iter()
+            .map(|(pos, bytes)| {
+                StoredRecord::from_bytes(&bytes).map_err(|e| format!("record {pos}: {e}"))
+            })
+            .collect()
+    }
     /// Positions of a room's records after `after`, ascending (the per-room linear index).
     fn room_positions(&self, room_id: &str, after: u64, limit: usize) -> Result<Vec<u64>, String>;
+    /// Durably removes every record at `position` or later and its index entries.
+    /// Only start-up recovery calls this, for a torn tail.
+    fn truncate_from(&self, position: u64) -> Result<(), String>;
 }
 
-/// The fjall-backed journal: keyspace `records` (position BE u64 -> rkyv record) and
-/// keyspace `room_log` (room id, 0x00, position BE u64 -> empty), written in one batch.
+/// The fjall-backed journal: keyspace `records` (position BE u64 -> rkyv record),
+/// keyspace `room_log` (room id, 0x00, position BE u64 -> empty), written in one batch,
+/// and keyspace `meta` (`record_format` -> u16 BE: the envelope format of every record).
 pub struct FjallStore {
     db: Database,
     records: Keyspace,
     room_log: Keyspace,
+    meta: Keyspace,
 }
 
+const FORMAT_KEY: &str = "record_format";
+
 impl FjallStore {
-    /// Opens (or creates) the journal database in `dir`.
+    /// Opens (or creates) the journal database in `dir`. Refuses a journal written in
+    /// another record format with a message naming the way forward (format 1:
+    /// `spindle journal migrate`).
     pub fn open(dir: &Path) -> Result<FjallStore, String> {
+        let store = Self::open_any_format(dir)?;
+        match store.stored_format()? {
+            f if f == RECORD_FORMAT => Ok(store),
+            1 => Err(format!(
+                "the journal in {} is in record format 1 (before the hash chain); this release \
+                 reads and writes format {RECORD_FORMAT}. Stop the server and run \
+                 `spindle journal migrate` (it keeps the old journal as journal.format1)",
+                dir.display()
+            )),
+            f => Err(format!(
+                "the journal in {} is in record format {f}, newer than this release's \
+                 {RECORD_FORMAT}; run a newer spindle",
+                dir.display()
+            )),
+        }
+    }
+
+    /// Opens the journal database without checking its format (for `journal migrate`
+    /// and `journal check`). A new, empty journal is marked with [`RECORD_FORMAT`].
+    pub fn open_any_format(dir: &Path) -> Result<FjallStore, String> {
         let db = Database::builder(dir)
             .manual_journal_persist(true)
             .open()
@@ -40,11 +95,41 @@ impl FjallStore {
         let room_log = db
             .keyspace("room_log", KeyspaceCreateOptions::default)
             .map_err(|e| e.to_string())?;
-        Ok(FjallStore {
+        let meta = db
+            .keyspace("meta", KeyspaceCreateOptions::default)
+            .map_err(|e| e.to_string())?;
+        let store = FjallStore {
             db,
             records,
             room_log,
-        })
+            meta,
+        };
+        let marked = store.meta.get(FORMAT_KEY).map_err(|e| e.to_string())?;
+        let empty = store.records.first_key_value().is_none();
+        if marked.is_none() && empty {
+            store.set_format(RECORD_FORMAT)?;
+        }
+        Ok(store)
+    }
+
+    /// The record format of this journal: the `meta` marker, or 1 for a non-empty
+    /// journal without one (format 1 had no marker).
+    pub fn stored_format(&self) -> Result<u16, String> {
+        match self.meta.get(FORMAT_KEY).map_err(|e| e.to_string())? {
+            Some(v) if v.len() == 2 => Ok(u16::from_be_bytes([v[0], v[1]])),
+            Some(_) => Err("unreadable record_format marker".into()),
+            None => Ok(1),
+        }
+    }
+
+    /// Writes the format marker durably (migration writes it last).
+    pub fn set_format(&self, format: u16) -> Result<(), String> {
+        self.meta
+            .insert(FORMAT_KEY, format.to_be_bytes())
+            .map_err(|e| e.to_string())?;
+        self.db
+            .persist(PersistMode::SyncAll)
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -56,11 +141,19 @@ fn room_key(room_id: &str, position: u64) -> Vec<u8> {
     k
 }
 
+fn position_of(key: &[u8]) -> Result<u64, String> {
+    let pos: [u8; 8] = key
+        .get(key.len().saturating_sub(8)..)
+        .and_then(|s| s.try_into().ok())
+        .ok_or_else(|| "bad journal key".to_string())?;
+    Ok(u64::from_be_bytes(pos))
+}
+
 impl JournalStore for FjallStore {
-    fn append(&self, records: &[Record]) -> Result<(), String> {
+    fn append(&self, records: &[EncodedRecord]) -> Result<(), String> {
         let mut batch = self.db.batch();
         for r in records {
-            batch.insert(&self.records, r.position.to_be_bytes(), r.encode());
+            batch.insert(&self.records, r.position.to_be_bytes(), r.bytes.as_slice());
             if let Some(room) = &r.room_id {
                 batch.insert(&self.room_log, room_key(room, r.position), b"");
             }
@@ -71,15 +164,17 @@ impl JournalStore for FjallStore {
             .map_err(|e| e.to_string())
     }
 
-    fn read_after(&self, after: u64, limit: usize) -> Result<Vec<StoredRecord>, String> {
-        let start = (after + 1).to_be_bytes();
+    fn read_raw_after(&self, after: u64, limit: usize) -> Result<Vec<(u64, Vec<u8>)>, String> {
+        let Some(start) = after.checked_add(1) else {
+            return Ok(Vec::new());
+        };
         let mut out = Vec::new();
-        for kv in self.records.range(start..) {
+        for kv in self.records.range(start.to_be_bytes()..) {
             if out.len() >= limit {
                 break;
             }
-            let (_, v) = kv.into_inner().map_err(|e| e.to_string())?;
-            out.push(StoredRecord::from_bytes(&v)?);
+            let (k, v) = kv.into_inner().map_err(|e| e.to_string())?;
+            out.push((position_of(&k)?, v.to_vec()));
         }
         Ok(out)
     }
@@ -93,11 +188,28 @@ impl JournalStore for FjallStore {
                 break;
             }
             let k = kv.key().map_err(|e| e.to_string())?;
-            let pos: [u8; 8] = k[k.len() - 8..]
-                .try_into()
-                .map_err(|_| "bad room_log key".to_string())?;
-            out.push(u64::from_be_bytes(pos));
+            out.push(position_of(&k)?);
         }
         Ok(out)
+    }
+
+    fn truncate_from(&self, position: u64) -> Result<(), String> {
+        let mut batch = self.db.batch();
+        for kv in self.records.range(position.to_be_bytes()..) {
+            let k = kv.key().map_err(|e| e.to_string())?;
+            batch.remove(&self.records, k.to_vec());
+        }
+        // The room index has no position-first order; a full pass is fine on this
+        // recovery-only path.
+        for kv in self.room_log.iter() {
+            let k = kv.key().map_err(|e| e.to_string())?;
+            if position_of(&k)? >= position {
+                batch.remove(&self.room_log, k.to_vec());
+            }
+        }
+        batch.commit().map_err(|e| e.to_string())?;
+        self.db
+            .persist(PersistMode::SyncAll)
+            .map_err(|e| e.to_string())
     }
 }

@@ -1,6 +1,7 @@
 //! Rebuilding and verifying projections from the journal (BRIEF §3.2: projections are
-//! disposable). All verbs here are offline: they open the data directory themselves,
-//! so the server must be stopped (fjall's lock file refuses a second opener).
+//! disposable), and checking the journal itself (the hash chain). The verbs here are
+//! offline: they open the data directory themselves, so the server must be stopped
+//! (fjall's lock file refuses a second opener).
 
 use std::{path::Path, sync::Arc, time::Duration};
 
@@ -123,4 +124,70 @@ pub async fn status(
     let projections = Projections::start(&data_dir.join("projections"), journal.clone())
         .map_err(|e| anyhow!(e))?;
     Ok((journal.durable_head(), projections.runtime.checkpoints()))
+}
+
+/// The result of `spindle journal check`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckReport {
+    /// The verified chain (all of it, or up to the break).
+    pub head: spindle_journal::ChainHead,
+    /// The first bad position, if any.
+    pub broken: Option<spindle_journal::ChainBreak>,
+}
+
+/// Verifies the journal of `data_dir`: the hash chain and, when `deep`, every record's
+/// own content (event ids, content hashes, signatures, fact payloads). Read-only: a
+/// torn tail is reported, not truncated (the server truncates it at start-up).
+pub fn journal_check(
+    data_dir: &Path,
+    server_name: &str,
+    deep: bool,
+) -> anyhow::Result<CheckReport> {
+    let key =
+        spindle_federation::load_or_create_key(data_dir, server_name).map_err(|e| anyhow!(e))?;
+    let store = open_store(data_dir)?;
+    let walked = spindle_journal::chain::walk(&store, |rec| {
+        if deep {
+            spindle_journal::chain::deep_check(rec, &key)
+        } else {
+            Ok(())
+        }
+    });
+    Ok(match walked {
+        Ok(head) => CheckReport { head, broken: None },
+        Err(brk) => CheckReport {
+            head: brk.good,
+            broken: Some(brk),
+        },
+    })
+}
+
+/// Opens the journal store of `data_dir` without replaying it (the format must be current).
+pub fn open_store(data_dir: &Path) -> anyhow::Result<FjallStore> {
+    let dir = data_dir.join("journal");
+    if !dir.is_dir() {
+        return Err(anyhow!(
+            "no journal in {} (check data_dir in the config)",
+            data_dir.display()
+        ));
+    }
+    FjallStore::open(&dir)
+        .map_err(|e| anyhow!(e))
+        .with_context(|| {
+            format!(
+                "opening the journal in {} (is the server still running?)",
+                data_dir.display()
+            )
+        })
+}
+
+/// Rewrites a format-1 journal in the current format (see
+/// [`spindle_journal::migrate::migrate_format1`]).
+pub fn journal_migrate(data_dir: &Path) -> anyhow::Result<spindle_journal::migrate::Migration> {
+    spindle_journal::migrate::migrate_format1(&data_dir.join("journal")).map_err(|e| anyhow!(e))
+}
+
+/// Lower-case hex of a hash.
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
