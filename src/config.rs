@@ -25,6 +25,9 @@ pub struct Config {
     pub limits: Limits,
     /// Log filter (tracing `EnvFilter` syntax); `RUST_LOG` overrides it.
     pub log: String,
+    /// Server admins (full user ids): they may use the admin API
+    /// (`/_spindle/admin/v1`). `spindle admin promote` adds admins through the journal.
+    pub admins: Vec<String>,
 }
 
 /// Who may register.
@@ -64,6 +67,7 @@ impl Default for Config {
             registration: Registration::default(),
             limits: Limits::default(),
             log: "info,fjall=warn,lsm_tree=warn,ruma_state_res=warn".into(),
+            admins: Vec::new(),
         }
     }
 }
@@ -208,7 +212,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 13);
+        assert_eq!(want.len(), 14);
     }
 
     #[test]

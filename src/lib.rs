@@ -99,6 +99,7 @@ impl Server {
             max_request_bytes: config.limits.max_request_bytes,
             max_sync_timeout_ms: config.limits.max_sync_timeout_ms,
             request_body_idle_timeout_ms: config.limits.request_body_idle_timeout_ms,
+            admins: config.admins.clone(),
         };
         let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
         let state = spindle_api::AppState::new(

@@ -32,6 +32,16 @@ enum Command {
         #[command(subcommand)]
         verb: JournalVerb,
     },
+    /// Audit trails from the log (stop the server first; the admin API serves the same live).
+    Audit {
+        #[command(subcommand)]
+        verb: Audit,
+    },
+    /// Server administration (stop the server first).
+    Admin {
+        #[command(subcommand)]
+        verb: Admin,
+    },
 }
 
 #[derive(Subcommand)]
@@ -47,6 +57,67 @@ enum JournalVerb {
     /// Rewrite a journal written in record format 1 (before the hash chain) in the
     /// current format; the old journal is kept as `journal.format1`.
     Migrate,
+    /// Write the whole journal to FILE as a versioned, deterministic recorded journal
+    /// (JSON Lines: a header, then one record per line; same journal, same bytes).
+    Export {
+        /// Where to write (replaced atomically).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Load a recorded journal into a fresh data directory (no journal yet). The chain
+    /// is checked line by line; start the server on DIR afterwards to build projections.
+    Import {
+        /// A file written by `journal export`.
+        file: PathBuf,
+        /// The data directory to create (its `journal/` must not exist).
+        #[arg(long)]
+        data: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum Audit {
+    /// Every state change of a room from the log: position, origin time, event id,
+    /// sender, (type, state key), the previous value and the new one (or a redaction).
+    Room {
+        /// The room id (`!…`).
+        room_id: String,
+        /// One JSON object per line instead of tab-separated text.
+        #[arg(long)]
+        json: bool,
+        /// Only this event type (e.g. `m.room.power_levels`).
+        #[arg(long = "type")]
+        event_type: Option<String>,
+        /// Only changes sent by this user.
+        #[arg(long)]
+        sender: Option<String>,
+        /// Only changes with origin_server_ts >= this (ms since the Unix epoch).
+        #[arg(long)]
+        since_ts: Option<u64>,
+        /// Only changes with origin_server_ts < this (ms since the Unix epoch).
+        #[arg(long)]
+        until_ts: Option<u64>,
+    },
+    /// An account's journal facts: registration, devices, tokens issued/revoked (never
+    /// the token or its hash), password changes, deactivation, membership changes, and
+    /// any other fact naming the account.
+    User {
+        /// The user id (`@…`).
+        user_id: String,
+        /// One JSON object per line instead of tab-separated text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum Admin {
+    /// Make an account a server admin (a journal fact; server stopped). Admins may use
+    /// the admin API (`/_spindle/admin/v1/...`). Config `admins` is the other way.
+    Promote {
+        /// The local user id (`@…`); the account must exist.
+        user_id: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -171,6 +242,84 @@ async fn run() -> anyhow::Result<()> {
                 spindle_replay::hex(&m.head.hash),
                 m.kept.display()
             );
+        }
+        Command::Journal {
+            verb: JournalVerb::Export { out },
+        } => {
+            let h = spindle_replay::export_to_file(&config.data_dir, &config.server_name, &out)?;
+            println!(
+                "exported {} records to {}; head {} {}",
+                h.records,
+                out.display(),
+                h.head,
+                h.head_hash
+            );
+        }
+        Command::Journal {
+            verb: JournalVerb::Import { file, data },
+        } => {
+            let h = spindle_replay::export::import(&file, &data)?;
+            println!(
+                "imported {} records of {} into {}; head {} {}",
+                h.records,
+                h.server_name,
+                data.display(),
+                h.head,
+                h.head_hash
+            );
+        }
+        Command::Audit {
+            verb:
+                Audit::Room {
+                    room_id,
+                    json,
+                    event_type,
+                    sender,
+                    since_ts,
+                    until_ts,
+                },
+        } => {
+            let filter = spindle_projections::audit::RoomFilter {
+                event_type,
+                sender,
+                since_ts,
+                until_ts,
+            };
+            let changes = spindle_replay::audit_room(
+                &config.data_dir,
+                &config.server_name,
+                &room_id,
+                &filter,
+            )
+            .await?;
+            if json {
+                for c in &changes {
+                    println!("{}", serde_json::to_string(c)?);
+                }
+            } else {
+                print!("{}", spindle_projections::audit::render_room_text(&changes));
+            }
+        }
+        Command::Audit {
+            verb: Audit::User { user_id, json },
+        } => {
+            let entries =
+                spindle_replay::audit_user(&config.data_dir, &config.server_name, &user_id).await?;
+            if json {
+                for e in &entries {
+                    println!("{}", serde_json::to_string(e)?);
+                }
+            } else {
+                print!("{}", spindle_projections::audit::render_user_text(&entries));
+            }
+        }
+        Command::Admin {
+            verb: Admin::Promote { user_id },
+        } => {
+            let position =
+                spindle_replay::promote_admin(&config.data_dir, &config.server_name, &user_id)
+                    .await?;
+            println!("{user_id} is a server admin (journal position {position})");
         }
         Command::Replay {
             verb: Replay::Status,

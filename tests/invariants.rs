@@ -507,6 +507,19 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
     for s in secrets {
         assert!(!resp.text.contains(s), "sliding sync leaked {s}");
     }
+    // The admin audit trail (api/src/admin.rs): not an admin, so 403 for the room and
+    // for alice's account, and nothing of either in the answer.
+    for path in [
+        format!("/_spindle/admin/v1/audit/rooms/{r}"),
+        format!("/_spindle/admin/v1/audit/users/{a}"),
+    ] {
+        let resp = eve.get(&path).await;
+        resp.expect_err(403, F);
+        for s in secrets {
+            assert!(!resp.text.contains(s), "{path} leaked {s}");
+        }
+        assert!(!resp.text.contains(&secret), "{path} leaked the event id");
+    }
     // Nothing eve sent changed the room.
     assert_eq!(alice.all_event_ids(&room).await, before_ids);
     let mut after_state = alice

@@ -7,6 +7,7 @@
 //! sees its write (read-your-writes, BRIEF §3.5) without writers waiting on readers.
 
 pub mod account;
+pub mod admin;
 pub mod error;
 pub mod extract;
 pub mod read;
@@ -50,6 +51,9 @@ pub struct ApiConfig {
     pub max_sync_timeout_ms: u64,
     /// A request body idle this long between chunks is abandoned (408), ms.
     pub request_body_idle_timeout_ms: u64,
+    /// Server admins by configuration (user ids); `spindle admin promote` adds more
+    /// through the journal.
+    pub admins: Vec<String>,
 }
 
 /// Everything a handler needs.
@@ -192,6 +196,7 @@ pub fn router(state: AppState) -> Router {
     let body_idle = Duration::from_millis(state.config.request_body_idle_timeout_ms);
     Router::new()
         .merge(account::routes())
+        .merge(admin::routes())
         .merge(rooms::routes())
         .merge(read::routes())
         .merge(sync::routes())

@@ -142,9 +142,15 @@ pub fn walk(
 }
 
 /// The per-record content check of `spindle journal check`: an event's id is the
-/// reference hash of its PDU and, for events our server signed, the content hash and
-/// signature verify with `key`; a fact's payload parses as a [`crate::Fact`].
-pub fn deep_check(rec: &StoredRecord, key: &spindle_core::keys::ServerKey) -> Result<(), String> {
+/// reference hash of its PDU and, for events sent by `server_name`'s users, the
+/// content hash and signature verify with one of `keys` (the server's key and any
+/// earlier key its events were signed with, e.g. an imported journal's); a fact's
+/// payload parses as a [`crate::Fact`].
+pub fn deep_check(
+    rec: &StoredRecord,
+    server_name: &str,
+    keys: &ruma::signatures::PublicKeyMap,
+) -> Result<(), String> {
     if !rec.is_event() {
         return serde_json::from_slice::<crate::Fact>(rec.payload())
             .map(|_| ())
@@ -165,10 +171,10 @@ pub fn deep_check(rec: &StoredRecord, key: &spindle_core::keys::ServerKey) -> Re
             pdu.event_id
         ));
     }
-    if pdu.sender.server_name().as_str() == key.server_name() {
+    if pdu.sender.server_name().as_str() == server_name {
         let rules = spindle_core::room_version::rules(version).ok_or("unknown room version")?;
         let obj = spindle_core::canonical::from_bytes(rec.payload()).map_err(|e| e.to_string())?;
-        match ruma::signatures::verify_event(&key.public_key_map(), &obj, &rules) {
+        match ruma::signatures::verify_event(keys, &obj, &rules) {
             Ok(ruma::signatures::Verified::All) => {}
             Ok(ruma::signatures::Verified::Signatures) => {
                 return Err("content hash does not match the content".into());

@@ -419,6 +419,18 @@ impl Journal {
                 aliases.insert(alias.clone(), room_id.clone());
                 self.enqueue(vec![rec])
             }
+            Fact::AdminPromoted { user_id } => {
+                // Held while enqueueing, so the account cannot be registered "after" it.
+                let users = self.inner.users.lock();
+                if !users.contains(user_id) {
+                    return Err(JournalError::Forbidden(format!(
+                        "no such account {user_id}"
+                    )));
+                }
+                let position = self.enqueue(vec![rec]);
+                drop(users);
+                position
+            }
             Fact::AliasDeleted { alias } => {
                 let mut aliases = self.inner.aliases.lock();
                 if aliases.remove(alias).is_none() {

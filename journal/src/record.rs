@@ -289,6 +289,9 @@ pub enum Fact {
     AliasDeleted { alias: String },
     /// A user forgot a room they left.
     RoomForgotten { user_id: String, room_id: String },
+    /// An account was made a server admin (`spindle admin promote`; principal: the
+    /// server). Admins may use the admin API (`/_spindle/admin/v1`).
+    AdminPromoted { user_id: String },
 }
 
 /// Format 1 (before the hash chain), kept so `spindle journal migrate` can read it.

@@ -149,7 +149,10 @@ async fn every_record_carries_the_previous_records_hash() {
         assert_eq!(rec.prev_hash(), prev, "position {pos}");
         prev = record_hash(bytes);
     }
-    let head = chain::walk(&*store, |r| chain::deep_check(r, &key)).unwrap();
+    let head = chain::walk(&*store, |r| {
+        chain::deep_check(r, key.server_name(), &key.public_key_map())
+    })
+    .unwrap();
     assert_eq!(head.position, 7);
     assert_eq!(head.hash, prev);
     // Reopening continues the chain.
@@ -175,7 +178,10 @@ async fn a_changed_record_breaks_the_chain_at_the_next_position_and_refuses_to_s
     assert_eq!(brk.good.position, 5);
     // The deep check names the changed record itself: its content hash no longer
     // matches (a message's content is outside its reference hash, the hash is not).
-    let brk = chain::walk(&*store, |r| chain::deep_check(r, &key)).unwrap_err();
+    let brk = chain::walk(&*store, |r| {
+        chain::deep_check(r, key.server_name(), &key.public_key_map())
+    })
+    .unwrap_err();
     assert_eq!(brk.position, 5);
     assert!(
         matches!(brk.kind, BreakKind::Content(ref m) if m.contains("content hash")),

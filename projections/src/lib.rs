@@ -12,10 +12,13 @@
 //! | [`user_data::AccountData`] | global and per-room account data |
 //! | [`user_data::Receipts`] | receipts and unread counts (running-count index) |
 //! | [`user_data::Aliases`] | room aliases |
+//! | [`audit::Audit`] | audit trails: room state changes, account facts, server admins |
 //! | [`room_summary::RoomSummary`] | joined/invited counts and heroes per room |
 
 pub mod accounts;
+pub mod audit;
 pub mod membership;
+pub mod render;
 pub mod room_summary;
 pub mod runtime;
 pub mod state;
@@ -51,6 +54,8 @@ pub struct Projections {
     pub aliases: Arc<user_data::Aliases>,
     /// Member counts and heroes per room.
     pub room_summary: Arc<room_summary::RoomSummary>,
+    /// Audit trails (state changes per room, facts per account, admins).
+    pub audit: Arc<audit::Audit>,
     /// The runtime (checkpoints, waiting).
     pub runtime: Runtime,
     /// The database (counters).
@@ -70,6 +75,7 @@ impl Projections {
         let receipts = Arc::new(user_data::Receipts::open(&db)?);
         let aliases = Arc::new(user_data::Aliases::open(&db)?);
         let room_summary = Arc::new(room_summary::RoomSummary::open(&db)?);
+        let audit = Arc::new(audit::Audit::open(&db)?);
         let all: Vec<Arc<dyn Projection>> = vec![
             timeline.clone(),
             state.clone(),
@@ -80,6 +86,7 @@ impl Projections {
             receipts.clone(),
             aliases.clone(),
             room_summary.clone(),
+            audit.clone(),
         ];
         let runtime = Runtime::start(journal, db.clone(), all);
         Ok(Projections {
@@ -92,6 +99,7 @@ impl Projections {
             receipts,
             aliases,
             room_summary,
+            audit,
             runtime,
             db,
         })

@@ -34,6 +34,13 @@ pub trait Projection: Send + Sync + 'static {
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String>;
     /// Reloads in-memory caches from the tables (at start-up).
     fn reload(&self) {}
+    /// A deterministic, readable rendering of everything the projection holds, for
+    /// snapshot tests from recorded journals (`tests/snapshots.rs`). The default
+    /// renders every table row by row ([`crate::render`]); override it only when rows
+    /// are opaque, and keep it a function of the tables alone.
+    fn render(&self) -> String {
+        crate::render::render_tables(self.tables())
+    }
 }
 
 struct Slot {
@@ -171,6 +178,14 @@ impl Runtime {
         self.slots
             .iter()
             .map(|s| (s.projection.name(), s.checkpoint.load(Ordering::Acquire)))
+            .collect()
+    }
+
+    /// Every registered projection's [`Projection::render`], by name, in registration order.
+    pub fn renders(&self) -> Vec<(&'static str, String)> {
+        self.slots
+            .iter()
+            .map(|s| (s.projection.name(), s.projection.render()))
             .collect()
     }
 

@@ -168,6 +168,101 @@ impl Projection for State {
         "state"
     }
 
+    /// Trie nodes are opaque hashes and bytes, so the rendering resolves them: each
+    /// room's current state as `(type, state key) => event id`, and each event's
+    /// effect on the state (the diff from its "before" root to its "after" root);
+    /// `nodes` is summarized by its row count (its bytes are covered by the digest).
+    fn render(&self) -> String {
+        let mut out = String::new();
+        crate::render::render_table_into(&mut out, &self.rooms);
+        for (name, table) in [
+            ("current", &self.current),
+            ("current_others", &self.current_others),
+        ] {
+            let rows: Vec<(Vec<u8>, Vec<u8>)> = table.all().collect();
+            out.push_str(&format!(
+                "## state.{name} ({} rooms, resolved)\n",
+                rows.len()
+            ));
+            for (room, root) in rows {
+                let Some(root) = root_from(&root) else {
+                    out.push_str(&format!(
+                        "{} => unreadable root\n",
+                        String::from_utf8_lossy(&room)
+                    ));
+                    continue;
+                };
+                let entries = self.entries(root);
+                out.push_str(&format!(
+                    "{} ({} entries)\n",
+                    String::from_utf8_lossy(&room),
+                    entries.len()
+                ));
+                for (t, k, id) in entries {
+                    out.push_str(&format!("  ({t}, {k:?}) => {id}\n"));
+                }
+            }
+            out.push('\n');
+        }
+        let rows: Vec<(Vec<u8>, Vec<u8>)> = self.event_roots.all().collect();
+        out.push_str(&format!(
+            "## state.event_roots ({} events, as state changes)\n",
+            rows.len()
+        ));
+        for (event_id, v) in rows {
+            let id = String::from_utf8_lossy(&event_id);
+            let roots = (v.len() == 128)
+                .then(|| Some((root_from(&v[..32])?, root_from(&v[32..64])?)))
+                .flatten();
+            let Some((before, after)) = roots else {
+                out.push_str(&format!("{id} => unreadable roots\n"));
+                continue;
+            };
+            let changes: Vec<String> = self
+                .diff(before, after)
+                .into_iter()
+                .map(|c| match c {
+                    trie::Change::Added {
+                        event_type,
+                        state_key,
+                        value,
+                    } => format!(
+                        "+({event_type}, {state_key:?})={}",
+                        String::from_utf8_lossy(&value)
+                    ),
+                    trie::Change::Removed {
+                        event_type,
+                        state_key,
+                        ..
+                    } => {
+                        format!("-({event_type}, {state_key:?})")
+                    }
+                    trie::Change::Changed {
+                        event_type,
+                        state_key,
+                        new,
+                        ..
+                    } => format!(
+                        "~({event_type}, {state_key:?})={}",
+                        String::from_utf8_lossy(&new)
+                    ),
+                })
+                .collect();
+            let changes = if changes.is_empty() {
+                "no change".to_owned()
+            } else {
+                changes.join(" ")
+            };
+            out.push_str(&format!("{id} => {changes}\n"));
+        }
+        out.push('\n');
+        out.push_str(&format!(
+            "## state.nodes ({} rows, content-addressed; see the digest)\n",
+            self.nodes.all().count()
+        ));
+        out
+    }
+
     fn tables(&self) -> Vec<Table> {
         vec![
             self.nodes.clone(),

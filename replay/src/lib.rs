@@ -6,8 +6,10 @@
 use std::{path::Path, sync::Arc, time::Duration};
 
 use anyhow::{Context, anyhow};
-use spindle_journal::{FjallStore, Journal};
+use spindle_journal::{FjallStore, Journal, JournalStore};
 use spindle_projections::Projections;
+
+pub mod export;
 
 /// Opens the journal of a data directory (replaying its room aggregates).
 pub fn open_journal(data_dir: &Path, server_name: &str) -> anyhow::Result<Journal> {
@@ -146,9 +148,10 @@ pub fn journal_check(
     let key =
         spindle_federation::load_or_create_key(data_dir, server_name).map_err(|e| anyhow!(e))?;
     let store = open_store(data_dir)?;
+    let keys = verify_keys(data_dir, &key)?;
     let walked = spindle_journal::chain::walk(&store, |rec| {
         if deep {
-            spindle_journal::chain::deep_check(rec, &key)
+            spindle_journal::chain::deep_check(rec, server_name, &keys)
         } else {
             Ok(())
         }
@@ -160,6 +163,38 @@ pub fn journal_check(
             broken: Some(brk),
         },
     })
+}
+
+/// File in the data directory listing earlier public signing keys of this server's
+/// events (`<key id> <unpadded base64>` per line); `journal import` writes the
+/// exporter's key there so `journal check` can still verify imported events.
+pub const VERIFY_KEYS_FILE: &str = "verify_keys";
+
+/// The public keys events in `data_dir` may be signed with: the current key and those
+/// in [`VERIFY_KEYS_FILE`].
+pub fn verify_keys(
+    data_dir: &Path,
+    key: &spindle_core::keys::ServerKey,
+) -> anyhow::Result<spindle_core::ruma::signatures::PublicKeyMap> {
+    let mut map = key.public_key_map();
+    let set = map.entry(key.server_name().to_owned()).or_default();
+    match std::fs::read_to_string(data_dir.join(VERIFY_KEYS_FILE)) {
+        Ok(text) => {
+            for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                let (id, public) = line
+                    .split_once(' ')
+                    .ok_or_else(|| anyhow!("{VERIFY_KEYS_FILE}: bad line {line:?}"))?;
+                set.insert(
+                    id.to_owned(),
+                    spindle_core::ruma::serde::Base64::parse(public.trim())
+                        .map_err(|e| anyhow!("{VERIFY_KEYS_FILE}: {e}"))?,
+                );
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(anyhow!("reading {VERIFY_KEYS_FILE}: {e}")),
+    }
+    Ok(map)
 }
 
 /// Opens the journal store of `data_dir` without replaying it (the format must be current).
@@ -190,4 +225,128 @@ pub fn journal_migrate(data_dir: &Path) -> anyhow::Result<spindle_journal::migra
 /// Lower-case hex of a hash.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A journal opened offline with its projections caught up to its head.
+pub struct Replayed {
+    /// The journal (aggregates restored, chain verified).
+    pub journal: Journal,
+    /// Every projection, caught up.
+    pub projections: Projections,
+}
+
+/// Opens `data_dir` offline and brings its projections (in `data_dir/projections`,
+/// resuming from their checkpoints) up to the journal's head.
+pub async fn replay_offline(data_dir: &Path, server_name: &str) -> anyhow::Result<Replayed> {
+    let journal = open_journal(data_dir, server_name)?;
+    let projections = Projections::start(&data_dir.join("projections"), journal.clone())
+        .map_err(|e| anyhow!(e))?;
+    catch_up(&projections, &journal).await?;
+    Ok(Replayed {
+        journal,
+        projections,
+    })
+}
+
+/// `spindle journal export`: writes the journal of `data_dir` to `out` (via a
+/// temporary file renamed into place, so `out` is never half-written).
+pub fn export_to_file(
+    data_dir: &Path,
+    server_name: &str,
+    out: &Path,
+) -> anyhow::Result<export::ExportHeader> {
+    let key =
+        spindle_federation::load_or_create_key(data_dir, server_name).map_err(|e| anyhow!(e))?;
+    let store = open_store(data_dir)?;
+    let tmp = out.with_extension("partial");
+    let mut w = std::io::BufWriter::new(
+        std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?,
+    );
+    let header = export::export(
+        |after, limit| store.read_after(after, limit).map_err(|e| anyhow!(e)),
+        server_name,
+        export::SigningKey {
+            key_id: key.key_id(),
+            public_key: key.public_key_base64(),
+        },
+        &mut w,
+    )?;
+    w.into_inner()
+        .map_err(|e| anyhow!(e.to_string()))?
+        .sync_all()?;
+    std::fs::rename(&tmp, out).with_context(|| format!("renaming to {}", out.display()))?;
+    Ok(header)
+}
+
+/// `spindle audit room`: every state change of `room_id` passing `filter`, from the
+/// audit projection caught up to the journal's head.
+pub async fn audit_room(
+    data_dir: &Path,
+    server_name: &str,
+    room_id: &str,
+    filter: &spindle_projections::audit::RoomFilter,
+) -> anyhow::Result<Vec<spindle_projections::audit::StateChange>> {
+    let r = replay_offline(data_dir, server_name).await?;
+    let mut out = Vec::new();
+    let mut from = 0;
+    loop {
+        let (page, next) = r
+            .projections
+            .audit
+            .room_changes(room_id, filter, from, 1000);
+        out.extend(page);
+        match next {
+            Some(n) => from = n,
+            None => return Ok(out),
+        }
+    }
+}
+
+/// `spindle audit user`: every audit entry of `user_id`.
+pub async fn audit_user(
+    data_dir: &Path,
+    server_name: &str,
+    user_id: &str,
+) -> anyhow::Result<Vec<spindle_projections::audit::UserEntry>> {
+    let r = replay_offline(data_dir, server_name).await?;
+    let mut out = Vec::new();
+    let mut from = 0;
+    loop {
+        let (page, next) = r.projections.audit.user_entries(user_id, from, 1000);
+        out.extend(page);
+        match next {
+            Some(n) => from = n,
+            None => return Ok(out),
+        }
+    }
+}
+
+/// `spindle admin promote`: appends `AdminPromoted` (principal: the server). The
+/// journal refuses an account that does not exist. Returns the fact's position.
+pub async fn promote_admin(
+    data_dir: &Path,
+    server_name: &str,
+    user_id: &str,
+) -> anyhow::Result<u64> {
+    let journal = open_journal(data_dir, server_name)?;
+    let envelope = spindle_journal::CommandEnvelope {
+        principal: server_name.to_owned(),
+        device_id: None,
+        issued_at: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0),
+        body: spindle_journal::CommandBody::Fact {
+            fact: spindle_journal::Fact::AdminPromoted {
+                user_id: user_id.to_owned(),
+            },
+        },
+    };
+    let cmd =
+        spindle_journal::SignedCommand::sign(journal.key(), envelope).map_err(|e| anyhow!(e))?;
+    let outcome = journal
+        .submit(cmd)
+        .await
+        .map_err(|e| anyhow!(e.to_string()))?;
+    Ok(outcome.position)
 }

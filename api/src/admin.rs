@@ -1,0 +1,100 @@
+//! Server-admin endpoints (not part of the Matrix spec; under `/_spindle/admin/v1`).
+//!
+//! The audit trail, served from the `audit` projection (the API never reads the
+//! journal): the same entries `spindle audit room|user` prints. Only server admins
+//! (config `admins`, or promoted with `spindle admin promote`) may call them; anyone
+//! else gets 403 `M_FORBIDDEN`, whatever the room.
+//!
+//! - `GET /_spindle/admin/v1/audit/rooms/{roomId}`: `{"room_id", "changes": [StateChange],
+//!   "next_from"?}`. Query: `type`, `sender`, `since_ts`, `until_ts` (ms since the
+//!   epoch, `since_ts <= origin_server_ts < until_ts`), `from` (a `next_from`),
+//!   `limit` (default 100, clamped to 1..=1000).
+//! - `GET /_spindle/admin/v1/audit/users/{userId}`: `{"user_id", "entries": [UserEntry],
+//!   "next_from"?}`. Query: `from`, `limit` (as above).
+
+use axum::{
+    Json, Router,
+    extract::{Path, State},
+    routing::get,
+};
+use serde_json::{Value, json};
+use spindle_projections::audit::RoomFilter;
+
+use crate::{
+    ApiResult, AppState, MatrixError,
+    extract::{Query, Requester},
+};
+
+/// Default and largest page size.
+const LIMIT_DEFAULT: u64 = 100;
+const LIMIT_MAX: u64 = 1000;
+
+pub(crate) fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/_spindle/admin/v1/audit/rooms/{room_id}", get(audit_room))
+        .route("/_spindle/admin/v1/audit/users/{user_id}", get(audit_user))
+}
+
+/// Whether `user_id` is a server admin: listed in the config, or promoted by a
+/// journal fact (`spindle admin promote`).
+pub fn is_admin(s: &AppState, user_id: &str) -> bool {
+    s.config.admins.iter().any(|a| a == user_id) || s.projections.audit.is_admin(user_id)
+}
+
+fn require_admin(s: &AppState, r: &Requester) -> ApiResult<()> {
+    if is_admin(s, &r.user_id) {
+        Ok(())
+    } else {
+        Err(MatrixError::forbidden("You are not a server admin"))
+    }
+}
+
+fn page(q: &Query) -> ApiResult<(u64, usize)> {
+    let from = q.u64("from")?.unwrap_or(0);
+    let limit = q.u64("limit")?.unwrap_or(LIMIT_DEFAULT).clamp(1, LIMIT_MAX) as usize;
+    Ok((from, limit))
+}
+
+/// `GET /_spindle/admin/v1/audit/rooms/{roomId}`: every state change of the room.
+async fn audit_room(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(room_id): Path<String>,
+    q: Query,
+) -> ApiResult<Json<Value>> {
+    require_admin(&s, &r)?;
+    let (from, limit) = page(&q)?;
+    let filter = RoomFilter {
+        event_type: q.get("type").map(str::to_owned),
+        sender: q.get("sender").map(str::to_owned),
+        since_ts: q.u64("since_ts")?,
+        until_ts: q.u64("until_ts")?,
+    };
+    let (changes, next) = s
+        .projections
+        .audit
+        .room_changes(&room_id, &filter, from, limit);
+    let mut body = json!({ "room_id": room_id, "changes": changes });
+    if let Some(n) = next {
+        body["next_from"] = json!(n);
+    }
+    Ok(Json(body))
+}
+
+/// `GET /_spindle/admin/v1/audit/users/{userId}`: the account's journal facts and
+/// membership changes (never a token or its hash, never a password hash).
+async fn audit_user(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(user_id): Path<String>,
+    q: Query,
+) -> ApiResult<Json<Value>> {
+    require_admin(&s, &r)?;
+    let (from, limit) = page(&q)?;
+    let (entries, next) = s.projections.audit.user_entries(&user_id, from, limit);
+    let mut body = json!({ "user_id": user_id, "entries": entries });
+    if let Some(n) = next {
+        body["next_from"] = json!(n);
+    }
+    Ok(Json(body))
+}
