@@ -2,6 +2,7 @@
 //! and the federation key endpoint into one process.
 
 pub mod config;
+mod ops;
 
 use std::{net::SocketAddr, sync::Arc};
 
@@ -108,7 +109,9 @@ impl Server {
             api_config,
             shutdown_rx,
         );
-        let app = spindle_api::router(state).merge(spindle_federation::router(key));
+        let app = spindle_api::router(state.clone())
+            .merge(ops::router(state, config.data_dir.clone()))
+            .merge(spindle_federation::router(key));
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             let serve = axum::serve(listener, app).with_graceful_shutdown(async {

@@ -42,6 +42,36 @@ enum Command {
         #[command(subcommand)]
         verb: Admin,
     },
+    /// Copy what cannot be rebuilt (the journal as an export, signing key, server name,
+    /// media) into a new directory with a MANIFEST.json of hashes. With the server
+    /// stopped it reads the data directory; with `--token` (or SPINDLE_ADMIN_TOKEN) a
+    /// running server writes the backup itself, consistent up to its journal head.
+    Backup {
+        /// The backup directory (must not exist or be empty; absolute when online).
+        #[arg(long)]
+        out: PathBuf,
+        /// An admin's access token: back up through the running server.
+        #[arg(long)]
+        token: Option<String>,
+        /// The running server's base URL (default: http://<bind>, loopback for 0.0.0.0).
+        #[arg(long)]
+        url: Option<String>,
+    },
+    /// Check a backup: manifest, every file's size and blake3, media files named by
+    /// their hash, and the journal export's hash chain.
+    VerifyBackup {
+        /// The backup directory.
+        dir: PathBuf,
+    },
+    /// Restore a verified backup into the configured data directory (or --data), which
+    /// must have no journal; projections are rebuilt at the next start.
+    Restore {
+        /// The backup directory.
+        dir: PathBuf,
+        /// Restore into this data directory instead of the config's.
+        #[arg(long)]
+        data: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -124,8 +154,11 @@ enum Admin {
 enum Replay {
     /// Delete projections and rebuild them from position 0; prints each digest.
     Rebuild {
-        /// Rebuild every projection (the only mode so far).
-        #[arg(long)]
+        /// The projection to rebuild (`replay status` lists them); the others keep
+        /// their tables and resume from their checkpoints.
+        projection: Option<String>,
+        /// Rebuild every projection.
+        #[arg(long, conflicts_with = "projection")]
         all: bool,
     },
     /// Rebuild every projection into a scratch directory and compare digests with the live ones.
@@ -180,10 +213,23 @@ async fn run() -> anyhow::Result<()> {
             server.stop().await;
         }
         Command::Replay {
-            verb: Replay::Rebuild { all },
+            verb:
+                Replay::Rebuild {
+                    projection: Some(name),
+                    ..
+                },
+        } => {
+            let digest =
+                spindle_replay::rebuild_one(&config.data_dir, &config.server_name, &name).await?;
+            println!("{name}\t{digest}");
+        }
+        Command::Replay {
+            verb: Replay::Rebuild { all, .. },
         } => {
             if !all {
-                return Err(anyhow!("say which projections to rebuild: --all"));
+                return Err(anyhow!(
+                    "say which projections to rebuild: a name (see `replay status`) or --all"
+                ));
             }
             for (name, digest) in
                 spindle_replay::rebuild_all(&config.data_dir, &config.server_name).await?
@@ -320,6 +366,74 @@ async fn run() -> anyhow::Result<()> {
                 spindle_replay::promote_admin(&config.data_dir, &config.server_name, &user_id)
                     .await?;
             println!("{user_id} is a server admin (journal position {position})");
+        }
+        Command::Backup { out, token, url } => {
+            let token = token.or_else(|| std::env::var("SPINDLE_ADMIN_TOKEN").ok());
+            match token {
+                None => {
+                    let m = spindle_replay::backup_offline(
+                        &config.data_dir,
+                        &config.server_name,
+                        &out,
+                    )?;
+                    println!(
+                        "backup of head {} {} in {} ({} files)",
+                        m.journal.head,
+                        m.journal.head_hash,
+                        out.display(),
+                        m.files.len()
+                    );
+                }
+                Some(token) => {
+                    let base = url.unwrap_or_else(|| {
+                        let mut addr = config.bind;
+                        if addr.ip().is_unspecified() {
+                            addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+                        }
+                        format!("http://{addr}")
+                    });
+                    let out = std::path::absolute(&out)?;
+                    let resp = reqwest::Client::new()
+                        .post(format!("{base}/_spindle/admin/v1/backup"))
+                        .bearer_auth(token)
+                        .json(&serde_json::json!({ "out": out }))
+                        .send()
+                        .await
+                        .with_context(|| format!("asking the server at {base}"))?;
+                    let status = resp.status();
+                    let body: serde_json::Value = resp.json().await.unwrap_or_default();
+                    if !status.is_success() {
+                        return Err(anyhow!("the server answered {status}: {body}"));
+                    }
+                    println!(
+                        "backup of head {} {} in {} ({} files)",
+                        body["head"],
+                        body["head_hash"],
+                        out.display(),
+                        body["files"]
+                    );
+                }
+            }
+        }
+        Command::VerifyBackup { dir } => {
+            let m = spindle_replay::backup::verify(&dir)?;
+            println!(
+                "ok\thead {}\t{}\t{} files",
+                m.journal.head,
+                m.journal.head_hash,
+                m.files.len()
+            );
+        }
+        Command::Restore { dir, data } => {
+            let data = data.unwrap_or_else(|| config.data_dir.clone());
+            let m = spindle_replay::backup::restore(&dir, &data)?;
+            println!(
+                "restored head {} {} into {} ({} files); start the server to rebuild projections",
+                m.journal.head,
+                m.journal.head_hash,
+                data.display(),
+                m.files.len()
+            );
         }
         Command::Replay {
             verb: Replay::Status,

@@ -82,6 +82,37 @@ impl ProjectionDb {
         }
     }
 
+    /// Deletes every table of `projection` (the keyspaces `<projection>.*`) and its
+    /// checkpoint, durably, so the next start rebuilds it from position 0. Offline only
+    /// (no runtime may be tailing this database). Returns how many tables were deleted;
+    /// 0 and no checkpoint means no such projection.
+    pub fn reset_projection(&self, projection: &str) -> Result<(usize, bool), String> {
+        let prefix = format!("{projection}.");
+        let mut deleted = 0;
+        for name in self.db.list_keyspace_names() {
+            if name.starts_with(&prefix) {
+                let ks = self
+                    .db
+                    .keyspace(&name, KeyspaceCreateOptions::default)
+                    .map_err(|e| e.to_string())?;
+                self.db.delete_keyspace(ks).map_err(|e| e.to_string())?;
+                deleted += 1;
+            }
+        }
+        let had_checkpoint = self
+            .checkpoints
+            .get(projection)
+            .map_err(|e| e.to_string())?
+            .is_some();
+        self.checkpoints
+            .remove(projection)
+            .map_err(|e| e.to_string())?;
+        self.db
+            .persist(fjall::PersistMode::SyncAll)
+            .map_err(|e| e.to_string())?;
+        Ok((deleted, had_checkpoint))
+    }
+
     /// Counters.
     pub fn stats(&self) -> &Arc<StoreStats> {
         &self.stats

@@ -9,6 +9,7 @@ use anyhow::{Context, anyhow};
 use spindle_journal::{FjallStore, Journal, JournalStore};
 use spindle_projections::Projections;
 
+pub mod backup;
 pub mod export;
 
 /// Opens the journal of a data directory (replaying its room aggregates).
@@ -70,6 +71,34 @@ pub async fn rebuild_all(
     let projections = Projections::start(&dir, journal.clone()).map_err(|e| anyhow!(e))?;
     catch_up(&projections, &journal).await?;
     Ok(projections.runtime.digests())
+}
+
+/// Deletes one projection's tables and checkpoint and rebuilds it from position 0
+/// (the others resume from their checkpoints). Returns its new digest.
+pub async fn rebuild_one(data_dir: &Path, server_name: &str, name: &str) -> anyhow::Result<String> {
+    let dir = data_dir.join("projections");
+    {
+        let db = spindle_projections::ProjectionDb::open(&dir).map_err(|e| anyhow!(e))?;
+        let (tables, had_checkpoint) = db.reset_projection(name).map_err(|e| anyhow!(e))?;
+        if tables == 0 && !had_checkpoint {
+            return Err(anyhow!("no projection named {name:?} in {}", dir.display()));
+        }
+        tracing::info!(
+            projection = name,
+            tables,
+            "deleted; rebuilding from position 0"
+        );
+    }
+    let journal = open_journal(data_dir, server_name)?;
+    let projections = Projections::start(&dir, journal.clone()).map_err(|e| anyhow!(e))?;
+    catch_up(&projections, &journal).await?;
+    projections
+        .runtime
+        .digests()
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, d)| d)
+        .ok_or_else(|| anyhow!("no projection named {name:?}"))
 }
 
 /// One projection's live digest next to a fresh rebuild's.
@@ -349,4 +378,25 @@ pub async fn promote_admin(
         .await
         .map_err(|e| anyhow!(e.to_string()))?;
     Ok(outcome.position)
+}
+
+/// `spindle backup` with the server stopped: a backup of `data_dir` into `out`.
+pub fn backup_offline(
+    data_dir: &Path,
+    server_name: &str,
+    out: &Path,
+) -> anyhow::Result<backup::Manifest> {
+    let key =
+        spindle_federation::load_or_create_key(data_dir, server_name).map_err(|e| anyhow!(e))?;
+    let store = open_store(data_dir)?;
+    backup::backup_with(
+        |after, limit| store.read_after(after, limit).map_err(|e| anyhow!(e)),
+        data_dir,
+        server_name,
+        export::SigningKey {
+            key_id: key.key_id(),
+            public_key: key.public_key_base64(),
+        },
+        out,
+    )
 }
