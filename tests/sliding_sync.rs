@@ -260,6 +260,17 @@ async fn list_filters_dm_encrypted_invite_and_room_types() {
         )
         .await
         .ok();
+    alice
+        .put(
+            &format!(
+                "/_matrix/client/v3/user/{}/rooms/{}/tags/m.favourite",
+                enc(&alice.user_id),
+                enc(&plain)
+            ),
+            &json!({ "order": 0.5 }),
+        )
+        .await
+        .ok();
     let invite = bob.create_room(json!({ "name": "invite" })).await;
     bob.invite(&invite, &alice.user_id).await;
     alice
@@ -284,6 +295,8 @@ async fn list_filters_dm_encrypted_invite_and_room_types() {
             "no_spaces": l(json!({ "not_room_types": ["m.space"], "is_invite": false })),
             "untyped": l(json!({ "room_types": [null] })),
             "in_space": l(json!({ "spaces": [space.clone()] })),
+            "favourites": l(json!({ "tags": ["m.favourite"] })),
+            "not_favourites": l(json!({ "not_tags": ["m.favourite"], "is_invite": false })),
         } }),
     )
     .await;
@@ -296,6 +309,8 @@ async fn list_filters_dm_encrypted_invite_and_room_types() {
     assert_eq!(count("no_spaces"), 3);
     assert_eq!(count("untyped"), 4);
     assert_eq!(count("in_space"), 1);
+    assert_eq!(count("favourites"), 1);
+    assert_eq!(count("not_favourites"), 3);
     assert_eq!(v["rooms"][&dm]["is_dm"], true);
     assert!(v["rooms"][&plain].get("is_dm").is_none());
     // The invite: stripped state only, no timeline.

@@ -477,6 +477,24 @@ impl<'a> Build<'a> {
         {
             return false;
         }
+        if f.tags.is_some() || !f.not_tags.is_empty() {
+            // One point read: the room's `m.tag` account data.
+            let tags: Vec<String> = self
+                .s
+                .projections
+                .account_data
+                .get(self.user, Some(room), "m.tag")
+                .and_then(|c| c["tags"].as_object().map(|t| t.keys().cloned().collect()))
+                .unwrap_or_default();
+            if tags.iter().any(|t| f.not_tags.contains(t)) {
+                return false;
+            }
+            if let Some(want) = &f.tags
+                && !tags.iter().any(|t| want.contains(t))
+            {
+                return false;
+            }
+        }
         true
     }
 

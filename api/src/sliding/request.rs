@@ -79,6 +79,12 @@ pub struct ListFilters {
     /// Only children (`m.space.child`) of these joined spaces.
     #[serde(default)]
     pub spaces: Option<Vec<String>>,
+    /// Only rooms with one of these tags (`m.tag` room account data).
+    #[serde(default)]
+    pub tags: Option<Vec<String>>,
+    /// Not rooms with any of these tags (wins over `tags`).
+    #[serde(default)]
+    pub not_tags: Vec<String>,
 }
 
 /// What to return for a room: `timeline_limit` and `required_state`.
