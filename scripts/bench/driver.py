@@ -277,11 +277,13 @@ class Bench:
                 f.result()
 
     def sync_token(self, user: User, token: str | None = None) -> str:
-        """The current next_batch for `user` (an initial sync, then incremental to settle)."""
-        v = user.conn.ok(
-            "GET", "/_matrix/client/v3/sync?timeout=0&filter=" + q(json.dumps({"room": {"timeline": {"limit": 1}}})),
-            token=token,
-        )
+        """The current next_batch for `user`, from an initial sync with a one-event timeline.
+
+        The filter carries a nonce: Synapse caches an initial sync response per (user,
+        device, filter) for minutes, and a cached answer would hand out a stale token."""
+        nonce = self.next_txn()
+        flt = {"room": {"timeline": {"limit": 1}}, "account_data": {"not_types": [f"bench.nonce.{nonce}"]}}
+        v = user.conn.ok("GET", "/_matrix/client/v3/sync?timeout=0&filter=" + q(json.dumps(flt)), token=token)
         return v["next_batch"]
 
     # ---------------------------------------------------------------- measuring
@@ -385,7 +387,8 @@ class Bench:
         since = self.sync_token(observer)
         self.cell(dim, "sync_poll", size,
                   lambda i: obs.timed("GET", f"/_matrix/client/v3/sync?timeout=0&since={q(since)}", token=toks[i]),
-                  lambda v: None if v and room not in v.get("rooms", {}).get("join", {}) else "poll not empty")
+                  lambda v: None if v and room not in v.get("rooms", {}).get("join", {})
+                  else f"poll not empty: {json.dumps(v.get('rooms', {}).get('join', {}).get(room))[:300]}")
 
         if slider is not None and self.sliding_served(slider):
             self.cell(dim, "sliding_window", size,
@@ -619,10 +622,10 @@ def main() -> None:
     p.add_argument("--members", default="50,200,800", help="joined members per room (members dimension)")
     p.add_argument("--members-messages", type=int, default=20, help="messages in each members room")
     p.add_argument("--concurrency", default="1,2,4,8", help="client counts (concurrency dimension)")
-    p.add_argument("--duration", type=float, default=10.0, help="seconds per concurrency level")
+    p.add_argument("--duration", type=float, default=8.0, help="seconds per concurrency level")
     p.add_argument("--tenants", default="0,50,200,800", help="strangers' events (tenants dimension)")
-    p.add_argument("--samples", type=int, default=20, help="timed samples per cell")
-    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up requests per cell")
+    p.add_argument("--samples", type=int, default=15, help="timed samples per cell")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up requests per cell")
     p.add_argument("--no-sliding", action="store_true", help="do not probe or time sliding_window")
     p.add_argument("--meta", action="append", default=[], help="KEY=VALUE recorded in the results")
     p.add_argument("--quick", action="store_true",
