@@ -23,6 +23,10 @@ pub struct Config {
     pub registration: Registration,
     /// Request limits.
     pub limits: Limits,
+    /// Access-token lifetimes.
+    pub sessions: Sessions,
+    /// Presence (online/offline status).
+    pub presence: Presence,
     /// Log filter (tracing `EnvFilter` syntax); `RUST_LOG` overrides it.
     pub log: String,
     /// Server admins (full user ids): they may use the admin API
@@ -57,6 +61,38 @@ pub struct Limits {
     pub request_body_idle_timeout_ms: u64,
 }
 
+/// Session settings (spec: "Refreshing access tokens").
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Sessions {
+    /// Lifetime of an access token issued with a refresh token (a client that asked
+    /// for `refresh_token: true`), ms. Tokens issued without one never expire.
+    pub refreshable_access_token_lifetime_ms: u64,
+}
+
+impl Default for Sessions {
+    fn default() -> Self {
+        Sessions {
+            refreshable_access_token_lifetime_ms: 300_000,
+        }
+    }
+}
+
+/// Presence settings (spec: "Presence").
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Presence {
+    /// Serve presence. Off: `PUT .../status` is accepted and ignored, `GET` answers
+    /// `offline`, and `/sync` carries no presence events.
+    pub enabled: bool,
+}
+
+impl Default for Presence {
+    fn default() -> Self {
+        Presence { enabled: true }
+    }
+}
+
 impl Default for Config {
     fn default() -> Self {
         Config {
@@ -66,6 +102,8 @@ impl Default for Config {
             public_base_url: String::new(),
             registration: Registration::default(),
             limits: Limits::default(),
+            sessions: Sessions::default(),
+            presence: Presence::default(),
             log: "info,fjall=warn,lsm_tree=warn,ruma_state_res=warn".into(),
             admins: Vec::new(),
         }
@@ -149,6 +187,11 @@ impl Config {
         if self.limits.request_body_idle_timeout_ms == 0 {
             return Err("limits.request_body_idle_timeout_ms must be positive".into());
         }
+        if self.sessions.refreshable_access_token_lifetime_ms < 1_000 {
+            return Err(
+                "sessions.refreshable_access_token_lifetime_ms must be at least 1000".into(),
+            );
+        }
         if self.limits.max_request_bytes < 65_536 {
             return Err("limits.max_request_bytes must be at least 65536".into());
         }
@@ -212,7 +255,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 14);
+        assert_eq!(want.len(), 18);
     }
 
     #[test]

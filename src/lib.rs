@@ -101,6 +101,10 @@ impl Server {
             max_sync_timeout_ms: config.limits.max_sync_timeout_ms,
             request_body_idle_timeout_ms: config.limits.request_body_idle_timeout_ms,
             admins: config.admins.clone(),
+            refreshable_access_token_lifetime_ms: config
+                .sessions
+                .refreshable_access_token_lifetime_ms,
+            presence_enabled: config.presence.enabled,
         };
         let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
         let state = spindle_api::AppState::new(

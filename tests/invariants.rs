@@ -32,15 +32,17 @@ struct Row {
 }
 
 const ROOMS: &str = "/_matrix/client/v3/rooms/{room_id}";
+/// Room routes of the v1 endpoints (spaces, timestamps, relations).
+const ROOMS_V1: &str = "/_matrix/client/v1/rooms/{room_id}";
 
 /// Every (method, template) of a `/rooms/{room_id}/...` route in an api source file.
 fn room_routes(source: &str) -> (usize, Vec<(Method, String)>) {
     // rustfmt may put the path on the line after `.route(`, so whitespace is skipped.
-    let needle = format!("\"{ROOMS}");
+    let needles = [format!("\"{ROOMS}"), format!("\"{ROOMS_V1}")];
     let count = source
         .split(".route(")
         .skip(1)
-        .filter(|chunk| chunk.trim_start().starts_with(&needle))
+        .filter(|chunk| needles.iter().any(|n| chunk.trim_start().starts_with(n)))
         .count();
     let mut out = Vec::new();
     for chunk in source.split(".route(").skip(1) {
@@ -49,10 +51,12 @@ fn room_routes(source: &str) -> (usize, Vec<(Method, String)>) {
         };
         let Some(end) = rest.find('"') else { continue };
         let template = &rest[..end];
-        if !template.starts_with(ROOMS) {
+        if !template.starts_with(ROOMS) && !template.starts_with(ROOMS_V1) {
             continue;
         }
-        let handlers = &rest[end..];
+        // The last route's chunk runs to the end of the file: stop at the end of the
+        // function that builds the router.
+        let handlers = rest[end..].split("\n}").next().unwrap_or_default();
         let mut methods = Vec::new();
         for (name, m) in [
             ("get(", Method::GET),
@@ -134,7 +138,14 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
                errcode: &'static str| Row {
         method,
         template,
-        path: format!("/_matrix/client/v3/rooms/{r}{suffix}"),
+        path: format!(
+            "/_matrix/client/{}/rooms/{r}{suffix}",
+            if template.starts_with(ROOMS_V1) {
+                "v1"
+            } else {
+                "v3"
+            }
+        ),
         body,
         status,
         errcode,
@@ -385,6 +396,49 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
             404,
             NF,
         ),
+        // Rooms (issue 3): spaces, timestamps, upgrades, reports.
+        row(
+            M::GET,
+            "/_matrix/client/v1/rooms/{room_id}/hierarchy",
+            "/hierarchy".into(),
+            None,
+            403,
+            F,
+        ),
+        row(
+            M::GET,
+            "/_matrix/client/v1/rooms/{room_id}/timestamp_to_event",
+            "/timestamp_to_event?ts=0&dir=f".into(),
+            None,
+            403,
+            F,
+        ),
+        row(
+            M::POST,
+            "/_matrix/client/v3/rooms/{room_id}/upgrade",
+            "/upgrade".into(),
+            Some(json!({ "new_version": "11" })),
+            403,
+            F,
+        ),
+        row(
+            M::POST,
+            "/_matrix/client/v3/rooms/{room_id}/report/{event_id}",
+            format!("/report/{x}"),
+            Some(json!({ "reason": "eve" })),
+            404,
+            NF,
+        ),
+        // Anyone may report a room (spec); the answer is 200 `{}` whether or not the
+        // room exists, so it reveals nothing.
+        row(
+            M::POST,
+            "/_matrix/client/v3/rooms/{room_id}/report",
+            "/report".into(),
+            Some(json!({ "reason": "eve" })),
+            200,
+            "",
+        ),
     ];
 
     // The table covers every /rooms/{room_id}/... route the api serves.
@@ -392,6 +446,9 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
     for (file, source) in [
         ("read.rs", include_str!("../api/src/read.rs")),
         ("rooms.rs", include_str!("../api/src/rooms.rs")),
+        ("spaces.rs", include_str!("../api/src/spaces.rs")),
+        ("upgrade.rs", include_str!("../api/src/upgrade.rs")),
+        ("reports.rs", include_str!("../api/src/reports.rs")),
     ] {
         let (count, routes) = room_routes(source);
         let distinct: BTreeSet<&String> = routes.iter().map(|(_, t)| t).collect();
@@ -404,7 +461,7 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
     }
     assert_eq!(
         served.len(),
-        25,
+        30,
         "room routes served (update the table when adding one): {served:?}"
     );
     for (method, template) in &served {
@@ -428,9 +485,10 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
         let resp = eve
             .request(row.method.clone(), &row.path, row.body.as_ref())
             .await;
+        let want_errcode = (row.status != 200).then_some(row.errcode);
         assert_eq!(
             (resp.status, resp.errcode()),
-            (row.status, Some(row.errcode)),
+            (row.status, want_errcode),
             "{} {} as a non-member: {}",
             row.method,
             row.path,
@@ -451,7 +509,7 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
             let resp = eve.get(&ghost).await;
             assert_eq!(
                 (resp.status, resp.errcode()),
-                (row.status, Some(row.errcode)),
+                (row.status, want_errcode),
                 "GET {ghost}: {}",
                 resp.text
             );

@@ -90,7 +90,7 @@ async fn capabilities(_r: Requester) -> Json<Value> {
         .collect();
     Json(json!({
         "capabilities": {
-            "m.change_password": { "enabled": false },
+            "m.change_password": { "enabled": true },
             "m.room_versions": { "default": spindle_core::room_version::DEFAULT_ROOM_VERSION, "available": available },
             "m.set_displayname": { "enabled": true },
             "m.set_avatar_url": { "enabled": true },
@@ -128,7 +128,7 @@ fn check_localpart(s: &AppState, local: &str) -> ApiResult<()> {
     Ok(())
 }
 
-fn random_string(len: usize) -> String {
+pub(crate) fn random_string(len: usize) -> String {
     use rand::Rng;
     const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
     let mut rng = rand::rng();
@@ -137,7 +137,7 @@ fn random_string(len: usize) -> String {
         .collect()
 }
 
-fn full_user_id(s: &AppState, localpart_or_id: &str) -> String {
+pub(crate) fn full_user_id(s: &AppState, localpart_or_id: &str) -> String {
     if localpart_or_id.starts_with('@') {
         localpart_or_id.to_owned()
     } else {
@@ -156,7 +156,7 @@ fn uia_flows(s: &AppState) -> Vec<Value> {
     flows
 }
 
-async fn hash_password(password: String) -> ApiResult<String> {
+pub(crate) async fn hash_password(password: String) -> ApiResult<String> {
     tokio::task::spawn_blocking(move || {
         use argon2::{PasswordHasher, password_hash::SaltString};
         let bytes: [u8; 16] = rand::random();
@@ -170,7 +170,7 @@ async fn hash_password(password: String) -> ApiResult<String> {
     .map_err(|e| MatrixError::internal(e.to_string()))
 }
 
-async fn verify_password(password: String, hash: String) -> bool {
+pub(crate) async fn verify_password(password: String, hash: String) -> bool {
     tokio::task::spawn_blocking(move || {
         use argon2::{PasswordVerifier, password_hash::PasswordHash};
         PasswordHash::new(&hash)
@@ -185,13 +185,44 @@ async fn verify_password(password: String, hash: String) -> bool {
     .unwrap_or(false)
 }
 
-/// Issues a device (if new) and an access token; returns (device id, token).
+/// A new session's credentials.
+struct Session {
+    device_id: String,
+    access_token: String,
+    /// With `refresh_token: true`: the refresh token and the access token's lifetime.
+    refresh: Option<(String, u64)>,
+}
+
+impl Session {
+    /// Adds the session's fields to a login or register answer.
+    fn write_into(self, out: &mut Value) {
+        out["access_token"] = json!(self.access_token);
+        out["device_id"] = json!(self.device_id);
+        if let Some((refresh, lifetime)) = self.refresh {
+            out["refresh_token"] = json!(refresh);
+            out["expires_in_ms"] = json!(lifetime);
+        }
+    }
+}
+
+/// Whether the client asked for a refresh token (`refresh_token: true`).
+fn wants_refresh(body: &serde_json::Map<String, Value>) -> ApiResult<bool> {
+    match body.get("refresh_token") {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(MatrixError::bad_json("refresh_token must be a boolean")),
+    }
+}
+
+/// Issues a device (if new) and an access token (refreshable, with a refresh token,
+/// when asked for).
 async fn start_session(
     s: &AppState,
     user_id: &str,
     device_id: Option<String>,
     display_name: Option<String>,
-) -> ApiResult<(String, String)> {
+    refreshable: bool,
+) -> ApiResult<Session> {
     let device_id = device_id.unwrap_or_else(|| random_string(10));
     if s.projections.accounts.device(user_id, &device_id).is_none() {
         s.submit_and_wait(
@@ -208,19 +239,33 @@ async fn start_session(
         .await?;
     }
     let token = format!("spt_{}", random_string(40));
-    s.submit_and_wait(
-        user_id,
-        Some(&device_id),
-        CommandBody::Fact {
-            fact: Fact::TokenIssued {
-                user_id: user_id.into(),
-                device_id: device_id.clone(),
-                token_hash: token_hash(&token),
-            },
-        },
-    )
-    .await?;
-    Ok((device_id, token))
+    let mut refresh = None;
+    let fact = if refreshable {
+        let refresh_token = crate::devices::new_refresh_token();
+        let lifetime = s.config.refreshable_access_token_lifetime_ms;
+        let fact = Fact::RefreshableTokenIssued {
+            user_id: user_id.into(),
+            device_id: device_id.clone(),
+            token_hash: token_hash(&token),
+            refresh_token_hash: token_hash(&refresh_token),
+            expires_at: crate::now_ms().saturating_add(lifetime),
+        };
+        refresh = Some((refresh_token, lifetime));
+        fact
+    } else {
+        Fact::TokenIssued {
+            user_id: user_id.into(),
+            device_id: device_id.clone(),
+            token_hash: token_hash(&token),
+        }
+    };
+    s.submit_and_wait(user_id, Some(&device_id), CommandBody::Fact { fact })
+        .await?;
+    Ok(Session {
+        device_id,
+        access_token: token,
+        refresh,
+    })
 }
 
 async fn register(
@@ -331,20 +376,17 @@ async fn register(
             Json(json!({ "user_id": user_id, "home_server": s.server_name() })).into_response(),
         );
     }
-    let (device_id, token) = start_session(
+    let session = start_session(
         &s,
         &user_id,
         opt_str(&body, "device_id")?,
         opt_str(&body, "initial_device_display_name")?,
+        wants_refresh(&body)?,
     )
     .await?;
-    Ok(Json(json!({
-        "user_id": user_id,
-        "access_token": token,
-        "device_id": device_id,
-        "home_server": s.server_name(),
-    }))
-    .into_response())
+    let mut out = json!({ "user_id": user_id, "home_server": s.server_name() });
+    session.write_into(&mut out);
+    Ok(Json(out).into_response())
 }
 
 async fn register_available(State(s): State<AppState>, q: Query) -> ApiResult<Json<Value>> {
@@ -399,24 +441,33 @@ async fn login(State(s): State<AppState>, JsonObject(body): JsonObject) -> ApiRe
     let user_id = full_user_id(&s, &user);
     let denied = || MatrixError::forbidden("Invalid username or password");
     let account = s.projections.accounts.user(&user_id).ok_or_else(denied)?;
+    if account.deactivated {
+        return Err(MatrixError::new(
+            StatusCode::FORBIDDEN,
+            "M_USER_DEACTIVATED",
+            "This account has been deactivated",
+        ));
+    }
     let hash = account.password_hash.ok_or_else(denied)?;
     if !verify_password(password, hash).await {
         return Err(denied());
     }
-    let (device_id, token) = start_session(
+    let refreshable = wants_refresh(&body)?;
+    let session = start_session(
         &s,
         &user_id,
         opt_str(&body, "device_id")?,
         opt_str(&body, "initial_device_display_name")?,
+        refreshable,
     )
     .await?;
-    Ok(Json(json!({
+    let mut out = json!({
         "user_id": user_id,
-        "access_token": token,
-        "device_id": device_id,
         "home_server": s.server_name(),
         "well_known": { "m.homeserver": { "base_url": s.config.public_base_url } },
-    })))
+    });
+    session.write_into(&mut out);
+    Ok(Json(out))
 }
 
 async fn logout(State(s): State<AppState>, r: Requester) -> ApiResult<Json<Value>> {

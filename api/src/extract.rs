@@ -103,6 +103,18 @@ impl FromRequestParts<AppState> for Requester {
             )
             .with_extra(serde_json::json!({"soft_logout": false}))
         })?;
+        let now = crate::now_ms();
+        // Spec ("Refreshing access tokens"): an expired token is a soft logout, so the
+        // client refreshes it instead of dropping the session.
+        if owner.expires_at.is_some_and(|t| now >= t) {
+            return Err(MatrixError::new(
+                StatusCode::UNAUTHORIZED,
+                "M_UNKNOWN_TOKEN",
+                "Access token has expired",
+            )
+            .with_extra(serde_json::json!({"soft_logout": true})));
+        }
+        state.last_seen.touch(&owner.user_id, &owner.device_id, now);
         Ok(Requester {
             user_id: owner.user_id,
             device_id: owner.device_id,

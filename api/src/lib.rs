@@ -8,13 +8,19 @@
 
 pub mod account;
 pub mod admin;
+pub mod devices;
+pub mod directory;
 pub mod error;
 pub mod extract;
+pub mod presence;
 pub mod read;
+pub mod reports;
 pub mod rooms;
 pub mod sliding;
+pub mod spaces;
 pub mod sync;
 pub mod typing;
+pub mod upgrade;
 pub mod visibility;
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
@@ -54,6 +60,10 @@ pub struct ApiConfig {
     /// Server admins by configuration (user ids); `spindle admin promote` adds more
     /// through the journal.
     pub admins: Vec<String>,
+    /// Lifetime of an access token issued with a refresh token, ms.
+    pub refreshable_access_token_lifetime_ms: u64,
+    /// Serve presence (`presence.enabled`).
+    pub presence_enabled: bool,
 }
 
 /// Everything a handler needs.
@@ -75,6 +85,10 @@ pub struct AppState {
     pub sliding: Arc<sliding::Connections>,
     /// Becomes `true` when the server shuts down: waiting long-polls answer at once.
     pub shutdown: tokio::sync::watch::Receiver<bool>,
+    /// When each device was last used (in memory).
+    pub last_seen: devices::LastSeen,
+    /// Presence (in memory, ephemeral like typing).
+    pub presence: presence::Presence,
 }
 
 impl AppState {
@@ -95,6 +109,8 @@ impl AppState {
             summaries: Arc::default(),
             sliding: Arc::default(),
             shutdown,
+            last_seen: devices::LastSeen::default(),
+            presence: presence::Presence::default(),
         }
     }
 
@@ -197,6 +213,12 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .merge(account::routes())
         .merge(admin::routes())
+        .merge(devices::routes())
+        .merge(presence::routes())
+        .merge(directory::routes())
+        .merge(spaces::routes())
+        .merge(upgrade::routes())
+        .merge(reports::routes())
         .merge(rooms::routes())
         .merge(read::routes())
         .merge(sync::routes())

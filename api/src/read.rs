@@ -52,6 +52,10 @@ pub(crate) fn routes() -> Router<AppState> {
             get(joined_members),
         )
         .route("/_matrix/client/v3/joined_rooms", get(joined_rooms))
+        .route(
+            "/_matrix/client/v1/rooms/{room_id}/timestamp_to_event",
+            get(timestamp_to_event),
+        )
 }
 
 /// Parses a pagination or sync token to its position: `t<pos>` or `s<pos>_<n>`.
@@ -561,4 +565,71 @@ async fn joined_rooms(State(s): State<AppState>, r: Requester) -> Json<Value> {
         .map(|(r, _)| r)
         .collect();
     Json(json!({ "joined_rooms": rooms }))
+}
+
+/// Most index rows `/timestamp_to_event` reads looking for an event the requester may
+/// see.
+pub const TIMESTAMP_SCAN_MAX: usize = 1000;
+
+/// `GET /_matrix/client/v1/rooms/{roomId}/timestamp_to_event?ts=&dir=f|b`: the closest
+/// event the requester may see at or after (`f`) or at or before (`b`) `ts` (ms), by
+/// `origin_server_ts`; one seek in the `event_times` index, then events in order until
+/// one is visible (at most [`TIMESTAMP_SCAN_MAX`]). None: 404 `M_NOT_FOUND`.
+async fn timestamp_to_event(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(room_id): Path<String>,
+    q: Query,
+) -> ApiResult<Json<Value>> {
+    let ts = q
+        .u64("ts")?
+        .ok_or_else(|| MatrixError::missing_param("ts is required"))?;
+    let forward = match q.get("dir") {
+        Some("f") => true,
+        Some("b") => false,
+        Some(_) => return Err(MatrixError::invalid_param("dir must be f or b")),
+        None => return Err(MatrixError::missing_param("dir is required")),
+    };
+    let access = room_access(&s, &r.user_id, &room_id)?;
+    let mut from = ts;
+    let mut scanned = 0;
+    // The nearest event is usually visible: read one row first, then double.
+    let mut batch = 1;
+    while scanned < TIMESTAMP_SCAN_MAX {
+        let rows = s
+            .projections
+            .event_times
+            .from(&room_id, from, forward, batch);
+        if rows.is_empty() {
+            break;
+        }
+        for (t, pos, id) in &rows {
+            scanned += 1;
+            if *pos > access.cap {
+                continue;
+            }
+            if let Some(ev) = s.projections.timeline.event(id)
+                && can_see(&s, &r.user_id, &access, &ev)
+            {
+                return Ok(Json(json!({ "event_id": id, "origin_server_ts": t })));
+            }
+        }
+        if rows.len() < batch {
+            break;
+        }
+        batch = (batch * 2).min(64);
+        // Continue past the last timestamp seen: events sharing that millisecond beyond
+        // this batch are skipped (rare; the answer is then the next visible one).
+        let last = rows.last().map(|(t, _, _)| *t).unwrap_or(from);
+        from = if forward {
+            last.saturating_add(1)
+        } else if last == 0 {
+            break;
+        } else {
+            last - 1
+        };
+    }
+    Err(MatrixError::not_found(
+        "No event the requester may see in that direction",
+    ))
 }

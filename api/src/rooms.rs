@@ -26,6 +26,7 @@ pub(crate) fn routes() -> Router<AppState> {
             "/_matrix/client/v3/join/{room_id_or_alias}",
             post(join_by_id_or_alias),
         )
+        .route("/_matrix/client/v3/knock/{room_id_or_alias}", post(knock))
         .route("/_matrix/client/v3/rooms/{room_id}/invite", post(invite))
         .route("/_matrix/client/v3/rooms/{room_id}/leave", post(leave))
         .route(
@@ -80,10 +81,6 @@ pub(crate) fn routes() -> Router<AppState> {
         .route(
             "/_matrix/client/v3/rooms/{room_id}/typing/{user_id}",
             put(crate::typing::set_typing),
-        )
-        .route(
-            "/_matrix/client/v3/directory/list/room/{room_id}",
-            get(directory_visibility),
         )
 }
 
@@ -165,6 +162,10 @@ fn precondition(membership: &str, target_is_self: bool) -> Option<MembershipPrec
         ("kick", _) => MembershipPrecondition {
             allowed: list(&["join", "invite", "knock"]),
             unchanged_ok: false,
+        },
+        ("knock", true) => MembershipPrecondition {
+            allowed: list(&["none", "leave"]),
+            unchanged_ok: true,
         },
         ("ban", _) => MembershipPrecondition {
             allowed: list(&["none", "join", "invite", "leave", "knock"]),
@@ -307,15 +308,21 @@ pub(crate) fn validate_state_content(
                         format!("{a:?} is not a room alias"),
                     ));
                 }
-                if a.ends_with(&format!(":{}", s.server_name())) {
-                    let target = s.projections.aliases.resolve(a).map(|t| t.room_id);
-                    if room_id.is_some() && target.as_deref() != room_id {
-                        return Err(MatrixError::new(
-                            StatusCode::BAD_REQUEST,
-                            "M_BAD_ALIAS",
-                            format!("{a} does not point to this room"),
-                        ));
-                    }
+                if !a.ends_with(&format!(":{}", s.server_name())) {
+                    // Another server's alias cannot be checked without federation.
+                    return Err(MatrixError::new(
+                        StatusCode::BAD_REQUEST,
+                        "M_BAD_ALIAS",
+                        format!("{a} is on another server and cannot be checked"),
+                    ));
+                }
+                let target = s.projections.aliases.resolve(a).map(|t| t.room_id);
+                if room_id.is_some() && target.as_deref() != room_id {
+                    return Err(MatrixError::new(
+                        StatusCode::BAD_REQUEST,
+                        "M_BAD_ALIAS",
+                        format!("{a} does not point to this room"),
+                    ));
                 }
             }
         }
@@ -326,7 +333,7 @@ pub(crate) fn validate_state_content(
 
 fn member_content(s: &AppState, user_id: &str, membership: &str, reason: Option<String>) -> Value {
     let mut c = json!({ "membership": membership });
-    if membership == "join" || membership == "invite" {
+    if membership == "join" || membership == "invite" || membership == "knock" {
         let p = s.projections.accounts.profile(user_id);
         if let Some(d) = p.displayname {
             c["displayname"] = json!(d);
@@ -580,8 +587,30 @@ async fn create_room(
                     "{kind} cannot be set through initial_state"
                 )));
             }
-            if kind != "m.room.canonical_alias" {
-                validate_state_content(&s, None, kind, &content)?;
+            validate_state_content(&s, None, kind, &content)?;
+            if kind == "m.room.canonical_alias" {
+                // The room does not exist yet: the only alias that can point to it is the
+                // one created with it (`room_alias_name`).
+                let named = content
+                    .get("alias")
+                    .into_iter()
+                    .chain(
+                        content
+                            .get("alt_aliases")
+                            .and_then(|a| a.as_array())
+                            .into_iter()
+                            .flatten(),
+                    )
+                    .filter_map(|v| v.as_str());
+                for a in named {
+                    if alias.as_deref() != Some(a) {
+                        return Err(MatrixError::new(
+                            StatusCode::BAD_REQUEST,
+                            "M_BAD_ALIAS",
+                            format!("{a} does not point to this room"),
+                        ));
+                    }
+                }
             }
             events.push(ev(kind, sk, content));
         }
@@ -616,7 +645,8 @@ async fn create_room(
         .ok_or_else(|| MatrixError::internal("createRoom produced no room"))?
         .to_string();
     if visibility == "public" {
-        tracing::debug!(room = %room_id, "public room directory is not served yet; visibility recorded only as join rules");
+        // Spec: `visibility: public` publishes the room in the room directory.
+        crate::directory::publish(&s, &r, &room_id, true).await?;
     }
     Ok(Json(json!({ "room_id": room_id })))
 }
@@ -628,14 +658,172 @@ async fn join(s: &AppState, r: &Requester, room_id: &str) -> ApiResult<Json<Valu
             "No known servers for this room (federation is not served yet)",
         ));
     }
-    if s.projections
-        .membership
-        .get(room_id, &r.user_id)
-        .is_some_and(|m| m.membership == "join")
-    {
+    let current = s.projections.membership.get(room_id, &r.user_id);
+    if current.as_ref().is_some_and(|m| m.membership == "join") {
         return Ok(Json(json!({ "room_id": room_id })));
     }
-    membership(s, r, room_id, &r.user_id.clone(), "join", None).await?;
+    let mut content = member_content(s, &r.user_id, "join", None);
+    let invited = current.is_some_and(|m| m.membership == "invite");
+    if !invited && let Some(via) = restricted_join_authoriser(s, &r.user_id, room_id)? {
+        content["join_authorised_via_users_server"] = json!(via);
+    }
+    send_checked(
+        s,
+        r,
+        room_id,
+        EventSpec {
+            kind: "m.room.member".into(),
+            state_key: Some(r.user_id.clone()),
+            content,
+            redacts: None,
+        },
+        None,
+        precondition("join", true),
+    )
+    .await?;
+    Ok(Json(json!({ "room_id": room_id })))
+}
+
+/// For a room whose join rule is `restricted` or `knock_restricted` (spec: "Restricted
+/// rooms"): the local user who authorises `user_id`'s join, because `user_id` is
+/// joined to one of the rooms the `allow` list names (`m.room_membership`). `None`
+/// when the join rule is something else. A user in none of the allowed rooms is 403
+/// `M_FORBIDDEN` (for `knock_restricted` they may knock instead). The authoriser is a
+/// joined member with the power to invite (a v12 creator first), which the auth
+/// rules check again when the join is appended.
+fn restricted_join_authoriser(
+    s: &AppState,
+    user_id: &str,
+    room_id: &str,
+) -> ApiResult<Option<String>> {
+    // One point read decides the common case (not restricted) whatever the room's size.
+    if !matches!(
+        s.projections.directory.join_rule(room_id).as_deref(),
+        Some("restricted" | "knock_restricted")
+    ) {
+        return Ok(None);
+    }
+    let Some(root) = s.projections.state.current_root(room_id) else {
+        return Ok(None);
+    };
+    let Some(rules) = crate::visibility::state_content(s, root, "m.room.join_rules", "") else {
+        return Ok(None);
+    };
+    let rule = rules
+        .get("join_rule")
+        .and_then(|v| v.as_str())
+        .unwrap_or("");
+    if rule != "restricted" && rule != "knock_restricted" {
+        return Ok(None);
+    }
+    let allowed = rules
+        .get("allow")
+        .and_then(|a| a.as_array())
+        .into_iter()
+        .flatten()
+        .filter(|a| a.get("type").and_then(|t| t.as_str()) == Some("m.room_membership"))
+        .filter_map(|a| a.get("room_id").and_then(|r| r.as_str()))
+        .any(|allowed_room| {
+            s.projections
+                .membership
+                .get(allowed_room, user_id)
+                .is_some_and(|m| m.membership == "join")
+        });
+    if !allowed {
+        return Err(MatrixError::forbidden(
+            "You are not a member of any room this room's join rule allows",
+        ));
+    }
+    let joined = |u: &str| {
+        s.projections
+            .membership
+            .get(room_id, u)
+            .is_some_and(|m| m.membership == "join")
+    };
+    let (_, pl) = user_power(s, room_id, user_id);
+    let invite_level = pl.get("invite").and_then(|v| v.as_i64()).unwrap_or(0);
+    let meta = s.projections.state.room(room_id);
+    let mut candidates: Vec<(i64, String)> = Vec::new();
+    if let Some(m) = &meta
+        && m.room_version == "12"
+    {
+        candidates.push((i64::MAX, m.creator.clone()));
+    }
+    if let Some(users) = pl.get("users").and_then(|u| u.as_object()) {
+        for (u, level) in users {
+            candidates.push((level.as_i64().unwrap_or(0), u.clone()));
+        }
+    }
+    if pl.is_null() || pl.as_object().is_some_and(|o| o.is_empty()) {
+        // No power levels: the creator has 100.
+        if let Some(m) = &meta {
+            candidates.push((100, m.creator.clone()));
+        }
+    }
+    candidates.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    let local = format!(":{}", s.server_name());
+    Ok(candidates
+        .into_iter()
+        .find(|(level, u)| *level >= invite_level && u.ends_with(&local) && joined(u))
+        .map(|(_, u)| u)
+        .or_else(|| {
+            // Everyone may invite: any joined local member will do.
+            let users_default = pl
+                .get("users_default")
+                .and_then(|v| v.as_i64())
+                .unwrap_or(0);
+            (users_default >= invite_level)
+                .then(|| {
+                    s.projections
+                        .membership
+                        .members(room_id)
+                        .into_iter()
+                        .find(|(u, m)| m.membership == "join" && u.ends_with(&local))
+                        .map(|(u, _)| u)
+                })
+                .flatten()
+        }))
+}
+
+/// `POST /knock/{roomIdOrAlias}` (spec: "Knocking on rooms"): asks to join a room
+/// whose join rule is `knock` or `knock_restricted`. Answers `{room_id}`. A room that
+/// is not known here is 404 (remote rooms need federation); a join rule that does not
+/// allow knocking is 403; knocking while joined or invited is 403.
+async fn knock(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(target): Path<String>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let room_id = if target.starts_with('#') {
+        s.projections
+            .aliases
+            .resolve(&target)
+            .ok_or_else(|| MatrixError::not_found("Room alias not found"))?
+            .room_id
+    } else {
+        valid_room_id(&target)?;
+        target
+    };
+    if s.projections.state.room(&room_id).is_none() {
+        return Err(MatrixError::not_found(
+            "No known servers for this room (federation is not served yet)",
+        ));
+    }
+    if let Some(m) = s.projections.membership.get(&room_id, &r.user_id)
+        && (m.membership == "join" || m.membership == "invite")
+    {
+        return Err(MatrixError::forbidden(format!(
+            "You are already {} in this room",
+            if m.membership == "join" {
+                "joined"
+            } else {
+                "invited"
+            }
+        )));
+    }
+    let reason = opt_str(&body, "reason")?;
+    membership(&s, &r, &room_id, &r.user_id.clone(), "knock", reason).await?;
     Ok(Json(json!({ "room_id": room_id })))
 }
 
@@ -1067,16 +1255,6 @@ async fn room_aliases(
     Ok(Json(
         json!({ "aliases": s.projections.aliases.of_room(&room_id) }),
     ))
-}
-
-async fn directory_visibility(
-    State(s): State<AppState>,
-    Path(room_id): Path<String>,
-) -> ApiResult<Json<Value>> {
-    if s.projections.state.room(&room_id).is_none() {
-        return Err(MatrixError::not_found("Room not found"));
-    }
-    Ok(Json(json!({ "visibility": "private" })))
 }
 
 async fn set_receipt(

@@ -176,6 +176,8 @@ pub struct Filter {
     pub include_leave: bool,
     /// `room.rooms` / `room.not_rooms`.
     pub rooms: EventFilter,
+    /// Top-level `presence` (types / senders of `m.presence` events).
+    pub presence: EventFilter,
 }
 
 impl Filter {
@@ -195,6 +197,7 @@ impl Filter {
             ephemeral: sub("ephemeral")?,
             room_account_data: sub("account_data")?,
             account_data: EventFilter::parse(v.get("account_data").unwrap_or(&Value::Null))?,
+            presence: EventFilter::parse(v.get("presence").unwrap_or(&Value::Null))?,
             include_leave: room
                 .get("include_leave")
                 .and_then(|b| b.as_bool())
@@ -619,6 +622,37 @@ impl Ctx<'_> {
         Some(out)
     }
 
+    /// A room the user knocked on (spec: `KnockedRoom`): the stripped state a knocker
+    /// may see (the same as an invitee's) and their own knock.
+    fn knocked_room(&self, m: &Membership) -> Option<Value> {
+        let (_, root) = self.s.projections.state.roots_at(&m.event_id)?;
+        let mut events = self.stripped_room_state(root);
+        let own = self.s.projections.timeline.event(&m.event_id)?;
+        events.push(stripped(&own.pdu));
+        Some(json!({ "knock_state": { "events": events } }))
+    }
+
+    /// The stripped state events an invitee or knocker sees (spec: "Stripped state").
+    fn stripped_room_state(&self, root: Root) -> Vec<Value> {
+        let mut events = Vec::new();
+        for kind in [
+            "m.room.create",
+            "m.room.join_rules",
+            "m.room.name",
+            "m.room.avatar",
+            "m.room.canonical_alias",
+            "m.room.encryption",
+            "m.room.topic",
+        ] {
+            if let Some(id) = self.s.projections.state.lookup(root, kind, "")
+                && let Some(ev) = self.s.projections.timeline.event(&id)
+            {
+                events.push(stripped(&ev.pdu));
+            }
+        }
+        events
+    }
+
     fn invited_room(&self, m: &Membership) -> Option<Value> {
         Some(json!({ "invite_state": { "events": invite_state(self.s, m)? } }))
     }
@@ -718,7 +752,7 @@ pub(crate) fn has_updates(
             return true;
         }
     }
-    false
+    s.config.presence_enabled && s.presence.changed_since(joined, since.1)
 }
 
 async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Json<Value>> {
@@ -813,6 +847,12 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
         s.wait_for(newest).await?;
         upto = s.projections.runtime.applied();
     };
+    let joined_rooms: Vec<String> = rooms
+        .iter()
+        .filter(|(_, m)| m.membership == "join")
+        .map(|(room, _)| room.clone())
+        .collect();
+    crate::presence::on_sync(&s, &r.user_id, q.get("set_presence"), &joined_rooms);
     let typing = s.typing.current();
     let account_data_changes = match since {
         Some((sp, _)) if s.projections.account_data.last_change(&r.user_id) > sp => {
@@ -833,6 +873,7 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
     let mut join = serde_json::Map::new();
     let mut invite = serde_json::Map::new();
     let mut leave = serde_json::Map::new();
+    let mut knock = serde_json::Map::new();
     for (room, m) in rooms {
         if !ctx.filter.rooms.allows_room(&room) {
             continue;
@@ -847,6 +888,11 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
             "invite" if changed_in_window => {
                 if let Some(v) = ctx.invited_room(&m) {
                     invite.insert(room, v);
+                }
+            }
+            "knock" if changed_in_window => {
+                if let Some(v) = ctx.knocked_room(&m) {
+                    knock.insert(room, v);
                 }
             }
             "leave" | "ban" if !m.forgotten => {
@@ -880,11 +926,27 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
     .filter(|(t, _)| ctx.filter.account_data.matches_type(t))
     .map(|(t, c)| json!({ "type": t, "content": c }))
     .collect();
+    let presence: Vec<Value> =
+        crate::presence::sync_events(&s, &joined_rooms, since.map(|(_, t)| t))
+            .into_iter()
+            .filter(|e| {
+                ctx.filter.presence.matches_type("m.presence")
+                    && e["sender"].as_str().is_some_and(|u| {
+                        !ctx.filter.presence.not_senders.iter().any(|x| x == u)
+                            && ctx
+                                .filter
+                                .presence
+                                .senders
+                                .as_ref()
+                                .is_none_or(|ss| ss.iter().any(|x| x == u))
+                    })
+            })
+            .collect();
     Ok(Json(json!({
         "next_batch": format!("s{}_{}", upto, ctx.typing),
-        "rooms": { "join": join, "invite": invite, "leave": leave, "knock": {} },
+        "rooms": { "join": join, "invite": invite, "leave": leave, "knock": knock },
         "account_data": { "events": account_data },
-        "presence": { "events": [] },
+        "presence": { "events": presence },
         "to_device": { "events": [] },
         "device_lists": { "changed": [], "left": [] },
         "device_one_time_keys_count": {},

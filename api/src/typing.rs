@@ -116,6 +116,17 @@ impl Typing {
             .unwrap_or(0)
     }
 
+    /// Takes the next counter value for another ephemeral change (presence shares the
+    /// counter, so one sync token component orders both) and wakes waiting long-polls.
+    pub fn next_serial(&self) -> u64 {
+        let mut next = 0;
+        self.counter.send_modify(|c| {
+            *c += 1;
+            next = *c;
+        });
+        next
+    }
+
     /// The current counter.
     pub fn current(&self) -> u64 {
         *self.counter.borrow()

@@ -169,6 +169,12 @@ struct Inner {
     /// Alias -> room: aliases are unique, so the writer checks them (a read model
     /// check-then-write would race).
     aliases: parking_lot::Mutex<HashMap<String, String>>,
+    /// Refresh tokens already spent (by hash): each may be spent once, decided here
+    /// (two concurrent `/refresh` calls with one token must not both succeed).
+    spent_refresh_tokens: parking_lot::Mutex<HashSet<String>>,
+    /// Deactivated accounts: no new device or token is issued for them, decided here so
+    /// a login racing a deactivation cannot leave a working token behind.
+    deactivated: parking_lot::Mutex<HashSet<String>>,
     /// Allocation of positions + enqueue happen together under this lock (held for
     /// nanoseconds; never across I/O) so the appender receives records in order.
     enqueue: parking_lot::Mutex<(u64, std::sync::mpsc::Sender<Pending>)>,
@@ -207,6 +213,8 @@ impl Journal {
         let mut rooms: HashMap<OwnedRoomId, RoomAggregate> = HashMap::new();
         let mut users = HashSet::new();
         let mut aliases = HashMap::new();
+        let mut spent_refresh_tokens = HashSet::new();
+        let mut deactivated = HashSet::new();
         let walked = chain::walk(&*store, |rec| {
             if rec.is_event() {
                 let pdu = rec.pdu().ok_or("unreadable PDU")?;
@@ -230,6 +238,15 @@ impl Journal {
                     }
                     Some(Fact::AliasDeleted { alias }) => {
                         aliases.remove(&alias);
+                    }
+                    Some(Fact::TokenRefreshed {
+                        old_refresh_token_hash,
+                        ..
+                    }) => {
+                        spent_refresh_tokens.insert(old_refresh_token_hash);
+                    }
+                    Some(Fact::AccountDeactivated { user_id, .. }) => {
+                        deactivated.insert(user_id);
                     }
                     _ => {}
                 }
@@ -264,6 +281,8 @@ impl Journal {
                 ),
                 users: parking_lot::Mutex::new(users),
                 aliases: parking_lot::Mutex::new(aliases),
+                spent_refresh_tokens: parking_lot::Mutex::new(spent_refresh_tokens),
+                deactivated: parking_lot::Mutex::new(deactivated),
                 enqueue: parking_lot::Mutex::new((head, tx)),
                 durable: durable_rx,
                 stats,
@@ -438,6 +457,40 @@ impl Journal {
                         "alias {alias} does not exist"
                     )));
                 }
+                self.enqueue(vec![rec])
+            }
+            Fact::TokenRefreshed {
+                user_id,
+                old_refresh_token_hash,
+                ..
+            } => {
+                let deactivated = self.inner.deactivated.lock();
+                if deactivated.contains(user_id) {
+                    return Err(JournalError::Forbidden(format!("{user_id} is deactivated")));
+                }
+                let mut spent = self.inner.spent_refresh_tokens.lock();
+                if !spent.insert(old_refresh_token_hash.clone()) {
+                    return Err(JournalError::Forbidden("refresh token already used".into()));
+                }
+                let position = self.enqueue(vec![rec]);
+                drop((spent, deactivated));
+                position
+            }
+            Fact::DeviceCreated { user_id, .. }
+            | Fact::TokenIssued { user_id, .. }
+            | Fact::RefreshableTokenIssued { user_id, .. } => {
+                // Held across the enqueue so a deactivation cannot slip in between.
+                let deactivated = self.inner.deactivated.lock();
+                if deactivated.contains(user_id) {
+                    return Err(JournalError::Forbidden(format!("{user_id} is deactivated")));
+                }
+                let position = self.enqueue(vec![rec]);
+                drop(deactivated);
+                position
+            }
+            Fact::AccountDeactivated { user_id, .. } => {
+                let mut deactivated = self.inner.deactivated.lock();
+                deactivated.insert(user_id.clone());
                 self.enqueue(vec![rec])
             }
             _ => self.enqueue(vec![rec]),

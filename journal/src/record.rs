@@ -292,6 +292,47 @@ pub enum Fact {
     /// An account was made a server admin (`spindle admin promote`; principal: the
     /// server). Admins may use the admin API (`/_spindle/admin/v1`).
     AdminPromoted { user_id: String },
+    /// The account's password changed (`POST /account/password`); `password_hash` is
+    /// an argon2 PHC string.
+    PasswordChanged {
+        user_id: String,
+        password_hash: String,
+    },
+    /// The account was deactivated (`POST /account/deactivate`): it can no longer log
+    /// in, and its id is never registered again. `erase` asks for the profile to be
+    /// hidden. Its devices, tokens and memberships end through their own records.
+    AccountDeactivated { user_id: String, erase: bool },
+    /// A refreshable access token and its refresh token were issued (login or register
+    /// with `refresh_token: true`). Hashes only; the access token stops working at
+    /// `expires_at` (ms since the Unix epoch, checked by the API against its clock).
+    RefreshableTokenIssued {
+        user_id: String,
+        device_id: String,
+        token_hash: String,
+        refresh_token_hash: String,
+        expires_at: u64,
+    },
+    /// `POST /refresh`: the refresh token `old_refresh_token_hash` was spent for a new
+    /// access/refresh pair; the old pair is revoked. The journal lets each refresh
+    /// token be spent once.
+    TokenRefreshed {
+        user_id: String,
+        device_id: String,
+        old_refresh_token_hash: String,
+        token_hash: String,
+        refresh_token_hash: String,
+        expires_at: u64,
+    },
+    /// A room's visibility in the public room directory (`public` or `private`).
+    RoomVisibilitySet { room_id: String, visibility: String },
+    /// A user reported an event (`event_id`) or a whole room (`event_id: None`).
+    ContentReported {
+        reporter: String,
+        room_id: String,
+        event_id: Option<String>,
+        reason: Option<String>,
+        score: Option<i64>,
+    },
 }
 
 /// Format 1 (before the hash chain), kept so `spindle journal migrate` can read it.

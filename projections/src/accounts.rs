@@ -6,6 +6,10 @@
 //! - `tokens`: token hash -> [`TokenOwner`] JSON
 //! - `device_tokens`: user, 0x00, device, 0x00, token hash -> empty (to revoke a device's tokens)
 //! - `profiles`: user id -> [`Profile`] JSON
+//! - `refresh_tokens`: refresh token hash -> [`RefreshOwner`] JSON
+//!
+//! A device's refresh tokens are listed in `device_tokens` too, as `r` + hash, so
+//! deleting the device revokes them with its access tokens.
 
 use serde::{Deserialize, Serialize};
 use spindle_journal::{Fact, StoredRecord};
@@ -20,6 +24,9 @@ use crate::{
 pub struct Account {
     /// argon2 PHC string, if the account has a password.
     pub password_hash: Option<String>,
+    /// The account was deactivated: no login, never registered again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub deactivated: bool,
 }
 
 /// A device.
@@ -36,6 +43,21 @@ pub struct TokenOwner {
     pub user_id: String,
     /// Device id.
     pub device_id: String,
+    /// When a refreshable access token stops working, ms since the Unix epoch (the
+    /// API compares it with its clock; apply never reads a clock).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<u64>,
+}
+
+/// Who a refresh token belongs to, and the access token issued with it.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct RefreshOwner {
+    /// User id.
+    pub user_id: String,
+    /// Device id.
+    pub device_id: String,
+    /// Hash of the access token issued with this refresh token.
+    pub token_hash: String,
 }
 
 /// Profile fields (spec: client-server API "Profiles").
@@ -56,6 +78,7 @@ pub struct Accounts {
     tokens: Table,
     device_tokens: Table,
     profiles: Table,
+    refresh_tokens: Table,
 }
 
 impl Accounts {
@@ -67,6 +90,7 @@ impl Accounts {
             tokens: db.table("accounts", "tokens")?,
             device_tokens: db.table("accounts", "device_tokens")?,
             profiles: db.table("accounts", "profiles")?,
+            refresh_tokens: db.table("accounts", "refresh_tokens")?,
         })
     }
 
@@ -108,6 +132,67 @@ impl Accounts {
             .unwrap_or_default()
     }
 
+    /// Resolves a refresh token hash (one point read).
+    pub fn refresh_token(&self, refresh_token_hash: &str) -> Option<RefreshOwner> {
+        serde_json::from_slice(&self.refresh_tokens.get(refresh_token_hash.as_bytes())?).ok()
+    }
+
+    /// Stages a refreshable access token and its refresh token.
+    fn issue_refreshable(
+        &self,
+        ctx: &ApplyCtx,
+        owner: TokenOwner,
+        token_hash: String,
+        refresh_token_hash: String,
+    ) {
+        let refresh = RefreshOwner {
+            user_id: owner.user_id.clone(),
+            device_id: owner.device_id.clone(),
+            token_hash: token_hash.clone(),
+        };
+        ctx.put(
+            &self.device_tokens,
+            key::join(&[&owner.user_id, &owner.device_id, &token_hash]),
+            Vec::new(),
+        );
+        ctx.put(
+            &self.device_tokens,
+            key::join(&[
+                &owner.user_id,
+                &owner.device_id,
+                &format!("r{refresh_token_hash}"),
+            ]),
+            Vec::new(),
+        );
+        ctx.put(
+            &self.refresh_tokens,
+            refresh_token_hash.into_bytes(),
+            serde_json::to_vec(&refresh).expect("rows serialize"),
+        );
+        ctx.put(
+            &self.tokens,
+            token_hash.into_bytes(),
+            serde_json::to_vec(&owner).expect("rows serialize"),
+        );
+    }
+
+    fn revoke_refresh(&self, ctx: &ApplyCtx, refresh_token_hash: &str) {
+        if let Some(owner) = ctx
+            .get(&self.refresh_tokens, refresh_token_hash.as_bytes())
+            .and_then(|v| serde_json::from_slice::<RefreshOwner>(&v).ok())
+        {
+            ctx.delete(
+                &self.device_tokens,
+                key::join(&[
+                    &owner.user_id,
+                    &owner.device_id,
+                    &format!("r{refresh_token_hash}"),
+                ]),
+            );
+        }
+        ctx.delete(&self.refresh_tokens, refresh_token_hash.as_bytes().to_vec());
+    }
+
     fn revoke(&self, ctx: &ApplyCtx, token_hash: &str) {
         if let Some(owner) = ctx
             .get(&self.tokens, token_hash.as_bytes())
@@ -134,6 +219,7 @@ impl Projection for Accounts {
             self.tokens.clone(),
             self.device_tokens.clone(),
             self.profiles.clone(),
+            self.refresh_tokens.clone(),
         ]
     }
 
@@ -150,7 +236,10 @@ impl Projection for Accounts {
                 ctx.put(
                     &self.users,
                     user_id.into_bytes(),
-                    json(&Account { password_hash }),
+                    json(&Account {
+                        password_hash,
+                        deactivated: false,
+                    }),
                 );
             }
             Fact::DeviceCreated {
@@ -174,7 +263,10 @@ impl Projection for Accounts {
                 let prefix = key::prefix(&[&user_id, &device_id]);
                 for (k, _) in ctx.scan_prefix(&self.device_tokens, &prefix) {
                     let hash = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();
-                    self.revoke(ctx, &hash);
+                    match hash.strip_prefix('r') {
+                        Some(refresh) => self.revoke_refresh(ctx, refresh),
+                        None => self.revoke(ctx, &hash),
+                    }
                 }
             }
             Fact::TokenIssued {
@@ -188,6 +280,7 @@ impl Projection for Accounts {
                     json(&TokenOwner {
                         user_id: user_id.clone(),
                         device_id: device_id.clone(),
+                        expires_at: None,
                     }),
                 );
                 ctx.put(
@@ -197,6 +290,76 @@ impl Projection for Accounts {
                 );
             }
             Fact::TokenRevoked { token_hash } => self.revoke(ctx, &token_hash),
+            Fact::RefreshableTokenIssued {
+                user_id,
+                device_id,
+                token_hash,
+                refresh_token_hash,
+                expires_at,
+            } => {
+                // A device deleted before this record leaves nothing to attach to.
+                if ctx
+                    .get(&self.devices, &key::join(&[&user_id, &device_id]))
+                    .is_some()
+                {
+                    let owner = TokenOwner {
+                        user_id,
+                        device_id,
+                        expires_at: Some(expires_at),
+                    };
+                    self.issue_refreshable(ctx, owner, token_hash, refresh_token_hash);
+                }
+            }
+            Fact::TokenRefreshed {
+                user_id,
+                device_id,
+                old_refresh_token_hash,
+                token_hash,
+                refresh_token_hash,
+                expires_at,
+            } => {
+                // Only a live refresh token yields a new pair (its device may have been
+                // deleted, or the token revoked, after the API looked it up).
+                let old = ctx
+                    .get(&self.refresh_tokens, old_refresh_token_hash.as_bytes())
+                    .and_then(|v| serde_json::from_slice::<RefreshOwner>(&v).ok());
+                if let Some(old) = old.filter(|o| o.user_id == user_id && o.device_id == device_id)
+                {
+                    self.revoke(ctx, &old.token_hash);
+                    self.revoke_refresh(ctx, &old_refresh_token_hash);
+                    let owner = TokenOwner {
+                        user_id,
+                        device_id,
+                        expires_at: Some(expires_at),
+                    };
+                    self.issue_refreshable(ctx, owner, token_hash, refresh_token_hash);
+                }
+            }
+            Fact::PasswordChanged {
+                user_id,
+                password_hash,
+            } => {
+                if let Some(mut a) = ctx
+                    .get(&self.users, user_id.as_bytes())
+                    .and_then(|v| serde_json::from_slice::<Account>(&v).ok())
+                {
+                    a.password_hash = Some(password_hash);
+                    ctx.put(&self.users, user_id.into_bytes(), json(&a));
+                }
+            }
+            Fact::AccountDeactivated { user_id, erase } => {
+                if let Some(mut a) = ctx
+                    .get(&self.users, user_id.as_bytes())
+                    .and_then(|v| serde_json::from_slice::<Account>(&v).ok())
+                {
+                    a.password_hash = None;
+                    a.deactivated = true;
+                    ctx.put(&self.users, user_id.clone().into_bytes(), json(&a));
+                }
+                if erase {
+                    ctx.delete(&self.profiles, user_id.into_bytes());
+                }
+            }
             Fact::ProfileSet {
                 user_id,
                 displayname,

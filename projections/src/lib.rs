@@ -14,9 +14,12 @@
 //! | [`user_data::Aliases`] | room aliases |
 //! | [`audit::Audit`] | audit trails: room state changes, account facts, server admins |
 //! | [`room_summary::RoomSummary`] | joined/invited counts and heroes per room |
+//! | [`directory::Directory`] | public room directory, public-join rooms, joined counts |
+//! | [`directory::EventTimes`] | events by (room, origin_server_ts) |
 
 pub mod accounts;
 pub mod audit;
+pub mod directory;
 pub mod membership;
 pub mod render;
 pub mod room_summary;
@@ -56,6 +59,10 @@ pub struct Projections {
     pub room_summary: Arc<room_summary::RoomSummary>,
     /// Audit trails (state changes per room, facts per account, admins).
     pub audit: Arc<audit::Audit>,
+    /// Room directory, public-join rooms, joined counts.
+    pub directory: Arc<directory::Directory>,
+    /// Events by timestamp.
+    pub event_times: Arc<directory::EventTimes>,
     /// The runtime (checkpoints, waiting).
     pub runtime: Runtime,
     /// The database (counters).
@@ -76,6 +83,8 @@ impl Projections {
         let aliases = Arc::new(user_data::Aliases::open(&db)?);
         let room_summary = Arc::new(room_summary::RoomSummary::open(&db)?);
         let audit = Arc::new(audit::Audit::open(&db)?);
+        let directory = Arc::new(directory::Directory::open(&db)?);
+        let event_times = Arc::new(directory::EventTimes::open(&db)?);
         let all: Vec<Arc<dyn Projection>> = vec![
             timeline.clone(),
             state.clone(),
@@ -87,6 +96,8 @@ impl Projections {
             aliases.clone(),
             room_summary.clone(),
             audit.clone(),
+            directory.clone(),
+            event_times.clone(),
         ];
         let runtime = Runtime::start(journal, db.clone(), all);
         Ok(Projections {
@@ -100,6 +111,8 @@ impl Projections {
             aliases,
             room_summary,
             audit,
+            directory,
+            event_times,
             runtime,
             db,
         })

@@ -164,7 +164,7 @@ async fn live_and_replayed_projections_have_identical_digests() {
     );
     let a = live.runtime.digests();
     let b = rebuilt.runtime.digests();
-    assert_eq!(a.len(), 10);
+    assert_eq!(a.len(), 12);
     assert_eq!(a, b);
     // The room summary (member counts, heroes) agrees: alice and bob joined.
     for p in [&live, &rebuilt] {

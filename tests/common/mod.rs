@@ -463,12 +463,18 @@ pub fn sync_pos(next_batch: &str) -> u64 {
         .unwrap_or_else(|| panic!("not a sync token: {next_batch}"))
 }
 
-/// Removes every `unsigned.age` (it depends on the clock) from a JSON document.
+/// Removes every `unsigned.age` and every presence `last_active_ago` (they depend on
+/// the clock) from a JSON document.
 pub fn strip_age(v: &mut Value) {
     match v {
         Value::Object(map) => {
             if let Some(Value::Object(u)) = map.get_mut("unsigned") {
                 u.remove("age");
+            }
+            if map.get("type").and_then(|t| t.as_str()) == Some("m.presence")
+                && let Some(Value::Object(c)) = map.get_mut("content")
+            {
+                c.remove("last_active_ago");
             }
             for (_, x) in map.iter_mut() {
                 strip_age(x);

@@ -255,6 +255,116 @@ def test_logout_all(anon):
     dave.get(f"{C3}/account/whoami", expect=401)
 
 
+def password_auth(user: str, password: str, session: str) -> dict:
+    return {
+        "type": "m.login.password",
+        "identifier": {"type": "m.id.user", "user": user},
+        "password": password,
+        "session": session,
+    }
+
+
+def test_devices_and_account_management(anon, spindle):
+    name = unique("erin")
+    erin = register(anon, name)
+    login = anon.post(
+        f"{C3}/login",
+        {
+            "type": "m.login.password",
+            "identifier": {"type": "m.id.user", "user": name},
+            "password": "correct horse battery",
+            "device_id": "ERINPHONE",
+            "refresh_token": True,
+        },
+    )
+    assert login["refresh_token"] and login["expires_in_ms"] > 0
+    refreshed = anon.post(f"{C3}/refresh", {"refresh_token": login["refresh_token"]})
+    assert refreshed["access_token"] != login["access_token"]
+
+    devices = erin.get(f"{C3}/devices")["devices"]
+    assert {d["device_id"] for d in devices} == {erin.device_id, "ERINPHONE"}
+    erin.put(f"{C3}/devices/ERINPHONE", {"display_name": "Erin's phone"})
+    assert erin.get(f"{C3}/devices/ERINPHONE")["display_name"] == "Erin's phone"
+    challenge = erin.delete(f"{C3}/devices/ERINPHONE", {}, expect=401)
+    erin.delete(
+        f"{C3}/devices/ERINPHONE",
+        {"auth": password_auth(name, "correct horse battery", challenge["session"])},
+    )
+    challenge = erin.post(f"{C3}/delete_devices", {"devices": ["GONE"]}, expect=401)
+    erin.post(
+        f"{C3}/delete_devices",
+        {"devices": ["GONE"], "auth": password_auth(name, "correct horse battery", challenge["session"])},
+    )
+    assert erin.get(f"{C3}/account/3pid")["threepids"] == []
+
+    challenge = erin.post(f"{C3}/account/password", {"new_password": "new horse"}, expect=401)
+    erin.post(
+        f"{C3}/account/password",
+        {"new_password": "new horse", "logout_devices": True,
+         "auth": password_auth(name, "correct horse battery", challenge["session"])},
+    )
+    me = seg(erin.user_id)
+    erin.put(f"{C3}/presence/{me}/status", {"presence": "online", "status_msg": "here"})
+    assert erin.get(f"{C3}/presence/{me}/status")["presence"] == "online"
+
+    challenge = erin.post(f"{C3}/account/deactivate", {"erase": True}, expect=401)
+    done = erin.post(
+        f"{C3}/account/deactivate",
+        {"erase": True, "auth": password_auth(name, "new horse", challenge["session"])},
+    )
+    assert done["id_server_unbind_result"] == "no-support"
+
+
+def test_room_discovery(anon, world, spindle):
+    alice: Client = world["alice"]
+    bob: Client = world["bob"]
+    room = world["room"]
+    r = seg(room)
+    alice.put(f"{C3}/directory/list/room/{r}", {"visibility": "public"})
+    assert alice.get(f"{C3}/directory/list/room/{r}")["visibility"] == "public"
+    listed = anon.get(f"{C3}/publicRooms", query={"limit": 10})
+    assert room in [c["room_id"] for c in listed["chunk"]]
+    found = alice.post(f"{C3}/publicRooms", {"limit": 5, "filter": {"generic_search_term": "lobby"}})
+    assert [c["room_id"] for c in found["chunk"]] == [room]
+    users = bob.post(f"{C3}/user_directory/search", {"search_term": "alice", "limit": 5})
+    assert alice.user_id in [u["user_id"] for u in users["results"]]
+
+    knock_room = alice.post(f"{C3}/createRoom", {"preset": "private_chat"})["room_id"]
+    alice.put(f"{C3}/rooms/{seg(knock_room)}/state/m.room.join_rules", {"join_rule": "knock"})
+    knocked = bob.post(f"{C3}/knock/{seg(knock_room)}", {"reason": "hello"})
+    assert knocked["room_id"] == knock_room
+    synced = bob.get(f"{C3}/sync", query={"timeout": 0})
+    assert knock_room in synced["rooms"]["knock"]
+
+
+def test_room_features(anon, world, spindle):
+    alice: Client = world["alice"]
+    bob: Client = world["bob"]
+    room = world["room"]
+    r = seg(room)
+    event = world["events"][1]
+
+    space = alice.post(f"{C3}/createRoom", {"preset": "public_chat", "name": "Space",
+                                            "creation_content": {"type": "m.space"}})["room_id"]
+    alice.put(f"{C3}/rooms/{seg(space)}/state/m.space.child/{r}", {"via": [spindle.server_name]})
+    tree = bob.get(f"/_matrix/client/v1/rooms/{seg(space)}/hierarchy", query={"limit": 10})
+    assert [room_["room_id"] for room_ in tree["rooms"]] == [space, room]
+
+    summary = anon.get(f"/_matrix/client/v1/room_summary/{seg(space)}")
+    assert summary["room_type"] == "m.space"
+
+    found = bob.get(f"/_matrix/client/v1/rooms/{r}/timestamp_to_event",
+                    query={"ts": int(time.time() * 1000) + 60_000, "dir": "b"})
+    assert found["event_id"].startswith("$")
+
+    bob.post(f"{C3}/rooms/{r}/report/{seg(event)}", {"reason": "conformance"})
+    bob.post(f"{C3}/rooms/{r}/report", {"reason": "conformance"})
+
+    old = alice.post(f"{C3}/createRoom", {"preset": "private_chat", "name": "Old"})["room_id"]
+    upgraded = alice.post(f"{C3}/rooms/{seg(old)}/upgrade", {"new_version": "11"})
+    assert upgraded["replacement_room"] != old
+
+
 # -- coverage and the generated document --------------------------------------------
 
 

@@ -1,0 +1,490 @@
+//! Device management (spec: client-server API "Device Management") and the
+//! user-interactive authentication that guards it, password changes and account
+//! deactivation (spec: "Account management"), the read-only 3PID listing, and
+//! refresh tokens (spec: "Refreshing access tokens").
+//!
+//! Devices are the accounts projection's rows (`DeviceCreated` / `DeviceRenamed` /
+//! `DeviceDeleted` facts); deleting a device revokes its access and refresh tokens in
+//! the same apply. `last_seen_ts` is kept in memory only ([`LastSeen`]): it changes on
+//! every request and is lossy by nature, so journaling it would put a write on every
+//! read. After a restart a device shows no `last_seen_ts` until it is used again.
+
+use std::{collections::HashMap, sync::Arc};
+
+use axum::{
+    Json, Router,
+    extract::{Path, State},
+    http::StatusCode,
+    response::{IntoResponse, Response},
+    routing::{get, post},
+};
+use serde_json::{Value, json};
+use spindle_journal::{CommandBody, Fact};
+
+use crate::{
+    ApiResult, AppState, MatrixError,
+    account::{full_user_id, hash_password, random_string, verify_password},
+    extract::{JsonObject, Requester, opt_str, token_hash},
+};
+
+/// A device's `last_seen_ts` is refreshed at most this often (ms): a request does one
+/// read-locked map lookup, and takes the write lock only once per interval.
+pub const LAST_SEEN_GRANULARITY_MS: u64 = 60_000;
+
+/// When each device was last used, ms since the Unix epoch (in memory; see the module
+/// docs for why this is not journaled).
+#[derive(Clone, Default)]
+pub struct LastSeen {
+    map: Arc<parking_lot::RwLock<HashMap<(String, String), u64>>>,
+}
+
+impl LastSeen {
+    /// Records a request by `(user, device)` at `now` (cheap when recent).
+    pub fn touch(&self, user_id: &str, device_id: &str, now: u64) {
+        let key = (user_id.to_owned(), device_id.to_owned());
+        if self
+            .map
+            .read()
+            .get(&key)
+            .is_some_and(|t| now.saturating_sub(*t) < LAST_SEEN_GRANULARITY_MS)
+        {
+            return;
+        }
+        self.map.write().insert(key, now);
+    }
+
+    /// When the device was last seen, if since the server started.
+    pub fn get(&self, user_id: &str, device_id: &str) -> Option<u64> {
+        self.map
+            .read()
+            .get(&(user_id.to_owned(), device_id.to_owned()))
+            .copied()
+    }
+}
+
+pub(crate) fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/_matrix/client/v3/devices", get(list_devices))
+        .route(
+            "/_matrix/client/v3/devices/{device_id}",
+            get(get_device).put(rename_device).delete(delete_device),
+        )
+        .route("/_matrix/client/v3/delete_devices", post(delete_devices))
+        .route("/_matrix/client/v3/account/password", post(change_password))
+        .route("/_matrix/client/v3/account/deactivate", post(deactivate))
+        .route("/_matrix/client/v3/account/3pid", get(threepids))
+        .route("/_matrix/client/v3/refresh", post(refresh))
+}
+
+fn device_json(s: &AppState, user_id: &str, device_id: &str, name: Option<String>) -> Value {
+    let mut d = json!({ "device_id": device_id });
+    if let Some(n) = name {
+        d["display_name"] = json!(n);
+    }
+    if let Some(ts) = s.last_seen.get(user_id, device_id) {
+        d["last_seen_ts"] = json!(ts);
+    }
+    d
+}
+
+/// `GET /devices`: the requester's devices, ordered by device id.
+async fn list_devices(State(s): State<AppState>, r: Requester) -> Json<Value> {
+    let devices: Vec<Value> = s
+        .projections
+        .accounts
+        .devices(&r.user_id)
+        .into_iter()
+        .map(|(id, d)| device_json(&s, &r.user_id, &id, d.display_name))
+        .collect();
+    Json(json!({ "devices": devices }))
+}
+
+/// `GET /devices/{deviceId}`: 404 `M_NOT_FOUND` for a device the user does not have.
+async fn get_device(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(device_id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let d = s
+        .projections
+        .accounts
+        .device(&r.user_id, &device_id)
+        .ok_or_else(|| MatrixError::not_found("Device not found"))?;
+    Ok(Json(device_json(
+        &s,
+        &r.user_id,
+        &device_id,
+        d.display_name,
+    )))
+}
+
+/// Longest device display name accepted, bytes.
+pub const MAX_DEVICE_NAME_BYTES: usize = 255;
+
+/// `PUT /devices/{deviceId}`: renames an existing device (creating devices is for
+/// application services, which are not served: 404 for an unknown device).
+async fn rename_device(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(device_id): Path<String>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let current = s
+        .projections
+        .accounts
+        .device(&r.user_id, &device_id)
+        .ok_or_else(|| MatrixError::not_found("Device not found"))?;
+    if !body.contains_key("display_name") {
+        return Ok(Json(json!({})));
+    }
+    let name = opt_str(&body, "display_name")?;
+    if name
+        .as_ref()
+        .is_some_and(|n| n.len() > MAX_DEVICE_NAME_BYTES)
+    {
+        return Err(MatrixError::bad_json(format!(
+            "display_name is longer than {MAX_DEVICE_NAME_BYTES} bytes"
+        )));
+    }
+    if name != current.display_name {
+        let fact = Fact::DeviceRenamed {
+            user_id: r.user_id.clone(),
+            device_id,
+            display_name: name,
+        };
+        s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
+            .await?;
+    }
+    Ok(Json(json!({})))
+}
+
+/// User-interactive authentication for a signed-in user (spec: "User-Interactive
+/// Authentication API"): the single stage `m.login.password` with the requester's own
+/// password (`m.login.dummy` for an account that has no password). Returns `None`
+/// when `body.auth` completes it, else the 401 answer to send: the flows, and
+/// `M_FORBIDDEN` when a password was given but is wrong or names another user.
+/// Sessions are not stored: any `session` the client echoes is accepted, since the
+/// flow has one stage and is completed within one request.
+pub(crate) async fn user_interactive_auth(
+    s: &AppState,
+    r: &Requester,
+    body: &serde_json::Map<String, Value>,
+) -> ApiResult<Option<Response>> {
+    let account = s
+        .projections
+        .accounts
+        .user(&r.user_id)
+        .ok_or_else(|| MatrixError::forbidden("Unknown account"))?;
+    let stage = if account.password_hash.is_some() {
+        "m.login.password"
+    } else {
+        "m.login.dummy"
+    };
+    let auth = body.get("auth").and_then(|a| a.as_object());
+    let session = auth
+        .and_then(|a| a.get("session"))
+        .and_then(|v| v.as_str())
+        .map(str::to_owned)
+        .unwrap_or_else(|| random_string(24));
+    let challenge = |err: Option<MatrixError>| {
+        let mut out = json!({
+            "flows": [{ "stages": [stage] }],
+            "params": {},
+            "session": session,
+            "completed": [],
+        });
+        if let Some(e) = err {
+            out["errcode"] = json!(e.errcode);
+            out["error"] = json!(e.error);
+        }
+        Some((StatusCode::UNAUTHORIZED, Json(out)).into_response())
+    };
+    let Some(auth) = auth else {
+        return Ok(challenge(None));
+    };
+    match (auth.get("type").and_then(|v| v.as_str()), stage) {
+        (Some("m.login.dummy"), "m.login.dummy") => Ok(None),
+        (Some("m.login.password"), "m.login.password") => {
+            let user = match auth.get("identifier") {
+                Some(id) => {
+                    if id.get("type").and_then(|v| v.as_str()) != Some("m.id.user") {
+                        return Ok(challenge(Some(MatrixError::forbidden(
+                            "Only m.id.user identifiers are supported",
+                        ))));
+                    }
+                    id.get("user").and_then(|v| v.as_str())
+                }
+                None => auth.get("user").and_then(|v| v.as_str()),
+            };
+            if user.is_some_and(|u| full_user_id(s, u) != r.user_id) {
+                return Ok(challenge(Some(MatrixError::forbidden(
+                    "The identifier does not match the signed-in user",
+                ))));
+            }
+            let password = auth
+                .get("password")
+                .and_then(|v| v.as_str())
+                .unwrap_or_default()
+                .to_owned();
+            let hash = account.password_hash.unwrap_or_default();
+            if verify_password(password, hash).await {
+                Ok(None)
+            } else {
+                Ok(challenge(Some(MatrixError::forbidden("Invalid password"))))
+            }
+        }
+        _ => Ok(challenge(None)),
+    }
+}
+
+/// Deletes devices (and, with them, their tokens), waiting until the last deletion is
+/// applied so the answer holds when it leaves.
+async fn delete_devices_of(s: &AppState, r: &Requester, device_ids: &[String]) -> ApiResult<()> {
+    let mut last = None;
+    for device_id in device_ids {
+        if s.projections
+            .accounts
+            .device(&r.user_id, device_id)
+            .is_none()
+        {
+            continue;
+        }
+        let fact = Fact::DeviceDeleted {
+            user_id: r.user_id.clone(),
+            device_id: device_id.clone(),
+        };
+        let o = s
+            .submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
+            .await?;
+        last = Some(o.position);
+    }
+    if let Some(p) = last {
+        s.wait_for(p).await?;
+    }
+    Ok(())
+}
+
+/// `DELETE /devices/{deviceId}` (UIA). A device that does not exist (any more) answers
+/// 200 after authentication, as the spec allows.
+async fn delete_device(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(device_id): Path<String>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Response> {
+    if let Some(challenge) = user_interactive_auth(&s, &r, &body).await? {
+        return Ok(challenge);
+    }
+    delete_devices_of(&s, &r, &[device_id]).await?;
+    Ok(Json(json!({})).into_response())
+}
+
+/// Most device ids one `POST /delete_devices` accepts.
+pub const MAX_DELETE_DEVICES: usize = 1000;
+
+/// `POST /delete_devices` (UIA).
+async fn delete_devices(
+    State(s): State<AppState>,
+    r: Requester,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Response> {
+    let devices: Vec<String> = match body.get("devices") {
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_owned)
+                    .ok_or_else(|| MatrixError::bad_json("devices must be a list of strings"))
+            })
+            .collect::<ApiResult<_>>()?,
+        None => return Err(MatrixError::missing_param("devices is required")),
+        Some(_) => return Err(MatrixError::bad_json("devices must be a list of strings")),
+    };
+    if devices.len() > MAX_DELETE_DEVICES {
+        return Err(MatrixError::invalid_param(format!(
+            "at most {MAX_DELETE_DEVICES} devices per request"
+        )));
+    }
+    if let Some(challenge) = user_interactive_auth(&s, &r, &body).await? {
+        return Ok(challenge);
+    }
+    delete_devices_of(&s, &r, &devices).await?;
+    Ok(Json(json!({})).into_response())
+}
+
+/// Longest password accepted, bytes (argon2 hashes anything; this bounds the work).
+pub const MAX_PASSWORD_BYTES: usize = 512;
+
+/// `POST /account/password` (UIA): sets a new password; unless `logout_devices` is
+/// `false`, every other device of the user is deleted (with its tokens). The
+/// requesting device keeps its token.
+async fn change_password(
+    State(s): State<AppState>,
+    r: Requester,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Response> {
+    let new_password = opt_str(&body, "new_password")?
+        .ok_or_else(|| MatrixError::missing_param("new_password is required"))?;
+    if new_password.is_empty() || new_password.len() > MAX_PASSWORD_BYTES {
+        return Err(MatrixError::new(
+            StatusCode::BAD_REQUEST,
+            "M_WEAK_PASSWORD",
+            format!("Passwords are 1 to {MAX_PASSWORD_BYTES} bytes"),
+        ));
+    }
+    let logout_devices = match body.get("logout_devices") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(MatrixError::bad_json("logout_devices must be a boolean")),
+    };
+    if let Some(challenge) = user_interactive_auth(&s, &r, &body).await? {
+        return Ok(challenge);
+    }
+    let fact = Fact::PasswordChanged {
+        user_id: r.user_id.clone(),
+        password_hash: hash_password(new_password).await?,
+    };
+    s.submit_and_wait(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
+        .await?;
+    if logout_devices {
+        let others: Vec<String> = s
+            .projections
+            .accounts
+            .devices(&r.user_id)
+            .into_iter()
+            .map(|(id, _)| id)
+            .filter(|id| *id != r.device_id)
+            .collect();
+        delete_devices_of(&s, &r, &others).await?;
+    }
+    Ok(Json(json!({})).into_response())
+}
+
+/// `POST /account/deactivate` (UIA): the account can no longer log in and its id is
+/// never registered again (the journal refuses new devices and tokens for it); it
+/// leaves every room it is joined to, invited to or knocking on; `erase: true` also
+/// clears its profile. Every device (with its tokens) is deleted last, the
+/// requester's included.
+async fn deactivate(
+    State(s): State<AppState>,
+    r: Requester,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Response> {
+    let erase = match body.get("erase") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(MatrixError::bad_json("erase must be a boolean")),
+    };
+    if let Some(challenge) = user_interactive_auth(&s, &r, &body).await? {
+        return Ok(challenge);
+    }
+    let fact = Fact::AccountDeactivated {
+        user_id: r.user_id.clone(),
+        erase,
+    };
+    s.submit_and_wait(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
+        .await?;
+    for (room_id, m) in s.projections.membership.rooms_of(&r.user_id) {
+        if !matches!(m.membership.as_str(), "join" | "invite" | "knock") {
+            continue;
+        }
+        let body = CommandBody::SendEvent {
+            room_id: room_id.clone(),
+            event: spindle_journal::EventSpec {
+                kind: "m.room.member".into(),
+                state_key: Some(r.user_id.clone()),
+                content: json!({ "membership": "leave" }),
+                redacts: None,
+            },
+            txn_id: None,
+            precondition: Some(spindle_journal::MembershipPrecondition {
+                allowed: ["join", "invite", "knock"].map(String::from).to_vec(),
+                unchanged_ok: true,
+            }),
+        };
+        if let Err(e) = s.submit(&r.user_id, Some(&r.device_id), body).await {
+            tracing::warn!(room = %room_id, error = %e.error, "deactivation: leaving a room failed");
+        }
+    }
+    let devices: Vec<String> = s
+        .projections
+        .accounts
+        .devices(&r.user_id)
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    delete_devices_of(&s, &r, &devices).await?;
+    Ok(Json(json!({ "id_server_unbind_result": "no-support" })).into_response())
+}
+
+/// `GET /account/3pid`: third-party identifiers are not supported, so always empty.
+async fn threepids(_r: Requester) -> Json<Value> {
+    Json(json!({ "threepids": [] }))
+}
+
+/// A fresh refresh token (`spr_` + 40 alphanumerics; only its hash is journaled).
+pub(crate) fn new_refresh_token() -> String {
+    format!("spr_{}", random_string(40))
+}
+
+/// `POST /refresh` (no access token needed): spends a refresh token for a new access
+/// token (expiring after `sessions.refreshable_access_token_lifetime_ms`) and a new
+/// refresh token; the old pair stops working at once. An unknown, revoked or already
+/// spent refresh token is 401 `M_UNKNOWN_TOKEN` with `soft_logout: false` (the client
+/// must log in again).
+async fn refresh(
+    State(s): State<AppState>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let old = opt_str(&body, "refresh_token")?
+        .ok_or_else(|| MatrixError::missing_param("refresh_token is required"))?;
+    let unknown = || {
+        MatrixError::new(
+            StatusCode::UNAUTHORIZED,
+            "M_UNKNOWN_TOKEN",
+            "Unknown or already used refresh token",
+        )
+        .with_extra(json!({ "soft_logout": false }))
+    };
+    s.wait_for_acknowledged().await?;
+    let old_hash = token_hash(&old);
+    let owner = s
+        .projections
+        .accounts
+        .refresh_token(&old_hash)
+        .ok_or_else(unknown)?;
+    let access = format!("spt_{}", random_string(40));
+    let refresh = new_refresh_token();
+    let lifetime = s.config.refreshable_access_token_lifetime_ms;
+    let fact = Fact::TokenRefreshed {
+        user_id: owner.user_id.clone(),
+        device_id: owner.device_id.clone(),
+        old_refresh_token_hash: old_hash,
+        token_hash: token_hash(&access),
+        refresh_token_hash: token_hash(&refresh),
+        expires_at: crate::now_ms().saturating_add(lifetime),
+    };
+    s.submit_and_wait(
+        &owner.user_id,
+        Some(&owner.device_id),
+        CommandBody::Fact { fact },
+    )
+    .await
+    .map_err(|e| {
+        if e.errcode == "M_FORBIDDEN" {
+            unknown()
+        } else {
+            e
+        }
+    })?;
+    // The apply checks the refresh token is still live (its device may have been
+    // deleted meanwhile); only then does the new pair exist.
+    if s.projections.accounts.token(&token_hash(&access)).is_none() {
+        return Err(unknown());
+    }
+    Ok(Json(json!({
+        "access_token": access,
+        "refresh_token": refresh,
+        "expires_in_ms": lifetime,
+    })))
+}

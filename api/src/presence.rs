@@ -1,0 +1,294 @@
+//! Presence (spec: client-server API "Presence"): `PUT/GET /presence/{userId}/status`
+//! and the `presence` section of `/sync`.
+//!
+//! Presence is **ephemeral**, like typing: kept in memory, never journaled (decision
+//! and reasons in SPEC.md §4). Every change takes a value from the same counter as
+//! typing (the second half of a sync token), so a sync token orders both and a
+//! waiting long-poll wakes on either.
+//!
+//! Cost: a change is recorded under each room the user is joined to (the writer pays
+//! for its own rooms); `/sync` asks each of the requester's joined rooms "any change
+//! since counter N?" in memory and reads only the users who did change, one
+//! membership point read each (so a user who left the room is not shown). Nothing
+//! walks a room's members or other users' rooms.
+
+use std::{
+    collections::{BTreeMap, BTreeSet, HashMap},
+    sync::Arc,
+};
+
+use axum::{
+    Json, Router,
+    extract::{Path, State},
+    routing::get,
+};
+use serde_json::{Value, json};
+
+use crate::{
+    ApiResult, AppState, MatrixError,
+    extract::{JsonObject, Requester, opt_str},
+};
+
+/// A user counts as `currently_active` this long after their last action, ms.
+pub const CURRENTLY_ACTIVE_MS: u64 = 5 * 60_000;
+
+/// Longest `status_msg` accepted, bytes.
+pub const MAX_STATUS_MSG_BYTES: usize = 1024;
+
+#[derive(Debug, Clone)]
+struct UserPresence {
+    presence: String,
+    status_msg: Option<String>,
+    last_active_ms: u64,
+    /// How many joined rooms the latest change was recorded under: a sync that sees
+    /// another count records the user again (they joined or left a room since).
+    rooms_recorded: usize,
+}
+
+#[derive(Default)]
+struct RoomPresence {
+    /// Counter value of the room's latest presence change.
+    serial: u64,
+    /// Users of the room with a presence, and the counter value of their latest change.
+    users: BTreeMap<String, u64>,
+}
+
+#[derive(Default)]
+struct Inner {
+    users: HashMap<String, UserPresence>,
+    rooms: HashMap<String, RoomPresence>,
+}
+
+/// In-memory presence state.
+#[derive(Clone, Default)]
+pub struct Presence {
+    inner: Arc<parking_lot::Mutex<Inner>>,
+}
+
+impl Presence {
+    /// Sets a user's presence (and optionally status message) at `now`. When the
+    /// visible state changes, the change takes a counter value from `typing` and is
+    /// recorded under each of `joined_rooms`; a repeat of the same state only
+    /// refreshes `last_active`.
+    pub fn set(
+        &self,
+        typing: &crate::typing::Typing,
+        user_id: &str,
+        presence: &str,
+        status_msg: Option<Option<String>>,
+        joined_rooms: &[String],
+        now: u64,
+    ) {
+        let mut inner = self.inner.lock();
+        let prev = inner.users.get(user_id).cloned();
+        let next = UserPresence {
+            presence: presence.to_owned(),
+            status_msg: match status_msg {
+                Some(m) => m,
+                None => prev.as_ref().and_then(|p| p.status_msg.clone()),
+            },
+            last_active_ms: now,
+            rooms_recorded: joined_rooms.len(),
+        };
+        let changed = prev.as_ref().is_none_or(|p| {
+            p.presence != next.presence
+                || p.status_msg != next.status_msg
+                || p.rooms_recorded != next.rooms_recorded
+        });
+        inner.users.insert(user_id.to_owned(), next);
+        if !changed {
+            return;
+        }
+        let serial = typing.next_serial();
+        for room in joined_rooms {
+            let r = inner.rooms.entry(room.clone()).or_default();
+            r.serial = serial;
+            r.users.insert(user_id.to_owned(), serial);
+        }
+    }
+
+    /// The content of a user's `m.presence` event (or `/status` answer), if known.
+    fn content(&self, user_id: &str, now: u64) -> Option<Value> {
+        let inner = self.inner.lock();
+        let p = inner.users.get(user_id)?;
+        let ago = now.saturating_sub(p.last_active_ms);
+        let mut c = json!({
+            "presence": p.presence,
+            "last_active_ago": ago,
+            "currently_active": p.presence == "online" && ago < CURRENTLY_ACTIVE_MS,
+        });
+        if let Some(m) = &p.status_msg {
+            c["status_msg"] = json!(m);
+        }
+        Some(c)
+    }
+
+    /// Whether any of `rooms` saw a presence change after counter value `since`.
+    pub fn changed_since(&self, rooms: &[String], since: u64) -> bool {
+        let inner = self.inner.lock();
+        rooms
+            .iter()
+            .any(|r| inner.rooms.get(r).is_some_and(|p| p.serial > since))
+    }
+
+    /// Users of `rooms` whose presence changed after counter value `since` (all users
+    /// with a presence when `since` is `None`), deduplicated, sorted.
+    fn changed_users(&self, rooms: &[String], since: Option<u64>) -> Vec<(String, String)> {
+        let inner = self.inner.lock();
+        let mut out = BTreeSet::new();
+        for room in rooms {
+            let Some(p) = inner.rooms.get(room) else {
+                continue;
+            };
+            if since.is_some_and(|s| p.serial <= s) {
+                continue;
+            }
+            for (user, serial) in &p.users {
+                if since.is_none_or(|s| *serial > s) {
+                    out.insert((user.clone(), room.clone()));
+                }
+            }
+        }
+        // One (user, room) per user: the first room found is enough to check membership.
+        let mut seen = BTreeSet::new();
+        out.into_iter()
+            .filter(|(u, _)| seen.insert(u.clone()))
+            .collect()
+    }
+}
+
+/// The `presence.events` of a `/sync` answer: `m.presence` events of users who share
+/// one of `joined_rooms` with the requester and changed after the token's counter
+/// value (all of them on an initial sync). Empty when presence is off.
+pub(crate) fn sync_events(
+    s: &AppState,
+    joined_rooms: &[String],
+    since_counter: Option<u64>,
+) -> Vec<Value> {
+    if !s.config.presence_enabled {
+        return Vec::new();
+    }
+    let now = crate::now_ms();
+    s.presence
+        .changed_users(joined_rooms, since_counter)
+        .into_iter()
+        .filter(|(user, room)| {
+            s.projections
+                .membership
+                .get(room, user)
+                .is_some_and(|m| m.membership == "join")
+        })
+        .filter_map(|(user, _)| {
+            let content = s.presence.content(&user, now)?;
+            Some(json!({ "type": "m.presence", "sender": user, "content": content }))
+        })
+        .collect()
+}
+
+/// Applies `/sync`'s `set_presence` (default `online`; `offline` leaves the state
+/// alone, as the spec says). `joined_rooms` is the list the sync already read.
+pub(crate) fn on_sync(s: &AppState, user_id: &str, set_presence: Option<&str>, joined: &[String]) {
+    if !s.config.presence_enabled {
+        return;
+    }
+    match set_presence.unwrap_or("online") {
+        p @ ("online" | "unavailable") => {
+            s.presence
+                .set(&s.typing, user_id, p, None, joined, crate::now_ms())
+        }
+        _ => {}
+    }
+}
+
+pub(crate) fn routes() -> Router<AppState> {
+    Router::new().route(
+        "/_matrix/client/v3/presence/{user_id}/status",
+        get(get_status).put(put_status),
+    )
+}
+
+fn joined_rooms(s: &AppState, user_id: &str) -> Vec<String> {
+    s.projections
+        .membership
+        .rooms_of(user_id)
+        .into_iter()
+        .filter(|(_, m)| m.membership == "join")
+        .map(|(r, _)| r)
+        .collect()
+}
+
+/// `PUT /presence/{userId}/status`: only one's own.
+async fn put_status(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(user_id): Path<String>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    if user_id != r.user_id {
+        return Err(MatrixError::forbidden("Cannot set another user's presence"));
+    }
+    let presence = opt_str(&body, "presence")?
+        .ok_or_else(|| MatrixError::missing_param("presence is required"))?;
+    if !["online", "offline", "unavailable"].contains(&presence.as_str()) {
+        return Err(MatrixError::bad_json(
+            "presence must be online, offline or unavailable",
+        ));
+    }
+    let status_msg = opt_str(&body, "status_msg")?;
+    if status_msg
+        .as_ref()
+        .is_some_and(|m| m.len() > MAX_STATUS_MSG_BYTES)
+    {
+        return Err(MatrixError::bad_json(format!(
+            "status_msg is longer than {MAX_STATUS_MSG_BYTES} bytes"
+        )));
+    }
+    if s.config.presence_enabled {
+        let rooms = joined_rooms(&s, &r.user_id);
+        s.presence.set(
+            &s.typing,
+            &r.user_id,
+            &presence,
+            Some(status_msg),
+            &rooms,
+            crate::now_ms(),
+        );
+    }
+    Ok(Json(json!({})))
+}
+
+/// `GET /presence/{userId}/status`: one's own, or that of a user sharing a joined room
+/// (else 403); an unknown user is 404; a user who never set one is `offline`.
+async fn get_status(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(user_id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    if ruma::UserId::parse(&user_id).is_err() {
+        return Err(MatrixError::invalid_param("Invalid user id"));
+    }
+    if s.projections.accounts.user(&user_id).is_none() {
+        return Err(MatrixError::not_found("Unknown user"));
+    }
+    if user_id != r.user_id {
+        let shares = joined_rooms(&s, &user_id).iter().any(|room| {
+            s.projections
+                .membership
+                .get(room, &r.user_id)
+                .is_some_and(|m| m.membership == "join")
+        });
+        if !shares {
+            return Err(MatrixError::forbidden(
+                "You are not allowed to see their presence",
+            ));
+        }
+    }
+    if !s.config.presence_enabled {
+        return Ok(Json(json!({ "presence": "offline" })));
+    }
+    Ok(Json(
+        s.presence
+            .content(&user_id, crate::now_ms())
+            .unwrap_or_else(|| json!({ "presence": "offline" })),
+    ))
+}

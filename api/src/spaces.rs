@@ -1,0 +1,299 @@
+//! Spaces (spec: client-server API "Spaces"): `GET /rooms/{roomId}/hierarchy`, and
+//! the room summary (`GET /room_summary/{roomIdOrAlias}`) that shares its visibility
+//! rule.
+//!
+//! A breadth-first walk over `m.space.child` state events (a child counts when its
+//! content has a non-empty `via` list), from the requested room. A room appears only
+//! when the requester may see or join it: joined or invited, world-readable history,
+//! or a join rule of `public`, `knock`, `knock_restricted`, or `restricted` with
+//! membership in an allowed room. Rooms this server does not know (they would need
+//! federation) are left out. Each visited room costs a few state point lookups plus
+//! one scan of its `m.space.child` entries; the walk is bounded by
+//! [`HIERARCHY_MAX_ROOMS`].
+
+use std::collections::{HashSet, VecDeque};
+
+use axum::{
+    Json, Router,
+    extract::{Path, State},
+    routing::get,
+};
+use serde_json::{Value, json};
+
+use crate::{
+    ApiResult, AppState, MatrixError,
+    extract::{Query, Requester},
+    visibility::state_content,
+};
+
+/// Default `limit` (rooms per page).
+pub const HIERARCHY_DEFAULT_LIMIT: usize = 50;
+/// Largest `limit`.
+pub const HIERARCHY_MAX_LIMIT: usize = 100;
+/// Default and largest `max_depth`.
+pub const HIERARCHY_MAX_DEPTH: u64 = 10;
+/// Most rooms one walk visits (pages included).
+pub const HIERARCHY_MAX_ROOMS: usize = 1_000;
+
+pub(crate) fn routes() -> Router<AppState> {
+    Router::new()
+        .route(
+            "/_matrix/client/v1/rooms/{room_id}/hierarchy",
+            get(hierarchy),
+        )
+        .route(
+            "/_matrix/client/v1/room_summary/{room_id_or_alias}",
+            get(room_summary),
+        )
+}
+
+/// Whether `user_id` may see `room_id` in a hierarchy (see the module docs).
+fn may_see(s: &AppState, user_id: &str, room_id: &str) -> bool {
+    let Some(root) = s.projections.state.current_root(room_id) else {
+        return false;
+    };
+    match s.projections.membership.get(room_id, user_id) {
+        Some(m) if m.membership == "join" || m.membership == "invite" => return true,
+        Some(m) if m.membership == "ban" => return false,
+        _ => {}
+    }
+    if state_content(s, root, "m.room.history_visibility", "")
+        .and_then(|c| c.get("history_visibility").cloned())
+        == Some(json!("world_readable"))
+    {
+        return true;
+    }
+    let rules = state_content(s, root, "m.room.join_rules", "").unwrap_or(json!({}));
+    match rules.get("join_rule").and_then(|v| v.as_str()) {
+        Some("public" | "knock" | "knock_restricted") => true,
+        Some("restricted") => rules
+            .get("allow")
+            .and_then(|a| a.as_array())
+            .into_iter()
+            .flatten()
+            .filter_map(|a| a.get("room_id").and_then(|r| r.as_str()))
+            .any(|allowed| {
+                s.projections
+                    .membership
+                    .get(allowed, user_id)
+                    .is_some_and(|m| m.membership == "join")
+            }),
+        _ => false,
+    }
+}
+
+/// A child's `order` if valid (spec: at most 50 printable ASCII characters).
+fn child_order(content: &Value) -> Option<String> {
+    content
+        .get("order")
+        .and_then(|o| o.as_str())
+        .filter(|o| o.len() <= 50 && o.chars().all(|c| ('\x20'..='\x7e').contains(&c)))
+        .map(str::to_owned)
+}
+
+/// The room's `m.space.child` events with a non-empty `via`, in the spec's order
+/// (`order` first, lexicographically; then `origin_server_ts`; then room id), as
+/// stripped events with `origin_server_ts`.
+fn children(s: &AppState, room_id: &str, suggested_only: bool) -> Vec<(String, Value)> {
+    let Some(root) = s.projections.state.current_root(room_id) else {
+        return vec![];
+    };
+    let mut out = Vec::new();
+    for (child, id) in s.projections.state.entries_of_type(root, "m.space.child") {
+        let Some(ev) = s.projections.timeline.event(&id) else {
+            continue;
+        };
+        let content = ev.pdu.content_value();
+        let via_ok = content
+            .get("via")
+            .and_then(|v| v.as_array())
+            .is_some_and(|v| !v.is_empty());
+        if !via_ok {
+            continue;
+        }
+        if suggested_only && content.get("suggested") != Some(&json!(true)) {
+            continue;
+        }
+        let ts = u64::from(ev.pdu.origin_server_ts.0);
+        out.push((
+            (child_order(&content), ts, child.clone()),
+            json!({
+                "type": "m.space.child",
+                "state_key": child,
+                "content": content,
+                "sender": ev.pdu.sender,
+                "origin_server_ts": ts,
+            }),
+        ));
+    }
+    // Rooms with an `order` come first (None sorts first in Option's order, so flip it).
+    out.sort_by(|a, b| {
+        let ka = (a.0.0.is_none(), &a.0.0, a.0.1, &a.0.2);
+        let kb = (b.0.0.is_none(), &b.0.0, b.0.1, &b.0.2);
+        ka.cmp(&kb)
+    });
+    out.into_iter().map(|((_, _, c), ev)| (c, ev)).collect()
+}
+
+/// `GET /_matrix/client/v1/rooms/{roomId}/hierarchy`: `suggested_only`, `limit`
+/// (default 50, ≤ 100), `max_depth` (≤ 10), `from` (a `next_batch`, `h<rooms
+/// already returned>`; malformed: 400 `M_INVALID_PARAM`). The requested room itself
+/// must be visible to the requester (else 403).
+async fn hierarchy(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(room_id): Path<String>,
+    q: Query,
+) -> ApiResult<Json<Value>> {
+    let suggested_only = match q.get("suggested_only") {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(_) => {
+            return Err(MatrixError::invalid_param(
+                "suggested_only must be true or false",
+            ));
+        }
+    };
+    let limit = q
+        .u64("limit")?
+        .map(|l| (l as usize).clamp(1, HIERARCHY_MAX_LIMIT))
+        .unwrap_or(HIERARCHY_DEFAULT_LIMIT);
+    let max_depth = q
+        .u64("max_depth")?
+        .unwrap_or(HIERARCHY_MAX_DEPTH)
+        .min(HIERARCHY_MAX_DEPTH);
+    let skip = match q.get("from") {
+        None => 0,
+        Some(t) => t
+            .strip_prefix('h')
+            .and_then(|n| n.parse::<usize>().ok())
+            .ok_or_else(|| MatrixError::invalid_param(format!("Invalid from token {t:?}")))?,
+    };
+    if !may_see(&s, &r.user_id, &room_id) {
+        return Err(MatrixError::forbidden(
+            "You may not see this room's hierarchy",
+        ));
+    }
+    let mut rooms = Vec::new();
+    let mut returned = 0usize;
+    let mut more = false;
+    let mut seen: HashSet<String> = HashSet::from([room_id.clone()]);
+    let mut queue: VecDeque<(String, u64)> = VecDeque::from([(room_id, 0)]);
+    while let Some((room, depth)) = queue.pop_front() {
+        if !may_see(&s, &r.user_id, &room) {
+            continue;
+        }
+        let Some(mut chunk) = crate::directory::room_chunk(&s, &room) else {
+            continue;
+        };
+        let kids = children(&s, &room, suggested_only);
+        if depth < max_depth {
+            for (child, _) in &kids {
+                if seen.len() < HIERARCHY_MAX_ROOMS && seen.insert(child.clone()) {
+                    queue.push_back((child.clone(), depth + 1));
+                }
+            }
+        }
+        if returned < skip {
+            returned += 1;
+            continue;
+        }
+        if rooms.len() == limit {
+            more = true;
+            break;
+        }
+        chunk["children_state"] = Value::Array(kids.into_iter().map(|(_, ev)| ev).collect());
+        rooms.push(chunk);
+        returned += 1;
+    }
+    let mut out = json!({ "rooms": rooms });
+    if more {
+        out["next_batch"] = json!(format!("h{returned}"));
+    }
+    Ok(Json(out))
+}
+
+/// `GET /_matrix/client/v1/room_summary/{roomIdOrAlias}` (spec: "Room summary"; the
+/// access token is optional). Answers the room's summary when the requester may see
+/// or join it (the same rule as the hierarchy; without a token only world-readable,
+/// public or knockable rooms), with the requester's `membership` when signed in. Any
+/// other room, and rooms on other servers, are 404, so existence does not leak.
+async fn room_summary(
+    State(s): State<AppState>,
+    Path(target): Path<String>,
+    headers: axum::http::HeaderMap,
+    q: Query,
+) -> ApiResult<Json<Value>> {
+    s.wait_for_acknowledged().await?;
+    let not_found = || MatrixError::not_found("Room not found");
+    // A token is optional; a bad one is an error like everywhere else.
+    let token = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|h| h.to_str().ok())
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, t)| t.trim().to_owned())
+        .or_else(|| q.get("access_token").map(str::to_owned));
+    let user = match token {
+        None => None,
+        Some(t) => Some(
+            s.projections
+                .accounts
+                .token(&crate::extract::token_hash(&t))
+                .filter(|o| o.expires_at.is_none_or(|e| crate::now_ms() < e))
+                .ok_or_else(|| {
+                    MatrixError::new(
+                        axum::http::StatusCode::UNAUTHORIZED,
+                        "M_UNKNOWN_TOKEN",
+                        "Unknown access token",
+                    )
+                    .with_extra(json!({ "soft_logout": false }))
+                })?
+                .user_id,
+        ),
+    };
+    let room_id = if target.starts_with('#') {
+        s.projections
+            .aliases
+            .resolve(&target)
+            .ok_or_else(not_found)?
+            .room_id
+    } else {
+        target
+    };
+    let membership = user
+        .as_deref()
+        .and_then(|u| s.projections.membership.get(&room_id, u))
+        .map(|m| m.membership);
+    let visible = match &user {
+        Some(u) => may_see(&s, u, &room_id),
+        None => may_see(&s, "", &room_id),
+    } || membership.as_deref() == Some("knock");
+    if !visible {
+        return Err(not_found());
+    }
+    let mut summary = crate::directory::room_chunk(&s, &room_id).ok_or_else(not_found)?;
+    if let Some(meta) = s.projections.state.room(&room_id) {
+        summary["room_version"] = json!(meta.room_version);
+    }
+    if let Some(root) = s.projections.state.current_root(&room_id) {
+        if let Some(alg) = state_content(&s, root, "m.room.encryption", "")
+            .and_then(|c| c.get("algorithm").cloned())
+        {
+            summary["encryption"] = alg;
+        }
+        let allowed: Vec<Value> = state_content(&s, root, "m.room.join_rules", "")
+            .and_then(|c| c.get("allow").and_then(|a| a.as_array()).cloned())
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|a| a.get("room_id").cloned())
+            .collect();
+        if !allowed.is_empty() {
+            summary["allowed_room_ids"] = Value::Array(allowed);
+        }
+    }
+    if user.is_some() {
+        summary["membership"] = json!(membership.unwrap_or_else(|| "leave".into()));
+    }
+    Ok(Json(summary))
+}
