@@ -242,7 +242,7 @@ async fn public_room_directory_publishes_lists_filters_and_paginates() {
 
     let all = ts.anon().get("/_matrix/client/v3/publicRooms").await.ok();
     assert_eq!(all["total_room_count_estimate"], json!(3));
-    let mut rest = vec![small.clone(), space.clone()];
+    let mut rest = [small.clone(), space.clone()];
     rest.sort();
     let order: Vec<&str> = all["chunk"]
         .as_array()

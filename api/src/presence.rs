@@ -191,12 +191,9 @@ pub(crate) fn on_sync(s: &AppState, user_id: &str, set_presence: Option<&str>, j
     if !s.config.presence_enabled {
         return;
     }
-    match set_presence.unwrap_or("online") {
-        p @ ("online" | "unavailable") => {
-            s.presence
-                .set(&s.typing, user_id, p, None, joined, crate::now_ms())
-        }
-        _ => {}
+    if let p @ ("online" | "unavailable") = set_presence.unwrap_or("online") {
+        s.presence
+            .set(&s.typing, user_id, p, None, joined, crate::now_ms());
     }
 }
 

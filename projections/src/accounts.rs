@@ -290,25 +290,23 @@ impl Projection for Accounts {
                 );
             }
             Fact::TokenRevoked { token_hash } => self.revoke(ctx, &token_hash),
+            // A device deleted before this record leaves nothing to attach to.
             Fact::RefreshableTokenIssued {
                 user_id,
                 device_id,
                 token_hash,
                 refresh_token_hash,
                 expires_at,
-            } => {
-                // A device deleted before this record leaves nothing to attach to.
-                if ctx
-                    .get(&self.devices, &key::join(&[&user_id, &device_id]))
-                    .is_some()
-                {
-                    let owner = TokenOwner {
-                        user_id,
-                        device_id,
-                        expires_at: Some(expires_at),
-                    };
-                    self.issue_refreshable(ctx, owner, token_hash, refresh_token_hash);
-                }
+            } if ctx
+                .get(&self.devices, &key::join(&[&user_id, &device_id]))
+                .is_some() =>
+            {
+                let owner = TokenOwner {
+                    user_id,
+                    device_id,
+                    expires_at: Some(expires_at),
+                };
+                self.issue_refreshable(ctx, owner, token_hash, refresh_token_hash);
             }
             Fact::TokenRefreshed {
                 user_id,
