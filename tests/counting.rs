@@ -1181,3 +1181,56 @@ async fn measure_sliding(h: &Harness, token: &str, subject: &str, round: u32) ->
     }
     (initial_reads, incremental_reads)
 }
+
+/// A late joiner's page of events sent before their join: each event is decided from
+/// the state at it (history visibility, the reader's membership). Those lookups are
+/// trie paths, so 300 more member entries in the room cost at most a trie level per
+/// lookup, never a walk of the members.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_joiner_pagination_reads_do_not_grow_with_members() {
+    let h = Harness::start().await;
+    let (_ivy, it) = h.register("ivy").await;
+    let (_cat, ct) = h.register("cat").await;
+    let small = h.create_room(&it, json!({ "preset": "public_chat" })).await;
+    let big = h.create_room(&it, json!({ "preset": "public_chat" })).await;
+    h.ban_ghosts(&it, &big, 300).await;
+    for room in [&small, &big] {
+        for i in 0..24 {
+            h.send(&it, room, &format!("{room}-{i}"), &format!("message {i}"))
+                .await;
+        }
+        h.join(&ct, room).await;
+    }
+    let mut measure = Vec::new();
+    for room in [&small, &big] {
+        let (_, top) = h
+            .counted_get(
+                &format!("/_matrix/client/v3/rooms/{room}/messages?dir=b&limit=1"),
+                &ct,
+            )
+            .await;
+        let from = top["end"].as_str().unwrap();
+        let (r, v) = h
+            .counted_get(
+                &format!("/_matrix/client/v3/rooms/{room}/messages?dir=b&limit=4&from={from}"),
+                &ct,
+            )
+            .await;
+        measure.push(r);
+        let bodies: Vec<&str> = v["chunk"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["content"]["body"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            bodies,
+            ["message 23", "message 22", "message 21", "message 20"]
+        );
+    }
+    // Four events, two lookups each: at most one trie level deeper per lookup.
+    assert!(
+        measure[1] <= measure[0] + 8,
+        "late joiner's page reads grew with member count (3 vs 303 entries): {measure:?}"
+    );
+}
