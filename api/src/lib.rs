@@ -232,11 +232,32 @@ pub fn router(state: AppState) -> Router {
                 "Unrecognized request method",
             )
         })
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            read_your_writes,
+        ))
         .with_state(state)
         .layer(axum::extract::DefaultBodyLimit::max(limit))
         .layer(tower_http::timeout::RequestBodyTimeoutLayer::new(body_idle))
         .layer(cors)
         .layer(axum::middleware::map_response(matrix_error_bodies))
+}
+
+/// Read-your-writes for every served route, authenticated or not (BRIEF §3.5): the
+/// request starts only once the projections have applied everything acknowledged
+/// before it arrived. Unauthenticated reads (alias resolution, public profiles,
+/// `register/available`, the public room list) need it as much as authenticated ones:
+/// a client that just created an alias resolves it next. Free when caught up; the
+/// `Requester` extractor's own wait is then a no-op.
+async fn read_your_writes(
+    axum::extract::State(state): axum::extract::State<AppState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    if let Err(e) = state.wait_for_acknowledged().await {
+        return e.into_response();
+    }
+    next.run(req).await
 }
 
 /// Every error leaves as a Matrix error: responses produced outside our handlers
