@@ -198,12 +198,16 @@ async fn run() -> anyhow::Result<()> {
         .init();
     match cli.command.unwrap_or(Command::Serve) {
         Command::Serve => {
+            // Handlers go in before the server answers anything: a supervisor (or a
+            // test) that sends SIGTERM as soon as the port answers must get a graceful
+            // stop, never the default disposition's kill.
+            let first_signal = shutdown_signal();
             let server = spindle::Server::start(config).await?;
             eprintln!(
                 "spindle: serving on http://{} (stop with Ctrl-C)",
                 server.addr
             );
-            shutdown_signal().await;
+            first_signal.await;
             eprintln!("spindle: shutting down (a second signal exits at once)");
             tokio::spawn(async {
                 shutdown_signal().await;
@@ -449,17 +453,24 @@ async fn run() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Resolves on Ctrl-C or SIGTERM (what service managers send).
-async fn shutdown_signal() {
+/// Installs the Ctrl-C (SIGINT) and SIGTERM (what service managers send) handlers
+/// at once, and returns a future that resolves on the first of them. (An `async fn`
+/// would install nothing until first polled.)
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
     {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+        let mut int = signal(SignalKind::interrupt()).expect("SIGINT handler");
+        async move {
+            tokio::select! {
+                _ = int.recv() => {}
+                _ = term.recv() => {}
+            }
         }
     }
     #[cfg(not(unix))]
-    let _ = tokio::signal::ctrl_c().await;
+    async {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
