@@ -163,8 +163,17 @@ enum Replay {
     },
     /// Rebuild every projection into a scratch directory and compare digests with the live ones.
     Verify,
-    /// Print each projection's checkpoint and the journal head.
-    Status,
+    /// Print each projection's checkpoint, the journal head and the lag. With --token
+    /// (an admin's access token, or SPINDLE_ADMIN_TOKEN) ask the running server instead,
+    /// which also says which projections are still backfilling.
+    Status {
+        /// An admin's access token: ask the running server.
+        #[arg(long)]
+        token: Option<String>,
+        /// The running server's base URL (default: http://<bind>).
+        #[arg(long)]
+        url: Option<String>,
+    },
 }
 
 fn load_config(path: Option<&PathBuf>) -> anyhow::Result<Config> {
@@ -344,10 +353,10 @@ async fn run() -> anyhow::Result<()> {
             .await?;
             if json {
                 for c in &changes {
-                    println!("{}", serde_json::to_string(c)?);
+                    out(&format!("{}\n", serde_json::to_string(c)?));
                 }
             } else {
-                print!("{}", spindle_projections::audit::render_room_text(&changes));
+                out(&spindle_projections::audit::render_room_text(&changes));
             }
         }
         Command::Audit {
@@ -357,10 +366,10 @@ async fn run() -> anyhow::Result<()> {
                 spindle_replay::audit_user(&config.data_dir, &config.server_name, &user_id).await?;
             if json {
                 for e in &entries {
-                    println!("{}", serde_json::to_string(e)?);
+                    out(&format!("{}\n", serde_json::to_string(e)?));
                 }
             } else {
-                print!("{}", spindle_projections::audit::render_user_text(&entries));
+                out(&spindle_projections::audit::render_user_text(&entries));
             }
         }
         Command::Admin {
@@ -389,13 +398,7 @@ async fn run() -> anyhow::Result<()> {
                     );
                 }
                 Some(token) => {
-                    let base = url.unwrap_or_else(|| {
-                        let mut addr = config.bind;
-                        if addr.ip().is_unspecified() {
-                            addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
-                        }
-                        format!("http://{addr}")
-                    });
+                    let base = url.unwrap_or_else(|| local_url(&config));
                     let out = std::path::absolute(&out)?;
                     let resp = reqwest::Client::new()
                         .post(format!("{base}/_spindle/admin/v1/backup"))
@@ -440,7 +443,40 @@ async fn run() -> anyhow::Result<()> {
             );
         }
         Command::Replay {
-            verb: Replay::Status,
+            verb: Replay::Status { token, url },
+        } if token.is_some() || std::env::var("SPINDLE_ADMIN_TOKEN").is_ok() => {
+            let token = token
+                .or_else(|| std::env::var("SPINDLE_ADMIN_TOKEN").ok())
+                .unwrap_or_default();
+            let base = url.unwrap_or_else(|| local_url(&config));
+            let resp = reqwest::Client::new()
+                .get(format!("{base}/_spindle/admin/v1/projections"))
+                .bearer_auth(token)
+                .send()
+                .await
+                .with_context(|| format!("asking the server at {base}"))?;
+            let status = resp.status();
+            let body: serde_json::Value = resp.json().await.unwrap_or_default();
+            if !status.is_success() {
+                return Err(anyhow!("the server answered {status}: {body}"));
+            }
+            println!("journal head\t{}", body["head"]);
+            for p in body["projections"].as_array().into_iter().flatten() {
+                println!(
+                    "{}\t{}\tlag {}{}",
+                    p["name"].as_str().unwrap_or(""),
+                    p["checkpoint"],
+                    p["lag"],
+                    if p["ready"] == true {
+                        ""
+                    } else {
+                        "\tbackfilling"
+                    }
+                );
+            }
+        }
+        Command::Replay {
+            verb: Replay::Status { .. },
         } => {
             let (head, checkpoints) =
                 spindle_replay::status(&config.data_dir, &config.server_name).await?;
@@ -451,6 +487,30 @@ async fn run() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Writes to stdout; a closed pipe (`spindle audit room … | head`) ends the program
+/// quietly instead of panicking.
+fn out(text: &str) {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush())
+        && e.kind() == std::io::ErrorKind::BrokenPipe
+    {
+        std::process::exit(0);
+    }
+}
+
+/// The running server's address as seen from this machine: `http://<bind>`, with a
+/// wildcard bind replaced by loopback.
+fn local_url(config: &Config) -> String {
+    let mut addr = config.bind;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    format!("http://{addr}")
 }
 
 /// Installs the Ctrl-C (SIGINT) and SIGTERM (what service managers send) handlers

@@ -203,6 +203,22 @@ async fn audit_room_lists_state_changes_with_previous_values_to_admins_only() {
     assert!(!text.contains(&spindle_api::extract::token_hash(&token)));
     assert_eq!(user["entries"][4]["details"]["membership"], "join");
     assert_eq!(user["entries"][3]["by"], alice.user_id);
+
+    // Projection status for admins: every projection ready, none behind the head.
+    bob.get("/_spindle/admin/v1/projections")
+        .await
+        .expect_err(403, "M_FORBIDDEN");
+    let status = alice.get("/_spindle/admin/v1/projections").await.ok();
+    let head = status["head"].as_u64().unwrap();
+    assert!(head >= 14, "{status}");
+    assert_eq!(status["applied"], head);
+    let list = status["projections"].as_array().unwrap();
+    assert!(list.iter().any(|p| p["name"] == "audit"));
+    for p in list {
+        assert_eq!(p["ready"], true, "{p}");
+        assert_eq!(p["lag"], 0, "{p}");
+        assert_eq!(p["checkpoint"], head, "{p}");
+    }
     ts.stop().await;
 }
 

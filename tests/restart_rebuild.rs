@@ -609,6 +609,26 @@ async fn online_backup_restores_to_the_same_answers() {
         ],
     );
     assert!(ok, "{out}");
+    // The running server's projection status, through the admin API.
+    let status = run(
+        &s.config,
+        &[
+            "replay",
+            "status",
+            "--url",
+            &p.base,
+            "--token",
+            w.alice.token.as_deref().unwrap(),
+        ],
+    );
+    assert!(status.starts_with("journal head\t"), "{status}");
+    assert!(
+        status
+            .lines()
+            .any(|l| l.starts_with("audit\t") && l.ends_with("lag 0")),
+        "{status}"
+    );
+    assert!(!status.contains("backfilling"), "{status}");
     let alice = rebase(&w.alice, &p.base);
     let late = alice.send_text(&w.room, "after the backup").await;
     p.stop();

@@ -11,6 +11,11 @@
 //!   `limit` (default 100, clamped to 1..=1000).
 //! - `GET /_spindle/admin/v1/audit/users/{userId}`: `{"user_id", "entries": [UserEntry],
 //!   "next_from"?}`. Query: `from`, `limit` (as above).
+//! - `GET /_spindle/admin/v1/projections`: `{"head", "applied", "projections": [{"name",
+//!   "checkpoint", "lag", "ready"}]}` (what `spindle replay status` prints offline).
+//!
+//! While the `audit` projection is backfilling (new in a release), the audit endpoints
+//! answer 503 `M_UNKNOWN` with its progress instead of a half-built trail.
 
 use axum::{
     Json, Router,
@@ -33,6 +38,56 @@ pub(crate) fn routes() -> Router<AppState> {
     Router::new()
         .route("/_spindle/admin/v1/audit/rooms/{room_id}", get(audit_room))
         .route("/_spindle/admin/v1/audit/users/{user_id}", get(audit_user))
+        .route("/_spindle/admin/v1/projections", get(projections_status))
+}
+
+/// 503 while the audit projection backfills (see the module doc).
+fn require_audit_ready(s: &AppState) -> ApiResult<()> {
+    if s.projections.runtime.is_ready("audit") {
+        return Ok(());
+    }
+    let checkpoint = s
+        .projections
+        .runtime
+        .status()
+        .into_iter()
+        .find(|p| p.name == "audit")
+        .map(|p| p.checkpoint)
+        .unwrap_or(0);
+    Err(MatrixError::new(
+        axum::http::StatusCode::SERVICE_UNAVAILABLE,
+        "M_UNKNOWN",
+        format!(
+            "the audit trail is still being built (position {checkpoint} of {}); try again shortly",
+            s.journal.durable_head()
+        ),
+    ))
+}
+
+/// `GET /_spindle/admin/v1/projections`: each projection's checkpoint, lag and
+/// readiness, the journal head and the applied position.
+async fn projections_status(State(s): State<AppState>, r: Requester) -> ApiResult<Json<Value>> {
+    require_admin(&s, &r)?;
+    let head = s.journal.durable_head();
+    let projections: Vec<Value> = s
+        .projections
+        .runtime
+        .status()
+        .into_iter()
+        .map(|p| {
+            json!({
+                "name": p.name,
+                "checkpoint": p.checkpoint,
+                "lag": head.saturating_sub(p.checkpoint),
+                "ready": p.ready,
+            })
+        })
+        .collect();
+    Ok(Json(json!({
+        "head": head,
+        "applied": s.projections.runtime.applied(),
+        "projections": projections,
+    })))
 }
 
 /// Whether `user_id` is a server admin: listed in the config, or promoted by a
@@ -63,6 +118,7 @@ async fn audit_room(
     q: Query,
 ) -> ApiResult<Json<Value>> {
     require_admin(&s, &r)?;
+    require_audit_ready(&s)?;
     let (from, limit) = page(&q)?;
     let filter = RoomFilter {
         event_type: q.get("type").map(str::to_owned),
@@ -90,6 +146,7 @@ async fn audit_user(
     q: Query,
 ) -> ApiResult<Json<Value>> {
     require_admin(&s, &r)?;
+    require_audit_ready(&s)?;
     let (from, limit) = page(&q)?;
     let (entries, next) = s.projections.audit.user_entries(&user_id, from, limit);
     let mut body = json!({ "user_id": user_id, "entries": entries });

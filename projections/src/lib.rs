@@ -33,7 +33,7 @@ use std::{path::Path, sync::Arc};
 
 use spindle_journal::Journal;
 
-pub use runtime::{Projection, Runtime};
+pub use runtime::{Projection, ProjectionStatus, Runtime};
 pub use store::ProjectionDb;
 
 /// Every projection, opened on one database, plus the runtime that feeds them.

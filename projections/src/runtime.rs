@@ -6,6 +6,14 @@
 //! projection has applied a position, and [`Runtime::applied`] is the highest position
 //! every projection has applied, which is what sync tokens are built from (tokens never
 //! run ahead, BRIEF §3.6).
+//!
+//! **Backfilling.** A projection new in a release (checkpoint 0 while the others have
+//! applied records of a non-empty journal) starts *backfilling*: it replays from
+//! position 0 on its own thread while the server serves, logging its progress, and is
+//! left out of [`Runtime::applied`] (so reads and tokens do not wait for it) until its
+//! checkpoint reaches the journal head; then it is *ready* and joins. Readers of a
+//! backfilling projection ask [`Runtime::is_ready`] first and answer "not yet" rather
+//! than serve a half-built read model.
 
 use std::{
     sync::{
@@ -46,7 +54,23 @@ pub trait Projection: Send + Sync + 'static {
 struct Slot {
     projection: Arc<dyn Projection>,
     checkpoint: AtomicU64,
+    /// `false` while backfilling (see the module doc); never goes back to `false`.
+    ready: std::sync::atomic::AtomicBool,
 }
+
+/// One projection's progress, for `status`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProjectionStatus {
+    /// Name.
+    pub name: &'static str,
+    /// Last applied position.
+    pub checkpoint: u64,
+    /// `false` while backfilling.
+    pub ready: bool,
+}
+
+/// Commits between two "backfilling" progress log lines.
+const PROGRESS_EVERY_BATCHES: u64 = 64;
 
 /// Runs every projection and answers "has everything applied position P yet".
 #[derive(Clone)]
@@ -63,21 +87,30 @@ impl Runtime {
         db: ProjectionDb,
         projections: Vec<Arc<dyn Projection>>,
     ) -> Runtime {
+        let head = journal.durable_head();
+        let started = projections.iter().any(|p| db.checkpoint(p.name()) > 0);
         let slots: Vec<Slot> = projections
             .into_iter()
             .map(|p| {
                 p.reload();
+                let checkpoint = db.checkpoint(p.name());
+                // New beside projections that already ran: backfill while serving.
+                let backfilling = started && checkpoint == 0 && head > 0;
+                if backfilling {
+                    tracing::info!(
+                        projection = p.name(),
+                        head,
+                        "new projection: backfilling from position 0 while serving"
+                    );
+                }
                 Slot {
-                    checkpoint: AtomicU64::new(db.checkpoint(p.name())),
+                    checkpoint: AtomicU64::new(checkpoint),
+                    ready: std::sync::atomic::AtomicBool::new(!backfilling),
                     projection: p,
                 }
             })
             .collect();
-        let min = slots
-            .iter()
-            .map(|s| s.checkpoint.load(Ordering::Acquire))
-            .min()
-            .unwrap_or(0);
+        let min = Self::min_ready(&slots);
         let (tx, _) = watch::channel(min);
         let rt = Runtime {
             slots: Arc::new(slots),
@@ -96,8 +129,19 @@ impl Runtime {
         rt
     }
 
+    /// The lowest checkpoint among ready projections (0 if none is ready).
+    fn min_ready(slots: &[Slot]) -> u64 {
+        slots
+            .iter()
+            .filter(|s| s.ready.load(Ordering::Acquire))
+            .map(|s| s.checkpoint.load(Ordering::Acquire))
+            .min()
+            .unwrap_or(0)
+    }
+
     fn tail(&self, i: usize, journal: Journal) {
         let slot = &self.slots[i];
+        let mut batches = 0u64;
         let mut head_rx = journal.subscribe();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -136,12 +180,28 @@ impl Runtime {
                 continue;
             }
             slot.checkpoint.store(last, Ordering::Release);
-            let min = self
-                .slots
-                .iter()
-                .map(|s| s.checkpoint.load(Ordering::Acquire))
-                .min()
-                .unwrap_or(0);
+            if !slot.ready.load(Ordering::Acquire) {
+                batches += 1;
+                let head = journal.durable_head();
+                // At the head, the projection is at least where every ready one is
+                // (applied <= head), so joining cannot move `applied` backwards.
+                if last >= head {
+                    slot.ready.store(true, Ordering::Release);
+                    tracing::info!(
+                        projection = slot.projection.name(),
+                        checkpoint = last,
+                        "backfill done; the projection is ready"
+                    );
+                } else if batches.is_multiple_of(PROGRESS_EVERY_BATCHES) {
+                    tracing::info!(
+                        projection = slot.projection.name(),
+                        checkpoint = last,
+                        head,
+                        "backfilling"
+                    );
+                }
+            }
+            let min = Self::min_ready(&self.slots);
             self.applied_tx.send_if_modified(|v| {
                 if min > *v {
                     *v = min;
@@ -171,6 +231,44 @@ impl Runtime {
             .await
             .map(|r| r.is_ok())
             .unwrap_or(false)
+    }
+
+    /// Waits until every projection, backfilling ones included, has applied
+    /// `position`, at most `timeout` (offline tools: rebuilds, verify). Polls.
+    pub async fn wait_for_all(&self, position: u64, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if self
+                .slots
+                .iter()
+                .all(|s| s.checkpoint.load(Ordering::Acquire) >= position)
+            {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Whether `name` is ready (not backfilling; see the module doc). Unknown names: `false`.
+    pub fn is_ready(&self, name: &str) -> bool {
+        self.slots
+            .iter()
+            .any(|s| s.projection.name() == name && s.ready.load(Ordering::Acquire))
+    }
+
+    /// Every projection's checkpoint and readiness, in registration order.
+    pub fn status(&self) -> Vec<ProjectionStatus> {
+        self.slots
+            .iter()
+            .map(|s| ProjectionStatus {
+                name: s.projection.name(),
+                checkpoint: s.checkpoint.load(Ordering::Acquire),
+                ready: s.ready.load(Ordering::Acquire),
+            })
+            .collect()
     }
 
     /// Checkpoint of each projection, by name.

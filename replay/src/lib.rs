@@ -43,13 +43,14 @@ pub fn open_journal(data_dir: &Path, server_name: &str) -> anyhow::Result<Journa
     Journal::open(Arc::new(store), Arc::new(key)).map_err(|e| anyhow!(e.to_string()))
 }
 
-/// Waits until every projection has applied the journal's head.
+/// Waits until every projection (backfilling ones included) has applied the
+/// journal's head.
 pub async fn catch_up(projections: &Projections, journal: &Journal) -> anyhow::Result<()> {
     let head = journal.durable_head();
     // Generous: rebuilding a large journal takes a while; progress is in the log.
     if !projections
         .runtime
-        .wait_for(head, Duration::from_secs(24 * 3600))
+        .wait_for_all(head, Duration::from_secs(24 * 3600))
         .await
     {
         return Err(anyhow!("projections did not reach position {head}"));
