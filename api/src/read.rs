@@ -16,7 +16,7 @@ use crate::{
     ApiResult, AppState, MatrixError,
     extract::{Query, Requester},
     sync::EventFilter,
-    visibility::{Access, can_see, room_access},
+    visibility::{Access, can_see, room_access, visible_event},
 };
 
 /// Largest `limit` honoured by `/messages` and `/context`.
@@ -142,16 +142,7 @@ async fn get_event(
     r: Requester,
     Path((room_id, event_id)): Path<(String, String)>,
 ) -> ApiResult<Json<Value>> {
-    let not_found = || MatrixError::not_found("Event not found");
-    let access = room_access(&s, &r.user_id, &room_id).map_err(|_| not_found())?;
-    let ev = s
-        .projections
-        .timeline
-        .event(&event_id)
-        .ok_or_else(not_found)?;
-    if ev.pdu.room_id.as_str() != room_id || !can_see(&s, &r.user_id, &access, &ev) {
-        return Err(not_found());
-    }
+    let (_, ev) = visible_event(&s, &r.user_id, &room_id, &event_id)?;
     Ok(Json(render(&s, &ev, viewer(&r))))
 }
 
@@ -389,16 +380,7 @@ async fn context(
     Path((room_id, event_id)): Path<(String, String)>,
     q: Query,
 ) -> ApiResult<Json<Value>> {
-    let not_found = || MatrixError::not_found("Event not found");
-    let access = room_access(&s, &r.user_id, &room_id).map_err(|_| not_found())?;
-    let ev = s
-        .projections
-        .timeline
-        .event(&event_id)
-        .ok_or_else(not_found)?;
-    if ev.pdu.room_id.as_str() != room_id || !can_see(&s, &r.user_id, &access, &ev) {
-        return Err(not_found());
-    }
+    let (access, ev) = visible_event(&s, &r.user_id, &room_id, &event_id)?;
     let limit = q.u64("limit")?.unwrap_or(10).min(MAX_PAGE as u64) as usize;
     let filter = parse_filter(&q)?;
     let n_before = limit / 2;

@@ -14,7 +14,7 @@ use spindle_journal::{CommandBody, Fact};
 use crate::{
     ApiResult, AppState, MatrixError,
     extract::{JsonObject, Requester, opt_str},
-    visibility::{can_see, room_access},
+    visibility::visible_event,
 };
 
 /// Longest report `reason` kept, bytes (longer: 400 `M_BAD_JSON`).
@@ -57,16 +57,7 @@ async fn report_event(
     Path((room_id, event_id)): Path<(String, String)>,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
-    let not_found = || MatrixError::not_found("Event not found");
-    let access = room_access(&s, &r.user_id, &room_id).map_err(|_| not_found())?;
-    let ev = s
-        .projections
-        .timeline
-        .event(&event_id)
-        .ok_or_else(not_found)?;
-    if ev.pdu.room_id.as_str() != room_id || !can_see(&s, &r.user_id, &access, &ev) {
-        return Err(not_found());
-    }
+    visible_event(&s, &r.user_id, &room_id, &event_id)?;
     let score = body.get("score").and_then(|v| v.as_i64());
     let fact = Fact::ContentReported {
         reporter: r.user_id.clone(),

@@ -133,6 +133,31 @@ pub fn room_access(s: &AppState, user_id: &str, room_id: &str) -> ApiResult<Acce
     }
 }
 
+/// One event of a room as `user_id` may see it, with the user's access to the room.
+///
+/// Errors: 404 `M_NOT_FOUND` ("Event not found") alike when the user may not read the
+/// room, the event does not exist, belongs to another room, or is hidden from the user
+/// by history visibility, so that the answer never tells which (spec: `GET
+/// /rooms/{roomId}/event/{eventId}`). Reads: one point lookup of the event.
+pub fn visible_event(
+    s: &AppState,
+    user_id: &str,
+    room_id: &str,
+    event_id: &str,
+) -> ApiResult<(Access, EventRecord)> {
+    let not_found = || MatrixError::not_found("Event not found");
+    let access = room_access(s, user_id, room_id).map_err(|_| not_found())?;
+    let ev = s
+        .projections
+        .timeline
+        .event(event_id)
+        .ok_or_else(not_found)?;
+    if ev.pdu.room_id.as_str() != room_id || !can_see(s, user_id, &access, &ev) {
+        return Err(not_found());
+    }
+    Ok((access, ev))
+}
+
 /// May the user see this event? (Spec: history visibility rules.)
 pub fn can_see(s: &AppState, user_id: &str, access: &Access, ev: &EventRecord) -> bool {
     if ev.position > access.cap {
