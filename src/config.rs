@@ -27,6 +27,8 @@ pub struct Config {
     pub sessions: Sessions,
     /// Presence (online/offline status).
     pub presence: Presence,
+    /// The content repository.
+    pub media: Media,
     /// Log filter (tracing `EnvFilter` syntax); `RUST_LOG` overrides it.
     pub log: String,
     /// Server admins (full user ids): they may use the admin API
@@ -78,6 +80,33 @@ impl Default for Sessions {
     }
 }
 
+/// Content repository settings.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Media {
+    /// Largest media upload in bytes (larger: 413 `M_TOO_LARGE`).
+    pub max_upload_bytes: usize,
+    /// Serve URL previews (`preview_url`). Off by default: the server fetches what
+    /// clients ask for.
+    pub url_preview: bool,
+    /// Let URL previews fetch private, loopback and link-local addresses.
+    pub url_preview_allow_private: bool,
+    /// Serve the legacy unauthenticated `/_matrix/media/v3` download and thumbnail
+    /// endpoints (the spec lets servers freeze them).
+    pub legacy_unauthenticated: bool,
+}
+
+impl Default for Media {
+    fn default() -> Self {
+        Media {
+            max_upload_bytes: 50 * 1024 * 1024,
+            url_preview: false,
+            url_preview_allow_private: false,
+            legacy_unauthenticated: true,
+        }
+    }
+}
+
 /// Presence settings (spec: "Presence").
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -104,6 +133,7 @@ impl Default for Config {
             limits: Limits::default(),
             sessions: Sessions::default(),
             presence: Presence::default(),
+            media: Media::default(),
             log: "info,fjall=warn,lsm_tree=warn,ruma_state_res=warn".into(),
             admins: Vec::new(),
         }
@@ -255,7 +285,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 18);
+        assert_eq!(want.len(), 23);
     }
 
     #[test]

@@ -105,6 +105,13 @@ impl Server {
                 .sessions
                 .refreshable_access_token_lifetime_ms,
             presence_enabled: config.presence.enabled,
+            media: spindle_api::MediaConfig {
+                dir: config.data_dir.join("media"),
+                max_upload_bytes: config.media.max_upload_bytes,
+                url_preview: config.media.url_preview,
+                url_preview_allow_private: config.media.url_preview_allow_private,
+                legacy_unauthenticated: config.media.legacy_unauthenticated,
+            },
         };
         let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
         let state = spindle_api::AppState::new(

@@ -268,6 +268,43 @@ async fn populate(base: &str) -> World {
         .as_str()
         .unwrap()
         .to_owned();
+    // End-to-end encryption transport: Bob's device keys, one-time and fallback keys,
+    // one claimed by Alice, and two to-device messages waiting for Bob's device.
+    let (keys, key) = common::device_keys(&bob);
+    let otks: serde_json::Map<String, Value> = (0..3)
+        .map(|i| {
+            (
+                format!("signed_curve25519:K{i}"),
+                key.sign(&bob.user_id, json!({ "key": format!("k{i}") })),
+            )
+        })
+        .collect();
+    bob.post(
+        &format!("{V3}/keys/upload"),
+        &json!({
+            "device_keys": keys,
+            "one_time_keys": otks,
+            "fallback_keys": { "signed_curve25519:F": key.sign(&bob.user_id, json!({ "key": "f", "fallback": true })) },
+        }),
+    )
+    .await
+    .ok();
+    alice
+        .post(
+            &format!("{V3}/keys/claim"),
+            &json!({ "one_time_keys": { bob.user_id.clone(): { bob.device_id.clone(): "signed_curve25519" } } }),
+        )
+        .await
+        .ok();
+    for (txn_id, device) in [("td1", bob.device_id.as_str()), ("td2", "*")] {
+        alice
+            .put(
+                &format!("{V3}/sendToDevice/m.test/{txn_id}"),
+                &json!({ "messages": { bob.user_id.clone(): { device: { "n": txn_id } } } }),
+            )
+            .await
+            .ok();
+    }
     World {
         alice,
         bob,
@@ -292,6 +329,26 @@ async fn snapshot(w: &World, base: &str) -> Vec<(String, Value)> {
     let r = enc(&w.room);
     let inline = enc(&json!({ "room": { "timeline": { "limit": 25 } } }).to_string());
     let mut out: Vec<(String, Value)> = Vec::new();
+    out.push((
+        "alice /keys/query bob".into(),
+        alice
+            .post(
+                &format!("{V3}/keys/query"),
+                &json!({ "device_keys": { bob.user_id.clone(): [] } }),
+            )
+            .await
+            .ok(),
+    ));
+    // An initial sync acknowledges nothing: the to-device messages stay.
+    let bob_sync = bob.sync("").await;
+    out.push((
+        "bob /sync e2ee sections".into(),
+        json!([
+            bob_sync["to_device"],
+            bob_sync["device_one_time_keys_count"],
+            bob_sync["device_unused_fallback_key_types"]
+        ]),
+    ));
     let alice_sync = alice.sync(&format!("filter={}", w.filter_id)).await;
     let next = alice_sync["next_batch"].as_str().unwrap().to_owned();
     out.push(("alice /sync (filter id)".into(), alice_sync));
@@ -521,10 +578,12 @@ async fn deleting_projections_rebuilds_them_at_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sliding_sync_pos_from_before_a_restart_is_unknown() {
     const SS: &str = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync";
+
     let s = setup();
     let p = Proc::start(&s.config);
     let http = common::http();
     let alice = common::register(&p.base, &http, "alice").await;
+
     let room = alice.create_room(json!({ "name": "r" })).await;
     let body = json!({ "lists": { "all": { "ranges": [[0, 9]], "timeline_limit": 1, "required_state": [] } } });
     let first = alice.post(SS, &body).await.ok();
@@ -690,4 +749,66 @@ async fn online_backup_restores_to_the_same_answers() {
     std::fs::write(&journal, bytes).unwrap();
     let (ok, out) = try_run(&s.config, &["verify-backup", backup_arg]);
     assert!(!ok && out.contains("journal.jsonl changed"), "{out}");
+}
+
+/// To-device messages survive restarts until the device acknowledges them, and the
+/// acknowledgement (a journal record) survives too: delivered exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn to_device_messages_survive_restarts_until_acknowledged() {
+    let s = setup();
+    let p = Proc::start(&s.config);
+    let http = common::http();
+    let alice = common::register(&p.base, &http, "alice").await;
+
+    let bob = common::register(&p.base, &http, "bob").await;
+    for (txn_id, device) in [("t1", bob.device_id.as_str()), ("t2", "*")] {
+        alice
+            .put(
+                &format!("{V3}/sendToDevice/m.test/{txn_id}"),
+                &json!({ "messages": { bob.user_id.clone(): { device: { "n": txn_id } } } }),
+            )
+            .await
+            .ok();
+    }
+    p.stop();
+    let bodies = |v: &Value| -> Vec<String> {
+        v["to_device"]["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["content"]["n"].as_str().unwrap().to_owned())
+            .collect()
+    };
+
+    let p = Proc::start(&s.config);
+    let b = rebase(&bob, &p.base);
+    let first = b.sync("").await;
+    assert_eq!(bodies(&first), vec!["t1", "t2"]);
+    let token = first["next_batch"].as_str().unwrap().to_owned();
+    // The same txn after a restart is still the same send.
+    rebase(&alice, &p.base)
+        .put(
+            &format!("{V3}/sendToDevice/m.test/t1"),
+            &json!({ "messages": { bob.user_id.clone(): { bob.device_id.clone(): { "n": "t1" } } } }),
+        )
+        .await
+        .ok();
+    p.stop();
+
+    // Delivered but not acknowledged: delivered again after a restart.
+    let p = Proc::start(&s.config);
+    let b = rebase(&bob, &p.base);
+    assert_eq!(bodies(&b.sync("").await), vec!["t1", "t2"]);
+    // Acknowledged by syncing with the token.
+    assert_eq!(
+        bodies(&b.sync(&format!("since={token}")).await),
+        Vec::<String>::new()
+    );
+    p.stop();
+
+    let p = Proc::start(&s.config);
+    let b = rebase(&bob, &p.base);
+    assert_eq!(bodies(&b.sync("").await), Vec::<String>::new());
+    p.stop();
+    verify(&s.config);
 }

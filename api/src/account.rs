@@ -170,6 +170,7 @@ pub(crate) async fn hash_password(password: String) -> ApiResult<String> {
     .map_err(|e| MatrixError::internal(e.to_string()))
 }
 
+/// Checks a password against an argon2 PHC hash (off the async threads).
 pub(crate) async fn verify_password(password: String, hash: String) -> bool {
     tokio::task::spawn_blocking(move || {
         use argon2::{PasswordVerifier, password_hash::PasswordHash};

@@ -115,6 +115,7 @@ impl From<JournalError> for MatrixError {
                 "M_UNSUPPORTED_ROOM_VERSION",
                 format!("Room version {v} is not supported"),
             ),
+            JournalError::MediaExists(_) => crate::media::cannot_overwrite(),
             JournalError::BadSignature | JournalError::Storage(_) => {
                 MatrixError::internal(e.to_string())
             }

@@ -8,10 +8,14 @@
 
 pub mod account;
 pub mod admin;
+pub mod cross_signing;
 pub mod devices;
 pub mod directory;
 pub mod error;
 pub mod extract;
+pub mod key_backup;
+pub mod keys;
+pub mod media;
 pub mod presence;
 pub mod read;
 pub mod reports;
@@ -19,6 +23,7 @@ pub mod rooms;
 pub mod sliding;
 pub mod spaces;
 pub mod sync;
+pub mod to_device;
 pub mod typing;
 pub mod upgrade;
 pub mod visibility;
@@ -64,6 +69,24 @@ pub struct ApiConfig {
     pub refreshable_access_token_lifetime_ms: u64,
     /// Serve presence (`presence.enabled`).
     pub presence_enabled: bool,
+    /// The content repository.
+    pub media: MediaConfig,
+}
+
+/// Content repository settings (`[media]` in the config).
+#[derive(Debug, Clone)]
+pub struct MediaConfig {
+    /// Where blobs (and the thumbnail cache) live: `<data>/media`.
+    pub dir: std::path::PathBuf,
+    /// Largest upload, bytes (bigger: 413 `M_TOO_LARGE`).
+    pub max_upload_bytes: usize,
+    /// Serve `preview_url`.
+    pub url_preview: bool,
+    /// Let previews fetch private, loopback and link-local addresses.
+    pub url_preview_allow_private: bool,
+    /// Serve the legacy unauthenticated `/_matrix/media/v3` download, thumbnail,
+    /// config and preview endpoints.
+    pub legacy_unauthenticated: bool,
 }
 
 /// Everything a handler needs.
@@ -89,6 +112,8 @@ pub struct AppState {
     pub last_seen: devices::LastSeen,
     /// Presence (in memory, ephemeral like typing).
     pub presence: presence::Presence,
+    /// Media blobs (content-addressed files).
+    pub blobs: Arc<spindle_journal::blobs::BlobStore>,
 }
 
 impl AppState {
@@ -100,7 +125,9 @@ impl AppState {
         shutdown: tokio::sync::watch::Receiver<bool>,
     ) -> AppState {
         let key = journal.key().clone();
+        let blobs = Arc::new(spindle_journal::blobs::BlobStore::new(&config.media.dir));
         AppState {
+            blobs,
             journal,
             projections,
             key,
@@ -209,6 +236,7 @@ pub fn router(state: AppState) -> Router {
             header::AUTHORIZATION,
         ]);
     let limit = state.config.max_request_bytes;
+    let media_limit = state.config.media.max_upload_bytes;
     let body_idle = Duration::from_millis(state.config.request_body_idle_timeout_ms);
     Router::new()
         .merge(account::routes())
@@ -224,6 +252,11 @@ pub fn router(state: AppState) -> Router {
         .merge(sync::routes())
         .merge(sliding::routes())
         .merge(typing::routes())
+        .merge(keys::routes())
+        .merge(cross_signing::routes())
+        .merge(key_backup::routes())
+        .merge(media::routes(media_limit, state.config.media.url_preview))
+        .merge(to_device::routes())
         .fallback(|| async { MatrixError::unrecognized() })
         .method_not_allowed_fallback(|| async {
             MatrixError::new(

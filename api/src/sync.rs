@@ -11,6 +11,7 @@ use std::time::Duration;
 use axum::{Json, Router, extract::State, routing::get};
 use serde_json::{Value, json};
 use spindle_core::{pdu::Pdu, trie::Root};
+use spindle_journal::{CommandBody, Fact};
 use spindle_projections::{membership::Membership, timeline::EventRecord, user_data::Receipt};
 
 use crate::{
@@ -214,14 +215,29 @@ impl Filter {
 /// Default timeline limit when a filter gives none.
 pub const DEFAULT_TIMELINE_LIMIT: usize = 10;
 
-fn parse_since(token: &str) -> ApiResult<(u64, u64)> {
+/// Parses a sync token `s<position>_<typing>[_<to-device>]` into (position, typing).
+/// Malformed: 400 `M_INVALID_PARAM`.
+pub(crate) fn parse_since(token: &str) -> ApiResult<(u64, u64)> {
+    parse_token(token).map(|(p, t, _)| (p, t))
+}
+
+/// Parses a sync token into (position, typing counter, to-device position). The third
+/// part is present only when the response that made the token left to-device messages
+/// out (a full page): the device has then received to-device messages only up to it.
+fn parse_token(token: &str) -> ApiResult<(u64, u64, Option<u64>)> {
     let bad = || MatrixError::invalid_param(format!("Invalid since token {token:?}"));
     let rest = token.strip_prefix('s').ok_or_else(bad)?;
-    let (pos, typ) = rest.split_once('_').ok_or_else(bad)?;
-    Ok((
-        pos.parse().map_err(|_| bad())?,
-        typ.parse().map_err(|_| bad())?,
-    ))
+    let mut parts = rest.split('_');
+    let pos = parts.next().ok_or_else(bad)?.parse().map_err(|_| bad())?;
+    let typ = parts.next().ok_or_else(bad)?.parse().map_err(|_| bad())?;
+    let to_device = match parts.next() {
+        None => None,
+        Some(td) => Some(td.parse::<u64>().map_err(|_| bad())?),
+    };
+    if parts.next().is_some() || to_device.is_some_and(|td| td > pos) {
+        return Err(bad());
+    }
+    Ok((pos, typ, to_device))
 }
 
 struct Ctx<'a> {
@@ -755,6 +771,26 @@ pub(crate) fn has_updates(
     s.config.presence_enabled && s.presence.changed_since(joined, since.1)
 }
 
+/// Whether the end-to-end encryption sections have news for this device: a to-device
+/// message after `to_device_acked`, or a device-list change in the user's own log or
+/// a joined room's after `since_pos`. Memory only (`LastChange` caches), like
+/// [`has_updates`]; reusable by other sync flavours.
+pub fn e2ee_has_updates(
+    s: &AppState,
+    r: &Requester,
+    joined: &[String],
+    since_pos: u64,
+    to_device_acked: u64,
+) -> bool {
+    s.projections
+        .to_device
+        .last_change(&r.user_id, &r.device_id)
+        > to_device_acked
+        || s.projections
+            .device_keys
+            .any_change_after(&r.user_id, joined, since_pos)
+}
+
 async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Json<Value>> {
     let filter = match q.get("filter") {
         None => Filter::default(),
@@ -772,7 +808,15 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
             Filter::parse(&v)?
         }
     };
-    let since = q.get("since").map(parse_since).transpose()?;
+    let token = q.get("since").map(parse_token).transpose()?;
+    let since = token.map(|(p, t, _)| (p, t));
+    // To-device messages up to this position were delivered to this device in the
+    // response that made the token: using it acknowledges them (spec: "Send-to-Device
+    // messaging"), which is itself journaled, so they are never delivered again.
+    let to_device_acked = token.map(|(p, _, td)| td.unwrap_or(p)).unwrap_or(0);
+    if token.is_some() && to_device_acked <= s.journal.durable_head() {
+        acknowledge_to_device(&s, &r, to_device_acked).await?;
+    }
     let full_state = match q.get("full_state") {
         None | Some("false") => false,
         Some("true") => true,
@@ -823,7 +867,8 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
                     &joined,
                     since,
                     s.projections.runtime.applied(),
-                ) {
+                ) || e2ee_has_updates(&s, &r, &joined, since.0, to_device_acked)
+                {
                     break;
                 }
                 tokio::select! {
@@ -870,6 +915,11 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
         full_state,
         account_data_changes,
     };
+    let joined_rooms: Vec<String> = rooms
+        .iter()
+        .filter(|(_, m)| m.membership == "join")
+        .map(|(room, _)| room.clone())
+        .collect();
     let mut join = serde_json::Map::new();
     let mut invite = serde_json::Map::new();
     let mut leave = serde_json::Map::new();
@@ -942,13 +992,96 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
                     })
             })
             .collect();
+    let e2ee = e2ee_sections(&s, &r, &joined_rooms, since, to_device_acked, upto);
+    let next_batch = match e2ee.to_device_upto {
+        Some(td) => format!("s{}_{}_{}", upto, ctx.typing, td),
+        None => format!("s{}_{}", upto, ctx.typing),
+    };
     Ok(Json(json!({
-        "next_batch": format!("s{}_{}", upto, ctx.typing),
+        "next_batch": next_batch,
         "rooms": { "join": join, "invite": invite, "leave": leave, "knock": knock },
         "account_data": { "events": account_data },
         "presence": { "events": presence },
-        "to_device": { "events": [] },
-        "device_lists": { "changed": [], "left": [] },
-        "device_one_time_keys_count": {},
+        "to_device": { "events": e2ee.to_device },
+        "device_lists": { "changed": e2ee.device_lists.changed, "left": e2ee.device_lists.left },
+        "device_one_time_keys_count": e2ee.one_time_key_counts,
+        "device_unused_fallback_key_types": e2ee.unused_fallback_key_types,
     })))
+}
+
+/// Journals that this device acknowledged every to-device message up to `upto`, when
+/// its inbox still holds one (one seek; most syncs journal nothing).
+async fn acknowledge_to_device(s: &AppState, r: &Requester, upto: u64) -> ApiResult<()> {
+    if s.projections
+        .to_device
+        .oldest(&r.user_id, &r.device_id)
+        .is_some_and(|oldest| oldest <= upto)
+    {
+        s.submit(
+            &r.user_id,
+            Some(&r.device_id),
+            CommandBody::Fact {
+                fact: Fact::ToDeviceAcknowledged {
+                    user_id: r.user_id.clone(),
+                    device_id: r.device_id.clone(),
+                    upto,
+                },
+            },
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// The end-to-end encryption parts of a sync response for the requesting device.
+pub struct E2eeSections {
+    /// To-device events after the acknowledged position, oldest first.
+    pub to_device: Vec<Value>,
+    /// Set when the page of to-device events was full: the position delivered up to.
+    pub to_device_upto: Option<u64>,
+    /// `device_lists` (empty on an initial sync).
+    pub device_lists: spindle_projections::device_keys::DeviceListChanges,
+    /// `device_one_time_keys_count`.
+    pub one_time_key_counts: Value,
+    /// `device_unused_fallback_key_types`.
+    pub unused_fallback_key_types: Vec<String>,
+}
+
+/// Builds the end-to-end encryption sections for `(since, upto]` (reusable by other
+/// sync flavours): to-device messages after `to_device_acked` (at most
+/// [`crate::to_device::MAX_TO_DEVICE_PER_SYNC`]), device list changes for users
+/// sharing a room (incremental only; `joined_rooms` are the requester's joined rooms),
+/// one-time key counts and unused fallback key types of the device.
+pub fn e2ee_sections(
+    s: &AppState,
+    r: &Requester,
+    joined_rooms: &[String],
+    since: Option<(u64, u64)>,
+    to_device_acked: u64,
+    upto: u64,
+) -> E2eeSections {
+    let pending = s.projections.to_device.pending(
+        &r.user_id,
+        &r.device_id,
+        to_device_acked,
+        upto,
+        crate::to_device::MAX_TO_DEVICE_PER_SYNC,
+    );
+    let device_lists = match since {
+        Some((sp, _)) => s
+            .projections
+            .device_keys
+            .changes(&r.user_id, joined_rooms, sp, upto),
+        None => Default::default(),
+    };
+    E2eeSections {
+        to_device_upto: pending.truncated.then_some(pending.last_position).flatten(),
+        to_device: pending.events,
+        device_lists,
+        one_time_key_counts: crate::keys::one_time_key_counts(s, &r.user_id, &r.device_id),
+        unused_fallback_key_types: s
+            .projections
+            .device_keys
+            .unused_fallback_key_types(&r.user_id, &r.device_id),
+    }
 }

@@ -6,10 +6,12 @@
 //!   room versions 10, 11 and 12, and parsing stored PDUs.
 //! - [`room_version`]: which room versions we serve and their rules.
 //! - [`trie`]: the content-addressed state trie (a HAMT addressed by blake3).
+//! - [`e2ee`]: signature checks on device and cross-signing keys.
 //! - [`auth`]: authorization of an event against room state, delegated to ruma-state-res.
 
 pub mod auth;
 pub mod canonical;
+pub mod e2ee;
 pub mod keys;
 pub mod pdu;
 pub mod room_version;

@@ -55,6 +55,22 @@ pub enum CommandBody {
     },
     /// Record a non-room fact.
     Fact { fact: Fact },
+    /// Claim one-time keys (spec: `POST /keys/claim`): for each (user, device,
+    /// algorithm), the journal picks an unclaimed one-time key, or the fallback key when
+    /// none is left, and appends one [`Fact::OneTimeKeysClaimed`]. Requests for devices
+    /// with no key of the algorithm get nothing.
+    ClaimOneTimeKeys { requests: Vec<KeyClaimRequest> },
+}
+
+/// One (user, device, algorithm) asked for by a claim.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct KeyClaimRequest {
+    /// Owner of the device.
+    pub user_id: String,
+    /// Device.
+    pub device_id: String,
+    /// Key algorithm, e.g. `signed_curve25519`.
+    pub algorithm: String,
 }
 
 /// A condition on the target's membership at commit time.

@@ -11,6 +11,7 @@
 //! them in order; [`Journal::durable_head`] is published (watch channel) only after the
 //! fsync that covers it, and readers never see past it.
 
+pub mod blobs;
 pub mod chain;
 pub mod command;
 pub mod migrate;
@@ -34,9 +35,12 @@ use spindle_core::{
 use tokio::sync::watch;
 
 pub use chain::{BreakKind, ChainBreak, ChainHead};
-pub use command::{CommandBody, CommandEnvelope, EventSpec, MembershipPrecondition, SignedCommand};
+pub use command::{
+    CommandBody, CommandEnvelope, EventSpec, KeyClaimRequest, MembershipPrecondition, SignedCommand,
+};
 pub use record::{
-    Fact, GENESIS_HASH, RECORD_FORMAT, Record, RecordKind, StoredRecord, record_hash,
+    Fact, GENESIS_HASH, KeyClaim, RECORD_FORMAT, Record, RecordKind, SignatureAdded, StoredRecord,
+    record_hash,
 };
 pub use store::{EncodedRecord, FjallStore, JournalStore};
 
@@ -74,6 +78,9 @@ pub enum JournalError {
     /// Storage failure.
     #[error("storage: {0}")]
     Storage(String),
+    /// The media id already has content: 409 `M_CANNOT_OVERWRITE_MEDIA`.
+    #[error("media {0} has already been uploaded")]
+    MediaExists(String),
 }
 
 impl From<PduError> for JournalError {
@@ -87,7 +94,7 @@ impl From<PduError> for JournalError {
 }
 
 /// What a successful command produced.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Outcome {
     /// Position of the last record written (wait for projections to reach it to read
     /// your own write).
@@ -96,6 +103,82 @@ pub struct Outcome {
     pub room_id: Option<OwnedRoomId>,
     /// Ids of the events built, in order.
     pub event_ids: Vec<OwnedEventId>,
+    /// Keys handed out by [`CommandBody::ClaimOneTimeKeys`], with their content.
+    pub claimed: Vec<ClaimedKey>,
+}
+
+/// A key handed out by a claim, with the key object as its device uploaded it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimedKey {
+    /// Which key.
+    pub claim: KeyClaim,
+    /// The signed key object.
+    pub key: serde_json::Value,
+}
+
+/// The journal's write model of one device's claimable keys: key id -> position of
+/// the record that uploaded it (the content stays in that record; claims read it back).
+#[derive(Default)]
+struct DeviceKeyModel {
+    /// algorithm -> (`"<algorithm>:<id>"` -> upload position), unclaimed one-time keys.
+    one_time: HashMap<String, std::collections::BTreeMap<String, u64>>,
+    /// algorithm -> (`"<algorithm>:<id>"`, upload position) of the fallback key.
+    fallback: HashMap<String, (String, u64)>,
+}
+
+/// Device key write models by (user, device).
+type KeyModels = HashMap<(String, String), DeviceKeyModel>;
+
+fn algorithm_of(key_id: &str) -> &str {
+    key_id.split_once(':').map(|(a, _)| a).unwrap_or(key_id)
+}
+
+/// Applies a key-related fact to the write model (restore and append share it).
+fn apply_key_fact(models: &mut KeyModels, fact: &Fact, position: u64) {
+    match fact {
+        Fact::OneTimeKeysUploaded {
+            user_id,
+            device_id,
+            one_time_keys,
+        } => {
+            let m = models
+                .entry((user_id.clone(), device_id.clone()))
+                .or_default();
+            for id in one_time_keys.keys() {
+                m.one_time
+                    .entry(algorithm_of(id).to_owned())
+                    .or_default()
+                    .entry(id.clone())
+                    .or_insert(position);
+            }
+        }
+        Fact::FallbackKeysUploaded {
+            user_id,
+            device_id,
+            fallback_keys,
+        } => {
+            let m = models
+                .entry((user_id.clone(), device_id.clone()))
+                .or_default();
+            for id in fallback_keys.keys() {
+                m.fallback
+                    .insert(algorithm_of(id).to_owned(), (id.clone(), position));
+            }
+        }
+        Fact::OneTimeKeysClaimed { claims } => {
+            for c in claims.iter().filter(|c| !c.fallback) {
+                if let Some(m) = models.get_mut(&(c.user_id.clone(), c.device_id.clone()))
+                    && let Some(keys) = m.one_time.get_mut(algorithm_of(&c.key_id))
+                {
+                    keys.remove(&c.key_id);
+                }
+            }
+        }
+        Fact::DeviceDeleted { user_id, device_id } => {
+            models.remove(&(user_id.clone(), device_id.clone()));
+        }
+        _ => {}
+    }
 }
 
 /// Event types the aggregate keeps: what the auth rules can look up.
@@ -175,6 +258,13 @@ struct Inner {
     /// Deactivated accounts: no new device or token is issued for them, decided here so
     /// a login racing a deactivation cannot leave a working token behind.
     deactivated: parking_lot::Mutex<HashSet<String>>,
+    /// Claimable device keys: one-time keys are handed out exactly once, so the writer
+    /// decides claims (a read model check-then-write would hand a key out twice).
+    keys: parking_lot::Mutex<KeyModels>,
+    /// (sender, sender device, txn id) -> position of to-device sends, for idempotency.
+    to_device_txns: parking_lot::Mutex<HashMap<(String, String, String), u64>>,
+    /// Media id -> (uploader, uploaded): one upload per media id.
+    media: parking_lot::Mutex<HashMap<String, (String, bool)>>,
     /// Allocation of positions + enqueue happen together under this lock (held for
     /// nanoseconds; never across I/O) so the appender receives records in order.
     enqueue: parking_lot::Mutex<(u64, std::sync::mpsc::Sender<Pending>)>,
@@ -215,6 +305,9 @@ impl Journal {
         let mut aliases = HashMap::new();
         let mut spent_refresh_tokens = HashSet::new();
         let mut deactivated = HashSet::new();
+        let mut keys = KeyModels::new();
+        let mut to_device_txns = HashMap::new();
+        let mut media = HashMap::new();
         let walked = chain::walk(&*store, |rec| {
             if rec.is_event() {
                 let pdu = rec.pdu().ok_or("unreadable PDU")?;
@@ -248,7 +341,24 @@ impl Journal {
                     Some(Fact::AccountDeactivated { user_id, .. }) => {
                         deactivated.insert(user_id);
                     }
-                    _ => {}
+                    Some(Fact::ToDeviceSent {
+                        sender,
+                        sender_device,
+                        txn_id,
+                        ..
+                    }) => {
+                        to_device_txns.insert((sender, sender_device, txn_id), rec.position());
+                    }
+                    Some(Fact::MediaCreated { media_id, uploader }) => {
+                        media.insert(media_id, (uploader, false));
+                    }
+                    Some(Fact::MediaUploaded {
+                        media_id, uploader, ..
+                    }) => {
+                        media.insert(media_id, (uploader, true));
+                    }
+                    Some(fact) => apply_key_fact(&mut keys, &fact, rec.position()),
+                    None => {}
                 }
             }
             Ok(())
@@ -283,6 +393,9 @@ impl Journal {
                 aliases: parking_lot::Mutex::new(aliases),
                 spent_refresh_tokens: parking_lot::Mutex::new(spent_refresh_tokens),
                 deactivated: parking_lot::Mutex::new(deactivated),
+                keys: parking_lot::Mutex::new(keys),
+                to_device_txns: parking_lot::Mutex::new(to_device_txns),
+                media: parking_lot::Mutex::new(media),
                 enqueue: parking_lot::Mutex::new((head, tx)),
                 durable: durable_rx,
                 stats,
@@ -345,6 +458,11 @@ impl Journal {
                 fact: fact @ Fact::RoomForgotten { room_id, user_id },
             } => self.forget_room(&cmd, fact, room_id, user_id).await?,
             CommandBody::Fact { fact } => self.append_fact(&cmd, fact)?,
+            CommandBody::ClaimOneTimeKeys { requests } => {
+                let (outcome, picked) = self.claim_keys(&cmd, requests)?;
+                self.wait_durable(outcome.position).await?;
+                return self.read_claimed(outcome, picked);
+            }
             CommandBody::SendEvent {
                 room_id,
                 event,
@@ -493,13 +611,216 @@ impl Journal {
                 deactivated.insert(user_id.clone());
                 self.enqueue(vec![rec])
             }
+            Fact::OneTimeKeysUploaded {
+                user_id,
+                device_id,
+                one_time_keys,
+            } => {
+                let mut models = self.inner.keys.lock();
+                // Only ids the device does not already have unclaimed become claimable.
+                let existing = models.get(&(user_id.clone(), device_id.clone()));
+                let fresh: std::collections::BTreeMap<String, serde_json::Value> = one_time_keys
+                    .iter()
+                    .filter(|(id, _)| {
+                        existing
+                            .and_then(|m| m.one_time.get(algorithm_of(id)))
+                            .is_none_or(|keys| !keys.contains_key(*id))
+                    })
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                if fresh.is_empty() {
+                    return Ok(Outcome {
+                        position: self.durable_head(),
+                        ..Outcome::default()
+                    });
+                }
+                let fact = Fact::OneTimeKeysUploaded {
+                    user_id: user_id.clone(),
+                    device_id: device_id.clone(),
+                    one_time_keys: fresh,
+                };
+                let payload =
+                    serde_json::to_vec(&fact).map_err(|e| JournalError::BadJson(e.to_string()))?;
+                let position = self.enqueue(vec![self.base_record(cmd, RecordKind::Fact, payload)]);
+                apply_key_fact(&mut models, &fact, position);
+                position
+            }
+            Fact::FallbackKeysUploaded { .. } | Fact::DeviceDeleted { .. } => {
+                let mut models = self.inner.keys.lock();
+                let position = self.enqueue(vec![rec]);
+                apply_key_fact(&mut models, fact, position);
+                position
+            }
+            Fact::MediaCreated { media_id, uploader } => {
+                let mut media = self.inner.media.lock();
+                if media.contains_key(media_id) {
+                    return Err(JournalError::MediaExists(media_id.clone()));
+                }
+                let position = self.enqueue(vec![rec]);
+                media.insert(media_id.clone(), (uploader.clone(), false));
+                position
+            }
+            Fact::MediaUploaded {
+                media_id, uploader, ..
+            } => {
+                let mut media = self.inner.media.lock();
+                match media.get(media_id) {
+                    Some((_, true)) => return Err(JournalError::MediaExists(media_id.clone())),
+                    Some((owner, false)) if owner != uploader => {
+                        return Err(JournalError::Forbidden(
+                            "this media id belongs to someone else".into(),
+                        ));
+                    }
+                    _ => {}
+                }
+                let position = self.enqueue(vec![rec]);
+                media.insert(media_id.clone(), (uploader.clone(), true));
+                position
+            }
+            Fact::OneTimeKeysClaimed { .. } => {
+                return Err(JournalError::Forbidden(
+                    "claims are decided by the journal (ClaimOneTimeKeys)".into(),
+                ));
+            }
+            Fact::ToDeviceSent {
+                sender,
+                sender_device,
+                txn_id,
+                ..
+            } => {
+                let mut txns = self.inner.to_device_txns.lock();
+                let k = (sender.clone(), sender_device.clone(), txn_id.clone());
+                if let Some(p) = txns.get(&k) {
+                    return Ok(Outcome {
+                        position: *p,
+                        ..Outcome::default()
+                    });
+                }
+                let position = self.enqueue(vec![rec]);
+                txns.insert(k, position);
+                position
+            }
             _ => self.enqueue(vec![rec]),
         };
         Ok(Outcome {
             position,
-            room_id: None,
-            event_ids: vec![],
+            ..Outcome::default()
         })
+    }
+
+    /// Picks the keys of a claim under the key write-model lock and enqueues the claim
+    /// record: a one-time key leaves the model in the same critical section that
+    /// enqueues the record handing it out, so no two claims can get it.
+    fn claim_keys(
+        &self,
+        cmd: &SignedCommand,
+        requests: &[KeyClaimRequest],
+    ) -> Result<(Outcome, Vec<(KeyClaim, u64)>), JournalError> {
+        let mut models = self.inner.keys.lock();
+        let mut picked: Vec<(KeyClaim, u64)> = Vec::new();
+        for r in requests {
+            let Some(m) = models.get(&(r.user_id.clone(), r.device_id.clone())) else {
+                continue;
+            };
+            let one_time = m
+                .one_time
+                .get(&r.algorithm)
+                .and_then(|keys| keys.iter().next())
+                .map(|(id, pos)| (id.clone(), *pos));
+            // A second request for the same device and algorithm in one claim takes the
+            // next key (the first is still in the model until the fact applies below).
+            let one_time = match one_time {
+                Some((id, _))
+                    if picked.iter().any(|(c, _)| {
+                        c.key_id == id && c.user_id == r.user_id && c.device_id == r.device_id
+                    }) =>
+                {
+                    None
+                }
+                other => other,
+            };
+            match one_time {
+                Some((key_id, pos)) => picked.push((
+                    KeyClaim {
+                        user_id: r.user_id.clone(),
+                        device_id: r.device_id.clone(),
+                        key_id,
+                        fallback: false,
+                    },
+                    pos,
+                )),
+                None => {
+                    if let Some((key_id, pos)) = m.fallback.get(&r.algorithm) {
+                        picked.push((
+                            KeyClaim {
+                                user_id: r.user_id.clone(),
+                                device_id: r.device_id.clone(),
+                                key_id: key_id.clone(),
+                                fallback: true,
+                            },
+                            *pos,
+                        ));
+                    }
+                }
+            }
+        }
+        if picked.is_empty() {
+            return Ok((
+                Outcome {
+                    position: self.durable_head(),
+                    ..Outcome::default()
+                },
+                picked,
+            ));
+        }
+        let fact = Fact::OneTimeKeysClaimed {
+            claims: picked.iter().map(|(c, _)| c.clone()).collect(),
+        };
+        let payload =
+            serde_json::to_vec(&fact).map_err(|e| JournalError::BadJson(e.to_string()))?;
+        let position = self.enqueue(vec![self.base_record(cmd, RecordKind::Fact, payload)]);
+        apply_key_fact(&mut models, &fact, position);
+        Ok((
+            Outcome {
+                position,
+                ..Outcome::default()
+            },
+            picked,
+        ))
+    }
+
+    /// Reads the content of claimed keys back from the records that uploaded them
+    /// (after the claim is durable; the uploads precede it in the log).
+    fn read_claimed(
+        &self,
+        mut outcome: Outcome,
+        picked: Vec<(KeyClaim, u64)>,
+    ) -> Result<Outcome, JournalError> {
+        for (claim, pos) in picked {
+            let rec = self
+                .inner
+                .store
+                .read_after(pos - 1, 1)
+                .map_err(JournalError::Storage)?
+                .into_iter()
+                .next()
+                .filter(|r| r.position() == pos)
+                .ok_or_else(|| JournalError::Storage(format!("key upload {pos} not found")))?;
+            let key = match rec.fact() {
+                Some(Fact::OneTimeKeysUploaded { one_time_keys, .. }) => {
+                    one_time_keys.get(&claim.key_id).cloned()
+                }
+                Some(Fact::FallbackKeysUploaded { fallback_keys, .. }) => {
+                    fallback_keys.get(&claim.key_id).cloned()
+                }
+                _ => None,
+            }
+            .ok_or_else(|| {
+                JournalError::Storage(format!("key upload {pos} has no {}", claim.key_id))
+            })?;
+            outcome.claimed.push(ClaimedKey { claim, key });
+        }
+        Ok(outcome)
     }
 
     /// Builds one event on top of the aggregate's head and authorizes it.
@@ -626,7 +947,7 @@ impl Journal {
         Ok(Outcome {
             position,
             room_id: Some(room),
-            event_ids: vec![],
+            ..Outcome::default()
         })
     }
 
@@ -673,6 +994,7 @@ impl Journal {
                 position: *position,
                 room_id: Some(room),
                 event_ids: vec![event_id.clone()],
+                ..Outcome::default()
             });
         }
         if let (Some(pre), Some(target)) = (precondition, spec.state_key.as_deref()) {
@@ -691,6 +1013,7 @@ impl Journal {
                     position: self.durable_head(),
                     room_id: Some(room),
                     event_ids: existing.into_iter().collect(),
+                    ..Outcome::default()
                 });
             }
             if !pre.allowed.contains(&current) {
@@ -726,6 +1049,7 @@ impl Journal {
             position,
             room_id: Some(room),
             event_ids: vec![event_id],
+            ..Outcome::default()
         })
     }
 
@@ -810,6 +1134,7 @@ impl Journal {
             position,
             room_id: Some(room_id),
             event_ids: pdus.iter().map(|p| p.event_id.clone()).collect(),
+            ..Outcome::default()
         })
     }
 }

@@ -333,6 +333,137 @@ pub enum Fact {
         reason: Option<String>,
         score: Option<i64>,
     },
+    /// A device published its identity keys (spec: `POST /keys/upload`, `device_keys`):
+    /// the signed `DeviceKeys` object as uploaded. Replaces earlier keys of the device.
+    DeviceKeysUploaded {
+        user_id: String,
+        device_id: String,
+        device_keys: serde_json::Value,
+    },
+    /// A device published one-time keys, `"<algorithm>:<key id>" -> key`. The journal
+    /// keeps only ids the device does not already have unclaimed (first upload wins), so
+    /// the record holds exactly the keys that became claimable.
+    OneTimeKeysUploaded {
+        user_id: String,
+        device_id: String,
+        one_time_keys: std::collections::BTreeMap<String, serde_json::Value>,
+    },
+    /// A device published fallback keys, `"<algorithm>:<key id>" -> key`; each replaces
+    /// the device's fallback key of that algorithm and starts unused.
+    FallbackKeysUploaded {
+        user_id: String,
+        device_id: String,
+        fallback_keys: std::collections::BTreeMap<String, serde_json::Value>,
+    },
+    /// One-time keys handed out by `POST /keys/claim`, decided by the journal at append
+    /// time: each one-time key appears in at most one claim ever. A `fallback` claim hands
+    /// out the device's fallback key (kept, marked used) because no one-time key was left.
+    OneTimeKeysClaimed { claims: Vec<KeyClaim> },
+    /// A to-device message send (spec: `PUT /sendToDevice/{eventType}/{txnId}`), as the
+    /// client asked: `messages` maps user id -> device id (or `*`, every device the user
+    /// has at this position) -> content. Unique per (sender, sender device, txn id).
+    ToDeviceSent {
+        sender: String,
+        sender_device: String,
+        event_type: String,
+        txn_id: String,
+        messages: std::collections::BTreeMap<
+            String,
+            std::collections::BTreeMap<String, serde_json::Value>,
+        >,
+    },
+    /// A device acknowledged (by syncing with a later `since`) every to-device message
+    /// up to and including position `upto`; they are deleted from its inbox.
+    ToDeviceAcknowledged {
+        user_id: String,
+        device_id: String,
+        upto: u64,
+    },
+    /// A user's cross-signing keys (spec: `POST /keys/device_signing/upload`), each
+    /// checked before it was journaled; `None` leaves that key as it was.
+    CrossSigningKeysUploaded {
+        user_id: String,
+        master_key: Option<serde_json::Value>,
+        self_signing_key: Option<serde_json::Value>,
+        user_signing_key: Option<serde_json::Value>,
+    },
+    /// Signatures checked and accepted by `POST /keys/signatures/upload`.
+    SignaturesUploaded { signatures: Vec<SignatureAdded> },
+    /// A key backup version was created (spec: `POST /room_keys/version`); its version
+    /// id is this record's position.
+    BackupVersionCreated {
+        user_id: String,
+        algorithm: String,
+        auth_data: serde_json::Value,
+    },
+    /// A key backup version's `auth_data` changed.
+    BackupVersionUpdated {
+        user_id: String,
+        version: u64,
+        auth_data: serde_json::Value,
+    },
+    /// A key backup version and its keys were deleted.
+    BackupVersionDeleted { user_id: String, version: u64 },
+    /// Room keys were backed up: room id -> session id -> `KeyBackupData`. Each
+    /// replaces a stored session only if it is better (see the `key_backup` projection).
+    RoomKeysUploaded {
+        user_id: String,
+        version: u64,
+        rooms: std::collections::BTreeMap<
+            String,
+            std::collections::BTreeMap<String, serde_json::Value>,
+        >,
+    },
+    /// Backed-up room keys were deleted: all of a version, one room's, or one session.
+    RoomKeysDeleted {
+        user_id: String,
+        version: u64,
+        room_id: Option<String>,
+        session_id: Option<String>,
+    },
+    /// A media id was reserved for an asynchronous upload (spec: `POST
+    /// /_matrix/media/v1/create`).
+    MediaCreated { media_id: String, uploader: String },
+    /// Media bytes were stored (as a blob named by `content_hash`, blake3 hex, written
+    /// durably before this record) under a media id. Unique per media id: the journal
+    /// refuses a second upload to the same id.
+    MediaUploaded {
+        media_id: String,
+        uploader: String,
+        content_hash: String,
+        content_type: Option<String>,
+        filename: Option<String>,
+        size: u64,
+    },
+}
+
+/// One signature on a device key or master key (see [`Fact::SignaturesUploaded`]).
+#[derive(serde::Serialize, serde::Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct SignatureAdded {
+    /// Owner of the signed key.
+    pub user_id: String,
+    /// The signed key: a device id, or a cross-signing key's public key.
+    pub key_id: String,
+    /// Who signed.
+    pub signer: String,
+    /// `ed25519:<device id or public key>` of the signing key.
+    pub signer_key_id: String,
+    /// Unpadded base64 signature.
+    pub signature: String,
+}
+
+/// One key handed out by a claim (see [`Fact::OneTimeKeysClaimed`]).
+#[derive(serde::Serialize, serde::Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct KeyClaim {
+    /// Owner of the key.
+    pub user_id: String,
+    /// Device of the key.
+    pub device_id: String,
+    /// `"<algorithm>:<key id>"`.
+    pub key_id: String,
+    /// Whether this is the device's fallback key (no one-time key was left).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fallback: bool,
 }
 
 /// Format 1 (before the hash chain), kept so `spindle journal migrate` can read it.

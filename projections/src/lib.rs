@@ -16,10 +16,17 @@
 //! | [`room_summary::RoomSummary`] | joined/invited counts and heroes per room |
 //! | [`directory::Directory`] | public room directory, public-join rooms, joined counts |
 //! | [`directory::EventTimes`] | events by (room, origin_server_ts) |
+//! | [`device_keys::DeviceKeys`] | device keys, one-time and fallback keys, device-list change logs |
+//! | [`to_device::ToDevice`] | to-device inboxes per device |
+//! | [`key_backup::KeyBackup`] | server-side key backup versions and room keys |
+//! | [`media::Media`] | media metadata (content hash, type, name) per media id |
 
 pub mod accounts;
 pub mod audit;
+pub mod device_keys;
 pub mod directory;
+pub mod key_backup;
+pub mod media;
 pub mod membership;
 pub mod render;
 pub mod room_summary;
@@ -27,6 +34,7 @@ pub mod runtime;
 pub mod state;
 pub mod store;
 pub mod timeline;
+pub mod to_device;
 pub mod user_data;
 
 use std::{path::Path, sync::Arc};
@@ -63,6 +71,14 @@ pub struct Projections {
     pub directory: Arc<directory::Directory>,
     /// Events by timestamp.
     pub event_times: Arc<directory::EventTimes>,
+    /// Device keys and device-list changes.
+    pub device_keys: Arc<device_keys::DeviceKeys>,
+    /// To-device inboxes.
+    pub to_device: Arc<to_device::ToDevice>,
+    /// Key backups.
+    pub key_backup: Arc<key_backup::KeyBackup>,
+    /// Media metadata.
+    pub media: Arc<media::Media>,
     /// The runtime (checkpoints, waiting).
     pub runtime: Runtime,
     /// The database (counters).
@@ -85,6 +101,10 @@ impl Projections {
         let audit = Arc::new(audit::Audit::open(&db)?);
         let directory = Arc::new(directory::Directory::open(&db)?);
         let event_times = Arc::new(directory::EventTimes::open(&db)?);
+        let device_keys = Arc::new(device_keys::DeviceKeys::open(&db)?);
+        let to_device = Arc::new(to_device::ToDevice::open(&db)?);
+        let key_backup = Arc::new(key_backup::KeyBackup::open(&db)?);
+        let media = Arc::new(media::Media::open(&db)?);
         let all: Vec<Arc<dyn Projection>> = vec![
             timeline.clone(),
             state.clone(),
@@ -98,6 +118,10 @@ impl Projections {
             audit.clone(),
             directory.clone(),
             event_times.clone(),
+            device_keys.clone(),
+            to_device.clone(),
+            key_backup.clone(),
+            media.clone(),
         ];
         let runtime = Runtime::start(journal, db.clone(), all);
         Ok(Projections {
@@ -113,6 +137,10 @@ impl Projections {
             audit,
             directory,
             event_times,
+            device_keys,
+            to_device,
+            key_backup,
+            media,
             runtime,
             db,
         })

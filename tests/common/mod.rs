@@ -492,3 +492,53 @@ pub fn sync_timeline_ids(sync: &Value, section: &str, room: &str) -> Vec<String>
         None => vec![],
     }
 }
+
+/// An ed25519 key pair for a device or a cross-signing key in tests, with its unpadded
+/// base64 public key.
+pub struct TestKey {
+    pub pair: ruma::signatures::Ed25519KeyPair,
+    pub public: String,
+}
+
+impl TestKey {
+    /// A fresh key whose key id version is `version` (a device id, or the public key
+    /// for cross-signing keys when `version` is `None`).
+    pub fn new(version: Option<&str>) -> TestKey {
+        use base64::Engine as _;
+        let doc = ruma::signatures::Ed25519KeyPair::generate();
+        let probe = ruma::signatures::Ed25519KeyPair::from_der(&doc, "x".into()).unwrap();
+        let public = base64::engine::general_purpose::STANDARD_NO_PAD.encode(probe.public_key());
+        let version = version.map(str::to_owned).unwrap_or_else(|| public.clone());
+        TestKey {
+            pair: ruma::signatures::Ed25519KeyPair::from_der(&doc, version).unwrap(),
+            public,
+        }
+    }
+
+    /// Signs `object` as `signer` (adds to its `signatures`).
+    pub fn sign(&self, signer: &str, object: Value) -> Value {
+        let mut canonical = match ruma::CanonicalJsonValue::try_from(object.clone()).unwrap() {
+            ruma::CanonicalJsonValue::Object(o) => o,
+            _ => panic!("not an object"),
+        };
+        ruma::signatures::sign_json(signer, &self.pair, &mut canonical).unwrap();
+        let mut out = object;
+        out["signatures"] = serde_json::to_value(&canonical["signatures"]).unwrap();
+        out
+    }
+}
+
+/// The signed `DeviceKeys` object of `client`'s device, with its ed25519 key.
+pub fn device_keys(client: &Client) -> (Value, TestKey) {
+    let key = TestKey::new(Some(&client.device_id));
+    let keys = json!({
+        "user_id": client.user_id,
+        "device_id": client.device_id,
+        "algorithms": ["m.olm.v1.curve25519-aes-sha2", "m.megolm.v1.aes-sha2"],
+        "keys": {
+            format!("curve25519:{}", client.device_id): format!("curve-{}", client.device_id),
+            format!("ed25519:{}", client.device_id): key.public,
+        },
+    });
+    (key.sign(&client.user_id, keys), key)
+}

@@ -18,6 +18,7 @@ How it works (docs/conformance.md says the same for people adding endpoints):
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -247,6 +248,143 @@ def test_sync(world):
     bodies = [e["content"].get("body") for e in later["rooms"]["join"][room]["timeline"]["events"]]
     assert bodies == ["news"]
     bob.get(f"{C3}/sync", query={"full_state": "true", "timeout": 0, "filter": {"room": {"timeline": {"limit": 2}}}})
+
+
+def canonical(obj) -> str:
+    """Canonical JSON of a signed object (spec appendix), without signatures/unsigned."""
+    obj = {k: v for k, v in obj.items() if k not in ("signatures", "unsigned")}
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def test_end_to_end_encryption(anon, world):
+    """Device keys, one-time and fallback keys, claims, changes, to-device, signed with
+    real Olm keys (python-olm) the way clients do."""
+    import olm
+
+    alice: Client = world["alice"]
+    bob: Client = world["bob"]
+    since = bob.get(f"{C3}/sync", query={"timeout": 0})["next_batch"]
+    account = olm.Account()
+    device_keys = {
+        "user_id": alice.user_id,
+        "device_id": alice.device_id,
+        "algorithms": ["m.olm.v1.curve25519-aes-sha2", "m.megolm.v1.aes-sha2"],
+        "keys": {
+            f"curve25519:{alice.device_id}": account.identity_keys["curve25519"],
+            f"ed25519:{alice.device_id}": account.identity_keys["ed25519"],
+        },
+    }
+    device_keys["signatures"] = {alice.user_id: {f"ed25519:{alice.device_id}": account.sign(canonical(device_keys))}}
+    account.generate_one_time_keys(3)
+    one_time = {}
+    for key_id, key in account.one_time_keys["curve25519"].items():
+        signed = {"key": key}
+        signed["signatures"] = {alice.user_id: {f"ed25519:{alice.device_id}": account.sign(canonical(signed))}}
+        one_time[f"signed_curve25519:{key_id}"] = signed
+    account.generate_fallback_key()
+    (fb_id, fb_key), = account.fallback_key["curve25519"].items()
+    fallback = {"key": fb_key, "fallback": True}
+    fallback["signatures"] = {alice.user_id: {f"ed25519:{alice.device_id}": account.sign(canonical(fallback))}}
+    counts = alice.post(
+        f"{C3}/keys/upload",
+        {"device_keys": device_keys, "one_time_keys": one_time, "fallback_keys": {f"signed_curve25519:{fb_id}": fallback}},
+    )["one_time_key_counts"]
+    assert counts == {"signed_curve25519": 3}, counts
+    queried = bob.post(f"{C3}/keys/query", {"device_keys": {alice.user_id: []}})
+    assert queried["device_keys"][alice.user_id][alice.device_id]["keys"] == device_keys["keys"]
+    claimed = bob.post(f"{C3}/keys/claim", {"one_time_keys": {alice.user_id: {alice.device_id: "signed_curve25519"}}})
+    assert list(claimed["one_time_keys"][alice.user_id][alice.device_id])[0] in one_time
+    later = bob.get(f"{C3}/sync", query={"since": since, "timeout": 0})["next_batch"]
+    changes = bob.get(f"{C3}/keys/changes", query={"from": since, "to": later})
+    assert alice.user_id in changes["changed"], changes.body
+    bob.put(
+        f"{C3}/sendToDevice/m.test/{unique('t')}",
+        {"messages": {alice.user_id: {alice.device_id: {"hello": "alice"}}}},
+    )
+    delivered = alice.get(f"{C3}/sync", query={"timeout": 0})
+    assert {"sender": bob.user_id, "type": "m.test", "content": {"hello": "alice"}} in delivered["to_device"]["events"]
+    assert delivered["device_one_time_keys_count"] == {"signed_curve25519": 2}
+
+
+def test_cross_signing(world):
+    """Master, self-signing and user-signing keys, and a signature on a device."""
+    import olm
+
+    alice: Client = world["alice"]
+
+    def key(usage, signer=None):
+        pk = olm.PkSigning(olm.PkSigning.generate_seed())
+        obj = {"user_id": alice.user_id, "usage": [usage], "keys": {f"ed25519:{pk.public_key}": pk.public_key}}
+        if signer is not None:
+            obj["signatures"] = {alice.user_id: {f"ed25519:{signer.public_key}": signer.sign(canonical(obj))}}
+        return pk, obj
+
+    master, master_obj = key("master")
+    ssk, ssk_obj = key("self_signing", master)
+    _, usk_obj = key("user_signing", master)
+    alice.post(
+        f"{C3}/keys/device_signing/upload",
+        {"master_key": master_obj, "self_signing_key": ssk_obj, "user_signing_key": usk_obj},
+    )
+    mine = alice.post(f"{C3}/keys/query", {"device_keys": {alice.user_id: []}})
+    assert mine["master_keys"][alice.user_id] == master_obj
+    assert mine["user_signing_keys"][alice.user_id] == usk_obj
+    device = mine["device_keys"][alice.user_id][alice.device_id]
+    device.pop("unsigned", None)
+    device["signatures"][alice.user_id][f"ed25519:{ssk.public_key}"] = ssk.sign(canonical(device))
+    done = alice.post(f"{C3}/keys/signatures/upload", {alice.user_id: {alice.device_id: device}})
+    assert done["failures"] == {}, done.body
+
+
+def test_key_backup(world):
+    alice: Client = world["alice"]
+    alg = "m.megolm_backup.v1.curve25519-aes-sha2"
+    version = alice.post(f"{C3}/room_keys/version", {"algorithm": alg, "auth_data": {"public_key": "abc"}})["version"]
+    assert alice.get(f"{C3}/room_keys/version")["version"] == version
+    alice.put(f"{C3}/room_keys/version/{version}", {"algorithm": alg, "auth_data": {"public_key": "def"}, "version": version})
+    assert alice.get(f"{C3}/room_keys/version/{version}")["auth_data"] == {"public_key": "def"}
+    session = {"first_message_index": 0, "forwarded_count": 0, "is_verified": False, "session_data": {"ciphertext": "c", "ephemeral": "e", "mac": "m"}}
+    r = seg(world["room"])
+    q = {"version": version}
+    assert alice.put(f"{C3}/room_keys/keys", {"rooms": {world["room"]: {"sessions": {"s1": session}}}}, query=q)["count"] == 1
+    alice.put(f"{C3}/room_keys/keys/{r}", {"sessions": {"s2": session}}, query=q)
+    alice.put(f"{C3}/room_keys/keys/{r}/s3", session, query=q)
+    assert set(alice.get(f"{C3}/room_keys/keys", query=q)["rooms"][world["room"]]["sessions"]) == {"s1", "s2", "s3"}
+    assert set(alice.get(f"{C3}/room_keys/keys/{r}", query=q)["sessions"]) == {"s1", "s2", "s3"}
+    assert alice.get(f"{C3}/room_keys/keys/{r}/s1", query=q)["first_message_index"] == 0
+    assert alice.delete(f"{C3}/room_keys/keys/{r}/s1", query=q)["count"] == 2
+    assert alice.delete(f"{C3}/room_keys/keys/{r}", query=q)["count"] == 0
+    alice.delete(f"{C3}/room_keys/keys", query=q)
+    alice.delete(f"{C3}/room_keys/version/{version}")
+    alice.get(f"{C3}/room_keys/version", expect=404)
+
+
+def test_media(anon, world):
+    """Upload (direct and asynchronous), download, thumbnail, config; legacy too."""
+    import struct
+    import zlib
+
+    alice: Client = world["alice"]
+    # A 4x4 red PNG, built by hand.
+    raw = b"".join(b"\x00" + b"\xff\x00\x00" * 4 for _ in range(4))
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 4, 4, 8, 2, 0, 0, 0)) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+    uri = alice.post("/_matrix/media/v3/upload", raw_body=png, content_type="image/png", query={"filename": "red.png"})["content_uri"]
+    server_and_id = uri.removeprefix("mxc://")
+    V1 = "/_matrix/client/v1/media"
+    assert alice.get(f"{V1}/download/{server_and_id}").body == png
+    assert alice.get(f"{V1}/download/{server_and_id}/other.png").body == png
+    thumb = alice.get(f"{V1}/thumbnail/{server_and_id}", query={"width": 2, "height": 2, "method": "crop"})
+    assert thumb.content_type == "image/png" and thumb.body.startswith(b"\x89PNG")
+    assert alice.get(f"{V1}/config")["m.upload.size"] > 0
+    created = alice.post("/_matrix/media/v1/create")
+    later = created["content_uri"].removeprefix("mxc://")
+    alice.put(f"/_matrix/media/v3/upload/{later}", raw_body=b"hello", content_type="text/plain")
+    assert anon.get(f"/_matrix/media/v3/download/{later}").body == b"hello"
+    assert anon.get(f"/_matrix/media/v3/download/{later}/hello.txt").body == b"hello"
+    anon.get(f"/_matrix/media/v3/thumbnail/{server_and_id}", query={"width": 2, "height": 2})
+    anon.get("/_matrix/media/v3/config")
 
 
 def test_logout_all(anon):

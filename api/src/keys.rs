@@ -1,0 +1,422 @@
+//! Device keys (spec: client-server API "End-to-End Encryption", "Key management API"):
+//! `POST /keys/upload`, `POST /keys/query`, `POST /keys/claim`, `GET /keys/changes`.
+//!
+//! Uploads become journal facts; claims are decided by the journal at append time
+//! (each one-time key is handed out at most once, whatever the concurrency); reads come
+//! from the `device_keys` projection. There is no federation yet: users of other
+//! servers are reported under `failures`.
+
+use std::collections::BTreeMap;
+
+use axum::{
+    Json, Router,
+    extract::State,
+    routing::{get, post},
+};
+use serde_json::{Map, Value, json};
+use spindle_journal::{CommandBody, Fact, KeyClaimRequest};
+
+use crate::{
+    ApiResult, AppState, MatrixError,
+    extract::{JsonObject, Query, Requester},
+};
+
+/// Most users one `/keys/query` or `/keys/claim` may name (more: 400 `M_LIMIT_EXCEEDED`
+/// would be wrong, the spec has no code for it, so `M_INVALID_PARAM`).
+pub const MAX_USERS_PER_REQUEST: usize = 1000;
+/// Most (device, key) entries one `/keys/claim` or `/keys/upload` may carry.
+pub const MAX_KEYS_PER_REQUEST: usize = 1000;
+
+pub(crate) fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/_matrix/client/v3/keys/upload", post(upload))
+        .route("/_matrix/client/v3/keys/query", post(query))
+        .route("/_matrix/client/v3/keys/claim", post(claim))
+        .route("/_matrix/client/v3/keys/changes", get(changes))
+}
+
+fn object<'a>(v: &'a Value, what: &str) -> ApiResult<&'a Map<String, Value>> {
+    v.as_object()
+        .ok_or_else(|| MatrixError::bad_json(format!("{what} must be an object")))
+}
+
+/// The server part of a user id (`None` if it is not a user id).
+fn server_of(user_id: &str) -> Option<&str> {
+    user_id
+        .strip_prefix('@')
+        .and_then(|u| u.split_once(':'))
+        .map(|(_, s)| s)
+}
+
+/// A map of `"<algorithm>:<key id>" -> key` (one-time or fallback keys). Keys are
+/// objects (signed keys) or strings (unsigned `curve25519`).
+fn key_map(v: Option<&Value>, what: &str) -> ApiResult<BTreeMap<String, Value>> {
+    let Some(v) = v.filter(|v| !v.is_null()) else {
+        return Ok(BTreeMap::new());
+    };
+    let map = object(v, what)?;
+    if map.len() > MAX_KEYS_PER_REQUEST {
+        return Err(MatrixError::invalid_param(format!(
+            "at most {MAX_KEYS_PER_REQUEST} {what} per request"
+        )));
+    }
+    let mut out = BTreeMap::new();
+    for (id, key) in map {
+        let Some((alg, name)) = id.split_once(':') else {
+            return Err(MatrixError::bad_json(format!(
+                "{what} ids must be <algorithm>:<key id>, not {id:?}"
+            )));
+        };
+        if alg.is_empty() || name.is_empty() || id.contains('\0') {
+            return Err(MatrixError::bad_json(format!("invalid key id {id:?}")));
+        }
+        if !(key.is_object() || key.is_string()) {
+            return Err(MatrixError::bad_json(format!(
+                "{what} {id:?} must be an object or a string"
+            )));
+        }
+        out.insert(id.clone(), key.clone());
+    }
+    Ok(out)
+}
+
+/// Checks an uploaded `DeviceKeys` object: it is the requester's own device, has the
+/// required fields, and is signed by its own ed25519 key (spec: "the device keys must
+/// be signed by the device's ed25519 key"). Invalid signature: 400 `M_INVALID_SIGNATURE`.
+fn check_device_keys(r: &Requester, v: &Value) -> ApiResult<Value> {
+    let o = object(v, "device_keys")?;
+    if o.get("user_id").and_then(|u| u.as_str()) != Some(r.user_id.as_str())
+        || o.get("device_id").and_then(|d| d.as_str()) != Some(r.device_id.as_str())
+    {
+        return Err(MatrixError::bad_json(
+            "device_keys.user_id and device_id must be the requesting user and device",
+        ));
+    }
+    if !o.get("algorithms").is_some_and(|a| a.is_array()) {
+        return Err(MatrixError::bad_json(
+            "device_keys.algorithms must be a list",
+        ));
+    }
+    let keys = o
+        .get("keys")
+        .and_then(|k| k.as_object())
+        .ok_or_else(|| MatrixError::bad_json("device_keys.keys must be an object"))?;
+    let ed_id = format!("ed25519:{}", r.device_id);
+    let ed = keys
+        .get(&ed_id)
+        .and_then(|k| k.as_str())
+        .ok_or_else(|| MatrixError::bad_json(format!("device_keys.keys needs {ed_id}")))?;
+    spindle_core::e2ee::verify_signature(v, &r.user_id, &ed_id, ed)
+        .map_err(|e| invalid_signature(e.to_string()))?;
+    let mut stored = v.clone();
+    if let Some(m) = stored.as_object_mut() {
+        m.remove("unsigned");
+    }
+    Ok(stored)
+}
+
+/// 400 `M_INVALID_SIGNATURE`.
+pub fn invalid_signature(msg: impl Into<String>) -> MatrixError {
+    MatrixError::new(
+        axum::http::StatusCode::BAD_REQUEST,
+        "M_INVALID_SIGNATURE",
+        msg,
+    )
+}
+
+/// `{algorithm: count}` of a device's unclaimed one-time keys, with
+/// `signed_curve25519` always present (clients read it to decide to upload more).
+pub fn one_time_key_counts(s: &AppState, user_id: &str, device_id: &str) -> Value {
+    let mut counts = s
+        .projections
+        .device_keys
+        .one_time_key_counts(user_id, device_id);
+    counts.entry("signed_curve25519".into()).or_insert(0);
+    json!(counts)
+}
+
+/// `POST /_matrix/client/v3/keys/upload` (spec: "Key management API"): device keys,
+/// one-time keys and fallback keys of the requesting device. Answers the device's
+/// unclaimed one-time key counts after the upload.
+async fn upload(
+    State(s): State<AppState>,
+    r: Requester,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let device_keys = match body.get("device_keys") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(check_device_keys(&r, v)?),
+    };
+    let one_time_keys = key_map(body.get("one_time_keys"), "one_time_keys")?;
+    let fallback_keys = key_map(body.get("fallback_keys"), "fallback_keys")?;
+    let mut facts = Vec::new();
+    if let Some(device_keys) = device_keys {
+        facts.push(Fact::DeviceKeysUploaded {
+            user_id: r.user_id.clone(),
+            device_id: r.device_id.clone(),
+            device_keys,
+        });
+    }
+    if !one_time_keys.is_empty() {
+        facts.push(Fact::OneTimeKeysUploaded {
+            user_id: r.user_id.clone(),
+            device_id: r.device_id.clone(),
+            one_time_keys,
+        });
+    }
+    if !fallback_keys.is_empty() {
+        facts.push(Fact::FallbackKeysUploaded {
+            user_id: r.user_id.clone(),
+            device_id: r.device_id.clone(),
+            fallback_keys,
+        });
+    }
+    let mut position = 0;
+    for fact in facts {
+        position = s
+            .submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
+            .await?
+            .position
+            .max(position);
+    }
+    // The counts are read back, so they must include this upload.
+    s.wait_for(position).await?;
+    Ok(Json(json!({
+        "one_time_key_counts": one_time_key_counts(&s, &r.user_id, &r.device_id),
+    })))
+}
+
+/// The failure entry for a server we cannot reach (no federation yet).
+fn unreachable(server: &str) -> Value {
+    json!({
+        "errcode": "M_UNRECOGNIZED",
+        "error": format!("{server} cannot be reached: federation is not supported yet"),
+    })
+}
+
+/// Merges uploaded signatures into a key object: the owner's own (self-signing key on
+/// devices, devices on the master key) for everyone, other signers' only for the
+/// signer itself (spec: a user-signing signature is visible to its maker).
+fn with_signatures(s: &AppState, user_id: &str, key_id: &str, viewer: &str, mut v: Value) -> Value {
+    for (signer, signer_key, sig) in s.projections.device_keys.signatures_on(user_id, key_id) {
+        if signer != user_id && signer != viewer {
+            continue;
+        }
+        if let Some(m) = v.as_object_mut() {
+            let sigs = m.entry("signatures").or_insert_with(|| json!({}));
+            if let Some(sigs) = sigs.as_object_mut() {
+                let by = sigs.entry(signer).or_insert_with(|| json!({}));
+                if let Some(by) = by.as_object_mut() {
+                    by.insert(signer_key, json!(sig));
+                }
+            }
+        }
+    }
+    v
+}
+
+/// The device keys of one local user as `/keys/query` shows them to `viewer`: each
+/// device's signed keys (with uploaded signatures merged in) plus
+/// `unsigned.device_display_name`. `devices` empty means all.
+pub fn query_user_devices(
+    s: &AppState,
+    viewer: &str,
+    user_id: &str,
+    devices: &[String],
+) -> Map<String, Value> {
+    let all = if devices.is_empty() {
+        s.projections.device_keys.device_keys(user_id)
+    } else {
+        devices
+            .iter()
+            .filter_map(|d| Some((d.clone(), s.projections.device_keys.device_key(user_id, d)?)))
+            .collect()
+    };
+    all.into_iter()
+        .map(|(device_id, mut keys)| {
+            let name = s
+                .projections
+                .accounts
+                .device(user_id, &device_id)
+                .and_then(|d| d.display_name);
+            if let (Some(name), Some(m)) = (name, keys.as_object_mut()) {
+                m.insert("unsigned".into(), json!({ "device_display_name": name }));
+            }
+            let keys = with_signatures(s, user_id, &device_id, viewer, keys);
+            (device_id, keys)
+        })
+        .collect()
+}
+
+/// `POST /_matrix/client/v3/keys/query`: the device keys of the named users (all
+/// devices when the list is empty). Users of other servers go under `failures`; an
+/// unknown local user gets an empty device map.
+async fn query(
+    State(s): State<AppState>,
+    r: Requester,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let wanted = object(
+        body.get("device_keys")
+            .ok_or_else(|| MatrixError::bad_json("device_keys is required"))?,
+        "device_keys",
+    )?;
+    if wanted.len() > MAX_USERS_PER_REQUEST {
+        return Err(MatrixError::invalid_param(format!(
+            "at most {MAX_USERS_PER_REQUEST} users per query"
+        )));
+    }
+    let mut device_keys = Map::new();
+    let mut failures = Map::new();
+    let (mut master_keys, mut self_signing_keys, mut user_signing_keys) =
+        (Map::new(), Map::new(), Map::new());
+    for (user_id, devices) in wanted {
+        let devices: Vec<String> = match devices {
+            Value::Array(a) => a
+                .iter()
+                .map(|d| {
+                    d.as_str()
+                        .map(str::to_owned)
+                        .ok_or_else(|| MatrixError::bad_json("device ids must be strings"))
+                })
+                .collect::<ApiResult<_>>()?,
+            Value::Null => vec![],
+            _ => return Err(MatrixError::bad_json("device_keys values must be lists")),
+        };
+        let Some(server) = server_of(user_id) else {
+            return Err(MatrixError::invalid_param(format!(
+                "{user_id:?} is not a user id"
+            )));
+        };
+        if server != s.server_name() {
+            failures.insert(server.to_owned(), unreachable(server));
+            continue;
+        }
+        device_keys.insert(
+            user_id.clone(),
+            Value::Object(query_user_devices(&s, &r.user_id, user_id, &devices)),
+        );
+        let cs = s.projections.device_keys.cross_signing_keys(user_id);
+        if let Some(master) = cs.master {
+            let public = spindle_core::e2ee::cross_signing_public_key(&master)
+                .map(|(_, p)| p)
+                .unwrap_or_default();
+            master_keys.insert(
+                user_id.clone(),
+                with_signatures(&s, user_id, &public, &r.user_id, master),
+            );
+        }
+        if let Some(ssk) = cs.self_signing {
+            self_signing_keys.insert(user_id.clone(), ssk);
+        }
+        // The user-signing key is only ever shown to its owner.
+        if let Some(usk) = cs.user_signing.filter(|_| *user_id == r.user_id) {
+            user_signing_keys.insert(user_id.clone(), usk);
+        }
+    }
+    Ok(Json(json!({
+        "device_keys": device_keys,
+        "failures": failures,
+        "master_keys": master_keys,
+        "self_signing_keys": self_signing_keys,
+        "user_signing_keys": user_signing_keys,
+    })))
+}
+
+/// `POST /_matrix/client/v3/keys/claim`: one key per (user, device, algorithm): an
+/// unclaimed one-time key, or the device's fallback key when none is left. The journal
+/// picks the keys when it appends the claim, so concurrent claims never share a key.
+async fn claim(
+    State(s): State<AppState>,
+    r: Requester,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    let wanted = object(
+        body.get("one_time_keys")
+            .ok_or_else(|| MatrixError::bad_json("one_time_keys is required"))?,
+        "one_time_keys",
+    )?;
+    let mut requests = Vec::new();
+    let mut failures = Map::new();
+    for (user_id, devices) in wanted {
+        let devices = object(devices, "one_time_keys values")?;
+        let Some(server) = server_of(user_id) else {
+            return Err(MatrixError::invalid_param(format!(
+                "{user_id:?} is not a user id"
+            )));
+        };
+        if server != s.server_name() {
+            failures.insert(server.to_owned(), unreachable(server));
+            continue;
+        }
+        for (device_id, algorithm) in devices {
+            let algorithm = algorithm
+                .as_str()
+                .ok_or_else(|| MatrixError::bad_json("algorithms must be strings"))?;
+            requests.push(KeyClaimRequest {
+                user_id: user_id.clone(),
+                device_id: device_id.clone(),
+                algorithm: algorithm.to_owned(),
+            });
+        }
+    }
+    if requests.len() > MAX_KEYS_PER_REQUEST {
+        return Err(MatrixError::invalid_param(format!(
+            "at most {MAX_KEYS_PER_REQUEST} devices per claim"
+        )));
+    }
+    let mut one_time_keys: BTreeMap<String, BTreeMap<String, Map<String, Value>>> = BTreeMap::new();
+    if !requests.is_empty() {
+        let outcome = s
+            .submit(
+                &r.user_id,
+                Some(&r.device_id),
+                CommandBody::ClaimOneTimeKeys { requests },
+            )
+            .await?;
+        for c in outcome.claimed {
+            one_time_keys
+                .entry(c.claim.user_id)
+                .or_default()
+                .entry(c.claim.device_id)
+                .or_default()
+                .insert(c.claim.key_id, c.key);
+        }
+    }
+    Ok(Json(
+        json!({ "one_time_keys": one_time_keys, "failures": failures }),
+    ))
+}
+
+/// The joined rooms of a user (from the membership projection).
+pub fn joined_rooms(s: &AppState, user_id: &str) -> Vec<String> {
+    s.projections
+        .membership
+        .rooms_of(user_id)
+        .into_iter()
+        .filter(|(_, m)| m.membership == "join")
+        .map(|(room, _)| room)
+        .collect()
+}
+
+/// `GET /_matrix/client/v3/keys/changes?from=&to=`: users whose device lists changed
+/// between two sync tokens, among those who share a room with the requester, and
+/// those who no longer share one.
+async fn changes(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Json<Value>> {
+    let from = q
+        .get("from")
+        .ok_or_else(|| MatrixError::missing_param("from is required"))?;
+    let to = q
+        .get("to")
+        .ok_or_else(|| MatrixError::missing_param("to is required"))?;
+    let from = crate::sync::parse_since(from)?.0;
+    let to = crate::sync::parse_since(to)?
+        .0
+        .min(s.projections.runtime.applied());
+    let rooms = joined_rooms(&s, &r.user_id);
+    let c = s
+        .projections
+        .device_keys
+        .changes(&r.user_id, &rooms, from, to);
+    Ok(Json(json!({ "changed": c.changed, "left": c.left })))
+}

@@ -1,0 +1,626 @@
+//! Device keys projection (spec: client-server API "End-to-End Encryption", key
+//! management): device identity keys, one-time and fallback keys with their counts,
+//! and the device-list change logs that `/sync` (`device_lists`) and `/keys/changes`
+//! read.
+//!
+//! A user's device list *changes* when a device's keys are uploaded or changed, when a
+//! device with keys is renamed or deleted. Everyone who shares a room with the user
+//! must hear of it, so a change is logged once per room the user is joined to (this
+//! projection keeps joined memberships itself, from member events): a syncing user
+//! then scans only the logs of their own rooms from their token, never other users'
+//! traffic (BRIEF §3.9). Joins and leaves are logged the same way, because a user who
+//! newly shares a room is `changed` and one who shares none any more is `left`.
+//!
+//! Tables:
+//! - `keys`: user, 0x00, device -> the device's signed `DeviceKeys` JSON
+//! - `otks`: user, 0x00, device, 0x00, `<algorithm>:<id>` -> one-time key JSON
+//! - `otk_counts`: user, 0x00, device, 0x00, algorithm -> u64 BE (unclaimed keys)
+//! - `fallback`: user, 0x00, device, 0x00, algorithm -> [`FallbackKey`] JSON
+//! - `joined`: user, 0x00, room -> empty (joined memberships)
+//! - `room_members`: room, 0x00, user -> empty (joined members)
+//! - `room_log`: room, 0x00, position BE -> [`RoomLogEntry`] JSON
+//! - `user_log`: user, 0x00, position BE -> [`UserLogEntry`] JSON (own changes)
+//! - `cross_signing`: user, 0x00, `master` | `self_signing` | `user_signing` -> key JSON
+//! - `signatures`: user, 0x00, key id, 0x00, signer, 0x00, signer key id -> signature
+//!   (signatures uploaded on a device key or master key, merged in at query time so a
+//!   re-uploaded key keeps them)
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use spindle_journal::{Fact, StoredRecord};
+
+use crate::{
+    runtime::Projection,
+    store::{ApplyCtx, LastChange, ProjectionDb, Table, key},
+};
+
+/// A device's fallback key of one algorithm.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct FallbackKey {
+    /// `<algorithm>:<id>`.
+    pub key_id: String,
+    /// The signed key object.
+    pub key: Value,
+    /// Handed out by a claim since it was uploaded.
+    pub used: bool,
+}
+
+/// What happened to a member of a room, as far as device lists go.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum RoomLogKind {
+    /// The user's device list changed.
+    Keys,
+    /// The user joined the room.
+    Join,
+    /// The user left the room (or was kicked or banned).
+    Leave,
+}
+
+/// One row of `room_log`: `[user, kind]`.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct RoomLogEntry(pub String, pub RoomLogKind);
+
+/// One row of `user_log`: the user's own device list changed (`room` is `None`), or
+/// the user joined or left `room`.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct UserLogEntry {
+    /// What happened.
+    pub kind: RoomLogKind,
+    /// The room joined or left.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub room: Option<String>,
+}
+
+/// Device list changes seen by one user in a window (spec: `device_lists` in `/sync`,
+/// and `GET /keys/changes`). Sorted, no duplicates, disjoint.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct DeviceListChanges {
+    /// Users whose devices changed, or who newly share a room with the user.
+    pub changed: Vec<String>,
+    /// Users who no longer share any room with the user.
+    pub left: Vec<String>,
+}
+
+/// A user's cross-signing keys as uploaded.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct CrossSigningKeys {
+    /// The master key.
+    pub master: Option<Value>,
+    /// The self-signing key.
+    pub self_signing: Option<Value>,
+    /// The user-signing key.
+    pub user_signing: Option<Value>,
+}
+
+/// The device keys projection.
+pub struct DeviceKeys {
+    cross_signing: Table,
+    signatures: Table,
+    keys: Table,
+    otks: Table,
+    otk_counts: Table,
+    fallback: Table,
+    joined: Table,
+    room_members: Table,
+    room_log: Table,
+    user_log: Table,
+    room_last: LastChange,
+    user_last: LastChange,
+}
+
+fn algorithm_of(key_id: &str) -> &str {
+    key_id.split_once(':').map(|(a, _)| a).unwrap_or(key_id)
+}
+
+fn suffix(k: &[u8], prefix: &[u8]) -> String {
+    String::from_utf8_lossy(&k[prefix.len()..]).into_owned()
+}
+
+impl DeviceKeys {
+    /// Opens the tables.
+    pub fn open(db: &ProjectionDb) -> Result<DeviceKeys, String> {
+        let t = |n: &str| db.table("device_keys", n);
+        Ok(DeviceKeys {
+            cross_signing: t("cross_signing")?,
+            signatures: t("signatures")?,
+            keys: t("keys")?,
+            otks: t("otks")?,
+            otk_counts: t("otk_counts")?,
+            fallback: t("fallback")?,
+            joined: t("joined")?,
+            room_members: t("room_members")?,
+            room_log: t("room_log")?,
+            user_log: t("user_log")?,
+            room_last: LastChange::default(),
+            user_last: LastChange::default(),
+        })
+    }
+
+    /// The signed device keys of every device of `user_id` that uploaded some, by device id.
+    pub fn device_keys(&self, user_id: &str) -> Vec<(String, Value)> {
+        let prefix = key::prefix(&[user_id]);
+        self.keys
+            .scan_prefix(&prefix, usize::MAX)
+            .into_iter()
+            .filter_map(|(k, v)| Some((suffix(&k, &prefix), serde_json::from_slice(&v).ok()?)))
+            .collect()
+    }
+
+    /// A user's cross-signing keys (one short scan).
+    pub fn cross_signing_keys(&self, user_id: &str) -> CrossSigningKeys {
+        let prefix = key::prefix(&[user_id]);
+        let mut out = CrossSigningKeys::default();
+        for (k, v) in self.cross_signing.scan_prefix(&prefix, 3) {
+            let v = serde_json::from_slice(&v).ok();
+            match suffix(&k, &prefix).as_str() {
+                "master" => out.master = v,
+                "self_signing" => out.self_signing = v,
+                "user_signing" => out.user_signing = v,
+                _ => {}
+            }
+        }
+        out
+    }
+
+    /// Uploaded signatures on one key of a user: (signer, signer key id, signature).
+    pub fn signatures_on(&self, user_id: &str, key_id: &str) -> Vec<(String, String, String)> {
+        let prefix = key::prefix(&[user_id, key_id]);
+        self.signatures
+            .scan_prefix(&prefix, usize::MAX)
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let rest = suffix(&k, &prefix);
+                let (signer, signer_key) = rest.split_once('\0')?;
+                Some((
+                    signer.to_owned(),
+                    signer_key.to_owned(),
+                    String::from_utf8(v).ok()?,
+                ))
+            })
+            .collect()
+    }
+
+    /// One device's signed device keys (one point read).
+    pub fn device_key(&self, user_id: &str, device_id: &str) -> Option<Value> {
+        serde_json::from_slice(&self.keys.get(&key::join(&[user_id, device_id]))?).ok()
+    }
+
+    /// Unclaimed one-time keys of a device, per algorithm (spec:
+    /// `one_time_key_counts`, `device_one_time_keys_count`). One short scan over the
+    /// device's algorithms.
+    pub fn one_time_key_counts(&self, user_id: &str, device_id: &str) -> BTreeMap<String, u64> {
+        let prefix = key::prefix(&[user_id, device_id]);
+        self.otk_counts
+            .scan_prefix(&prefix, usize::MAX)
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let n = u64::from_be_bytes(v.get(..8)?.try_into().ok()?);
+                (n > 0).then(|| (suffix(&k, &prefix), n))
+            })
+            .collect()
+    }
+
+    /// Algorithms whose fallback key has not been handed out yet (spec:
+    /// `device_unused_fallback_key_types`).
+    pub fn unused_fallback_key_types(&self, user_id: &str, device_id: &str) -> Vec<String> {
+        let prefix = key::prefix(&[user_id, device_id]);
+        self.fallback
+            .scan_prefix(&prefix, usize::MAX)
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let fk: FallbackKey = serde_json::from_slice(&v).ok()?;
+                (!fk.used).then(|| suffix(&k, &prefix))
+            })
+            .collect()
+    }
+
+    /// Position of the latest device-list entry of a room (memory after the first ask).
+    pub fn room_last_change(&self, room_id: &str) -> u64 {
+        self.room_last.get(room_id, &self.room_log)
+    }
+
+    /// Position of the latest own entry of a user (memory after the first ask).
+    pub fn user_last_change(&self, user_id: &str) -> u64 {
+        self.user_last.get(user_id, &self.user_log)
+    }
+
+    /// Whether anything in `joined_rooms` or the user's own log changed after `after`
+    /// (memory only: for waiting long-polls).
+    pub fn any_change_after(&self, user_id: &str, joined_rooms: &[String], after: u64) -> bool {
+        self.user_last_change(user_id) > after
+            || joined_rooms
+                .iter()
+                .any(|r| self.room_last_change(r) > after)
+    }
+
+    fn is_member(&self, room_id: &str, user_id: &str) -> bool {
+        self.room_members
+            .get(&key::join(&[room_id, user_id]))
+            .is_some()
+    }
+
+    fn members(&self, room_id: &str) -> Vec<String> {
+        let prefix = key::prefix(&[room_id]);
+        self.room_members
+            .scan_prefix(&prefix, usize::MAX)
+            .into_iter()
+            .map(|(k, _)| suffix(&k, &prefix))
+            .collect()
+    }
+
+    /// Device list changes `user_id` must hear of for `(after, upto]` (spec:
+    /// `device_lists` in `/sync`, `GET /keys/changes`). `joined_rooms` are the user's
+    /// joined rooms now. Reads: the device-list log of each joined room that changed
+    /// after `after` (memory check first), the user's own log, and for a room the user
+    /// joined or left in the window, its members; then one point lookup per (left
+    /// candidate, joined room). Never other rooms' traffic.
+    pub fn changes(
+        &self,
+        user_id: &str,
+        joined_rooms: &[String],
+        after: u64,
+        upto: u64,
+    ) -> DeviceListChanges {
+        let mut changed = BTreeSet::new();
+        let mut candidates_left = BTreeSet::new();
+        // The user itself is `changed` only when its own device list changed (not
+        // because it joined a room, which puts it in the member list).
+        let mut own_keys_changed = false;
+        if upto <= after {
+            return DeviceListChanges::default();
+        }
+        let range = |parts: &[&str]| {
+            (
+                key::with_pos(parts, after + 1),
+                key::with_pos(parts, upto.saturating_add(1)),
+            )
+        };
+        if self.user_last_change(user_id) > after {
+            let (start, end) = range(&[user_id]);
+            for (_, v) in self.user_log.scan_range(&start, &end, false, usize::MAX) {
+                let Ok(e) = serde_json::from_slice::<UserLogEntry>(&v) else {
+                    continue;
+                };
+                match (e.kind, e.room) {
+                    (RoomLogKind::Keys, _) => own_keys_changed = true,
+                    (RoomLogKind::Join, Some(room)) => changed.extend(self.members(&room)),
+                    (RoomLogKind::Leave, Some(room)) => candidates_left.extend(self.members(&room)),
+                    _ => {}
+                }
+            }
+        }
+        for room in joined_rooms {
+            if self.room_last_change(room) <= after {
+                continue;
+            }
+            let (start, end) = range(&[room]);
+            for (_, v) in self.room_log.scan_range(&start, &end, false, usize::MAX) {
+                let Ok(RoomLogEntry(user, kind)) = serde_json::from_slice(&v) else {
+                    continue;
+                };
+                match kind {
+                    RoomLogKind::Keys | RoomLogKind::Join => {
+                        changed.insert(user);
+                    }
+                    RoomLogKind::Leave => {
+                        candidates_left.insert(user);
+                    }
+                }
+            }
+        }
+        changed.remove(user_id);
+        if own_keys_changed {
+            changed.insert(user_id.to_owned());
+        }
+        let mut left = Vec::new();
+        for u in candidates_left {
+            if u == user_id {
+                continue;
+            }
+            if !joined_rooms.iter().any(|r| self.is_member(r, &u)) {
+                changed.remove(&u);
+                left.push(u);
+            }
+        }
+        DeviceListChanges {
+            changed: changed.into_iter().collect(),
+            left,
+        }
+    }
+
+    /// Logs a device list change of `user_id` in its own log and in every room it is
+    /// joined to.
+    fn log_keys_change(&self, ctx: &mut ApplyCtx, user_id: &str, position: u64) {
+        self.log_user(
+            ctx,
+            user_id,
+            UserLogEntry {
+                kind: RoomLogKind::Keys,
+                room: None,
+            },
+            position,
+        );
+        let prefix = key::prefix(&[user_id]);
+        for (k, _) in ctx.scan_prefix(&self.joined, &prefix) {
+            let room = suffix(&k, &prefix);
+            self.log_room(
+                ctx,
+                &room,
+                RoomLogEntry(user_id.to_owned(), RoomLogKind::Keys),
+                position,
+            );
+        }
+    }
+
+    fn log_user(&self, ctx: &mut ApplyCtx, user_id: &str, e: UserLogEntry, position: u64) {
+        ctx.put(
+            &self.user_log,
+            key::with_pos(&[user_id], position),
+            serde_json::to_vec(&e).expect("rows serialize"),
+        );
+        let (last, k) = (self.user_last.clone(), user_id.to_owned());
+        ctx.after_commit(move || last.bump(k, position));
+    }
+
+    fn log_room(&self, ctx: &mut ApplyCtx, room_id: &str, e: RoomLogEntry, position: u64) {
+        ctx.put(
+            &self.room_log,
+            key::with_pos(&[room_id], position),
+            serde_json::to_vec(&e).expect("rows serialize"),
+        );
+        let (last, k) = (self.room_last.clone(), room_id.to_owned());
+        ctx.after_commit(move || last.bump(k, position));
+    }
+
+    fn add_count(
+        &self,
+        ctx: &ApplyCtx,
+        user_id: &str,
+        device_id: &str,
+        algorithm: &str,
+        delta: i64,
+    ) {
+        let k = key::join(&[user_id, device_id, algorithm]);
+        let old = ctx
+            .get(&self.otk_counts, &k)
+            .and_then(|v| Some(u64::from_be_bytes(v.get(..8)?.try_into().ok()?)))
+            .unwrap_or(0);
+        let new = old.saturating_add_signed(delta);
+        if new == 0 {
+            ctx.delete(&self.otk_counts, k);
+        } else {
+            ctx.put(&self.otk_counts, k, new.to_be_bytes().to_vec());
+        }
+    }
+
+    fn apply_member(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
+        let pdu = record.pdu().ok_or("unreadable PDU")?;
+        if pdu.kind.to_string() != "m.room.member" {
+            return Ok(());
+        }
+        let Some(user) = pdu.state_key.clone() else {
+            return Ok(());
+        };
+        let room = pdu.room_id.to_string();
+        let joined_now = pdu
+            .content_value()
+            .get("membership")
+            .and_then(|m| m.as_str())
+            == Some("join");
+        let k = key::join(&[&user, &room]);
+        let was_joined = ctx.get(&self.joined, &k).is_some();
+        let position = record.position();
+        match (was_joined, joined_now) {
+            (false, true) => {
+                ctx.put(&self.joined, k, Vec::new());
+                ctx.put(&self.room_members, key::join(&[&room, &user]), Vec::new());
+                self.log_room(
+                    ctx,
+                    &room,
+                    RoomLogEntry(user.clone(), RoomLogKind::Join),
+                    position,
+                );
+                self.log_user(
+                    ctx,
+                    &user,
+                    UserLogEntry {
+                        kind: RoomLogKind::Join,
+                        room: Some(room),
+                    },
+                    position,
+                );
+            }
+            (true, false) => {
+                ctx.delete(&self.joined, k);
+                ctx.delete(&self.room_members, key::join(&[&room, &user]));
+                self.log_room(
+                    ctx,
+                    &room,
+                    RoomLogEntry(user.clone(), RoomLogKind::Leave),
+                    position,
+                );
+                self.log_user(
+                    ctx,
+                    &user,
+                    UserLogEntry {
+                        kind: RoomLogKind::Leave,
+                        room: Some(room),
+                    },
+                    position,
+                );
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+impl Projection for DeviceKeys {
+    fn name(&self) -> &'static str {
+        "device_keys"
+    }
+
+    fn tables(&self) -> Vec<Table> {
+        vec![
+            self.cross_signing.clone(),
+            self.signatures.clone(),
+            self.keys.clone(),
+            self.otks.clone(),
+            self.otk_counts.clone(),
+            self.fallback.clone(),
+            self.joined.clone(),
+            self.room_members.clone(),
+            self.room_log.clone(),
+            self.user_log.clone(),
+        ]
+    }
+
+    fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
+        if record.is_event() {
+            return self.apply_member(ctx, record);
+        }
+        let Some(fact) = record.fact() else {
+            return Ok(());
+        };
+        let position = record.position();
+        let json = |v: &Value| serde_json::to_vec(v).expect("rows serialize");
+        match fact {
+            Fact::DeviceKeysUploaded {
+                user_id,
+                device_id,
+                device_keys,
+            } => {
+                let k = key::join(&[&user_id, &device_id]);
+                let bytes = json(&device_keys);
+                if ctx.get(&self.keys, &k).as_deref() != Some(bytes.as_slice()) {
+                    ctx.put(&self.keys, k, bytes);
+                    self.log_keys_change(ctx, &user_id, position);
+                }
+            }
+            Fact::OneTimeKeysUploaded {
+                user_id,
+                device_id,
+                one_time_keys,
+            } => {
+                for (key_id, key) in one_time_keys {
+                    let k = key::join(&[&user_id, &device_id, &key_id]);
+                    if ctx.get(&self.otks, &k).is_none() {
+                        self.add_count(ctx, &user_id, &device_id, algorithm_of(&key_id), 1);
+                    }
+                    ctx.put(&self.otks, k, json(&key));
+                }
+            }
+            Fact::FallbackKeysUploaded {
+                user_id,
+                device_id,
+                fallback_keys,
+            } => {
+                for (key_id, key) in fallback_keys {
+                    let algorithm = algorithm_of(&key_id).to_owned();
+                    let row = FallbackKey {
+                        key_id,
+                        key,
+                        used: false,
+                    };
+                    ctx.put(
+                        &self.fallback,
+                        key::join(&[&user_id, &device_id, &algorithm]),
+                        serde_json::to_vec(&row).expect("rows serialize"),
+                    );
+                }
+            }
+            Fact::OneTimeKeysClaimed { claims } => {
+                for c in claims {
+                    if c.fallback {
+                        let k = key::join(&[&c.user_id, &c.device_id, algorithm_of(&c.key_id)]);
+                        if let Some(mut fk) = ctx
+                            .get(&self.fallback, &k)
+                            .and_then(|v| serde_json::from_slice::<FallbackKey>(&v).ok())
+                            && fk.key_id == c.key_id
+                            && !fk.used
+                        {
+                            fk.used = true;
+                            ctx.put(
+                                &self.fallback,
+                                k,
+                                serde_json::to_vec(&fk).expect("rows serialize"),
+                            );
+                        }
+                    } else {
+                        let k = key::join(&[&c.user_id, &c.device_id, &c.key_id]);
+                        if ctx.get(&self.otks, &k).is_some() {
+                            ctx.delete(&self.otks, k);
+                            self.add_count(
+                                ctx,
+                                &c.user_id,
+                                &c.device_id,
+                                algorithm_of(&c.key_id),
+                                -1,
+                            );
+                        }
+                    }
+                }
+            }
+            // The display name is part of what /keys/query shows.
+            Fact::DeviceRenamed {
+                user_id, device_id, ..
+            } if ctx
+                .get(&self.keys, &key::join(&[&user_id, &device_id]))
+                .is_some() =>
+            {
+                self.log_keys_change(ctx, &user_id, position);
+            }
+            Fact::CrossSigningKeysUploaded {
+                user_id,
+                master_key,
+                self_signing_key,
+                user_signing_key,
+            } => {
+                for (kind, v) in [
+                    ("master", master_key),
+                    ("self_signing", self_signing_key),
+                    ("user_signing", user_signing_key),
+                ] {
+                    if let Some(v) = v {
+                        ctx.put(&self.cross_signing, key::join(&[&user_id, kind]), json(&v));
+                    }
+                }
+                self.log_keys_change(ctx, &user_id, position);
+            }
+            Fact::SignaturesUploaded { signatures } => {
+                let mut signers = BTreeSet::new();
+                for sig in signatures {
+                    ctx.put(
+                        &self.signatures,
+                        key::join(&[&sig.user_id, &sig.key_id, &sig.signer, &sig.signer_key_id]),
+                        sig.signature.into_bytes(),
+                    );
+                    signers.insert(sig.signer);
+                }
+                for signer in signers {
+                    self.log_keys_change(ctx, &signer, position);
+                }
+            }
+            Fact::DeviceDeleted { user_id, device_id } => {
+                let had_keys = ctx
+                    .get(&self.keys, &key::join(&[&user_id, &device_id]))
+                    .is_some();
+                ctx.delete(&self.keys, key::join(&[&user_id, &device_id]));
+                let prefix = key::prefix(&[&user_id, &device_id]);
+                for t in [&self.otks, &self.otk_counts, &self.fallback] {
+                    for (k, _) in ctx.scan_prefix(t, &prefix) {
+                        ctx.delete(t, k);
+                    }
+                }
+                if had_keys {
+                    self.log_keys_change(ctx, &user_id, position);
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
