@@ -439,6 +439,39 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
             200,
             "",
         ),
+        // Relations and threads (api/src/relations.rs, spec v1 paths).
+        Row {
+            method: M::GET,
+            template: "/_matrix/client/v1/rooms/{room_id}/relations/{event_id}",
+            path: format!("/_matrix/client/v1/rooms/{r}/relations/{x}"),
+            body: None,
+            status: 404,
+            errcode: NF,
+        },
+        Row {
+            method: M::GET,
+            template: "/_matrix/client/v1/rooms/{room_id}/relations/{event_id}/{rel_type}",
+            path: format!("/_matrix/client/v1/rooms/{r}/relations/{x}/m.thread"),
+            body: None,
+            status: 404,
+            errcode: NF,
+        },
+        Row {
+            method: M::GET,
+            template: "/_matrix/client/v1/rooms/{room_id}/relations/{event_id}/{rel_type}/{event_type}",
+            path: format!("/_matrix/client/v1/rooms/{r}/relations/{x}/m.annotation/m.reaction"),
+            body: None,
+            status: 404,
+            errcode: NF,
+        },
+        Row {
+            method: M::GET,
+            template: "/_matrix/client/v1/rooms/{room_id}/threads",
+            path: format!("/_matrix/client/v1/rooms/{r}/threads"),
+            body: None,
+            status: 403,
+            errcode: F,
+        },
     ];
 
     // The table covers every /rooms/{room_id}/... route the api serves.
@@ -449,6 +482,7 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
         ("spaces.rs", include_str!("../api/src/spaces.rs")),
         ("upgrade.rs", include_str!("../api/src/upgrade.rs")),
         ("reports.rs", include_str!("../api/src/reports.rs")),
+        ("relations.rs", include_str!("../api/src/relations.rs")),
     ] {
         let (count, routes) = room_routes(source);
         let distinct: BTreeSet<&String> = routes.iter().map(|(_, t)| t).collect();
@@ -461,7 +495,7 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
     }
     assert_eq!(
         served.len(),
-        30,
+        34,
         "room routes served (update the table when adding one): {served:?}"
     );
     for (method, template) in &served {

@@ -617,3 +617,88 @@ async fn receipts_in_sync_respect_privacy_and_tokens() {
         json!({ m2.clone(): { "m.read": { bob.user_id.clone(): {} } } })
     );
 }
+
+/// Limits audit (issue 3): every `limit` is clamped and every pagination token is
+/// validated. Before: a sync filter with `timeline.limit: u64::MAX` overflowed
+/// (`limit + 1`) and `/messages?to=t<u64::MAX>` overflowed (`to + 1`): a panic, not an
+/// answer. Now huge values are clamped and bad tokens answer 400 `M_INVALID_PARAM`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn huge_limits_are_clamped_and_bad_tokens_are_400() {
+    let server = TestServer::start().await;
+    let alice = server.register("limits").await;
+    let room = alice.create_room(json!({ "preset": "private_chat" })).await;
+    let root = alice.send_text(&room, "root").await;
+    for i in 0..3 {
+        alice.send_text(&room, &format!("m{i}")).await;
+    }
+    let all = alice.all_event_ids(&room).await;
+    let r = enc(&room);
+    let max = u64::MAX;
+
+    let filter = enc(&json!({ "room": { "timeline": { "limit": max } } }).to_string());
+    let s = alice.sync(&format!("filter={filter}")).await;
+    assert_eq!(common::sync_timeline_ids(&s, "join", &room), all);
+    let m = alice
+        .messages(&room, &format!("dir=b&limit={max}&to=t{max}"))
+        .await;
+    assert_eq!(m["chunk"], json!([]));
+    let m = alice.messages(&room, "dir=f&limit=99999999999999").await;
+    assert_eq!(common::ids(&m["chunk"]), all);
+    let rel = |q: String| {
+        let alice = alice.clone();
+        let path = format!("/_matrix/client/v1/rooms/{r}/relations/{}?{q}", enc(&root));
+        async move { alice.get(&path).await }
+    };
+    assert_eq!(rel(format!("to=t{max}")).await.ok()["chunk"], json!([]));
+    assert_eq!(
+        rel(format!("dir=f&from=t{max}&limit={max}")).await.ok()["chunk"],
+        json!([])
+    );
+    assert_eq!(
+        alice
+            .get(&format!(
+                "/_matrix/client/v1/rooms/{r}/threads?limit={max}&from=t{max}"
+            ))
+            .await
+            .ok()["chunk"],
+        json!([])
+    );
+    assert_eq!(
+        alice
+            .get(&format!(
+                "/_matrix/client/v3/notifications?limit={max}&from={max}"
+            ))
+            .await
+            .ok()["notifications"],
+        json!([])
+    );
+
+    for path in [
+        format!("/_matrix/client/v3/rooms/{r}/messages?from=x1"),
+        format!("/_matrix/client/v3/rooms/{r}/messages?to=t-1"),
+        format!("/_matrix/client/v3/rooms/{r}/messages?limit=-5"),
+        format!(
+            "/_matrix/client/v3/rooms/{r}/context/{}?limit=ten",
+            enc(&root)
+        ),
+        format!("/_matrix/client/v3/rooms/{r}/members?at=yesterday"),
+        "/_matrix/client/v3/sync?since=s1".to_owned(),
+        "/_matrix/client/v3/sync?since=t5".to_owned(),
+        "/_matrix/client/v3/sync?timeout=soon".to_owned(),
+        format!(
+            "/_matrix/client/v1/rooms/{r}/relations/{}?from=%00",
+            enc(&root)
+        ),
+        format!(
+            "/_matrix/client/v1/rooms/{r}/relations/{}?limit=1.5",
+            enc(&root)
+        ),
+        format!("/_matrix/client/v1/rooms/{r}/threads?from=next"),
+        format!("/_matrix/client/v1/rooms/{r}/threads?limit=many"),
+        "/_matrix/client/v3/notifications?from=t5".to_owned(),
+        "/_matrix/client/v3/notifications?limit=x".to_owned(),
+    ] {
+        alice.get(&path).await.expect_err(400, "M_INVALID_PARAM");
+    }
+    server.stop().await;
+}

@@ -48,11 +48,6 @@ pub(crate) fn routes() -> Router<AppState> {
             "/_matrix/client/v3/user/{user_id}/rooms/{room_id}/account_data/{data_type}",
             get(get_room_account_data).put(put_room_account_data),
         )
-        .route("/_matrix/client/v3/pushrules/", get(push_rules))
-        .route(
-            "/_matrix/client/v3/pushrules/global/",
-            get(push_rules_global),
-        )
         .route(
             "/_matrix/client/v3/user/{user_id}/rooms/{room_id}/tags",
             get(get_tags),
@@ -524,6 +519,8 @@ fn profile_json(s: &AppState, user_id: &str) -> ApiResult<Value> {
 }
 
 async fn profile(State(s): State<AppState>, Path(user_id): Path<String>) -> ApiResult<Json<Value>> {
+    // Unauthenticated: wait for acknowledged writes here (no Requester does it).
+    s.wait_for_acknowledged().await?;
     Ok(Json(profile_json(&s, &user_id)?))
 }
 
@@ -534,6 +531,7 @@ async fn profile_field(
     if field != "displayname" && field != "avatar_url" {
         return Err(MatrixError::unrecognized());
     }
+    s.wait_for_acknowledged().await?;
     let p = profile_json(&s, &user_id)?;
     match p.get(&field) {
         Some(v) => Ok(Json(json!({ field: v }))),
@@ -727,23 +725,6 @@ async fn get_filter(
         .get(&user_id, &filter_id)
         .map(Json)
         .ok_or_else(|| MatrixError::not_found("Filter not found"))
-}
-
-fn default_ruleset(user_id: &str) -> ApiResult<Value> {
-    let user = ruma::UserId::parse(user_id).map_err(|e| MatrixError::internal(e.to_string()))?;
-    serde_json::to_value(ruma::push::Ruleset::server_default(&user))
-        .map_err(|e| MatrixError::internal(e.to_string()))
-}
-
-/// `GET /pushrules/`: the spec's default push rules (read-only for now: rule changes
-/// and evaluation are issue 3). Clients fetch this before their first sync.
-async fn push_rules(r: Requester) -> ApiResult<Json<Value>> {
-    Ok(Json(json!({ "global": default_ruleset(&r.user_id)? })))
-}
-
-/// `GET /pushrules/global/`.
-async fn push_rules_global(r: Requester) -> ApiResult<Json<Value>> {
-    Ok(Json(default_ruleset(&r.user_id)?))
 }
 
 /// Room tags (spec: "Room Tagging"): a view over the room's `m.tag` account data.

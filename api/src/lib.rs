@@ -17,7 +17,9 @@ pub mod key_backup;
 pub mod keys;
 pub mod media;
 pub mod presence;
+pub mod push;
 pub mod read;
+pub mod relations;
 pub mod reports;
 pub mod rooms;
 pub mod sliding;
@@ -251,6 +253,8 @@ pub fn router(state: AppState) -> Router {
         .merge(read::routes())
         .merge(sync::routes())
         .merge(sliding::routes())
+        .merge(push::routes())
+        .merge(relations::routes())
         .merge(typing::routes())
         .merge(keys::routes())
         .merge(cross_signing::routes())

@@ -78,8 +78,20 @@ pub fn token(pos: u64) -> String {
 }
 
 /// Renders an event for a client: redacted if a redaction applies, with `unsigned`
-/// (`age`, `transaction_id` for the sending device, `prev_content` for state).
+/// (`age`, `transaction_id` for the sending device, `prev_content` for state, and the
+/// bundled aggregations `m.relations`, see [`crate::relations::bundle`]).
 pub fn render(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &str)>) -> Value {
+    let mut v = render_unbundled(s, ev, viewer);
+    if let Some(b) = crate::relations::bundle(s, ev, viewer, 0)
+        && let Some(u) = v.get_mut("unsigned").and_then(|u| u.as_object_mut())
+    {
+        u.insert("m.relations".into(), b);
+    }
+    v
+}
+
+/// [`render`] without bundled aggregations.
+pub fn render_unbundled(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &str)>) -> Value {
     let mut unsigned = serde_json::Map::new();
     unsigned.insert(
         "age".into(),
@@ -286,7 +298,7 @@ async fn messages(
     let mut end = None;
     let page = (limit * 2).max(20);
     if dir == "b" {
-        let floor = to.map(|t| t + 1).unwrap_or(0);
+        let floor = to.map(|t| t.saturating_add(1)).unwrap_or(0);
         let mut before = from.min(cap).saturating_add(1);
         loop {
             let rows = s

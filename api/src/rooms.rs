@@ -1194,6 +1194,9 @@ async fn resolve_alias(
 ) -> ApiResult<Json<Value>> {
     ruma::RoomAliasId::parse(&alias)
         .map_err(|_| MatrixError::invalid_param("Invalid room alias"))?;
+    // No access token here, so no Requester to wait for acknowledged writes: wait
+    // explicitly (read-your-writes holds for unauthenticated reads too).
+    s.wait_for_acknowledged().await?;
     let t = s
         .projections
         .aliases

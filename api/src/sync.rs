@@ -21,6 +21,9 @@ use crate::{
     visibility::{Access, can_see},
 };
 
+/// Threads whose unread counts one room's sync entry computes at most.
+pub const THREADS_COUNTED_MAX: usize = 100;
+
 pub(crate) fn routes() -> Router<AppState> {
     Router::new().route("/_matrix/client/v3/sync", get(sync))
 }
@@ -71,6 +74,9 @@ pub struct EventFilter {
     pub lazy_load_members: bool,
     /// Only events with (true) or without (false) a `url` in their content.
     pub contains_url: Option<bool>,
+    /// Per-thread unread counts (spec: `unread_thread_notifications`, on the timeline
+    /// filter).
+    pub unread_thread_notifications: bool,
 }
 
 impl EventFilter {
@@ -106,6 +112,15 @@ impl EventFilter {
                 None | Some(Value::Null) => None,
                 Some(Value::Bool(b)) => Some(*b),
                 Some(_) => return Err(MatrixError::bad_json("contains_url must be a boolean")),
+            },
+            unread_thread_notifications: match v.get("unread_thread_notifications") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => {
+                    return Err(MatrixError::bad_json(
+                        "unread_thread_notifications must be a boolean",
+                    ));
+                }
             },
         })
     }
@@ -292,7 +307,13 @@ impl Ctx<'_> {
         after: u64,
         upto: u64,
     ) -> (Vec<EventRecord>, bool) {
-        let limit = self.filter.timeline.limit.unwrap_or(DEFAULT_TIMELINE_LIMIT);
+        // Clamped like `/messages` (a filter may ask for anything, even u64::MAX).
+        let limit = self
+            .filter
+            .timeline
+            .limit
+            .unwrap_or(DEFAULT_TIMELINE_LIMIT)
+            .min(crate::read::MAX_PAGE);
         let mut out = Vec::new();
         if limit == 0 {
             let more = !self
@@ -423,9 +444,13 @@ impl Ctx<'_> {
                 changed.dedup();
                 changed
                     .into_iter()
-                    .filter(|(user, kind)| visible(user, kind))
-                    .filter_map(|(user, kind)| {
-                        let rec = self.s.projections.receipts.get(room, &user, &kind)?;
+                    .filter(|(user, kind, _)| visible(user, kind))
+                    .filter_map(|(user, kind, thread)| {
+                        let rec = self
+                            .s
+                            .projections
+                            .receipts
+                            .get(room, &user, &kind, &thread)?;
                         Some((user, kind, rec))
                     })
                     .collect()
@@ -524,17 +549,60 @@ impl Ctx<'_> {
         })
     }
 
+    /// `unread_notifications` for the room, or for the main timeline when the filter
+    /// asks for per-thread counts (spec: "Receiving notifications").
     fn unread(&self, room: &str, m: &Membership) -> Value {
+        let user = &self.r.user_id;
+        let threaded = self.filter.timeline.unread_thread_notifications;
+        let thread = threaded.then_some("main");
         let from = self
             .s
             .projections
             .receipts
-            .read_position(room, &self.r.user_id)
+            .read_position(room, user, thread)
             .unwrap_or(m.position);
+        let c = self
+            .s
+            .projections
+            .push
+            .unread(room, user, thread.unwrap_or(""), from, self.upto);
         json!({
-            "notification_count": self.s.projections.receipts.unread(room, &self.r.user_id, from, self.upto),
-            "highlight_count": 0,
+            "notification_count": c.notification_count,
+            "highlight_count": c.highlight_count,
         })
+    }
+
+    /// `unread_thread_notifications`: counts per thread with unread notifications. The
+    /// candidates are the threads notified since the user's unthreaded read position
+    /// (newest first, at most [`THREADS_COUNTED_MAX`]); each costs a handful of seeks.
+    fn thread_unread(&self, room: &str, m: &Membership) -> Value {
+        let user = &self.r.user_id;
+        let p = &self.s.projections;
+        let floor = ["m.read", "m.read.private"]
+            .iter()
+            .filter_map(|t| p.receipts.get(room, user, t, ""))
+            .map(|r| r.event_position)
+            .max()
+            .unwrap_or(0)
+            .max(p.push.last_sent(room, user, ""));
+        let mut out = serde_json::Map::new();
+        for root in p
+            .push
+            .threads_notified(room, user, floor, self.upto, THREADS_COUNTED_MAX)
+        {
+            let from = p
+                .receipts
+                .read_position(room, user, Some(&root))
+                .unwrap_or(m.position);
+            let c = p.push.unread(room, user, &root, from, self.upto);
+            if c.notification_count > 0 {
+                out.insert(
+                    root,
+                    json!({ "notification_count": c.notification_count, "highlight_count": c.highlight_count }),
+                );
+            }
+        }
+        Value::Object(out)
     }
 
     fn joined_room(&self, room: &str, m: &Membership) -> Option<Value> {
@@ -576,13 +644,17 @@ impl Ctx<'_> {
             if ephemeral.is_empty() && account_data.is_empty() {
                 return None;
             }
-            return Some(json!({
+            let mut out = json!({
                 "timeline": { "events": [], "limited": false, "prev_batch": token(after) },
                 "state": { "events": [] },
                 "ephemeral": { "events": ephemeral },
                 "account_data": { "events": account_data },
                 "unread_notifications": self.unread(room, m),
-            }));
+            });
+            if self.filter.timeline.unread_thread_notifications {
+                out["unread_thread_notifications"] = self.thread_unread(room, m);
+            }
+            return Some(out);
         }
         let (timeline, limited) = self.timeline(room, &access, after, self.upto);
         let lazy = self.filter.state.lazy_load_members;
@@ -627,6 +699,9 @@ impl Ctx<'_> {
             "account_data": { "events": account_data },
             "unread_notifications": self.unread(room, m),
         });
+        if self.filter.timeline.unread_thread_notifications {
+            out["unread_thread_notifications"] = self.thread_unread(room, m);
+        }
         let membership_changed = timeline
             .iter()
             .chain(state.iter())
@@ -752,7 +827,10 @@ pub(crate) fn has_updates(
     upto: u64,
 ) -> bool {
     let p = &s.projections;
-    if p.membership.last_change(user) > since.0 || p.account_data.last_change(user) > since.0 {
+    if p.membership.last_change(user) > since.0
+        || p.account_data.last_change(user) > since.0
+        || p.push.rules_last_change(user) > since.0
+    {
         return true;
     }
     for room in joined {
@@ -957,6 +1035,21 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
             _ => {}
         }
     }
+    // `m.push_rules` is account data to clients (spec: "Push Rules: Events"), kept by
+    // the push projection: sent on an initial sync and after each change.
+    let push_rules_changed = since.is_none_or(|(sp, _)| {
+        let last = s.projections.push.rules_last_change(&r.user_id);
+        last > sp && last <= upto
+    });
+    let push_rules = push_rules_changed
+        .then(|| s.projections.push.ruleset(&r.user_id))
+        .flatten()
+        .map(|set| {
+            (
+                "m.push_rules".to_owned(),
+                json!({ "global": crate::push::ruleset_json(&set) }),
+            )
+        });
     let account_data: Vec<Value> = match since {
         None => s.projections.account_data.all(&r.user_id, None),
         Some(_) => ctx
@@ -973,6 +1066,7 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
             .collect(),
     }
     .into_iter()
+    .chain(push_rules)
     .filter(|(t, _)| ctx.filter.account_data.matches_type(t))
     .map(|(t, c)| json!({ "type": t, "content": c }))
     .collect();

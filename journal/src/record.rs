@@ -435,6 +435,53 @@ pub enum Fact {
         filename: Option<String>,
         size: u64,
     },
+    /// A push rule was created or replaced (spec: `PUT /pushrules/global/{kind}/{ruleId}`).
+    /// `rule` holds the request body (`actions`, and `conditions` or `pattern` by kind);
+    /// `before`/`after` place a new rule relative to another user-defined rule.
+    PushRuleSet {
+        user_id: String,
+        kind: String,
+        rule_id: String,
+        rule: serde_json::Value,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        before: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        after: Option<String>,
+    },
+    /// A user-defined push rule was deleted.
+    PushRuleDeleted {
+        user_id: String,
+        kind: String,
+        rule_id: String,
+    },
+    /// A push rule was enabled or disabled (`PUT .../enabled`).
+    PushRuleEnabledSet {
+        user_id: String,
+        kind: String,
+        rule_id: String,
+        enabled: bool,
+    },
+    /// A push rule's actions were replaced (`PUT .../actions`).
+    PushRuleActionsSet {
+        user_id: String,
+        kind: String,
+        rule_id: String,
+        actions: serde_json::Value,
+    },
+    /// A pusher was created or replaced (spec: `POST /pushers/set` with a `kind`).
+    /// `pusher` is the spec's `Pusher` object; unless `append`, pushers of other users
+    /// with the same `app_id` and `pushkey` are removed.
+    PusherSet {
+        user_id: String,
+        pusher: serde_json::Value,
+        append: bool,
+    },
+    /// A pusher was deleted (`POST /pushers/set` with `kind: null`).
+    PusherDeleted {
+        user_id: String,
+        app_id: String,
+        pushkey: String,
+    },
 }
 
 /// One signature on a device key or master key (see [`Fact::SignaturesUploaded`]).

@@ -10,7 +10,7 @@
 //! | [`accounts::Accounts`] | accounts, devices, access tokens (hashed), profiles |
 //! | [`user_data::Filters`] | sync filters |
 //! | [`user_data::AccountData`] | global and per-room account data |
-//! | [`user_data::Receipts`] | receipts and unread counts (running-count index) |
+//! | [`user_data::Receipts`] | receipts, read positions |
 //! | [`user_data::Aliases`] | room aliases |
 //! | [`audit::Audit`] | audit trails: room state changes, account facts, server admins |
 //! | [`room_summary::RoomSummary`] | joined/invited counts and heroes per room |
@@ -20,6 +20,9 @@
 //! | [`to_device::ToDevice`] | to-device inboxes per device |
 //! | [`key_backup::KeyBackup`] | server-side key backup versions and room keys |
 //! | [`media::Media`] | media metadata (content hash, type, name) per media id |
+//! | [`push::Push`] | push rules, per-recipient evaluation, unread and highlight counts, notifications |
+//! | [`push::Pushers`] | pushers |
+//! | [`relations::Relations`] | relations by parent, bundled aggregations, threads by activity |
 
 pub mod accounts;
 pub mod audit;
@@ -28,6 +31,9 @@ pub mod directory;
 pub mod key_backup;
 pub mod media;
 pub mod membership;
+pub mod push;
+pub mod push_rules;
+pub mod relations;
 pub mod render;
 pub mod room_summary;
 pub mod runtime;
@@ -59,7 +65,7 @@ pub struct Projections {
     pub filters: Arc<user_data::Filters>,
     /// Account data.
     pub account_data: Arc<user_data::AccountData>,
-    /// Receipts and unread counts.
+    /// Receipts.
     pub receipts: Arc<user_data::Receipts>,
     /// Aliases.
     pub aliases: Arc<user_data::Aliases>,
@@ -79,6 +85,12 @@ pub struct Projections {
     pub key_backup: Arc<key_backup::KeyBackup>,
     /// Media metadata.
     pub media: Arc<media::Media>,
+    /// Push rules, unread counts, notifications.
+    pub push: Arc<push::Push>,
+    /// Pushers.
+    pub pushers: Arc<push::Pushers>,
+    /// Relations, aggregations, threads.
+    pub relations: Arc<relations::Relations>,
     /// The runtime (checkpoints, waiting).
     pub runtime: Runtime,
     /// The database (counters).
@@ -105,6 +117,9 @@ impl Projections {
         let to_device = Arc::new(to_device::ToDevice::open(&db)?);
         let key_backup = Arc::new(key_backup::KeyBackup::open(&db)?);
         let media = Arc::new(media::Media::open(&db)?);
+        let push = Arc::new(push::Push::open(&db)?);
+        let pushers = Arc::new(push::Pushers::open(&db)?);
+        let relations = Arc::new(relations::Relations::open(&db)?);
         let all: Vec<Arc<dyn Projection>> = vec![
             timeline.clone(),
             state.clone(),
@@ -122,6 +137,9 @@ impl Projections {
             to_device.clone(),
             key_backup.clone(),
             media.clone(),
+            push.clone(),
+            pushers.clone(),
+            relations.clone(),
         ];
         let runtime = Runtime::start(journal, db.clone(), all);
         Ok(Projections {
@@ -141,6 +159,9 @@ impl Projections {
             to_device,
             key_backup,
             media,
+            push,
+            pushers,
+            relations,
             runtime,
             db,
         })

@@ -180,39 +180,19 @@ pub struct Receipt {
     pub thread_id: Option<String>,
 }
 
-/// Receipts and unread counts. Tables:
-/// - `receipts`: room, 0x00, user, 0x00, receipt type -> [`Receipt`]
-/// - `log`: room, 0x00, position -> (user, type) (receipts changed since a token)
+/// Receipts (spec: "Receipts", threaded receipts included). Tables:
+/// - `receipts`: room, 0x00, user, 0x00, receipt type, 0x00, thread id ("" for an
+///   unthreaded receipt, "main" for the main timeline) -> [`Receipt`]
+/// - `log`: room, 0x00, position -> (user, type, thread) (receipts changed since a token)
 /// - `event_pos`: event id -> position (to place receipts)
-/// - `counts`: room, 0x00, position -> running count of notifying events in the room
-/// - `own_counts`: room, 0x00, user, 0x00, position -> running count of the user's own
 ///
-/// An unread count is four seeks (two "last entry at or before" pairs), never a walk
-/// over the events after the receipt (BRIEF §4, first finding).
+/// Unread counts live in the push projection ([`crate::push::Push::unread`]); they are
+/// measured from [`Receipts::read_position`].
 pub struct Receipts {
     receipts: Table,
     log: Table,
     event_pos: Table,
-    counts: Table,
-    own_counts: Table,
     last: LastChange,
-}
-
-/// Event types that count as unread notifications (the default push rules notify
-/// for these; full push-rule evaluation is a later projection).
-const NOTIFYING: [&str; 3] = ["m.room.message", "m.room.encrypted", "m.sticker"];
-
-fn last_count(table: &Table, prefix_parts: &[&str], at: u64) -> u64 {
-    let start = key::with_pos(prefix_parts, 0);
-    let end = key::with_pos(prefix_parts, at.saturating_add(1));
-    table
-        .scan_range(&start, &end, true, 1)
-        .first()
-        .and_then(|(_, v)| {
-            v.get(..8)
-                .map(|b| u64::from_be_bytes(b.try_into().expect("8")))
-        })
-        .unwrap_or(0)
 }
 
 impl Receipts {
@@ -222,23 +202,29 @@ impl Receipts {
             receipts: db.table("receipts", "receipts")?,
             log: db.table("receipts", "log")?,
             event_pos: db.table("receipts", "event_pos")?,
-            counts: db.table("receipts", "counts")?,
-            own_counts: db.table("receipts", "own_counts")?,
             last: LastChange::default(),
         })
     }
 
-    /// A user's receipt of one type in a room.
-    pub fn get(&self, room_id: &str, user_id: &str, receipt_type: &str) -> Option<Receipt> {
-        serde_json::from_slice(
-            &self
-                .receipts
-                .get(&key::join(&[room_id, user_id, receipt_type]))?,
-        )
+    /// A user's receipt of one type in a room; `thread` "" for the unthreaded one.
+    pub fn get(
+        &self,
+        room_id: &str,
+        user_id: &str,
+        receipt_type: &str,
+        thread: &str,
+    ) -> Option<Receipt> {
+        serde_json::from_slice(&self.receipts.get(&key::join(&[
+            room_id,
+            user_id,
+            receipt_type,
+            thread,
+        ]))?)
         .ok()
     }
 
-    /// Every receipt in a room: (user, type, receipt).
+    /// Every receipt in a room: (user, type, receipt); a threaded receipt carries its
+    /// `thread_id`.
     pub fn all(&self, room_id: &str) -> Vec<(String, String, Receipt)> {
         let prefix = key::prefix(&[room_id]);
         self.receipts
@@ -246,7 +232,8 @@ impl Receipts {
             .into_iter()
             .filter_map(|(k, v)| {
                 let rest = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();
-                let (user, kind) = rest.split_once('\0')?;
+                let (user, rest) = rest.split_once('\0')?;
+                let (kind, _thread) = rest.split_once('\0')?;
                 Some((
                     user.to_owned(),
                     kind.to_owned(),
@@ -261,8 +248,8 @@ impl Receipts {
         self.last.get(room_id, &self.log)
     }
 
-    /// Receipts changed in a room in `(after, upto]`: (user, type).
-    pub fn changes(&self, room_id: &str, after: u64, upto: u64) -> Vec<(String, String)> {
+    /// Receipts changed in a room in `(after, upto]`: (user, type, thread).
+    pub fn changes(&self, room_id: &str, after: u64, upto: u64) -> Vec<(String, String, String)> {
         if upto <= after {
             return vec![];
         }
@@ -278,9 +265,9 @@ impl Receipts {
             .collect()
     }
 
-    /// The (user, type) pairs of the room's latest `limit` receipt changes at or before
-    /// `upto`, newest first (one bounded reverse scan; duplicates possible).
-    pub fn recent(&self, room_id: &str, upto: u64, limit: usize) -> Vec<(String, String)> {
+    /// The (user, type, thread) of the room's latest `limit` receipt changes at or
+    /// before `upto`, newest first (one bounded reverse scan; duplicates possible).
+    pub fn recent(&self, room_id: &str, upto: u64, limit: usize) -> Vec<(String, String, String)> {
         self.log
             .scan_range(
                 &key::with_pos(&[room_id], 0),
@@ -293,24 +280,17 @@ impl Receipts {
             .collect()
     }
 
-    /// Unread notifying events for `user_id` in `room_id` in `(from, upto]`, not counting
-    /// the user's own. `from` is the position of the user's read receipt (or their join).
-    pub fn unread(&self, room_id: &str, user_id: &str, from: u64, upto: u64) -> u64 {
-        if upto <= from {
-            return 0;
-        }
-        let all =
-            last_count(&self.counts, &[room_id], upto) - last_count(&self.counts, &[room_id], from);
-        let own = last_count(&self.own_counts, &[room_id, user_id], upto)
-            - last_count(&self.own_counts, &[room_id, user_id], from);
-        all.saturating_sub(own)
-    }
-
-    /// The position up to which the user has read (max of `m.read` and `m.read.private`).
-    pub fn read_position(&self, room_id: &str, user_id: &str) -> Option<u64> {
+    /// The position up to which the user has read (spec: "Marking notifications as
+    /// read": the more recent of `m.read` and `m.read.private`). `thread`: `None` for
+    /// the room as a whole (unthreaded and main-timeline receipts), `Some(t)` for one
+    /// thread (`"main"` or a root: unthreaded receipts and that thread's). Four point
+    /// reads.
+    pub fn read_position(&self, room_id: &str, user_id: &str, thread: Option<&str>) -> Option<u64> {
+        let threads = ["", thread.unwrap_or("main")];
         ["m.read", "m.read.private"]
             .iter()
-            .filter_map(|t| self.get(room_id, user_id, t))
+            .flat_map(|t| threads.iter().map(move |th| (t, th)))
+            .filter_map(|(t, th)| self.get(room_id, user_id, t, th))
             .map(|r| r.event_position)
             .max()
     }
@@ -325,8 +305,6 @@ impl Projection for Receipts {
             self.receipts.clone(),
             self.log.clone(),
             self.event_pos.clone(),
-            self.counts.clone(),
-            self.own_counts.clone(),
         ]
     }
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
@@ -338,26 +316,6 @@ impl Projection for Receipts {
                     pdu.event_id.to_string().into_bytes(),
                     record.position().to_be_bytes().to_vec(),
                 );
-                let kind = pdu.kind.to_string();
-                if pdu.state_key.is_none() && NOTIFYING.contains(&kind.as_str()) {
-                    let room = pdu.room_id.to_string();
-                    let sender = pdu.sender.to_string();
-                    // The running counts only ever grow, so "the last row" is found
-                    // through the staged batch first, then the table.
-                    let prev = self.latest(ctx, &self.counts, &[&room], record.position());
-                    ctx.put(
-                        &self.counts,
-                        key::with_pos(&[&room], record.position()),
-                        (prev + 1).to_be_bytes().to_vec(),
-                    );
-                    let prev_own =
-                        self.latest(ctx, &self.own_counts, &[&room, &sender], record.position());
-                    ctx.put(
-                        &self.own_counts,
-                        key::with_pos(&[&room, &sender], record.position()),
-                        (prev_own + 1).to_be_bytes().to_vec(),
-                    );
-                }
             }
             false => {
                 if let Some(Fact::ReceiptSet {
@@ -374,7 +332,8 @@ impl Projection for Receipts {
                     };
                     let event_position =
                         u64::from_be_bytes(pos[..8].try_into().map_err(|_| "bad event_pos")?);
-                    let k = key::join(&[&room_id, &user_id, &receipt_type]);
+                    let thread = thread_id.clone().unwrap_or_default();
+                    let k = key::join(&[&room_id, &user_id, &receipt_type, &thread]);
                     // Receipts never move backwards (spec: a receipt for an older event is ignored).
                     if let Some(old) = ctx
                         .get(&self.receipts, &k)
@@ -396,7 +355,7 @@ impl Projection for Receipts {
                     ctx.put(
                         &self.log,
                         key::with_pos(&[&room_id], record.position()),
-                        json(&(user_id, receipt_type)),
+                        json(&(user_id, receipt_type, thread)),
                     );
                     let (last, pos) = (self.last.clone(), record.position());
                     ctx.after_commit(move || last.bump(room_id, pos));
@@ -404,21 +363,6 @@ impl Projection for Receipts {
             }
         }
         Ok(())
-    }
-}
-
-impl Receipts {
-    fn latest(&self, ctx: &ApplyCtx, table: &Table, parts: &[&str], before: u64) -> u64 {
-        // Staged rows of this batch are newer than anything committed; otherwise one
-        // reverse seek in the table.
-        let below = key::with_pos(parts, before);
-        match ctx.staged_last_below(table, &key::prefix(parts), &below) {
-            Some(v) => v
-                .get(..8)
-                .map(|b| u64::from_be_bytes(b.try_into().expect("8")))
-                .unwrap_or(0),
-            None => last_count(table, parts, before.saturating_sub(1)),
-        }
     }
 }
 

@@ -385,6 +385,62 @@ def test_media(anon, world):
     assert anon.get(f"/_matrix/media/v3/download/{later}/hello.txt").body == b"hello"
     anon.get(f"/_matrix/media/v3/thumbnail/{server_and_id}", query={"width": 2, "height": 2})
     anon.get("/_matrix/media/v3/config")
+def test_push_rules_notifications_and_pushers(world):
+    alice: Client = world["alice"]
+    bob: Client = world["bob"]
+    r = seg(world["room"])
+    rules = f"{C3}/pushrules/global"
+    bob.put(f"{rules}/content/cake", {"pattern": "cake*", "actions": ["notify", {"set_tweak": "highlight"}]})
+    assert bob.get(f"{rules}/content/cake")["pattern"] == "cake*"
+    bob.put(f"{rules}/content/cake/enabled", {"enabled": False})
+    assert bob.get(f"{rules}/content/cake/enabled")["enabled"] is False
+    bob.put(f"{rules}/content/cake/actions", {"actions": ["notify"]})
+    assert bob.get(f"{rules}/content/cake/actions")["actions"] == ["notify"]
+    bob.delete(f"{rules}/content/cake")
+    bob.get(f"{rules}/content/cake", expect=404)
+    mention = alice.put(
+        f"{C3}/rooms/{r}/send/m.room.message/{unique('t')}",
+        {"msgtype": "m.text", "body": "bob!", "m.mentions": {"user_ids": [bob.user_id]}},
+    )["event_id"]
+    notes = bob.get(f"{C3}/notifications", query={"limit": 5})
+    assert notes["notifications"][0]["event"]["event_id"] == mention
+    highlights = bob.get(f"{C3}/notifications", query={"only": "highlight"})
+    assert highlights["notifications"][0]["event"]["event_id"] == mention
+    pusher = {
+        "pushkey": "conformance-key",
+        "kind": "http",
+        "app_id": "org.example.conformance",
+        "app_display_name": "Conformance",
+        "device_display_name": "Test device",
+        "lang": "en",
+        "data": {"url": "https://push.example.org/_matrix/push/v1/notify"},
+    }
+    bob.post(f"{C3}/pushers/set", pusher)
+    assert bob.get(f"{C3}/pushers")["pushers"][0]["pushkey"] == "conformance-key"
+    bob.post(f"{C3}/pushers/set", {"app_id": pusher["app_id"], "pushkey": pusher["pushkey"], "kind": None})
+    assert bob.get(f"{C3}/pushers")["pushers"] == []
+
+
+def test_relations_and_threads(world):
+    alice: Client = world["alice"]
+    bob: Client = world["bob"]
+    r = seg(world["room"])
+    send = lambda c, kind, content: c.put(f"{C3}/rooms/{r}/send/{kind}/{unique('t')}", content)["event_id"]
+    root = send(alice, "m.room.message", {"msgtype": "m.text", "body": "thread root"})
+    reply = send(
+        bob,
+        "m.room.message",
+        {"msgtype": "m.text", "body": "in thread", "m.relates_to": {"rel_type": "m.thread", "event_id": root}},
+    )
+    send(bob, "m.reaction", {"m.relates_to": {"rel_type": "m.annotation", "event_id": root, "key": "+1"}})
+    v1 = f"/_matrix/client/v1/rooms/{r}"
+    assert len(bob.get(f"{v1}/relations/{seg(root)}")["chunk"]) == 2
+    assert bob.get(f"{v1}/relations/{seg(root)}/m.thread")["chunk"][0]["event_id"] == reply
+    assert len(bob.get(f"{v1}/relations/{seg(root)}/m.annotation/m.reaction", query={"recurse": "true"})["chunk"]) == 1
+    threads = bob.get(f"{v1}/threads", query={"include": "participated"})
+    assert threads["chunk"][0]["event_id"] == root
+    summary = threads["chunk"][0]["unsigned"]["m.relations"]["m.thread"]
+    assert summary["count"] == 1 and summary["current_user_participated"] is True
 
 
 def test_logout_all(anon):

@@ -1071,9 +1071,10 @@ impl<'a> Build<'a> {
             let from = s
                 .projections
                 .receipts
-                .read_position(room, self.user)
+                .read_position(room, self.user, None)
                 .unwrap_or(m.position);
-            (s.projections.receipts.unread(room, self.user, from, end), 0)
+            let c = s.projections.push.unread(room, self.user, "", from, end);
+            (c.notification_count, c.highlight_count)
         } else {
             (0, 0)
         };
@@ -1205,26 +1206,27 @@ impl<'a> Build<'a> {
                 if selected[room].membership.membership != "join" {
                     continue;
                 }
-                let mut pairs: Vec<(String, String)> = if all || initial_rooms.contains(room) {
-                    let mut p = rc.recent(room, self.upto, INITIAL_RECEIPTS);
-                    for t in ["m.read", "m.read.private"] {
-                        p.push((self.user.to_owned(), t.to_owned()));
-                    }
-                    p
-                } else if rc.last_change(room) > base.upto {
-                    rc.changes(room, base.upto, self.upto)
-                } else {
-                    continue;
-                };
+                let mut pairs: Vec<(String, String, String)> =
+                    if all || initial_rooms.contains(room) {
+                        let mut p = rc.recent(room, self.upto, INITIAL_RECEIPTS);
+                        for t in ["m.read", "m.read.private"] {
+                            p.push((self.user.to_owned(), t.to_owned(), String::new()));
+                        }
+                        p
+                    } else if rc.last_change(room) > base.upto {
+                        rc.changes(room, base.upto, self.upto)
+                    } else {
+                        continue;
+                    };
                 pairs.sort();
                 pairs.dedup();
                 let mut content = serde_json::Map::new();
-                for (user, kind) in pairs {
+                for (user, kind, thread) in pairs {
                     // Private receipts are only ever the requester's own.
                     if kind == "m.read.private" && user != self.user {
                         continue;
                     }
-                    let Some(rec) = rc.get(room, &user, &kind) else {
+                    let Some(rec) = rc.get(room, &user, &kind, &thread) else {
                         continue;
                     };
                     let mut entry = json!({ "ts": rec.ts });

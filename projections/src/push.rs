@@ -1,0 +1,773 @@
+//! Push projection (spec: "Push Notifications"): each user's push rules, evaluated per
+//! recipient as each event is applied, producing running notification and highlight
+//! counts per room and per thread, and the list `GET /notifications` pages through.
+//!
+//! Tables:
+//! - `rules`: user -> ruma `Ruleset` JSON, for users who changed a rule (others have
+//!   the server default)
+//! - `rules_log`: user, 0x00, position -> empty (push rule changes, for `/sync`)
+//! - `members`: room, 0x00, user -> display name (joined members, as the push
+//!   projection itself saw them: apply reads only its own tables)
+//! - `rooms`: room -> [`RoomRow`] (joined count, power levels, creators)
+//! - `event_thread`: event id -> thread root (events that belong to a thread)
+//! - `sent`: room, 0x00, user, 0x00, thread ("" for any) -> position of the user's last
+//!   event (sending an event marks everything before it read, spec: "Receiving
+//!   notifications")
+//! - `counts`: room, 0x00, user, 0x00, thread ("" for the whole room, "main" for the
+//!   main timeline, else the root id), 0x00, position -> running (notify, highlight)
+//! - `thread_latest`: room, 0x00, user, 0x00, thread -> latest notifying position
+//! - `thread_recent`: room, 0x00, user, 0x00, position -> thread (one row per thread,
+//!   at its latest notifying position: threads with unread notifications are found by
+//!   a scan from the read position, never over every thread)
+//! - `notifications`: user, 0x00, position -> [`Notification`]
+//! - `highlights`: user, 0x00, position -> empty
+//!
+//! A count is four seeks (BRIEF §4): the last running row at or before `upto` minus
+//! the last at or before the read position, never a walk over events.
+
+use std::{collections::HashMap, sync::Arc};
+
+use parking_lot::Mutex;
+use ruma::push::Ruleset;
+use serde::{Deserialize, Serialize};
+use spindle_journal::{Fact, StoredRecord};
+
+use crate::{
+    push_rules::{CompiledRuleset, GlobCache, RoomContext, flatten, power_value},
+    runtime::Projection,
+    store::{ApplyCtx, LastChange, ProjectionDb, Table, key},
+};
+
+/// Compiled rulesets kept in memory; past this the cache is emptied and refilled.
+pub const RULESET_CACHE_MAX: usize = 10_000;
+
+/// What the push projection keeps per room.
+#[derive(Serialize, Deserialize, Debug, Clone, Default)]
+pub struct RoomRow {
+    /// Joined members.
+    pub joined: u64,
+    /// `users` of the power levels.
+    #[serde(default)]
+    pub users: serde_json::Map<String, serde_json::Value>,
+    /// `users_default`.
+    #[serde(default)]
+    pub users_default: i64,
+    /// `notifications` of the power levels.
+    #[serde(default)]
+    pub notifications: serde_json::Map<String, serde_json::Value>,
+    /// Privileged creators (room version 12).
+    #[serde(default)]
+    pub creators: Vec<String>,
+}
+
+/// One notification (spec: `GET /notifications`).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Notification {
+    /// The room.
+    pub room_id: String,
+    /// The event.
+    pub event_id: String,
+    /// The matched rule's actions.
+    pub actions: serde_json::Value,
+    /// The event's `origin_server_ts` (ms).
+    pub ts: u64,
+    /// Whether the highlight tweak was set.
+    pub highlight: bool,
+}
+
+/// Unread counts (spec: `UnreadNotificationCounts`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Unread notifying events.
+    pub notification_count: u64,
+    /// Of which highlighted.
+    pub highlight_count: u64,
+}
+
+/// The push projection.
+pub struct Push {
+    rules: Table,
+    rules_log: Table,
+    members: Table,
+    rooms: Table,
+    event_thread: Table,
+    sent: Table,
+    counts: Table,
+    thread_latest: Table,
+    thread_recent: Table,
+    notifications: Table,
+    highlights: Table,
+    last_rules: LastChange,
+    globs: GlobCache,
+    compiled: Mutex<HashMap<String, Arc<CompiledRuleset>>>,
+}
+
+fn json<T: Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).expect("rows serialize")
+}
+
+fn pair(v: &[u8]) -> (u64, u64) {
+    let n = v
+        .get(..8)
+        .map(|b| u64::from_be_bytes(b.try_into().expect("8")))
+        .unwrap_or(0);
+    let h = v
+        .get(8..16)
+        .map(|b| u64::from_be_bytes(b.try_into().expect("8")))
+        .unwrap_or(0);
+    (n, h)
+}
+
+fn encode_pair(n: u64, h: u64) -> Vec<u8> {
+    let mut v = n.to_be_bytes().to_vec();
+    v.extend_from_slice(&h.to_be_bytes());
+    v
+}
+
+/// The server-default ruleset for a user.
+pub fn default_ruleset(user_id: &str) -> Option<Ruleset> {
+    let user = ruma::UserId::parse(user_id).ok()?;
+    Some(Ruleset::server_default(&user))
+}
+
+/// Applies one push-rule fact to a ruleset. Errors say why the edit does not apply
+/// (unknown rule, bad position, server-default rule): the API checks the same before
+/// it submits, so an error here only means a race, and the fact changes nothing.
+pub fn apply_rule_fact(ruleset: &mut Ruleset, fact: &Fact) -> Result<(), String> {
+    use ruma::push::{
+        NewConditionalPushRule, NewPatternedPushRule, NewPushRule, NewSimplePushRule, RuleKind,
+    };
+    let kind_of = |k: &str| -> Result<RuleKind, String> {
+        match k {
+            "override" => Ok(RuleKind::Override),
+            "underride" => Ok(RuleKind::Underride),
+            "sender" => Ok(RuleKind::Sender),
+            "room" => Ok(RuleKind::Room),
+            "content" => Ok(RuleKind::Content),
+            _ => Err(format!("unknown rule kind {k}")),
+        }
+    };
+    match fact {
+        Fact::PushRuleSet {
+            kind,
+            rule_id,
+            rule,
+            before,
+            after,
+            ..
+        } => {
+            let actions = crate::push_rules::clean_actions(&rule["actions"])
+                .ok_or("actions must be a list of actions")?;
+            let new = match kind.as_str() {
+                "override" | "underride" => {
+                    let conditions = match rule.get("conditions") {
+                        None | Some(serde_json::Value::Null) => Vec::new(),
+                        Some(c) => serde_json::from_value(c.clone())
+                            .map_err(|e| format!("bad conditions: {e}"))?,
+                    };
+                    let r = NewConditionalPushRule::new(rule_id.clone(), conditions, actions);
+                    if kind == "override" {
+                        NewPushRule::Override(r)
+                    } else {
+                        NewPushRule::Underride(r)
+                    }
+                }
+                "content" => {
+                    let pattern = rule["pattern"]
+                        .as_str()
+                        .ok_or("content rules need a pattern")?;
+                    NewPushRule::Content(NewPatternedPushRule::new(
+                        rule_id.clone(),
+                        pattern.to_owned(),
+                        actions,
+                    ))
+                }
+                "room" => NewPushRule::Room(NewSimplePushRule::new(
+                    ruma::OwnedRoomId::try_from(rule_id.as_str())
+                        .map_err(|e| format!("room rule id: {e}"))?,
+                    actions,
+                )),
+                "sender" => NewPushRule::Sender(NewSimplePushRule::new(
+                    ruma::OwnedUserId::try_from(rule_id.as_str())
+                        .map_err(|e| format!("sender rule id: {e}"))?,
+                    actions,
+                )),
+                k => return Err(format!("unknown rule kind {k}")),
+            };
+            ruleset
+                .insert(new, after.as_deref(), before.as_deref())
+                .map_err(|e| e.to_string())
+        }
+        Fact::PushRuleDeleted { kind, rule_id, .. } => ruleset
+            .remove(kind_of(kind)?, rule_id)
+            .map_err(|e| e.to_string()),
+        Fact::PushRuleEnabledSet {
+            kind,
+            rule_id,
+            enabled,
+            ..
+        } => ruleset
+            .set_enabled(kind_of(kind)?, rule_id, *enabled)
+            .map_err(|e| e.to_string()),
+        Fact::PushRuleActionsSet {
+            kind,
+            rule_id,
+            actions,
+            ..
+        } => {
+            let actions = crate::push_rules::clean_actions(actions)
+                .ok_or("actions must be a list of actions")?;
+            ruleset
+                .set_actions(kind_of(kind)?, rule_id, actions)
+                .map_err(|e| e.to_string())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// The user a push-rule fact belongs to.
+fn rule_fact_user(fact: &Fact) -> Option<&str> {
+    match fact {
+        Fact::PushRuleSet { user_id, .. }
+        | Fact::PushRuleDeleted { user_id, .. }
+        | Fact::PushRuleEnabledSet { user_id, .. }
+        | Fact::PushRuleActionsSet { user_id, .. } => Some(user_id),
+        _ => None,
+    }
+}
+
+fn thread_of(content: &serde_json::Value) -> (Option<String>, Option<String>) {
+    // (m.thread root, related event id)
+    let rel = &content["m.relates_to"];
+    let target = rel["event_id"].as_str().map(str::to_owned);
+    if rel["rel_type"] == "m.thread" {
+        return (target.clone(), target);
+    }
+    (None, target)
+}
+
+impl Push {
+    /// Opens the tables.
+    pub fn open(db: &ProjectionDb) -> Result<Push, String> {
+        let t = |name: &str| db.table("push", name);
+        Ok(Push {
+            rules: t("rules")?,
+            rules_log: t("rules_log")?,
+            members: t("members")?,
+            rooms: t("rooms")?,
+            event_thread: t("event_thread")?,
+            sent: t("sent")?,
+            counts: t("counts")?,
+            thread_latest: t("thread_latest")?,
+            thread_recent: t("thread_recent")?,
+            notifications: t("notifications")?,
+            highlights: t("highlights")?,
+            last_rules: LastChange::default(),
+            globs: GlobCache::default(),
+            compiled: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// A user's ruleset: stored edits over the server default (kept current with the
+    /// server default's rule list).
+    pub fn ruleset(&self, user_id: &str) -> Option<Ruleset> {
+        let mut set = match self.rules.get(user_id.as_bytes()) {
+            Some(v) => serde_json::from_slice::<Ruleset>(&v).ok()?,
+            None => return default_ruleset(user_id),
+        };
+        if let Some(d) = default_ruleset(user_id) {
+            set.update_with_server_default(d);
+        }
+        Some(set)
+    }
+
+    /// Position of the user's latest push rule change (memory after the first ask).
+    pub fn rules_last_change(&self, user_id: &str) -> u64 {
+        self.last_rules.get(user_id, &self.rules_log)
+    }
+
+    /// Globs compiled so far (counting tests).
+    pub fn glob_compiles(&self) -> u64 {
+        self.globs.compiles()
+    }
+
+    fn last_pair(&self, table: &Table, parts: &[&str], at: u64) -> (u64, u64) {
+        let start = key::with_pos(parts, 0);
+        let end = key::with_pos(parts, at.saturating_add(1));
+        table
+            .scan_range(&start, &end, true, 1)
+            .first()
+            .map(|(_, v)| pair(v))
+            .unwrap_or((0, 0))
+    }
+
+    /// Position of the user's last own event in the room (`thread` "" for any).
+    pub fn last_sent(&self, room_id: &str, user_id: &str, thread: &str) -> u64 {
+        self.sent
+            .get(&key::join(&[room_id, user_id, thread]))
+            .and_then(|v| {
+                v.get(..8)
+                    .map(|b| u64::from_be_bytes(b.try_into().expect("8")))
+            })
+            .unwrap_or(0)
+    }
+
+    /// Unread counts for `user_id` in `room_id` in `(from, upto]`, where `from` is the
+    /// read receipt's position; the user's own last event counts as read too.
+    /// `thread`: "" for the whole room, "main" for the main timeline, or a thread root.
+    /// Four seeks plus one point read, whatever the room's size.
+    pub fn unread(
+        &self,
+        room_id: &str,
+        user_id: &str,
+        thread: &str,
+        from: u64,
+        upto: u64,
+    ) -> Counts {
+        // Only the user's last own event is kept: one sent after `upto` (a count taken
+        // at an older position) cannot say what was read by then, so it is ignored.
+        let sent = self.last_sent(room_id, user_id, thread);
+        let from = if sent <= upto { from.max(sent) } else { from };
+        if upto <= from {
+            return Counts::default();
+        }
+        let parts = [room_id, user_id, thread];
+        let (n1, h1) = self.last_pair(&self.counts, &parts, upto);
+        let (n0, h0) = self.last_pair(&self.counts, &parts, from);
+        Counts {
+            notification_count: n1.saturating_sub(n0),
+            highlight_count: h1.saturating_sub(h0),
+        }
+    }
+
+    /// Threads of a room whose latest notification for the user is in `(after, upto]`,
+    /// newest first, at most `limit`: the candidates for per-thread unread counts.
+    pub fn threads_notified(
+        &self,
+        room_id: &str,
+        user_id: &str,
+        after: u64,
+        upto: u64,
+        limit: usize,
+    ) -> Vec<String> {
+        if upto <= after {
+            return vec![];
+        }
+        self.thread_recent
+            .scan_range(
+                &key::with_pos(&[room_id, user_id], after + 1),
+                &key::with_pos(&[room_id, user_id], upto.saturating_add(1)),
+                true,
+                limit,
+            )
+            .into_iter()
+            .map(|(_, v)| String::from_utf8_lossy(&v).into_owned())
+            .collect()
+    }
+
+    /// The thread root an event belongs to, if it is in a thread.
+    pub fn thread_root(&self, event_id: &str) -> Option<String> {
+        self.event_thread
+            .get(event_id.as_bytes())
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
+    }
+
+    /// A user's notifications at positions below `before`, newest first, at most
+    /// `limit`; `highlights_only` for `only=highlight`.
+    pub fn notifications(
+        &self,
+        user_id: &str,
+        before: u64,
+        limit: usize,
+        highlights_only: bool,
+    ) -> Vec<(u64, Notification)> {
+        let start = key::with_pos(&[user_id], 0);
+        let end = key::with_pos(&[user_id], before);
+        if highlights_only {
+            self.highlights
+                .scan_range(&start, &end, true, limit)
+                .into_iter()
+                .filter_map(|(k, _)| {
+                    let pos = key::trailing_pos(&k);
+                    let v = self.notifications.get(&key::with_pos(&[user_id], pos))?;
+                    Some((pos, serde_json::from_slice(&v).ok()?))
+                })
+                .collect()
+        } else {
+            self.notifications
+                .scan_range(&start, &end, true, limit)
+                .into_iter()
+                .filter_map(|(k, v)| {
+                    Some((key::trailing_pos(&k), serde_json::from_slice(&v).ok()?))
+                })
+                .collect()
+        }
+    }
+
+    fn compiled(&self, ctx: &ApplyCtx, user_id: &str) -> Option<Arc<CompiledRuleset>> {
+        if let Some(c) = self.compiled.lock().get(user_id) {
+            return Some(c.clone());
+        }
+        let ruleset = match ctx.get(&self.rules, user_id.as_bytes()) {
+            Some(v) => {
+                let mut set: Ruleset = serde_json::from_slice(&v).ok()?;
+                if let Some(d) = default_ruleset(user_id) {
+                    set.update_with_server_default(d);
+                }
+                set
+            }
+            None => default_ruleset(user_id)?,
+        };
+        let compiled = Arc::new(CompiledRuleset::compile(&ruleset, &self.globs));
+        let mut cache = self.compiled.lock();
+        if cache.len() >= RULESET_CACHE_MAX {
+            cache.clear();
+        }
+        cache.insert(user_id.to_owned(), compiled.clone());
+        Some(compiled)
+    }
+
+    fn latest_pair(&self, ctx: &ApplyCtx, parts: &[&str], before: u64) -> (u64, u64) {
+        let below = key::with_pos(parts, before);
+        match ctx.staged_last_below(&self.counts, &key::prefix(parts), &below) {
+            Some(v) => pair(&v),
+            None => self.last_pair(&self.counts, parts, before.saturating_sub(1)),
+        }
+    }
+
+    fn bump(&self, ctx: &ApplyCtx, parts: &[&str], pos: u64, highlight: bool) {
+        let (n, h) = self.latest_pair(ctx, parts, pos);
+        ctx.put(
+            &self.counts,
+            key::with_pos(parts, pos),
+            encode_pair(n + 1, h + u64::from(highlight)),
+        );
+    }
+
+    fn apply_fact(&self, ctx: &mut ApplyCtx, record: &StoredRecord, fact: Fact) {
+        let Some(user) = rule_fact_user(&fact).map(str::to_owned) else {
+            return;
+        };
+        let mut ruleset = match ctx
+            .get(&self.rules, user.as_bytes())
+            .and_then(|v| serde_json::from_slice::<Ruleset>(&v).ok())
+        {
+            Some(r) => r,
+            None => match default_ruleset(&user) {
+                Some(r) => r,
+                None => return,
+            },
+        };
+        if let Err(e) = apply_rule_fact(&mut ruleset, &fact) {
+            tracing::debug!(user, error = %e, "push rule edit does not apply");
+            return;
+        }
+        ctx.put(&self.rules, user.clone().into_bytes(), json(&ruleset));
+        ctx.put(
+            &self.rules_log,
+            key::with_pos(&[&user], record.position()),
+            Vec::new(),
+        );
+        // Later events of this batch must see the edit: the cache is refreshed now
+        // (it is only read by apply, which is single-threaded).
+        self.compiled.lock().remove(&user);
+        let (last, pos) = (self.last_rules.clone(), record.position());
+        ctx.after_commit(move || last.bump(user, pos));
+    }
+
+    fn apply_event(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
+        let pdu = record.pdu().ok_or("unreadable PDU")?;
+        let pos = record.position();
+        let room = pdu.room_id.to_string();
+        let sender = pdu.sender.to_string();
+        let kind = pdu.kind.to_string();
+        let content = pdu.content_value();
+        let event_id = pdu.event_id.to_string();
+
+        // Thread membership: an m.thread relation names the root; any other relation
+        // inherits the thread of the event it relates to (one hop per event, so chains
+        // of any depth resolve).
+        let (root, target) = thread_of(&content);
+        let thread = match root {
+            Some(r) => Some(r),
+            None => target.and_then(|t| {
+                ctx.get(&self.event_thread, t.as_bytes())
+                    .map(|v| String::from_utf8_lossy(&v).into_owned())
+            }),
+        };
+        if let Some(t) = &thread {
+            ctx.put(
+                &self.event_thread,
+                event_id.clone().into_bytes(),
+                t.clone().into_bytes(),
+            );
+        }
+        let thread_key = thread.clone().unwrap_or_else(|| "main".to_owned());
+        for t in ["", thread_key.as_str()] {
+            ctx.put(
+                &self.sent,
+                key::join(&[&room, &sender, t]),
+                pos.to_be_bytes().to_vec(),
+            );
+        }
+
+        let room_row: RoomRow = ctx
+            .get(&self.rooms, room.as_bytes())
+            .and_then(|v| serde_json::from_slice(&v).ok())
+            .unwrap_or_default();
+        // Recipients: joined members but the sender, and the target of an invite.
+        let prefix = key::prefix(&[&room]);
+        let mut recipients: Vec<(String, String)> = ctx
+            .scan_prefix(&self.members, &prefix)
+            .into_iter()
+            .map(|(k, v)| {
+                (
+                    String::from_utf8_lossy(&k[prefix.len()..]).into_owned(),
+                    String::from_utf8_lossy(&v).into_owned(),
+                )
+            })
+            .filter(|(u, _)| *u != sender)
+            .collect();
+        let membership = content["membership"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned();
+        if kind == "m.room.member"
+            && membership == "invite"
+            && let Some(target) = &pdu.state_key
+            && *target != sender
+            && !recipients.iter().any(|(u, _)| u == target)
+        {
+            recipients.push((target.clone(), String::new()));
+        }
+        if !recipients.is_empty()
+            && let Some(flat) = flatten(&pdu.json)
+        {
+            let sender_power = room_row
+                .users
+                .get(&sender)
+                .and_then(power_value)
+                .unwrap_or(room_row.users_default);
+            let rctx = RoomContext {
+                member_count: room_row.joined,
+                sender_power,
+                notifications: Some(&room_row.notifications),
+                sender_is_creator: room_row.creators.contains(&sender),
+            };
+            let ts = u64::from(pdu.origin_server_ts.0);
+            for (user, display_name) in &recipients {
+                let Some(rules) = self.compiled(ctx, user) else {
+                    continue;
+                };
+                let Some(outcome) = rules.evaluate(&flat, &rctx, display_name) else {
+                    continue;
+                };
+                if !outcome.notify() {
+                    continue;
+                }
+                let highlight = outcome.highlight();
+                self.bump(ctx, &[&room, user, ""], pos, highlight);
+                self.bump(ctx, &[&room, user, &thread_key], pos, highlight);
+                if let Some(t) = &thread {
+                    let latest_key = key::join(&[&room, user, t]);
+                    if let Some(old) = ctx.get(&self.thread_latest, &latest_key)
+                        && old.len() == 8
+                    {
+                        let old = u64::from_be_bytes(old[..8].try_into().expect("8"));
+                        ctx.delete(&self.thread_recent, key::with_pos(&[&room, user], old));
+                    }
+                    ctx.put(&self.thread_latest, latest_key, pos.to_be_bytes().to_vec());
+                    ctx.put(
+                        &self.thread_recent,
+                        key::with_pos(&[&room, user], pos),
+                        t.clone().into_bytes(),
+                    );
+                }
+                let actions = serde_json::to_value(&outcome.actions).unwrap_or_default();
+                ctx.put(
+                    &self.notifications,
+                    key::with_pos(&[user], pos),
+                    json(&Notification {
+                        room_id: room.clone(),
+                        event_id: event_id.clone(),
+                        actions,
+                        ts,
+                        highlight,
+                    }),
+                );
+                if highlight {
+                    ctx.put(&self.highlights, key::with_pos(&[user], pos), Vec::new());
+                }
+            }
+        }
+
+        // The room after the event.
+        if pdu.state_key.is_none() {
+            return Ok(());
+        }
+        let state_key = pdu.state_key.clone().unwrap_or_default();
+        let mut row = room_row;
+        match kind.as_str() {
+            "m.room.member" => {
+                let mkey = key::join(&[&room, &state_key]);
+                let was_joined = ctx.get(&self.members, &mkey).is_some();
+                if membership == "join" {
+                    let name = content["displayname"].as_str().unwrap_or_default();
+                    ctx.put(&self.members, mkey, name.as_bytes().to_vec());
+                    if !was_joined {
+                        row.joined += 1;
+                    }
+                } else if was_joined {
+                    ctx.delete(&self.members, mkey);
+                    row.joined = row.joined.saturating_sub(1);
+                }
+            }
+            "m.room.power_levels" if state_key.is_empty() => {
+                row.users = content["users"].as_object().cloned().unwrap_or_default();
+                row.users_default = content
+                    .get("users_default")
+                    .and_then(power_value)
+                    .unwrap_or(0);
+                row.notifications = content["notifications"]
+                    .as_object()
+                    .cloned()
+                    .unwrap_or_default();
+            }
+            "m.room.create" if state_key.is_empty() => {
+                if pdu.room_version == "12" {
+                    let mut creators = vec![sender.clone()];
+                    if let Some(extra) = content["additional_creators"].as_array() {
+                        creators.extend(extra.iter().filter_map(|c| c.as_str().map(str::to_owned)));
+                    }
+                    row.creators = creators;
+                } else {
+                    // Before any power levels, the creator has 100 (spec: auth rules).
+                    row.users.insert(sender.clone(), serde_json::json!(100));
+                }
+            }
+            _ => return Ok(()),
+        }
+        ctx.put(&self.rooms, room.into_bytes(), json(&row));
+        Ok(())
+    }
+}
+
+impl Projection for Push {
+    fn name(&self) -> &'static str {
+        "push"
+    }
+
+    fn tables(&self) -> Vec<Table> {
+        vec![
+            self.rules.clone(),
+            self.rules_log.clone(),
+            self.members.clone(),
+            self.rooms.clone(),
+            self.event_thread.clone(),
+            self.sent.clone(),
+            self.counts.clone(),
+            self.thread_latest.clone(),
+            self.thread_recent.clone(),
+            self.notifications.clone(),
+            self.highlights.clone(),
+        ]
+    }
+
+    fn reload(&self) {
+        self.compiled.lock().clear();
+    }
+
+    fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
+        if record.is_event() {
+            return self.apply_event(ctx, record);
+        }
+        if let Some(fact) = record.fact() {
+            self.apply_fact(ctx, record, fact);
+        }
+        Ok(())
+    }
+}
+
+/// Pushers (spec: `GET /pushers`, `POST /pushers/set`). Tables: `pushers`: user, 0x00,
+/// app id, 0x00, pushkey -> `Pusher` JSON; `by_key`: app id, 0x00, pushkey, 0x00, user
+/// -> empty (to remove other users' pushers for the same key unless `append`).
+/// Stored only: delivery to a push gateway comes with the push queue.
+pub struct Pushers {
+    pushers: Table,
+    by_key: Table,
+}
+
+impl Pushers {
+    /// Opens the tables.
+    pub fn open(db: &ProjectionDb) -> Result<Pushers, String> {
+        Ok(Pushers {
+            pushers: db.table("pushers", "pushers")?,
+            by_key: db.table("pushers", "by_key")?,
+        })
+    }
+
+    /// A user's pushers, ordered by (app id, pushkey).
+    pub fn of_user(&self, user_id: &str) -> Vec<serde_json::Value> {
+        self.pushers
+            .scan_prefix(&key::prefix(&[user_id]), crate::push::PUSHERS_PER_USER_MAX)
+            .into_iter()
+            .filter_map(|(_, v)| serde_json::from_slice(&v).ok())
+            .collect()
+    }
+}
+
+/// Pushers listed per user at most (a bound on `GET /pushers`).
+pub const PUSHERS_PER_USER_MAX: usize = 1000;
+
+impl Projection for Pushers {
+    fn name(&self) -> &'static str {
+        "pushers"
+    }
+
+    fn tables(&self) -> Vec<Table> {
+        vec![self.pushers.clone(), self.by_key.clone()]
+    }
+
+    fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
+        match record.fact() {
+            Some(Fact::PusherSet {
+                user_id,
+                pusher,
+                append,
+            }) => {
+                let app_id = pusher["app_id"].as_str().unwrap_or_default().to_owned();
+                let pushkey = pusher["pushkey"].as_str().unwrap_or_default().to_owned();
+                if !append {
+                    let prefix = key::prefix(&[&app_id, &pushkey]);
+                    for (k, _) in ctx.scan_prefix(&self.by_key, &prefix) {
+                        let other = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();
+                        if other != user_id {
+                            ctx.delete(&self.by_key, k);
+                            ctx.delete(&self.pushers, key::join(&[&other, &app_id, &pushkey]));
+                        }
+                    }
+                }
+                ctx.put(
+                    &self.by_key,
+                    key::join(&[&app_id, &pushkey, &user_id]),
+                    Vec::new(),
+                );
+                ctx.put(
+                    &self.pushers,
+                    key::join(&[&user_id, &app_id, &pushkey]),
+                    json(&pusher),
+                );
+            }
+            Some(Fact::PusherDeleted {
+                user_id,
+                app_id,
+                pushkey,
+            }) => {
+                ctx.delete(&self.by_key, key::join(&[&app_id, &pushkey, &user_id]));
+                ctx.delete(&self.pushers, key::join(&[&user_id, &app_id, &pushkey]));
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,299 @@
+//! Relations projection (spec: "Forming relationships between events", "Event
+//! replacements", "Threading", "Reference relations"): child events by parent, the
+//! aggregations bundled into `unsigned.m.relations`, and each room's threads ordered by
+//! latest activity.
+//!
+//! Tables:
+//! - `meta`: event id -> [`EventMeta`] (what a later relation needs to know about its
+//!   parent: apply reads only its own tables)
+//! - `children`: parent, 0x00, position -> [`Child`]
+//! - `by_rel`: parent, 0x00, rel type, 0x00, position -> [`Child`]
+//! - `aggr`: parent -> [`Aggregation`] (latest edit, thread summary, reference count):
+//!   one point read tells a renderer everything it bundles
+//! - `participants`: thread root, 0x00, user -> empty
+//! - `room_threads`: room, 0x00, position -> root (one row per thread, at its latest
+//!   event; `GET /threads` pages through it newest first)
+
+use serde::{Deserialize, Serialize};
+use spindle_journal::StoredRecord;
+
+use crate::{
+    runtime::Projection,
+    store::{ApplyCtx, ProjectionDb, Table, key},
+};
+
+/// What the projection remembers of every event.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct EventMeta {
+    /// Room.
+    pub room: String,
+    /// Sender.
+    pub sender: String,
+    /// Event type.
+    pub kind: String,
+    /// `m.relates_to.rel_type`, "" if none.
+    pub rel_type: String,
+    /// Whether it is a state event.
+    pub state: bool,
+}
+
+/// One child of a parent event.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Child {
+    /// The child event.
+    pub event_id: String,
+    /// Its `rel_type`.
+    pub rel_type: String,
+    /// Its event type.
+    pub kind: String,
+}
+
+/// A thread summary (spec: `m.thread` aggregation).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct ThreadSummary {
+    /// Events with an `m.thread` relation to the root.
+    pub count: u64,
+    /// The latest of them.
+    pub latest_event_id: String,
+    /// Its position.
+    pub latest_position: u64,
+}
+
+/// Everything bundled for one parent event.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct Aggregation {
+    /// The most recent valid replacement: (event id, origin_server_ts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub edit: Option<(String, u64)>,
+    /// The thread this event is the root of.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thread: Option<ThreadSummary>,
+    /// Number of `m.reference` children.
+    #[serde(default)]
+    pub references: u64,
+}
+
+/// The relations projection.
+pub struct Relations {
+    meta: Table,
+    children: Table,
+    by_rel: Table,
+    aggr: Table,
+    participants: Table,
+    room_threads: Table,
+}
+
+fn json<T: Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).expect("rows serialize")
+}
+
+/// A page of children: positions and the children, in the order asked.
+pub type ChildPage = Vec<(u64, Child)>;
+
+impl Relations {
+    /// Opens the tables.
+    pub fn open(db: &ProjectionDb) -> Result<Relations, String> {
+        let t = |name: &str| db.table("relations", name);
+        Ok(Relations {
+            meta: t("meta")?,
+            children: t("children")?,
+            by_rel: t("by_rel")?,
+            aggr: t("aggr")?,
+            participants: t("participants")?,
+            room_threads: t("room_threads")?,
+        })
+    }
+
+    /// What is bundled for `event_id` (one point read; `None` for most events).
+    pub fn aggregation(&self, event_id: &str) -> Option<Aggregation> {
+        serde_json::from_slice(&self.aggr.get(event_id.as_bytes())?).ok()
+    }
+
+    /// Whether `user_id` sent the thread root or an event in the thread.
+    pub fn participated(&self, root: &str, user_id: &str) -> bool {
+        self.participants
+            .get(&key::join(&[root, user_id]))
+            .is_some()
+    }
+
+    /// Children of `parent` with positions in `[lo, hi]`, newest first (`backward`) or
+    /// oldest first, at most `limit`; `rel_type` narrows to one relation type.
+    pub fn children(
+        &self,
+        parent: &str,
+        rel_type: Option<&str>,
+        lo: u64,
+        hi: u64,
+        backward: bool,
+        limit: usize,
+    ) -> ChildPage {
+        if hi < lo {
+            return vec![];
+        }
+        let (table, parts): (&Table, Vec<&str>) = match rel_type {
+            Some(r) => (&self.by_rel, vec![parent, r]),
+            None => (&self.children, vec![parent]),
+        };
+        table
+            .scan_range(
+                &key::with_pos(&parts, lo),
+                &key::with_pos(&parts, hi.saturating_add(1)),
+                backward,
+                limit,
+            )
+            .into_iter()
+            .filter_map(|(k, v)| Some((key::trailing_pos(&k), serde_json::from_slice(&v).ok()?)))
+            .collect()
+    }
+
+    /// A room's thread roots whose latest event is at a position `<= before`, newest
+    /// first, at most `limit`: (latest position, root).
+    pub fn threads(&self, room_id: &str, before: u64, limit: usize) -> Vec<(u64, String)> {
+        self.room_threads
+            .scan_range(
+                &key::with_pos(&[room_id], 0),
+                &key::with_pos(&[room_id], before.saturating_add(1)),
+                true,
+                limit,
+            )
+            .into_iter()
+            .map(|(k, v)| {
+                (
+                    key::trailing_pos(&k),
+                    String::from_utf8_lossy(&v).into_owned(),
+                )
+            })
+            .collect()
+    }
+
+    fn get_meta(&self, ctx: &ApplyCtx, event_id: &str) -> Option<EventMeta> {
+        serde_json::from_slice(&ctx.get(&self.meta, event_id.as_bytes())?).ok()
+    }
+
+    fn get_aggr(&self, ctx: &ApplyCtx, event_id: &str) -> Aggregation {
+        ctx.get(&self.aggr, event_id.as_bytes())
+            .and_then(|v| serde_json::from_slice(&v).ok())
+            .unwrap_or_default()
+    }
+}
+
+impl Projection for Relations {
+    fn name(&self) -> &'static str {
+        "relations"
+    }
+
+    fn tables(&self) -> Vec<Table> {
+        vec![
+            self.meta.clone(),
+            self.children.clone(),
+            self.by_rel.clone(),
+            self.aggr.clone(),
+            self.participants.clone(),
+            self.room_threads.clone(),
+        ]
+    }
+
+    fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
+        if !record.is_event() {
+            return Ok(());
+        }
+        let pdu = record.pdu().ok_or("unreadable PDU")?;
+        let pos = record.position();
+        let event_id = pdu.event_id.to_string();
+        let room = pdu.room_id.to_string();
+        let sender = pdu.sender.to_string();
+        let kind = pdu.kind.to_string();
+        let content = pdu.content_value();
+        let rel = &content["m.relates_to"];
+        let rel_type = rel["rel_type"].as_str().unwrap_or_default().to_owned();
+        let meta = EventMeta {
+            room: room.clone(),
+            sender: sender.clone(),
+            kind: kind.clone(),
+            rel_type: rel_type.clone(),
+            state: pdu.state_key.is_some(),
+        };
+        ctx.put(&self.meta, event_id.clone().into_bytes(), json(&meta));
+        let Some(parent) = rel["event_id"].as_str().map(str::to_owned) else {
+            return Ok(());
+        };
+        if rel_type.is_empty() {
+            return Ok(());
+        }
+        // Relations only count within a room, to an event we know.
+        let Some(parent_meta) = self.get_meta(ctx, &parent) else {
+            return Ok(());
+        };
+        if parent_meta.room != room {
+            return Ok(());
+        }
+        let child = Child {
+            event_id: event_id.clone(),
+            rel_type: rel_type.clone(),
+            kind: kind.clone(),
+        };
+        ctx.put(&self.children, key::with_pos(&[&parent], pos), json(&child));
+        ctx.put(
+            &self.by_rel,
+            key::with_pos(&[&parent, &rel_type], pos),
+            json(&child),
+        );
+        let mut aggr = self.get_aggr(ctx, &parent);
+        match rel_type.as_str() {
+            "m.replace" => {
+                // A valid replacement (spec: "Validity of replacement events"): same
+                // sender and type, neither a state event, the original not itself an
+                // edit, and new content given.
+                let valid = parent_meta.sender == sender
+                    && parent_meta.kind == kind
+                    && !parent_meta.state
+                    && pdu.state_key.is_none()
+                    && parent_meta.rel_type != "m.replace"
+                    && content["m.new_content"].is_object();
+                if !valid {
+                    return Ok(());
+                }
+                let ts = u64::from(pdu.origin_server_ts.0);
+                let newer = aggr
+                    .edit
+                    .as_ref()
+                    .is_none_or(|(id, t)| (ts, event_id.as_str()) > (*t, id.as_str()));
+                if newer {
+                    aggr.edit = Some((event_id, ts));
+                }
+            }
+            "m.thread" => {
+                let summary = aggr.thread.get_or_insert_with(ThreadSummary::default);
+                if summary.count > 0 {
+                    ctx.delete(
+                        &self.room_threads,
+                        key::with_pos(&[&room], summary.latest_position),
+                    );
+                } else {
+                    ctx.put(
+                        &self.participants,
+                        key::join(&[&parent, &parent_meta.sender]),
+                        Vec::new(),
+                    );
+                }
+                summary.count += 1;
+                summary.latest_event_id = event_id;
+                summary.latest_position = pos;
+                ctx.put(
+                    &self.room_threads,
+                    key::with_pos(&[&room], pos),
+                    parent.clone().into_bytes(),
+                );
+                ctx.put(
+                    &self.participants,
+                    key::join(&[&parent, &sender]),
+                    Vec::new(),
+                );
+            }
+            "m.reference" => aggr.references += 1,
+            _ => return Ok(()),
+        }
+        ctx.put(&self.aggr, parent.into_bytes(), json(&aggr));
+        Ok(())
+    }
+}
