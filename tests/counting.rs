@@ -2,6 +2,8 @@
 //! its answer, not the size of the room or other users' traffic. Counts come from the
 //! projection store's counters (`ProjectionDb::stats`), never from wall clocks.
 
+mod common;
+
 use std::sync::{Arc, atomic::Ordering};
 
 use serde_json::{Value, json};
@@ -1316,4 +1318,80 @@ async fn late_joiner_pagination_reads_do_not_grow_with_members() {
         measure[1] <= measure[0] + 8,
         "late joiner's page reads grew with member count (3 vs 303 entries): {measure:?}"
     );
+}
+
+/// The sliding sync `to_device` and `e2ee` extensions (what the SDK's encryption sync
+/// asks for on every request) cost the same whatever strangers do: twelve key uploads
+/// and to-device messages between users who share no room with the requester leave its
+/// incremental request's store reads unchanged (the device-list change logs are per
+/// room, the inbox per device).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_sync_e2ee_extensions_do_not_pay_for_strangers_key_uploads() {
+    const SS: &str = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync";
+    let srv = common::TestServer::start().await;
+    let alice = srv.register("alice").await;
+    srv.register("dave").await;
+    let erin = srv.register("erin").await;
+    let room = alice.create_room(json!({})).await;
+    let reads = || srv.server.projections.db.stats().total();
+    let body = |conn: &str, since: Option<&str>| {
+        let mut to_device = json!({ "enabled": true });
+        if let Some(s) = since {
+            to_device["since"] = json!(s);
+        }
+        json!({
+            "conn_id": conn,
+            "lists": { "all": { "ranges": [[0, 9]], "timeline_limit": 1, "required_state": [] } },
+            "extensions": { "to_device": to_device, "e2ee": { "enabled": true } },
+        })
+    };
+    let mut measured = Vec::new();
+    for (round, strangers) in [(0, 0usize), (1, 12)] {
+        let conn = format!("c{round}");
+        let first = alice.post(SS, &body(&conn, None)).await.ok();
+        let next_batch = first["extensions"]["to_device"]["next_batch"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        for i in 0..strangers {
+            let d = srv.login("dave", Some(&format!("D{round}{i}"))).await;
+            let (keys, _) = common::device_keys(&d);
+            d.post(
+                "/_matrix/client/v3/keys/upload",
+                &json!({ "device_keys": keys }),
+            )
+            .await
+            .ok();
+            d.put(
+                &format!("/_matrix/client/v3/sendToDevice/m.test/{}", common::txn()),
+                &json!({ "messages": { (erin.user_id.clone()): { "*": { "body": "not for alice" } } } }),
+            )
+            .await
+            .ok();
+        }
+        alice.send_text(&room, &format!("round {round}")).await;
+        // Settle: a request waits for the projections to catch up.
+        alice.get("/_matrix/client/v3/account/whoami").await.ok();
+        let pos = first["pos"].as_str().unwrap();
+        let before = reads();
+        let v = alice
+            .post(
+                &format!("{SS}?pos={}", common::enc(pos)),
+                &body(&conn, Some(&next_batch)),
+            )
+            .await
+            .ok();
+        measured.push(reads() - before);
+        assert_eq!(
+            v["extensions"]["e2ee"]["device_lists"],
+            json!({ "changed": [], "left": [] })
+        );
+        assert_eq!(v["extensions"]["to_device"]["events"], json!([]));
+        assert_eq!(v["rooms"][&room]["timeline"].as_array().unwrap().len(), 1);
+    }
+    assert_eq!(
+        measured[0], measured[1],
+        "strangers' key uploads and to-device messages changed a sliding sync request's store reads: {measured:?}"
+    );
+    srv.stop().await;
 }

@@ -307,15 +307,7 @@ async fn sync_counts_follow_the_push_rules() {
     )
     .await;
     // A reaction and an edit notify no one.
-    alice
-        .send_txn(
-            &room,
-            "m.reaction",
-            &txn(),
-            &json!({ "m.relates_to": { "rel_type": "m.annotation", "event_id": mention, "key": "👍" } }),
-        )
-        .await
-        .ok();
+    alice.react(&room, &mention, "👍").await;
     send(
         &alice,
         &room,

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{Client, TestServer, enc};
+use common::{Client, TestServer, device_keys, enc, txn};
 use serde_json::{Value, json};
 
 const SS: &str = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync";
@@ -15,6 +15,23 @@ async fn ss(c: &Client, pos: Option<&str>, body: Value) -> Value {
         None => SS.to_owned(),
     };
     c.post(&path, &body).await.ok()
+}
+
+/// Starts a request with `pos` and a 20 s `timeout`, and gives it time to start
+/// waiting.
+async fn long_poll(c: &Client, pos: &str, body: Value) -> tokio::task::JoinHandle<Value> {
+    let (c, path) = (c.clone(), format!("{SS}?pos={}&timeout=20000", enc(pos)));
+    let handle = tokio::spawn(async move { c.post(&path, &body).await.ok() });
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    handle
+}
+
+/// The answer of a [`long_poll`], which must come before its timeout.
+async fn answer(waiting: tokio::task::JoinHandle<Value>) -> Value {
+    tokio::time::timeout(std::time::Duration::from_secs(15), waiting)
+        .await
+        .expect("the long-poll answered before its timeout")
+        .unwrap()
 }
 
 fn pos(v: &Value) -> String {
@@ -465,18 +482,9 @@ async fn a_waiting_request_wakes_on_a_message_in_one_of_its_rooms() {
     bob.join(&room).await;
     let body = json!({ "lists": { "all": list(json!([[0, 9]]), 5, json!([])) } });
     let first = ss(&bob, None, body.clone()).await;
-    let p = pos(&first);
-    let waiting = {
-        let (bob, body, p) = (bob.clone(), body.clone(), p.clone());
-        tokio::spawn(async move {
-            bob.post(&format!("{SS}?pos={}&timeout=20000", enc(&p)), &body)
-                .await
-                .ok()
-        })
-    };
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let waiting = long_poll(&bob, &pos(&first), body.clone()).await;
     alice.send_text(&room, "wake up").await;
-    let v = waiting.await.unwrap();
+    let v = answer(waiting).await;
     assert_eq!(room_ids(&v), vec![room.clone()]);
     assert_eq!(bodies(&v["rooms"][&room]), vec!["wake up"]);
     ts.stop().await;
@@ -645,5 +653,334 @@ async fn a_leave_is_sent_as_a_delta_then_the_room_leaves_the_list() {
     let third = ss(&bob, Some(&pos(&second)), body.clone()).await;
     assert_eq!(third["lists"]["all"]["count"], 2);
     assert_eq!(room_ids(&third), Vec::<String>::new());
+    ts.stop().await;
+}
+
+/// `(notification_count, highlight_count)` of a room in a sliding sync answer.
+fn unread(room: &Value) -> (u64, u64) {
+    (
+        room["notification_count"]
+            .as_u64()
+            .expect("notification_count"),
+        room["highlight_count"].as_u64().expect("highlight_count"),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mention_of_the_user_is_a_highlight() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    let room = alice.create_room(json!({ "preset": "public_chat" })).await;
+    bob.join(&room).await;
+    let body = json!({ "lists": { "all": list(json!([[0, 9]]), 1, json!([])) } });
+    let first = ss(&bob, None, body.clone()).await;
+    assert_eq!(unread(&first["rooms"][&room]), (0, 0));
+    alice.send_text(&room, "plain").await;
+    let second = ss(&bob, Some(&pos(&first)), body.clone()).await;
+    assert_eq!(unread(&second["rooms"][&room]), (1, 0));
+    // The push projection's `.m.rule.is_user_mention`: notify and highlight.
+    alice
+        .send_txn(
+            &room,
+            "m.room.message",
+            &txn(),
+            &json!({ "msgtype": "m.text", "body": "hi bob", "m.mentions": { "user_ids": [bob.user_id] } }),
+        )
+        .await
+        .ok();
+    let third = ss(&bob, Some(&pos(&second)), body.clone()).await;
+    assert_eq!(unread(&third["rooms"][&room]), (2, 1));
+    // A new connection reads the same counts.
+    let fresh = ss(
+        &bob,
+        None,
+        json!({ "conn_id": "c2", "lists": { "all": list(json!([[0, 9]]), 1, json!([])) } }),
+    )
+    .await;
+    assert_eq!(unread(&fresh["rooms"][&room]), (2, 1));
+    ts.stop().await;
+}
+
+fn bump(v: &Value, room: &str) -> Option<u64> {
+    v["rooms"][room]["bump_stamp"].as_u64()
+}
+
+/// Only "proper activity" (MSC4186, Synapse's default bump event types) moves a room
+/// up the list and changes its `bump_stamp`: a reaction or a state change does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reactions_and_state_changes_do_not_bump_a_room() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let a = alice.create_room(json!({ "name": "A" })).await;
+    let b = alice.create_room(json!({ "name": "B" })).await;
+    let in_a = alice.send_text(&a, "a1").await;
+    let b1 = alice.send_text(&b, "b1").await;
+    let order_body = json!({ "lists": { "all": list(json!([[0, 0]]), 1, json!([])) } });
+    let body = json!({ "lists": { "all": list(json!([[0, 1]]), 1, json!([])) } });
+    let first = ss(&alice, None, body.clone()).await;
+    assert_eq!(room_ids(&first), sorted(vec![a.clone(), b.clone()]));
+    let (bump_a, bump_b) = (bump(&first, &a).unwrap(), bump(&first, &b).unwrap());
+    assert!(bump_b > bump_a, "{first}");
+    // The message positions are the bump stamps.
+    let b1_pos = ts.server.projections.timeline.event(&b1).unwrap().position;
+    let a1_pos = ts
+        .server
+        .projections
+        .timeline
+        .event(&in_a)
+        .unwrap()
+        .position;
+    assert_eq!((bump_a, bump_b), (a1_pos, b1_pos));
+
+    // A reaction and a topic change in A: A is sent (its timeline grew) without a new
+    // bump stamp, and B stays first.
+    alice.react(&a, &in_a, "👍").await;
+    alice
+        .put_state(&a, "m.room.topic", "", json!({ "topic": "quiet" }))
+        .await;
+    let second = ss(&alice, Some(&pos(&first)), body.clone()).await;
+    assert_eq!(room_ids(&second), vec![a.clone()]);
+    let ra = &second["rooms"][&a];
+    assert!(ra.get("bump_stamp").is_none(), "{ra}");
+    assert_eq!(ra["timeline"].as_array().unwrap().len(), 1);
+    let top = ss(
+        &alice,
+        None,
+        json!({ "conn_id": "top1", "lists": order_body["lists"] }),
+    )
+    .await;
+    assert_eq!(room_ids(&top), vec![b.clone()]);
+    assert_eq!(bump(&top, &b), Some(b1_pos));
+
+    // A message in A bumps it to the top, with its position as the new stamp.
+    let a2 = alice.send_text(&a, "a2").await;
+    let third = ss(&alice, Some(&pos(&second)), body.clone()).await;
+    // (The request waited for the projections: the event is applied.)
+    let a2_pos = ts.server.projections.timeline.event(&a2).unwrap().position;
+    assert_eq!(bump(&third, &a), Some(a2_pos));
+    let top = ss(
+        &alice,
+        None,
+        json!({ "conn_id": "top2", "lists": order_body["lists"] }),
+    )
+    .await;
+    assert_eq!(room_ids(&top), vec![a.clone()]);
+    ts.stop().await;
+}
+
+fn to_device_bodies(v: &Value) -> Vec<String> {
+    v["extensions"]["to_device"]["events"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no to_device events in {v}"))
+        .iter()
+        .map(|e| e["content"]["body"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+fn next_batch(v: &Value) -> String {
+    v["extensions"]["to_device"]["next_batch"]
+        .as_str()
+        .expect("to_device next_batch")
+        .to_owned()
+}
+
+async fn send_to_device(from: &Client, to: &Client, body: &str) {
+    from.put(
+        &format!("/_matrix/client/v3/sendToDevice/m.test/{}", txn()),
+        &json!({ "messages": { (to.user_id.clone()): { (to.device_id.clone()): { "body": body } } } }),
+    )
+    .await
+    .ok();
+}
+
+fn to_device_body(conn: &str, since: Option<&str>, limit: Option<u64>) -> Value {
+    let mut td = json!({ "enabled": true });
+    if let Some(s) = since {
+        td["since"] = json!(s);
+    }
+    if let Some(l) = limit {
+        td["limit"] = json!(l);
+    }
+    json!({ "conn_id": conn, "extensions": { "to_device": td } })
+}
+
+/// MSC3885 through sliding sync, with `/sync`'s semantics: each message is delivered
+/// until the next request's `since` acknowledges it, then never again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn to_device_is_delivered_until_acknowledged_then_never_again() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    send_to_device(&bob, &alice, "one").await;
+    send_to_device(&bob, &alice, "two").await;
+    let first = ss(&alice, None, to_device_body("td", None, None)).await;
+    assert_eq!(to_device_bodies(&first), vec!["one", "two"]);
+    assert_eq!(
+        first["extensions"]["to_device"]["events"][0],
+        json!({ "sender": bob.user_id, "type": "m.test", "content": { "body": "one" } })
+    );
+    let nb1 = next_batch(&first);
+    // Not acknowledged: a request without `since` (a retry, another connection) gets
+    // them again.
+    let retry = ss(&alice, None, to_device_body("other", None, None)).await;
+    assert_eq!(to_device_bodies(&retry), vec!["one", "two"]);
+    // `since` acknowledges them: gone for good, on every connection.
+    let second = ss(
+        &alice,
+        Some(&pos(&first)),
+        to_device_body("td", Some(&nb1), None),
+    )
+    .await;
+    assert_eq!(to_device_bodies(&second), Vec::<String>::new());
+    let again = ss(&alice, None, to_device_body("third", None, None)).await;
+    assert_eq!(to_device_bodies(&again), Vec::<String>::new());
+
+    // `limit` pages: two of three, then the third; the page's next_batch acknowledges
+    // exactly what it carried.
+    for b in ["p1", "p2", "p3"] {
+        send_to_device(&bob, &alice, b).await;
+    }
+    let page1 = ss(
+        &alice,
+        Some(&pos(&second)),
+        to_device_body("td", Some(&nb1), Some(2)),
+    )
+    .await;
+    assert_eq!(to_device_bodies(&page1), vec!["p1", "p2"]);
+    let page2 = ss(
+        &alice,
+        Some(&pos(&page1)),
+        to_device_body("td", Some(&next_batch(&page1)), Some(2)),
+    )
+    .await;
+    assert_eq!(to_device_bodies(&page2), vec!["p3"]);
+    let page3 = ss(
+        &alice,
+        Some(&pos(&page2)),
+        to_device_body("td", Some(&next_batch(&page2)), Some(2)),
+    )
+    .await;
+    assert_eq!(to_device_bodies(&page3), Vec::<String>::new());
+
+    // A `since` this server never gave is refused.
+    alice
+        .post(SS, &to_device_body("bad", Some("not-a-token"), None))
+        .await
+        .expect_err(400, "M_INVALID_PARAM");
+    alice
+        .post(SS, &to_device_body("bad", Some("999999999"), None))
+        .await
+        .expect_err(400, "M_INVALID_PARAM");
+    ts.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_request_wakes_for_a_to_device_message() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    let first = ss(&alice, None, to_device_body("td", None, None)).await;
+    let body = to_device_body("td", Some(&next_batch(&first)), None);
+    let waiting = long_poll(&alice, &pos(&first), body).await;
+    send_to_device(&bob, &alice, "wake").await;
+    let v = answer(waiting).await;
+    assert_eq!(to_device_bodies(&v), vec!["wake"]);
+    ts.stop().await;
+}
+
+async fn upload_device_keys(c: &Client) -> common::TestKey {
+    let (keys, key) = device_keys(c);
+    c.post(
+        "/_matrix/client/v3/keys/upload",
+        &json!({ "device_keys": keys }),
+    )
+    .await
+    .ok();
+    key
+}
+
+/// MSC3884 through sliding sync: device-list changes of users sharing a room (not of
+/// strangers), leaves, and the device's own key counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e2ee_extension_reports_room_mates_device_lists_and_key_counts() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    let carol = ts.register("carol").await;
+    let room = alice.create_room(json!({ "preset": "public_chat" })).await;
+    bob.join(&room).await;
+    let body = json!({ "extensions": { "e2ee": { "enabled": true } } });
+    let first = ss(&alice, None, body.clone()).await;
+    assert_eq!(
+        first["extensions"]["e2ee"],
+        json!({
+            "device_lists": { "changed": [], "left": [] },
+            "device_one_time_keys_count": { "signed_curve25519": 0 },
+            "device_unused_fallback_key_types": [],
+        })
+    );
+
+    // Bob (a room-mate) and carol (a stranger) upload device keys: alice hears of bob.
+    upload_device_keys(&bob).await;
+    upload_device_keys(&carol).await;
+    let second = ss(&alice, Some(&pos(&first)), body.clone()).await;
+    assert_eq!(
+        second["extensions"]["e2ee"]["device_lists"],
+        json!({ "changed": [bob.user_id], "left": [] })
+    );
+
+    // Alice's own one-time and fallback keys are counted.
+    let key = upload_device_keys(&alice).await;
+    let mut otks = serde_json::Map::new();
+    for i in 0..3 {
+        otks.insert(
+            format!("signed_curve25519:K{i}"),
+            key.sign(&alice.user_id, json!({ "key": format!("otk{i}") })),
+        );
+    }
+    let fallback = key.sign(&alice.user_id, json!({ "key": "fb", "fallback": true }));
+    alice
+        .post(
+            "/_matrix/client/v3/keys/upload",
+            &json!({ "one_time_keys": otks, "fallback_keys": { "signed_curve25519:F1": fallback } }),
+        )
+        .await
+        .ok();
+    let third = ss(&alice, Some(&pos(&second)), body.clone()).await;
+    let e = &third["extensions"]["e2ee"];
+    assert_eq!(
+        e["device_one_time_keys_count"],
+        json!({ "signed_curve25519": 3 })
+    );
+    assert_eq!(
+        e["device_unused_fallback_key_types"],
+        json!(["signed_curve25519"])
+    );
+    assert_eq!(e["device_lists"]["changed"], json!([alice.user_id]));
+
+    // Bob leaves: alice shares no room with him any more.
+    bob.leave(&room).await;
+    let fourth = ss(&alice, Some(&pos(&third)), body.clone()).await;
+    assert_eq!(
+        fourth["extensions"]["e2ee"]["device_lists"],
+        json!({ "changed": [], "left": [bob.user_id] })
+    );
+
+    // A waiting request wakes for a room-mate's key upload, not a stranger's.
+    carol.join(&room).await;
+    let fifth = ss(&alice, Some(&pos(&fourth)), body.clone()).await;
+    assert_eq!(
+        fifth["extensions"]["e2ee"]["device_lists"]["changed"],
+        json!([carol.user_id])
+    );
+    let waiting = long_poll(&alice, &pos(&fifth), body.clone()).await;
+    let carol2 = ts.login("carol", Some("CAROL2")).await;
+    upload_device_keys(&carol2).await;
+    let v = answer(waiting).await;
+    assert_eq!(
+        v["extensions"]["e2ee"]["device_lists"],
+        json!({ "changed": [carol.user_id], "left": [] })
+    );
     ts.stop().await;
 }

@@ -314,46 +314,9 @@ impl Ctx<'_> {
             .limit
             .unwrap_or(DEFAULT_TIMELINE_LIMIT)
             .min(crate::read::MAX_PAGE);
-        let mut out = Vec::new();
-        if limit == 0 {
-            let more = !self
-                .s
-                .projections
-                .timeline
-                .range_backward(room, upto.saturating_add(1), after + 1, 1)
-                .is_empty();
-            return (out, more);
-        }
-        let mut before = upto.saturating_add(1);
-        let mut limited = false;
-        'scan: loop {
-            let rows =
-                self.s
-                    .projections
-                    .timeline
-                    .range_backward(room, before, after + 1, limit + 1);
-            if rows.is_empty() {
-                break;
-            }
-            for (pos, id) in &rows {
-                before = *pos;
-                if let Some(ev) = self.s.projections.timeline.event(id)
-                    && self.filter.timeline.matches(&ev.pdu)
-                    && can_see(self.s, &self.r.user_id, access, &ev)
-                {
-                    if out.len() == limit {
-                        limited = true;
-                        break 'scan;
-                    }
-                    out.push(ev);
-                }
-            }
-            if rows.len() < limit + 1 {
-                break;
-            }
-        }
-        out.reverse();
-        (out, limited)
+        newest_events(self.s, room, after, upto, limit, |ev| {
+            self.filter.timeline.matches(&ev.pdu) && can_see(self.s, &self.r.user_id, access, ev)
+        })
     }
 
     /// The (full, non-member) state roots before the timeline's first event, or after
@@ -814,6 +777,54 @@ fn stripped(pdu: &Pdu) -> Value {
     json!({ "type": pdu.kind.to_string(), "state_key": pdu.state_key, "content": pdu.content_value(), "sender": pdu.sender })
 }
 
+/// The newest `limit` events of `room` in `(after, upto]` that pass `keep`, oldest
+/// first, and whether older ones in that window were left out (a sync timeline's
+/// `limited`). Shared by `/sync` (filter and visibility) and sliding sync
+/// (visibility). Reads pages of `limit + 1` index rows backwards, so a window whose
+/// events all pass costs one page; only events `keep` refuses cost more.
+pub(crate) fn newest_events(
+    s: &AppState,
+    room: &str,
+    after: u64,
+    upto: u64,
+    limit: usize,
+    keep: impl Fn(&EventRecord) -> bool,
+) -> (Vec<EventRecord>, bool) {
+    let tl = &s.projections.timeline;
+    if limit == 0 {
+        let more = !tl
+            .range_backward(room, upto.saturating_add(1), after + 1, 1)
+            .is_empty();
+        return (vec![], more);
+    }
+    let mut out = Vec::new();
+    let mut before = upto.saturating_add(1);
+    let mut limited = false;
+    'scan: loop {
+        let rows = tl.range_backward(room, before, after + 1, limit + 1);
+        if rows.is_empty() {
+            break;
+        }
+        for (pos, id) in &rows {
+            before = *pos;
+            if let Some(ev) = tl.event(id)
+                && keep(&ev)
+            {
+                if out.len() == limit {
+                    limited = true;
+                    break 'scan;
+                }
+                out.push(ev);
+            }
+        }
+        if rows.len() < limit + 1 {
+            break;
+        }
+    }
+    out.reverse();
+    (out, limited)
+}
+
 /// Whether anything for this user changed in `(since, upto]` (or typing since the
 /// token's typing counter). Runs on every commit anywhere while a long-poll waits, so
 /// it answers from memory: per-user and per-room "latest change" positions, and the
@@ -851,22 +862,26 @@ pub(crate) fn has_updates(
 
 /// Whether the end-to-end encryption sections have news for this device: a to-device
 /// message after `to_device_acked`, or a device-list change in the user's own log or
-/// a joined room's after `since_pos`. Memory only (`LastChange` caches), like
-/// [`has_updates`]; reusable by other sync flavours.
-pub fn e2ee_has_updates(
+/// a joined room's after `device_lists_since` (`None`: that section is not asked
+/// for). Memory only (`LastChange` caches), like [`has_updates`]; shared by `/sync`
+/// and sliding sync's `to_device` and `e2ee` extensions.
+pub(crate) fn e2ee_has_updates(
     s: &AppState,
     r: &Requester,
     joined: &[String],
-    since_pos: u64,
-    to_device_acked: u64,
+    device_lists_since: Option<u64>,
+    to_device_acked: Option<u64>,
 ) -> bool {
-    s.projections
-        .to_device
-        .last_change(&r.user_id, &r.device_id)
-        > to_device_acked
-        || s.projections
+    to_device_acked.is_some_and(|acked| {
+        s.projections
+            .to_device
+            .last_change(&r.user_id, &r.device_id)
+            > acked
+    }) || device_lists_since.is_some_and(|since| {
+        s.projections
             .device_keys
-            .any_change_after(&r.user_id, joined, since_pos)
+            .any_change_after(&r.user_id, joined, since)
+    })
 }
 
 async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Json<Value>> {
@@ -945,7 +960,7 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
                     &joined,
                     since,
                     s.projections.runtime.applied(),
-                ) || e2ee_has_updates(&s, &r, &joined, since.0, to_device_acked)
+                ) || e2ee_has_updates(&s, &r, &joined, Some(since.0), Some(to_device_acked))
                 {
                     break;
                 }
@@ -1097,15 +1112,16 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
         "account_data": { "events": account_data },
         "presence": { "events": presence },
         "to_device": { "events": e2ee.to_device },
-        "device_lists": { "changed": e2ee.device_lists.changed, "left": e2ee.device_lists.left },
-        "device_one_time_keys_count": e2ee.one_time_key_counts,
-        "device_unused_fallback_key_types": e2ee.unused_fallback_key_types,
+        "device_lists": { "changed": e2ee.device.device_lists.changed, "left": e2ee.device.device_lists.left },
+        "device_one_time_keys_count": e2ee.device.one_time_key_counts,
+        "device_unused_fallback_key_types": e2ee.device.unused_fallback_key_types,
     })))
 }
 
 /// Journals that this device acknowledged every to-device message up to `upto`, when
-/// its inbox still holds one (one seek; most syncs journal nothing).
-async fn acknowledge_to_device(s: &AppState, r: &Requester, upto: u64) -> ApiResult<()> {
+/// its inbox still holds one (one seek; most syncs journal nothing). Shared by `/sync`
+/// (its `since` token) and sliding sync's `to_device` extension (its `since`).
+pub(crate) async fn acknowledge_to_device(s: &AppState, r: &Requester, upto: u64) -> ApiResult<()> {
     if s.projections
         .to_device
         .oldest(&r.user_id, &r.device_id)
@@ -1128,25 +1144,30 @@ async fn acknowledge_to_device(s: &AppState, r: &Requester, upto: u64) -> ApiRes
 }
 
 /// The end-to-end encryption parts of a sync response for the requesting device.
-pub struct E2eeSections {
+pub(crate) struct E2eeSections {
     /// To-device events after the acknowledged position, oldest first.
-    pub to_device: Vec<Value>,
+    pub(crate) to_device: Vec<Value>,
     /// Set when the page of to-device events was full: the position delivered up to.
-    pub to_device_upto: Option<u64>,
-    /// `device_lists` (empty on an initial sync).
-    pub device_lists: spindle_projections::device_keys::DeviceListChanges,
-    /// `device_one_time_keys_count`.
-    pub one_time_key_counts: Value,
-    /// `device_unused_fallback_key_types`.
-    pub unused_fallback_key_types: Vec<String>,
+    pub(crate) to_device_upto: Option<u64>,
+    /// The device's key sections.
+    pub(crate) device: DeviceSections,
 }
 
-/// Builds the end-to-end encryption sections for `(since, upto]` (reusable by other
-/// sync flavours): to-device messages after `to_device_acked` (at most
-/// [`crate::to_device::MAX_TO_DEVICE_PER_SYNC`]), device list changes for users
-/// sharing a room (incremental only; `joined_rooms` are the requester's joined rooms),
-/// one-time key counts and unused fallback key types of the device.
-pub fn e2ee_sections(
+/// The device-key parts of a sync response (`/sync` top level, sliding sync's `e2ee`
+/// extension).
+pub(crate) struct DeviceSections {
+    /// `device_lists` (empty when there is no `since`).
+    pub(crate) device_lists: spindle_projections::device_keys::DeviceListChanges,
+    /// `device_one_time_keys_count`.
+    pub(crate) one_time_key_counts: Value,
+    /// `device_unused_fallback_key_types`.
+    pub(crate) unused_fallback_key_types: Vec<String>,
+}
+
+/// Builds the end-to-end encryption sections of `/sync` for `(since, upto]`: to-device
+/// messages after `to_device_acked` (at most
+/// [`crate::to_device::MAX_TO_DEVICE_PER_SYNC`]) and [`device_sections`].
+fn e2ee_sections(
     s: &AppState,
     r: &Requester,
     joined_rooms: &[String],
@@ -1161,16 +1182,32 @@ pub fn e2ee_sections(
         upto,
         crate::to_device::MAX_TO_DEVICE_PER_SYNC,
     );
+    E2eeSections {
+        to_device_upto: pending.truncated.then_some(pending.last_position).flatten(),
+        to_device: pending.events,
+        device: device_sections(s, r, joined_rooms, since.map(|(p, _)| p), upto),
+    }
+}
+
+/// Device list changes in `(since, upto]` for users sharing a room with the requester
+/// (`joined_rooms`: the requester's joined rooms; none without a `since`), and the
+/// requesting device's one-time key counts and unused fallback key types. Reads: the
+/// change logs of rooms that changed (memory check first), two key-count seeks.
+pub(crate) fn device_sections(
+    s: &AppState,
+    r: &Requester,
+    joined_rooms: &[String],
+    since: Option<u64>,
+    upto: u64,
+) -> DeviceSections {
     let device_lists = match since {
-        Some((sp, _)) => s
+        Some(sp) => s
             .projections
             .device_keys
             .changes(&r.user_id, joined_rooms, sp, upto),
         None => Default::default(),
     };
-    E2eeSections {
-        to_device_upto: pending.truncated.then_some(pending.last_position).flatten(),
-        to_device: pending.events,
+    DeviceSections {
         device_lists,
         one_time_key_counts: crate::keys::one_time_key_counts(s, &r.user_id, &r.device_id),
         unused_fallback_key_types: s

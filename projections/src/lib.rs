@@ -4,7 +4,7 @@
 //!
 //! | projection | job |
 //! |---|---|
-//! | [`timeline::Timeline`] | events by id, room stream index (room, position), redactions, recency |
+//! | [`timeline::Timeline`] | events by id, room stream index (room, position), redactions, recency, last bump (`bump_stamp`) |
 //! | [`state::State`] | state trie after every event, current state, room metadata |
 //! | [`membership::Memberships`] | memberships per user and per room, per-user change log |
 //! | [`accounts::Accounts`] | accounts, devices, access tokens (hashed), profiles |

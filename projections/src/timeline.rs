@@ -1,12 +1,15 @@
 //! Timeline projection: every event by id, the room stream index keyed by
-//! (room, position), redactions, and each room's last activity (room-list recency).
+//! (room, position), redactions, each room's last activity, and each room's last
+//! *bump* (room-list recency: MSC4186 `bump_stamp`).
 //!
 //! Tables:
 //! - `events`: event id -> [`StoredEvent`] (JSON: position, room version, PDU JSON,
 //!   sending device and txn id)
 //! - `room_events`: room id, 0x00, position BE -> event id
 //! - `redactions`: redacted event id -> redaction event id (first redaction wins)
-//! - `rooms`: room id -> last position (also kept in memory for recency sorts)
+//! - `rooms`: room id -> last position (also kept in memory: "did anything happen")
+//! - `bumps`: room id -> position of the last event whose type is one of
+//!   [`BUMP_EVENT_TYPES`] (also kept in memory: the room-list sort and `bump_stamp`)
 
 use std::{collections::HashMap, sync::Arc};
 
@@ -19,6 +22,19 @@ use crate::{
     runtime::Projection,
     store::{ApplyCtx, ProjectionDb, Table, key},
 };
+
+/// The event types that bump a room in the room list (MSC4186 `bump_stamp`: "proper
+/// activity"; the set is Synapse's default, which Element X expects): a reaction, an
+/// edit of the room state or a membership change does not move the room.
+pub const BUMP_EVENT_TYPES: [&str; 7] = [
+    "m.room.create",
+    "m.room.message",
+    "m.room.encrypted",
+    "m.sticker",
+    "m.call.invite",
+    "m.poll.start",
+    "m.beacon_info",
+];
 
 /// An event as the timeline projection keeps it.
 #[derive(Serialize, Deserialize, Debug, Clone)]
@@ -69,7 +85,9 @@ pub struct Timeline {
     room_events: Table,
     redactions: Table,
     rooms: Table,
+    bumps: Table,
     recency: Arc<RwLock<HashMap<String, u64>>>,
+    bumped: Arc<RwLock<HashMap<String, u64>>>,
 }
 
 impl Timeline {
@@ -80,7 +98,9 @@ impl Timeline {
             room_events: db.table("timeline", "room_events")?,
             redactions: db.table("timeline", "redactions")?,
             rooms: db.table("timeline", "rooms")?,
+            bumps: db.table("timeline", "bumps")?,
             recency: Arc::default(),
+            bumped: Arc::default(),
         })
     }
 
@@ -151,6 +171,26 @@ impl Timeline {
     pub fn last_activity(&self, room_id: &str) -> Option<u64> {
         self.recency.read().get(room_id).copied()
     }
+
+    /// Position of the room's latest event of a [`BUMP_EVENT_TYPES`] type (in memory;
+    /// no store read). `None` for a room with none, or whose bumps were not recorded
+    /// (a data directory from before the `bumps` table: `spindle replay rebuild
+    /// timeline` fills it).
+    pub fn last_bump(&self, room_id: &str) -> Option<u64> {
+        self.bumped.read().get(room_id).copied()
+    }
+}
+
+fn load_positions(table: &Table, map: &mut HashMap<String, u64>) {
+    map.clear();
+    for (k, v) in table.all() {
+        if v.len() == 8 {
+            map.insert(
+                String::from_utf8_lossy(&k).into_owned(),
+                u64::from_be_bytes(v[..8].try_into().expect("8")),
+            );
+        }
+    }
 }
 
 impl Projection for Timeline {
@@ -164,20 +204,13 @@ impl Projection for Timeline {
             self.room_events.clone(),
             self.redactions.clone(),
             self.rooms.clone(),
+            self.bumps.clone(),
         ]
     }
 
     fn reload(&self) {
-        let mut map = self.recency.write();
-        map.clear();
-        for (k, v) in self.rooms.all() {
-            if v.len() == 8 {
-                map.insert(
-                    String::from_utf8_lossy(&k).into_owned(),
-                    u64::from_be_bytes(v[..8].try_into().expect("8")),
-                );
-            }
-        }
+        load_positions(&self.rooms, &mut self.recency.write());
+        load_positions(&self.bumps, &mut self.bumped.write());
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
@@ -210,7 +243,16 @@ impl Projection for Timeline {
             room.clone().into_bytes(),
             record.position().to_be_bytes().to_vec(),
         );
-        if pdu.kind.to_string() == "m.room.redaction"
+        let kind = pdu.kind.to_string();
+        let bumps = BUMP_EVENT_TYPES.contains(&kind.as_str());
+        if bumps {
+            ctx.put(
+                &self.bumps,
+                room.clone().into_bytes(),
+                record.position().to_be_bytes().to_vec(),
+            );
+        }
+        if kind == "m.room.redaction"
             && let Some(target) = &pdu.redacts
         {
             let k = target.to_string().into_bytes();
@@ -218,9 +260,12 @@ impl Projection for Timeline {
                 ctx.put(&self.redactions, k, pdu.event_id.to_string().into_bytes());
             }
         }
-        let recency = self.recency.clone();
+        let (recency, bumped) = (self.recency.clone(), self.bumped.clone());
         let pos = record.position();
         ctx.after_commit(move || {
+            if bumps {
+                bumped.write().insert(room.clone(), pos);
+            }
             recency.write().insert(room, pos);
         });
         Ok(())

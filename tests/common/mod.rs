@@ -274,6 +274,20 @@ impl Client {
         v["event_id"].as_str().expect("event_id").to_owned()
     }
 
+    /// Sends an `m.reaction` (`m.annotation` of `event_id` with `key`); returns its id.
+    pub async fn react(&self, room: &str, event_id: &str, key: &str) -> String {
+        let v = self
+            .send_txn(
+                room,
+                "m.reaction",
+                &txn(),
+                &json!({ "m.relates_to": { "rel_type": "m.annotation", "event_id": event_id, "key": key } }),
+            )
+            .await
+            .ok();
+        v["event_id"].as_str().expect("event_id").to_owned()
+    }
+
     /// `PUT /state/{type}/{key}`; returns the event id.
     pub async fn put_state(
         &self,

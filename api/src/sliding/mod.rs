@@ -4,7 +4,8 @@
 //! A request names *lists* (ranges into the user's rooms, filtered, ordered by
 //! recency) and *room subscriptions*; the answer holds every selected room that the
 //! connection has not been sent yet or that changed since, plus *extensions*
-//! (account data, receipts, typing). What each connection was sent lives in
+//! (account data, receipts, typing, to-device messages, device keys). What each
+//! connection was sent lives in
 //! [`conn::Connections`] (in memory; unknown `pos`: 400 `M_UNKNOWN_POS`).
 //!
 //! Costs (BRIEF §4): the list order comes from the in-memory recency the timeline
@@ -14,6 +15,9 @@
 //! `heroes` come from the room summary projection (one read, one short scan); unread
 //! counts are running-count seeks. A room the connection already has and that did not
 //! change is skipped from memory (its last activity, its receipts' last change).
+//! The `to_device` and `e2ee` extensions share `/sync`'s code: one range scan of the
+//! device's inbox, the device-list change logs of the user's own rooms only (other
+//! users' key uploads cost nothing), two key-count seeks.
 
 mod conn;
 pub mod request;
@@ -96,15 +100,41 @@ async fn sliding_sync(
             None
         }
     };
+    let to_device = &req.extensions.to_device;
+    let to_device_since = match &to_device.since {
+        Some(t) if to_device.on() => {
+            let since: u64 = t.parse().map_err(|_| {
+                MatrixError::invalid_param(format!(
+                    "to_device since must be a next_batch this server gave, not {t:?}"
+                ))
+            })?;
+            if since > s.journal.durable_head() {
+                return Err(MatrixError::invalid_param(
+                    "to_device since is from the future",
+                ));
+            }
+            // The messages up to `since` were delivered to this device by the response
+            // that gave it: acknowledging them (journaled) deletes them for good, as
+            // `/sync`'s `since` does (MSC3885).
+            crate::sync::acknowledge_to_device(&s, &r, since).await?;
+            Some(since)
+        }
+        _ => None,
+    };
+    let wake = Wake {
+        to_device_acked: to_device.on().then_some(to_device_since.unwrap_or(0)),
+        device_lists: req.extensions.e2ee.on(),
+    };
     let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout);
     let mut since = base.as_ref().map(|b| (b.upto, b.typing));
     loop {
         if let Some(since) = since
             && timeout > 0
         {
-            wait_for_updates(&s, user, since, deadline).await;
+            wait_for_updates(&s, &r, since, wake, deadline).await;
         }
-        let (snapshot, mut response, changed) = Build::run(&s, &r, &req, base.as_deref()).await?;
+        let (snapshot, mut response, changed) =
+            Build::run(&s, &r, &req, base.as_deref(), to_device_since).await?;
         let done = changed
             || base.is_none()
             || timeout == 0
@@ -124,15 +154,26 @@ async fn sliding_sync(
     }
 }
 
+/// What besides rooms ends a long-poll: the enabled `to_device` and `e2ee` extensions.
+#[derive(Clone, Copy)]
+struct Wake {
+    /// `to_device` on: a message after this (acknowledged) position wakes.
+    to_device_acked: Option<u64>,
+    /// `e2ee` on: a device-list change of a room-mate wakes.
+    device_lists: bool,
+}
+
 /// Waits until something that may concern the user happened after `since`, the
 /// deadline passed, or the server shuts down. Like `/sync`'s long-poll, the check runs
 /// from memory (rooms' last activity, per-user and per-room last changes).
 async fn wait_for_updates(
     s: &AppState,
-    user: &str,
+    r: &Requester,
     since: (u64, u64),
+    wake: Wake,
     deadline: tokio::time::Instant,
 ) {
+    let user = r.user_id.as_str();
     let mut applied_rx = s.projections.runtime.subscribe();
     let mut typing_rx = s.typing.subscribe();
     let mut shutdown = s.shutdown.clone();
@@ -150,7 +191,15 @@ async fn wait_for_updates(
         if *shutdown.borrow_and_update() {
             return;
         }
-        if crate::sync::has_updates(s, user, &joined, since, s.projections.runtime.applied()) {
+        if crate::sync::has_updates(s, user, &joined, since, s.projections.runtime.applied())
+            || crate::sync::e2ee_has_updates(
+                s,
+                r,
+                &joined,
+                wake.device_lists.then_some(since.0),
+                wake.to_device_acked,
+            )
+        {
             return;
         }
         tokio::select! {
@@ -208,6 +257,7 @@ struct Selected {
 
 struct Build<'a> {
     s: &'a AppState,
+    r: &'a Requester,
     user: &'a str,
     device: &'a str,
     req: &'a SlidingRequest,
@@ -217,6 +267,10 @@ struct Build<'a> {
     dm_rooms: BTreeSet<String>,
     /// Per-request cache: room -> (is_encrypted, room type).
     room_facts: HashMap<String, (bool, Option<String>)>,
+    /// The `to_device` extension's `since`: messages up to it are acknowledged.
+    to_device_since: Option<u64>,
+    /// The user's joined rooms (the `e2ee` extension's device-list changes).
+    joined: Vec<String>,
 }
 
 impl<'a> Build<'a> {
@@ -227,6 +281,7 @@ impl<'a> Build<'a> {
         r: &'a Requester,
         req: &'a SlidingRequest,
         base: Option<&'a Snapshot>,
+        to_device_since: Option<u64>,
     ) -> ApiResult<(Snapshot, Value, bool)> {
         let mut upto = s.projections.runtime.applied();
         // As in /sync: the membership projection may be ahead of the slowest one; let
@@ -254,8 +309,14 @@ impl<'a> Build<'a> {
                     .collect()
             })
             .unwrap_or_default();
+        let joined = rooms
+            .iter()
+            .filter(|(_, m)| m.membership == "join")
+            .map(|(room, _)| room.clone())
+            .collect();
         let mut b = Build {
             s,
+            r,
             user: &r.user_id,
             device: &r.device_id,
             req,
@@ -263,6 +324,8 @@ impl<'a> Build<'a> {
             upto,
             dm_rooms,
             room_facts: HashMap::new(),
+            to_device_since,
+            joined,
         };
         b.respond(rooms, typing)
     }
@@ -369,16 +432,12 @@ impl<'a> Build<'a> {
             }
         }
 
-        let extensions = self.extensions(&selected, &initial_rooms, base, typing, &mut next);
-        let changed = !rooms_out.is_empty()
-            || extensions.as_object().is_some_and(|e| !e.is_empty())
-            || self.base.is_none_or(|b| b.lists != next.lists);
+        let (extensions, news) =
+            self.extensions(&selected, &initial_rooms, base, typing, &mut next);
+        let changed =
+            !rooms_out.is_empty() || news || self.base.is_none_or(|b| b.lists != next.lists);
         let mut response = json!({ "lists": lists_out, "rooms": rooms_out });
-        if extensions.as_object().is_some_and(|e| !e.is_empty()) {
-            response["extensions"] = extensions;
-        } else {
-            response["extensions"] = json!({});
-        }
+        response["extensions"] = extensions;
         Ok((next, response, changed))
     }
 
@@ -425,17 +484,21 @@ impl<'a> Build<'a> {
             .is_some_and(|prev| prev == "join" || prev == "invite" || prev == "knock")
     }
 
-    /// The recency sort key and `bump_stamp`: the room's last activity while joined,
-    /// the membership's own position otherwise (later activity is not theirs to see).
+    /// The recency sort key and `bump_stamp` (MSC4186): while joined, the position of
+    /// the room's last event of a bump type ([`BUMP_EVENT_TYPES`]: a reaction, a state
+    /// change or the user's own profile change does not move the room); otherwise the
+    /// membership's own position (later activity is not theirs to see). Memory only.
+    /// A room whose bumps are unknown (data from before the timeline projection kept
+    /// them) falls back to its last activity.
+    ///
+    /// [`BUMP_EVENT_TYPES`]: spindle_projections::timeline::BUMP_EVENT_TYPES
     fn recency(&self, room: &str, m: &Membership) -> u64 {
         if m.membership == "join" {
-            self.s
-                .projections
-                .timeline
-                .last_activity(room)
+            let tl = &self.s.projections.timeline;
+            tl.last_bump(room)
+                .or_else(|| tl.last_activity(room))
                 .unwrap_or(m.position)
                 .min(self.upto)
-                .max(m.position)
         } else {
             m.position
         }
@@ -664,7 +727,10 @@ impl<'a> Build<'a> {
             Some(x) if !initial && !expanded => x.upto,
             _ => 0,
         };
-        let (timeline, limited) = self.timeline(room, &access, after, end, config.timeline_limit);
+        let (timeline, limited) =
+            crate::sync::newest_events(s, room, after, end, config.timeline_limit, |ev| {
+                can_see(s, self.user, &access, ev)
+            });
         let live_after = match sent {
             Some(x) if !initial => Some(x.upto),
             _ => self.base.map(|b| b.upto),
@@ -802,51 +868,6 @@ impl<'a> Build<'a> {
                 Value::Array(required_state.iter().map(|e| render_state(s, e)).collect());
         }
         Some((Some(v), now, initial))
-    }
-
-    /// The newest `limit` events of `room` in `(after, upto]` the user may see, oldest
-    /// first, and whether older ones in that window were left out.
-    fn timeline(
-        &self,
-        room: &str,
-        access: &Access,
-        after: u64,
-        upto: u64,
-        limit: usize,
-    ) -> (Vec<EventRecord>, bool) {
-        let tl = &self.s.projections.timeline;
-        if limit == 0 {
-            let more = !tl
-                .range_backward(room, upto.saturating_add(1), after + 1, 1)
-                .is_empty();
-            return (vec![], more);
-        }
-        let mut out = Vec::new();
-        let mut before = upto.saturating_add(1);
-        let mut limited = false;
-        'scan: loop {
-            let rows = tl.range_backward(room, before, after + 1, limit + 1);
-            if rows.is_empty() {
-                break;
-            }
-            for (pos, id) in &rows {
-                before = *pos;
-                if let Some(ev) = tl.event(id)
-                    && can_see(self.s, self.user, access, &ev)
-                {
-                    if out.len() == limit {
-                        limited = true;
-                        break 'scan;
-                    }
-                    out.push(ev);
-                }
-            }
-            if rows.len() < limit + 1 {
-                break;
-            }
-        }
-        out.reverse();
-        (out, limited)
     }
 
     /// (full, non-member) state roots after the room's last event at or before `pos`.
@@ -1127,7 +1148,9 @@ impl<'a> Build<'a> {
             .collect()
     }
 
-    /// The `extensions` of the response (only those that have something to say).
+    /// The `extensions` of the response (only those that have something to say, and
+    /// `to_device`/`e2ee` whenever they are on: their `next_batch` and key counts are
+    /// always wanted), and whether any of it is news (ends a long-poll).
     fn extensions(
         &self,
         selected: &BTreeMap<String, Selected>,
@@ -1135,7 +1158,7 @@ impl<'a> Build<'a> {
         base: &Snapshot,
         typing: u64,
         next: &mut Snapshot,
-    ) -> Value {
+    ) -> (Value, bool) {
         let s = self.s;
         let exts = &self.req.extensions;
         let mut out = serde_json::Map::new();
@@ -1276,6 +1299,50 @@ impl<'a> Build<'a> {
                 out.insert("typing".into(), json!({ "rooms": rooms }));
             }
         }
-        Value::Object(out)
+        let mut news = !out.is_empty();
+
+        if exts.to_device.on() {
+            // MSC3885: every message after `since` (all pending ones without it), at
+            // most `limit`; `next_batch` is what the next request's `since` acknowledges.
+            next.extensions.insert("to_device");
+            let limit = exts
+                .to_device
+                .limit
+                .map_or(crate::to_device::MAX_TO_DEVICE_PER_SYNC, |l| {
+                    l.clamp(1, crate::to_device::MAX_TO_DEVICE_PER_SYNC as u64) as usize
+                });
+            let after = self.to_device_since.unwrap_or(0);
+            let pending =
+                s.projections
+                    .to_device
+                    .pending(self.user, self.device, after, self.upto, limit);
+            let next_batch = match (pending.truncated, pending.last_position) {
+                (true, Some(p)) => p,
+                _ => self.upto.max(after),
+            };
+            news |= !pending.events.is_empty();
+            out.insert(
+                "to_device".into(),
+                json!({ "next_batch": next_batch.to_string(), "events": pending.events }),
+            );
+        }
+
+        if exts.e2ee.on() {
+            // MSC3884: device-list changes since this connection's last `e2ee`
+            // answer (none in its first), the device's key counts.
+            next.extensions.insert("e2ee");
+            let since = (!fresh("e2ee")).then_some(base.upto);
+            let d = crate::sync::device_sections(s, self.r, &self.joined, since, self.upto);
+            news |= !d.device_lists.changed.is_empty() || !d.device_lists.left.is_empty();
+            out.insert(
+                "e2ee".into(),
+                json!({
+                    "device_lists": { "changed": d.device_lists.changed, "left": d.device_lists.left },
+                    "device_one_time_keys_count": d.one_time_key_counts,
+                    "device_unused_fallback_key_types": d.unused_fallback_key_types,
+                }),
+            );
+        }
+        (Value::Object(out), news)
     }
 }
