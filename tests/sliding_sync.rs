@@ -984,3 +984,37 @@ async fn e2ee_extension_reports_room_mates_device_lists_and_key_counts() {
     );
     ts.stop().await;
 }
+
+/// A waiting request whose `to_device` messages were acknowledged by another
+/// connection of the same device waits (it does not wake again and again for messages
+/// that are gone): its store reads stay those of a few builds, not of a busy loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_does_not_spin_on_messages_another_connection_acknowledged() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    send_to_device(&bob, &alice, "x").await;
+    let a = ss(&alice, None, to_device_body("a", None, None)).await;
+    assert_eq!(to_device_bodies(&a), vec!["x"]);
+    let b = ss(&alice, None, to_device_body("b", None, None)).await;
+    let b2 = ss(
+        &alice,
+        Some(&pos(&b)),
+        to_device_body("b", Some(&next_batch(&b)), None),
+    )
+    .await;
+    assert_eq!(to_device_bodies(&b2), Vec::<String>::new());
+    let reads = || ts.server.projections.db.stats().total();
+    let before = reads();
+    let v = alice
+        .post(
+            &format!("{SS}?pos={}&timeout=1500", enc(&pos(&a))),
+            &to_device_body("a", None, None),
+        )
+        .await
+        .ok();
+    let used = reads() - before;
+    assert_eq!(to_device_bodies(&v), Vec::<String>::new());
+    assert!(used < 200, "a 1.5 s wait cost {used} store reads");
+    ts.stop().await;
+}

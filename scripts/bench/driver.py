@@ -28,6 +28,7 @@ server's room); different rooms are seeded in parallel.
 
 Usage:
   driver.py --base http://127.0.0.1:8008 --label spindle --out round.json [--quick]
+  driver.py ... --dimensions events,members --ops sliding_window   (one operation only)
   driver.py --help      (every size, sample count and duration is an option)
 
 The output is one JSON document: metadata (label, base, sizes, load average before and
@@ -288,7 +289,10 @@ class Bench:
 
     # ---------------------------------------------------------------- measuring
     def cell(self, dimension: str, op: str, size, sample, checker=None, unit="ms") -> dict:
-        """Runs `sample(i)` warm-up + N times; each returns (ms, status, body)."""
+        """Runs `sample(i)` warm-up + N times; each returns (ms, status, body). An
+        operation left out by `--ops` is not run and records nothing."""
+        if self.args.ops and op not in self.args.ops and dimension != "floor":
+            return {}
         warm, n = self.args.warmup, self.args.samples
         samples: list[float] = []
         errors: list[str] = []
@@ -627,6 +631,9 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=10, help="timed samples per cell")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up requests per cell")
     p.add_argument("--no-sliding", action="store_true", help="do not probe or time sliding_window")
+    p.add_argument("--ops", default="",
+                   help="comma list of per-room operations to time (default: all), e.g. "
+                        "sliding_window; the rooms are seeded the same either way")
     p.add_argument("--meta", action="append", default=[], help="KEY=VALUE recorded in the results")
     p.add_argument("--quick", action="store_true",
                    help="smoke sizes: events 50,200; members 10,40; concurrency 1,4 for 2 s; "
@@ -636,6 +643,7 @@ def main() -> None:
         a.events, a.members, a.concurrency, a.tenants = "50,200", "10,40", "1,4", "0,50"
         a.duration, a.samples, a.warmup, a.members_messages = 2.0, 5, 1, 5
     a.dimensions = [d.strip() for d in a.dimensions.split(",") if d.strip()]
+    a.ops = {o.strip() for o in a.ops.split(",") if o.strip()}
     for d in a.dimensions:
         if d not in ("events", "members", "concurrency", "tenants"):
             p.error(f"unknown dimension {d}")

@@ -121,7 +121,7 @@ async fn sliding_sync(
         }
         _ => None,
     };
-    let wake = Wake {
+    let mut wake = Wake {
         to_device_acked: to_device.on().then_some(to_device_since.unwrap_or(0)),
         device_lists: req.extensions.e2ee.on(),
     };
@@ -151,6 +151,10 @@ async fn sliding_sync(
             return Ok(Json(response));
         }
         since = Some((snapshot.upto, snapshot.typing));
+        // Nothing for this device up to `snapshot.upto` (e.g. another connection of the
+        // device acknowledged past our `since`): wake only for newer messages, or the
+        // wait would wake again at once for messages that are gone.
+        wake.to_device_acked = wake.to_device_acked.map(|a| a.max(snapshot.upto));
     }
 }
 
@@ -1299,7 +1303,13 @@ impl<'a> Build<'a> {
                 out.insert("typing".into(), json!({ "rooms": rooms }));
             }
         }
-        let mut news = !out.is_empty();
+        // An extension turned on for an existing connection answers at once (the
+        // client waits for its first `next_batch` and key counts).
+        let mut news = !out.is_empty()
+            || (self.base.is_some()
+                && [(exts.to_device.on(), "to_device"), (exts.e2ee.on(), "e2ee")]
+                    .iter()
+                    .any(|(on, name)| *on && fresh(name)));
 
         if exts.to_device.on() {
             // MSC3885: every message after `since` (all pending ones without it), at
