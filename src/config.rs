@@ -34,6 +34,64 @@ pub struct Config {
     /// Server admins (full user ids): they may use the admin API
     /// (`/_spindle/admin/v1`). `spindle admin promote` adds admins through the journal.
     pub admins: Vec<String>,
+    /// TURN servers handed to clients for calls (`GET /voip/turnServer`).
+    pub voip: Voip,
+    /// Who to contact about this server (`GET /.well-known/matrix/support`).
+    pub support: Support,
+}
+
+/// TURN settings (spec: client-server API "Voice over IP"). Either a shared secret
+/// (the TURN REST API coturn and eturnal implement: time-limited credentials) or a
+/// static username and password; no `turn_uris` means no TURN server.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Voip {
+    /// TURN URIs (`turn:` or `turns:`), e.g. `"turn:turn.example.org:3478?transport=udp"`.
+    pub turn_uris: Vec<String>,
+    /// Secret shared with the TURN server (coturn `static-auth-secret`); empty: none.
+    pub turn_shared_secret: String,
+    /// Static TURN username (used only without a shared secret).
+    pub turn_username: String,
+    /// Static TURN password (used only without a shared secret).
+    pub turn_password: String,
+    /// Lifetime of the credentials handed out, seconds (`ttl`).
+    pub turn_ttl_s: u64,
+}
+
+impl Default for Voip {
+    fn default() -> Self {
+        Voip {
+            turn_uris: Vec::new(),
+            turn_shared_secret: String::new(),
+            turn_username: String::new(),
+            turn_password: String::new(),
+            turn_ttl_s: 86_400,
+        }
+    }
+}
+
+/// Server support information (spec: "Getting the support information for a server").
+/// With neither contacts nor a page, `/.well-known/matrix/support` answers 404.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Support {
+    /// Contacts: each has a `role` (`m.role.admin`, `m.role.security` or a namespaced
+    /// role) and at least one of `matrix_id` and `email_address`.
+    pub contacts: Vec<SupportContact>,
+    /// A web page with support information; empty: none.
+    pub support_page: String,
+}
+
+/// One support contact.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct SupportContact {
+    /// `m.role.admin`, `m.role.security`, or a namespaced role.
+    pub role: String,
+    /// A Matrix user id to contact; empty: none.
+    pub matrix_id: String,
+    /// An email address to contact; empty: none.
+    pub email_address: String,
 }
 
 /// Who may register.
@@ -136,6 +194,8 @@ impl Default for Config {
             media: Media::default(),
             log: "info,fjall=warn,lsm_tree=warn,ruma_state_res=warn".into(),
             admins: Vec::new(),
+            voip: Voip::default(),
+            support: Support::default(),
         }
     }
 }
@@ -225,6 +285,42 @@ impl Config {
         if self.limits.max_request_bytes < 65_536 {
             return Err("limits.max_request_bytes must be at least 65536".into());
         }
+        let voip = &self.voip;
+        if let Some(bad) = voip
+            .turn_uris
+            .iter()
+            .find(|u| !u.starts_with("turn:") && !u.starts_with("turns:"))
+        {
+            return Err(format!(
+                "voip.turn_uris entries must start with turn: or turns: (got {bad:?})"
+            ));
+        }
+        if !voip.turn_uris.is_empty()
+            && voip.turn_shared_secret.is_empty()
+            && (voip.turn_username.is_empty() || voip.turn_password.is_empty())
+        {
+            return Err(
+                "voip.turn_uris needs voip.turn_shared_secret, or voip.turn_username and voip.turn_password"
+                    .into(),
+            );
+        }
+        if voip.turn_ttl_s == 0 {
+            return Err("voip.turn_ttl_s must be positive".into());
+        }
+        for c in &self.support.contacts {
+            if c.role.is_empty() || (c.matrix_id.is_empty() && c.email_address.is_empty()) {
+                return Err(
+                    "support.contacts entries need a role and a matrix_id or an email_address"
+                        .into(),
+                );
+            }
+            if !c.matrix_id.is_empty() && ruma::UserId::parse(&c.matrix_id).is_err() {
+                return Err(format!(
+                    "support.contacts: {:?} is not a user id",
+                    c.matrix_id
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -285,7 +381,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 23);
+        assert_eq!(want.len(), 32);
     }
 
     #[test]

@@ -112,6 +112,14 @@ impl Server {
                 url_preview_allow_private: config.media.url_preview_allow_private,
                 legacy_unauthenticated: config.media.legacy_unauthenticated,
             },
+            voip: spindle_api::voip::VoipConfig {
+                turn_uris: config.voip.turn_uris.clone(),
+                turn_shared_secret: config.voip.turn_shared_secret.clone(),
+                turn_username: config.voip.turn_username.clone(),
+                turn_password: config.voip.turn_password.clone(),
+                turn_ttl_s: config.voip.turn_ttl_s,
+            },
+            support: support_body(&config.support),
         };
         let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
         let state = spindle_api::AppState::new(
@@ -158,4 +166,31 @@ impl Server {
             self.task.abort();
         }
     }
+}
+
+/// The `/.well-known/matrix/support` body for the configured contacts and page
+/// (empty strings left out); `None` when neither is configured.
+fn support_body(support: &config::Support) -> Option<serde_json::Value> {
+    let contacts: Vec<serde_json::Value> = support
+        .contacts
+        .iter()
+        .map(|c| {
+            let mut o = serde_json::json!({ "role": c.role });
+            if !c.matrix_id.is_empty() {
+                o["matrix_id"] = c.matrix_id.clone().into();
+            }
+            if !c.email_address.is_empty() {
+                o["email_address"] = c.email_address.clone().into();
+            }
+            o
+        })
+        .collect();
+    let mut body = serde_json::Map::new();
+    if !contacts.is_empty() {
+        body.insert("contacts".into(), contacts.into());
+    }
+    if !support.support_page.is_empty() {
+        body.insert("support_page".into(), support.support_page.clone().into());
+    }
+    (!body.is_empty()).then_some(serde_json::Value::Object(body))
 }

@@ -25,6 +25,11 @@ pub(crate) fn routes() -> Router<AppState> {
     Router::new()
         .route("/_matrix/client/versions", get(versions))
         .route("/.well-known/matrix/client", get(well_known))
+        .route("/.well-known/matrix/support", get(support))
+        .route(
+            "/_matrix/client/v1/register/m.login.registration_token/validity",
+            get(registration_token_validity),
+        )
         .route("/_matrix/client/v3/capabilities", get(capabilities))
         .route("/_matrix/client/v3/register", post(register))
         .route(
@@ -38,7 +43,9 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/_matrix/client/v3/profile/{user_id}", get(profile))
         .route(
             "/_matrix/client/v3/profile/{user_id}/{field}",
-            get(profile_field).put(set_profile_field),
+            get(profile_field)
+                .put(set_profile_field)
+                .delete(delete_profile_field),
         )
         .route(
             "/_matrix/client/v3/user/{user_id}/account_data/{data_type}",
@@ -78,6 +85,44 @@ async fn well_known(State(s): State<AppState>) -> Json<Value> {
     Json(json!({ "m.homeserver": { "base_url": s.config.public_base_url } }))
 }
 
+/// `GET /.well-known/matrix/support` (spec: "Getting the support information for a
+/// server"): the configured contacts and support page; 404 `M_NOT_FOUND` when neither
+/// is configured.
+async fn support(State(s): State<AppState>) -> ApiResult<Json<Value>> {
+    match &s.config.support {
+        Some(body) => Ok(Json(body.clone())),
+        None => Err(MatrixError::not_found(
+            "No support information is configured for this server",
+        )),
+    }
+}
+
+/// `GET /_matrix/client/v1/register/m.login.registration_token/validity?token=`:
+/// `{"valid"}`, whether `token` is one of the configured registration tokens (tokens
+/// never expire or run out here, so a configured token stays valid). A server whose
+/// registration is closed to everyone (not open, no tokens) answers 403
+/// `M_FORBIDDEN`, as the spec says. The spec asks for rate limiting against guessing;
+/// Spindle has no rate limiter yet (SPEC.md §7), so none is applied. Comparison is by
+/// blake3 digest (constant-time equality), so timing reveals nothing of a token.
+async fn registration_token_validity(
+    State(s): State<AppState>,
+    q: Query,
+) -> ApiResult<Json<Value>> {
+    let token = q
+        .get("token")
+        .ok_or_else(|| MatrixError::missing_param("token is required"))?;
+    if !s.config.registration_open && s.config.registration_tokens.is_empty() {
+        return Err(MatrixError::forbidden(
+            "Registration is not enabled on this homeserver",
+        ));
+    }
+    let asked = blake3::hash(token.as_bytes());
+    let valid = s.config.registration_tokens.iter().fold(false, |found, t| {
+        found | (blake3::hash(t.as_bytes()) == asked)
+    });
+    Ok(Json(json!({ "valid": valid })))
+}
+
 async fn capabilities(_r: Requester) -> Json<Value> {
     let available: serde_json::Map<String, Value> = spindle_core::room_version::SUPPORTED
         .iter()
@@ -89,6 +134,7 @@ async fn capabilities(_r: Requester) -> Json<Value> {
             "m.room_versions": { "default": spindle_core::room_version::DEFAULT_ROOM_VERSION, "available": available },
             "m.set_displayname": { "enabled": true },
             "m.set_avatar_url": { "enabled": true },
+            "m.profile_fields": { "enabled": true },
             "m.3pid_changes": { "enabled": false },
             "m.get_login_token": { "enabled": false },
         }
@@ -507,15 +553,41 @@ fn profile_json(s: &AppState, user_id: &str) -> ApiResult<Value> {
     if s.projections.accounts.user(user_id).is_none() {
         return Err(MatrixError::not_found("Profile was not found"));
     }
-    let p = s.projections.accounts.profile(user_id);
-    let mut out = serde_json::Map::new();
-    if let Some(d) = p.displayname {
-        out.insert("displayname".into(), json!(d));
+    Ok(Value::Object(
+        s.projections.accounts.profile(user_id).to_json(),
+    ))
+}
+
+/// Longest profile key name, bytes (spec: 400 `M_KEY_TOO_LARGE` beyond).
+pub const MAX_PROFILE_KEY_BYTES: usize = 255;
+
+/// Checks a profile `keyName` (spec v1.16): `displayname`, `avatar_url`, `m.tz`, or a
+/// namespaced custom key (`[a-z][a-z0-9_]*` segments joined by dots, at least two,
+/// not in the reserved `m.` namespace); at most 255 bytes (else 400
+/// `M_KEY_TOO_LARGE`); anything else is 400 `M_INVALID_PARAM`.
+fn check_profile_key(key: &str) -> ApiResult<()> {
+    if key.len() > MAX_PROFILE_KEY_BYTES {
+        return Err(MatrixError::new(
+            StatusCode::BAD_REQUEST,
+            "M_KEY_TOO_LARGE",
+            format!("Profile keys are at most {MAX_PROFILE_KEY_BYTES} bytes"),
+        ));
     }
-    if let Some(a) = p.avatar_url {
-        out.insert("avatar_url".into(), json!(a));
+    if matches!(key, "displayname" | "avatar_url" | "m.tz") {
+        return Ok(());
     }
-    Ok(Value::Object(out))
+    let segment_ok = |seg: &str| {
+        let mut chars = seg.chars();
+        chars.next().is_some_and(|c| c.is_ascii_lowercase())
+            && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+    };
+    let namespaced = key.split('.').count() >= 2 && key.split('.').all(segment_ok);
+    if !namespaced || key.starts_with("m.") {
+        return Err(MatrixError::invalid_param(format!(
+            "Invalid profile key {key:?}: use displayname, avatar_url, m.tz or a namespaced key such as org.example.field"
+        )));
+    }
+    Ok(())
 }
 
 async fn profile(State(s): State<AppState>, Path(user_id): Path<String>) -> ApiResult<Json<Value>> {
@@ -524,13 +596,13 @@ async fn profile(State(s): State<AppState>, Path(user_id): Path<String>) -> ApiR
     Ok(Json(profile_json(&s, &user_id)?))
 }
 
+/// `GET /profile/{userId}/{keyName}`: `{keyName: value}`; 404 when the user or the
+/// field does not exist.
 async fn profile_field(
     State(s): State<AppState>,
     Path((user_id, field)): Path<(String, String)>,
 ) -> ApiResult<Json<Value>> {
-    if field != "displayname" && field != "avatar_url" {
-        return Err(MatrixError::unrecognized());
-    }
+    check_profile_key(&field)?;
     s.wait_for_acknowledged().await?;
     let p = profile_json(&s, &user_id)?;
     match p.get(&field) {
@@ -539,22 +611,103 @@ async fn profile_field(
     }
 }
 
+/// `DELETE /profile/{userId}/{keyName}`: removes the field (200 whether or not it
+/// existed). `displayname`/`avatar_url` are cleared like a `PUT` of `""`, with the
+/// member events that carry them.
+async fn delete_profile_field(
+    State(s): State<AppState>,
+    r: Requester,
+    Path((user_id, field)): Path<(String, String)>,
+) -> ApiResult<Json<Value>> {
+    check_profile_key(&field)?;
+    if user_id != r.user_id {
+        return Err(MatrixError::forbidden(
+            "Cannot change another user's profile",
+        ));
+    }
+    match field.as_str() {
+        "displayname" | "avatar_url" => {
+            let mut body = serde_json::Map::new();
+            body.insert(field.clone(), json!(""));
+            set_builtin_field(&s, &r, &user_id, &field, &body).await?;
+        }
+        _ => {
+            let fact = Fact::ProfileFieldSet {
+                user_id: user_id.clone(),
+                key: field,
+                value: None,
+            };
+            s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
+                .await?;
+        }
+    }
+    Ok(Json(json!({})))
+}
+
+/// `PUT /profile/{userId}/{keyName}` with `{keyName: value}`: `displayname` (string,
+/// ≤ 256 bytes, `""` clears), `avatar_url` (`mxc://` or `""`), `m.tz` (string), custom
+/// keys (any JSON, `null` stored as `null` as the spec advises). The whole profile
+/// must stay under 64 KiB (else 400 `M_PROFILE_TOO_LARGE`).
 async fn set_profile_field(
     State(s): State<AppState>,
     r: Requester,
     Path((user_id, field)): Path<(String, String)>,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
+    check_profile_key(&field)?;
     if user_id != r.user_id {
         return Err(MatrixError::forbidden("Cannot set another user's profile"));
     }
+    if field == "displayname" || field == "avatar_url" {
+        set_builtin_field(&s, &r, &user_id, &field, &body).await?;
+        return Ok(Json(json!({})));
+    }
+    let Some(value) = body.get(&field) else {
+        return Err(MatrixError::missing_param(format!("{field} is required")));
+    };
+    if field == "m.tz" && !value.is_string() {
+        return Err(MatrixError::bad_json("m.tz must be a string"));
+    }
+    let mut after = s.projections.accounts.profile(&user_id);
+    after.fields.insert(field.clone(), value.clone());
+    if after.size_bytes() >= spindle_projections::accounts::MAX_PROFILE_BYTES {
+        return Err(profile_too_large());
+    }
+    let fact = Fact::ProfileFieldSet {
+        user_id: user_id.clone(),
+        key: field,
+        value: Some(value.clone()),
+    };
+    s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
+        .await?;
+    Ok(Json(json!({})))
+}
+
+fn profile_too_large() -> MatrixError {
+    MatrixError::new(
+        StatusCode::BAD_REQUEST,
+        "M_PROFILE_TOO_LARGE",
+        "The profile would be 64 KiB or larger",
+    )
+}
+
+/// Sets `displayname` or `avatar_url` and propagates the change to every joined room
+/// as a member event.
+async fn set_builtin_field(
+    s: &AppState,
+    r: &Requester,
+    user_id: &str,
+    field: &str,
+    body: &serde_json::Map<String, Value>,
+) -> ApiResult<()> {
+    let user_id = user_id.to_owned();
     // The field must be present (spec: 400 M_MISSING_PARAM); an empty string clears it.
-    if !body.contains_key(&field) || body[&field].is_null() {
+    if !body.contains_key(field) || body[field].is_null() {
         return Err(MatrixError::missing_param(format!(
             "{field} is required (use \"\" to clear it)"
         )));
     }
-    let value = opt_str(&body, &field)?.filter(|v| !v.is_empty());
+    let value = opt_str(body, field)?.filter(|v| !v.is_empty());
     if field == "avatar_url" && value.as_ref().is_some_and(|v| !v.starts_with("mxc://")) {
         return Err(MatrixError::bad_json("avatar_url must be an mxc:// URI"));
     }
@@ -564,7 +717,15 @@ async fn set_profile_field(
     {
         return Err(MatrixError::bad_json("displayname is too long (max 256)"));
     }
-    let fact = match field.as_str() {
+    let mut after = s.projections.accounts.profile(&user_id);
+    match field {
+        "displayname" => after.displayname = value.clone(),
+        _ => after.avatar_url = value.clone(),
+    }
+    if after.size_bytes() >= spindle_projections::accounts::MAX_PROFILE_BYTES {
+        return Err(profile_too_large());
+    }
+    let fact = match field {
         "displayname" => Fact::ProfileSet {
             user_id: user_id.clone(),
             displayname: Some(value.clone()),
@@ -607,7 +768,7 @@ async fn set_profile_field(
             tracing::warn!(room = %room_id, error = %e.error, "profile propagation failed");
         }
     }
-    Ok(Json(json!({})))
+    Ok(())
 }
 
 fn own(r: &Requester, user_id: &str) -> ApiResult<()> {

@@ -16,6 +16,8 @@ pub mod extract;
 pub mod key_backup;
 pub mod keys;
 pub mod media;
+pub mod mutual_rooms;
+pub mod openid;
 pub mod presence;
 pub mod push;
 pub mod read;
@@ -25,10 +27,12 @@ pub mod rooms;
 pub mod sliding;
 pub mod spaces;
 pub mod sync;
+pub mod thirdparty;
 pub mod to_device;
 pub mod typing;
 pub mod upgrade;
 pub mod visibility;
+pub mod voip;
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
 
@@ -73,6 +77,11 @@ pub struct ApiConfig {
     pub presence_enabled: bool,
     /// The content repository.
     pub media: MediaConfig,
+    /// TURN servers for calls (`GET /voip/turnServer`).
+    pub voip: voip::VoipConfig,
+    /// The body of `GET /.well-known/matrix/support` (`contacts` and/or
+    /// `support_page`); `None`: nothing configured, the endpoint answers 404.
+    pub support: Option<serde_json::Value>,
 }
 
 /// Content repository settings (`[media]` in the config).
@@ -261,6 +270,10 @@ pub fn router(state: AppState) -> Router {
         .merge(key_backup::routes())
         .merge(media::routes(media_limit, state.config.media.url_preview))
         .merge(to_device::routes())
+        .merge(voip::routes())
+        .merge(thirdparty::routes())
+        .merge(openid::routes())
+        .merge(mutual_rooms::routes())
         .fallback(|| async { MatrixError::unrecognized() })
         .method_not_allowed_fallback(|| async {
             MatrixError::new(

@@ -1,7 +1,8 @@
 //! Reporting content (spec: client-server API "Reporting content"): `POST
-//! /rooms/{roomId}/report/{eventId}` and `POST /rooms/{roomId}/report`. Each report is
-//! a `ContentReported` fact in the journal, for the server admin; nothing else reads
-//! it yet (an admin listing is future work).
+//! /rooms/{roomId}/report/{eventId}`, `POST /rooms/{roomId}/report` and `POST
+//! /users/{userId}/report`. Each report is a `ContentReported` or `UserReported` fact
+//! in the journal, for the server admin; the audit trail (`/_spindle/admin/v1/audit`)
+//! lists them, nothing else reads them yet.
 
 use axum::{
     Json, Router,
@@ -29,6 +30,10 @@ pub(crate) fn routes() -> Router<AppState> {
         .route(
             "/_matrix/client/v3/rooms/{room_id}/report",
             post(report_room),
+        )
+        .route(
+            "/_matrix/client/v3/users/{user_id}/report",
+            post(report_user),
         )
 }
 
@@ -93,5 +98,32 @@ async fn report_room(
         };
         record(&s, &r, fact).await?;
     }
+    Ok(Json(json!({})))
+}
+
+/// `POST /users/{userId}/report` (`reason` required, may be blank): 200 `{}` for any
+/// well-formed user id. The spec lets a server hide whether the user exists; here the
+/// report is journaled either way (`UserReported`), so the answer and its timing (one
+/// durable append) are the same for an account that exists, one that does not, and a
+/// user of another server.
+async fn report_user(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(user_id): Path<String>,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    if ruma::UserId::parse(&user_id).is_err() {
+        return Err(MatrixError::invalid_param("Invalid user id"));
+    }
+    let reason = match body.get("reason") {
+        None => return Err(MatrixError::missing_param("reason is required")),
+        Some(_) => reason(&body)?.unwrap_or_default(),
+    };
+    let fact = Fact::UserReported {
+        reporter: r.user_id.clone(),
+        user_id,
+        reason,
+    };
+    record(&s, &r, fact).await?;
     Ok(Json(json!({})))
 }

@@ -274,9 +274,17 @@ pub enum Fact {
     /// Profile fields changed. `None` leaves a field as it was; `Some(None)` clears it.
     ProfileSet {
         user_id: String,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[serde(
+            default,
+            skip_serializing_if = "Option::is_none",
+            deserialize_with = "present"
+        )]
         displayname: Option<Option<String>>,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[serde(
+            default,
+            skip_serializing_if = "Option::is_none",
+            deserialize_with = "present"
+        )]
         avatar_url: Option<Option<String>>,
     },
     /// A room alias was created.
@@ -482,6 +490,42 @@ pub enum Fact {
         app_id: String,
         pushkey: String,
     },
+    /// A user reported another user (spec: `POST /users/{userId}/report`), kept for
+    /// the server admin. Recorded whether or not `user_id` has an account here, so
+    /// neither the answer nor its timing tells the reporter.
+    UserReported {
+        reporter: String,
+        user_id: String,
+        reason: String,
+    },
+    /// An OpenID token was issued (spec: `POST /user/{userId}/openid/request_token`);
+    /// only its blake3 hash is kept. Other servers trade it for the user id at `GET
+    /// /_matrix/federation/v1/openid/userinfo` until `expires_at` (ms since the epoch,
+    /// compared with the clock by the API, never in apply).
+    OpenIdTokenIssued {
+        user_id: String,
+        token_hash: String,
+        expires_at: u64,
+    },
+    /// A profile field other than `displayname` and `avatar_url` (`m.tz`, or a
+    /// namespaced custom key) was set (spec v1.16: `PUT /profile/{userId}/{keyName}`)
+    /// or, with `value: None`, deleted (`DELETE`). The `accounts` projection refuses a
+    /// change that would take the profile to 64 KiB or more (the API checks it first).
+    ProfileFieldSet {
+        user_id: String,
+        key: String,
+        value: Option<serde_json::Value>,
+    },
+}
+
+/// A field that is present reads as `Some`, even when it is `null` (`Some(None)`:
+/// "clear it"); serde's default would read `null` as absent (`None`: "leave it").
+fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::Deserialize<'de>,
+{
+    <Option<T> as serde::Deserialize>::deserialize(d).map(Some)
 }
 
 /// One signature on a device key or master key (see [`Fact::SignaturesUploaded`]).
@@ -604,6 +648,21 @@ mod tests {
         assert_eq!(stored.prev_hash(), [7; 32]);
         assert_eq!(stored.hash(), record_hash(&bytes));
         assert!(StoredRecord::from_bytes(&bytes[..bytes.len() - 3]).is_err());
+    }
+
+    #[test]
+    fn a_cleared_profile_field_round_trips_as_cleared() {
+        let clear = Fact::ProfileSet {
+            user_id: "@a:x".into(),
+            displayname: Some(None),
+            avatar_url: None,
+        };
+        let bytes = serde_json::to_vec(&clear).unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&bytes),
+            r#"{"type":"profile_set","user_id":"@a:x","displayname":null}"#
+        );
+        assert_eq!(serde_json::from_slice::<Fact>(&bytes).unwrap(), clear);
     }
 
     #[test]

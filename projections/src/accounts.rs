@@ -7,6 +7,8 @@
 //! - `device_tokens`: user, 0x00, device, 0x00, token hash -> empty (to revoke a device's tokens)
 //! - `profiles`: user id -> [`Profile`] JSON
 //! - `refresh_tokens`: refresh token hash -> [`RefreshOwner`] JSON
+//! - `openid_tokens`: OpenID token hash -> [`OpenIdOwner`] JSON (expired rows stay:
+//!   apply has no clock; the API compares `expires_at` with its own)
 //!
 //! A device's refresh tokens are listed in `device_tokens` too, as `r` + hash, so
 //! deleting the device revokes them with its access tokens.
@@ -60,6 +62,15 @@ pub struct RefreshOwner {
     pub token_hash: String,
 }
 
+/// Who an OpenID token (spec: "OpenID") identifies, and until when.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct OpenIdOwner {
+    /// User id.
+    pub user_id: String,
+    /// When the token stops working, ms since the Unix epoch.
+    pub expires_at: u64,
+}
+
 /// Profile fields (spec: client-server API "Profiles").
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
 pub struct Profile {
@@ -69,6 +80,37 @@ pub struct Profile {
     /// Avatar `mxc://` URI.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub avatar_url: Option<String>,
+    /// Every other field (`m.tz`, namespaced custom keys; spec v1.16), by key.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub fields: std::collections::BTreeMap<String, serde_json::Value>,
+}
+
+/// A profile must stay under this many bytes (spec: "the total profile MUST be under
+/// 64 KiB"), measured as the JSON of [`Profile::to_json`].
+pub const MAX_PROFILE_BYTES: usize = 64 * 1024;
+
+impl Profile {
+    /// The profile as the spec's `GET /profile/{userId}` returns it: `displayname`,
+    /// `avatar_url` and every other field, absent ones left out.
+    pub fn to_json(&self) -> serde_json::Map<String, serde_json::Value> {
+        let mut out: serde_json::Map<String, serde_json::Value> = self
+            .fields
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        if let Some(d) = &self.displayname {
+            out.insert("displayname".into(), d.clone().into());
+        }
+        if let Some(a) = &self.avatar_url {
+            out.insert("avatar_url".into(), a.clone().into());
+        }
+        out
+    }
+
+    /// Size of [`Profile::to_json`] in bytes (what [`MAX_PROFILE_BYTES`] limits).
+    pub fn size_bytes(&self) -> usize {
+        serde_json::to_vec(&self.to_json()).map_or(usize::MAX, |v| v.len())
+    }
 }
 
 /// The accounts projection.
@@ -79,6 +121,7 @@ pub struct Accounts {
     device_tokens: Table,
     profiles: Table,
     refresh_tokens: Table,
+    openid_tokens: Table,
 }
 
 impl Accounts {
@@ -91,6 +134,7 @@ impl Accounts {
             device_tokens: db.table("accounts", "device_tokens")?,
             profiles: db.table("accounts", "profiles")?,
             refresh_tokens: db.table("accounts", "refresh_tokens")?,
+            openid_tokens: db.table("accounts", "openid_tokens")?,
         })
     }
 
@@ -135,6 +179,11 @@ impl Accounts {
     /// Resolves a refresh token hash (one point read).
     pub fn refresh_token(&self, refresh_token_hash: &str) -> Option<RefreshOwner> {
         serde_json::from_slice(&self.refresh_tokens.get(refresh_token_hash.as_bytes())?).ok()
+    }
+
+    /// Resolves an OpenID token hash (one point read); expiry is the caller's check.
+    pub fn openid_token(&self, token_hash: &str) -> Option<OpenIdOwner> {
+        serde_json::from_slice(&self.openid_tokens.get(token_hash.as_bytes())?).ok()
     }
 
     /// Stages a refreshable access token and its refresh token.
@@ -220,6 +269,7 @@ impl Projection for Accounts {
             self.device_tokens.clone(),
             self.profiles.clone(),
             self.refresh_tokens.clone(),
+            self.openid_tokens.clone(),
         ]
     }
 
@@ -374,6 +424,43 @@ impl Projection for Accounts {
                     p.avatar_url = a;
                 }
                 ctx.put(&self.profiles, user_id.into_bytes(), json(&p));
+            }
+            Fact::ProfileFieldSet {
+                user_id,
+                key,
+                value,
+            } => {
+                let mut p: Profile = ctx
+                    .get(&self.profiles, user_id.as_bytes())
+                    .and_then(|v| serde_json::from_slice(&v).ok())
+                    .unwrap_or_default();
+                match value {
+                    Some(v) => {
+                        p.fields.insert(key, v);
+                    }
+                    None => {
+                        p.fields.remove(&key);
+                    }
+                }
+                // The limit holds in the read model even if two writes raced past the
+                // API's check: the one that would break it is not applied.
+                if p.size_bytes() < MAX_PROFILE_BYTES {
+                    ctx.put(&self.profiles, user_id.into_bytes(), json(&p));
+                }
+            }
+            Fact::OpenIdTokenIssued {
+                user_id,
+                token_hash,
+                expires_at,
+            } => {
+                ctx.put(
+                    &self.openid_tokens,
+                    token_hash.into_bytes(),
+                    json(&OpenIdOwner {
+                        user_id,
+                        expires_at,
+                    }),
+                );
             }
             _ => {}
         }

@@ -67,6 +67,8 @@ class SpindleServer:
         self.proc: subprocess.Popen | None = None
         self.starts = 0
         self.last_exit: int | None = None
+        # TOML appended to the generated config (a module's own sections, e.g. [voip]).
+        self.extra_config = ""
 
     # -- files ---------------------------------------------------------------
     def write_config(self) -> None:
@@ -78,6 +80,7 @@ class SpindleServer:
             "\n"
             "[registration]\n"
             "mode = \"open\"\n"
+            + self.extra_config
         )
 
     def logs(self) -> str:

@@ -37,6 +37,27 @@ C3 = "/_matrix/client/v3"
 # -- fixtures ---------------------------------------------------------------------
 
 
+# Sections this module's server runs with, so the endpoints they turn on answer 200.
+EXTRA_CONFIG = """
+[voip]
+turn_uris = ["turn:turn.example.org:3478?transport=udp", "turns:turn.example.org:5349?transport=tcp"]
+turn_shared_secret = "conformance-secret"
+
+[support]
+support_page = "https://example.org/help"
+contacts = [{ role = "m.role.admin", matrix_id = "@admin:example.org", email_address = "admin@example.org" }]
+"""
+
+
+@pytest.fixture(scope="module")
+def spindle(spindle):
+    """The module's server, restarted with EXTRA_CONFIG."""
+    spindle.extra_config = EXTRA_CONFIG
+    spindle.write_config()
+    spindle.restart()
+    return spindle
+
+
 @pytest.fixture(scope="module")
 def spec() -> Spec:
     return Spec(find_spec_dir(REPO))
@@ -559,6 +580,45 @@ def test_room_features(anon, world, spindle):
     assert upgraded["replacement_room"] != old
 
 
+def test_everyday_endpoints(anon, world, spindle):
+    """TURN, third-party lookups, OpenID, registration tokens, support, user reports,
+    extended profiles and mutual rooms."""
+    alice: Client = world["alice"]
+    bob: Client = world["bob"]
+    turn = alice.get(f"{C3}/voip/turnServer")
+    assert turn["username"].endswith(":" + alice.user_id) and turn["ttl"] == 86400
+
+    assert alice.get(f"{C3}/thirdparty/protocols").body == {}
+    for path in ("protocol", "location", "user"):
+        assert alice.get(f"{C3}/thirdparty/{path}/irc", expect=404)["errcode"] == "M_NOT_FOUND"
+    assert alice.get(f"{C3}/thirdparty/user", query={"userid": bob.user_id}).body == []
+    lobby = alice.get(f"{C3}/rooms/{seg(world['room'])}/aliases")["aliases"][0]
+    assert alice.get(f"{C3}/thirdparty/location", query={"alias": lobby}).body == []
+
+    me = seg(alice.user_id)
+    token = alice.post(f"{C3}/user/{me}/openid/request_token", {})
+    assert token["matrix_server_name"] == spindle.server_name and token["expires_in"] == 3600
+    info = anon.get("/_matrix/federation/v1/openid/userinfo", query={"access_token": token["access_token"]})
+    assert info.body == {"sub": alice.user_id}
+
+    validity = anon.get("/_matrix/client/v1/register/m.login.registration_token/validity", query={"token": "nope"})
+    assert validity.body == {"valid": False}
+    support = anon.get("/.well-known/matrix/support")
+    assert support["support_page"] == "https://example.org/help"
+
+    assert bob.post(f"{C3}/users/{me}/report", {"reason": "conformance"}).body == {}
+
+    alice.put(f"{C3}/profile/{me}/m.tz", {"m.tz": "Europe/London"})
+    alice.put(f"{C3}/profile/{me}/org.example.status", {"org.example.status": {"busy": True}})
+    assert alice.get(f"{C3}/profile/{me}/org.example.status").body == {"org.example.status": {"busy": True}}
+    assert anon.get(f"{C3}/profile/{me}")["m.tz"] == "Europe/London"
+    alice.delete(f"{C3}/profile/{me}/org.example.status")
+    alice.get(f"{C3}/profile/{me}/org.example.status", expect=404)
+
+    mutual = alice.get("/_matrix/client/v1/mutual_rooms", query={"user_id": bob.user_id})
+    assert world["room"] in mutual["joined"] and mutual["count"] == len(mutual["joined"])
+
+
 # -- coverage and the generated document --------------------------------------------
 
 
@@ -580,9 +640,26 @@ def served(spindle, spec) -> dict[str, bool]:
     return probe_served(Client(spindle.base_url, Recorder(spec)), spec)
 
 
+# Served endpoints that cannot answer 2xx on this server, and why. Each must still have
+# been called by a flow and answered with a status the spec documents for it.
+NO_SUCCESS_HERE = {
+    "GET /_matrix/client/v3/thirdparty/protocol/{protocol}": "no bridges: every protocol is unknown (404)",
+    "GET /_matrix/client/v3/thirdparty/location/{protocol}": "no bridges: every protocol is unknown (404)",
+    "GET /_matrix/client/v3/thirdparty/user/{protocol}": "no bridges: every protocol is unknown (404)",
+}
+
+
 def test_every_served_endpoint_is_exercised(spec, recorder, served):
+    ops = {op.key: op for op in spec.operations}
     missing = [
-        key for key, ok in served.items() if ok and recorder.exercised.get(key, 0) == 0
+        key
+        for key, ok in served.items()
+        if ok
+        and recorder.exercised.get(key, 0) == 0
+        and not (
+            key in NO_SUCCESS_HERE
+            and any(ops[key].documents_status(st) for st in recorder.seen.get(key, ()))
+        )
     ]
     assert not missing, (
         "served endpoints with no validated 2xx answer from a conformance flow; add a flow "
