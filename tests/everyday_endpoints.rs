@@ -555,3 +555,38 @@ async fn mutual_rooms_lists_rooms_both_users_joined_in_pages() {
         .expect_err(400, "M_INVALID_PARAM");
     ts.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn whois_lists_devices_for_admins_and_oneself() {
+    let ts = TestServer::start_with(|c| c.admins = vec![uid("admin")]).await;
+    let admin = ts.register("admin").await;
+    let alice = ts.register("alice").await;
+    let phone = ts.login("alice", Some("PHONE")).await;
+    let bob = ts.register("bob").await;
+    let path = |u: &str| format!("{C3}/admin/whois/{}", enc(u));
+    let own = alice.get(&path(&alice.user_id)).await.ok();
+    assert_eq!(own["user_id"], json!("@alice:localhost:8008"));
+    let mut ids: Vec<&String> = own["devices"].as_object().unwrap().keys().collect();
+    ids.sort();
+    let mut want = vec![&alice.device_id, &phone.device_id];
+    want.sort();
+    assert_eq!(ids, want);
+    // Alice's first device was used (this request): its connection has last_seen.
+    let conn = &own["devices"][&alice.device_id]["sessions"][0]["connections"][0];
+    assert!(conn["last_seen"].as_u64().is_some(), "{own}");
+    assert_eq!(conn.as_object().unwrap().len(), 1);
+    let by_admin = admin.get(&path(&alice.user_id)).await.ok();
+    assert_eq!(by_admin["user_id"], own["user_id"]);
+    assert_eq!(by_admin["devices"].as_object().unwrap().len(), 2);
+    bob.get(&path(&alice.user_id))
+        .await
+        .expect_err(403, "M_FORBIDDEN");
+    bob.get(&path(&uid("nobody")))
+        .await
+        .expect_err(403, "M_FORBIDDEN");
+    admin
+        .get(&path(&uid("nobody")))
+        .await
+        .expect_err(404, "M_NOT_FOUND");
+    ts.stop().await;
+}

@@ -14,6 +14,8 @@
 //! - `GET /_spindle/admin/v1/projections`: `{"head", "applied", "projections": [{"name",
 //!   "checkpoint", "lag", "ready"}]}` (what `spindle replay status` prints offline).
 //!
+//! Also the spec's `GET /_matrix/client/v3/admin/whois/{userId}` (see [`whois`]).
+//!
 //! While the `audit` projection is backfilling (new in a release), the audit endpoints
 //! answer 503 `M_UNKNOWN` with its progress instead of a half-built trail.
 
@@ -39,6 +41,41 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/_spindle/admin/v1/audit/rooms/{room_id}", get(audit_room))
         .route("/_spindle/admin/v1/audit/users/{user_id}", get(audit_user))
         .route("/_spindle/admin/v1/projections", get(projections_status))
+        .route("/_matrix/client/v3/admin/whois/{user_id}", get(whois))
+}
+
+/// `GET /_matrix/client/v3/admin/whois/{userId}` (spec: "Server administration"): the
+/// user's devices, each with one session whose one connection carries `last_seen` (ms,
+/// kept in memory, absent until the device is used after a restart). Spindle keeps no
+/// IP addresses or user agents, so `ip` and `user_agent` are left out. For server
+/// admins and for the user themself; anyone else gets 403 `M_FORBIDDEN`, whether or not
+/// the user exists; an admin asking about an unknown user gets 404 `M_NOT_FOUND`.
+async fn whois(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(user_id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    if user_id != r.user_id {
+        require_admin(&s, &r)?;
+    }
+    if s.projections.accounts.user(&user_id).is_none() {
+        return Err(MatrixError::not_found("Unknown user"));
+    }
+    let devices: serde_json::Map<String, Value> = s
+        .projections
+        .accounts
+        .devices(&user_id)
+        .into_iter()
+        .map(|(device_id, _)| {
+            let mut connection = json!({});
+            if let Some(ts) = s.last_seen.get(&user_id, &device_id) {
+                connection["last_seen"] = json!(ts);
+            }
+            let session = json!({ "connections": [connection] });
+            (device_id, json!({ "sessions": [session] }))
+        })
+        .collect();
+    Ok(Json(json!({ "user_id": user_id, "devices": devices })))
 }
 
 /// 503 while the audit projection backfills (see the module doc).

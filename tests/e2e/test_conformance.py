@@ -615,6 +615,9 @@ def test_everyday_endpoints(anon, world, spindle):
     alice.delete(f"{C3}/profile/{me}/org.example.status")
     alice.get(f"{C3}/profile/{me}/org.example.status", expect=404)
 
+    whois = alice.get(f"{C3}/admin/whois/{me}")
+    assert alice.device_id in whois["devices"]
+
     mutual = alice.get("/_matrix/client/v1/mutual_rooms", query={"user_id": bob.user_id})
     assert world["room"] in mutual["joined"] and mutual["count"] == len(mutual["joined"])
 
