@@ -23,6 +23,7 @@
 //! | [`push::Push`] | push rules, per-recipient evaluation, unread and highlight counts, notifications |
 //! | [`push::Pushers`] | pushers |
 //! | [`relations::Relations`] | relations by parent, bundled aggregations, threads by activity |
+//! | [`search::Search`] | full-text index of room events (tantivy) for `/search` |
 
 pub mod accounts;
 pub mod audit;
@@ -37,6 +38,7 @@ pub mod relations;
 pub mod render;
 pub mod room_summary;
 pub mod runtime;
+pub mod search;
 pub mod state;
 pub mod store;
 pub mod timeline;
@@ -91,15 +93,33 @@ pub struct Projections {
     pub pushers: Arc<push::Pushers>,
     /// Relations, aggregations, threads.
     pub relations: Arc<relations::Relations>,
+    /// Full-text index of room events.
+    pub search: Arc<search::Search>,
     /// The runtime (checkpoints, waiting).
     pub runtime: Runtime,
     /// The database (counters).
     pub db: ProjectionDb,
 }
 
+/// Settings of the projections that have any.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProjectionOptions {
+    /// The search index.
+    pub search: search::SearchOptions,
+}
+
 impl Projections {
-    /// Opens every projection in `dir` and starts tailing `journal`.
+    /// Opens every projection in `dir` with default settings and starts tailing `journal`.
     pub fn start(dir: &Path, journal: Journal) -> Result<Projections, String> {
+        Self::start_with(dir, journal, ProjectionOptions::default())
+    }
+
+    /// Opens every projection in `dir` and starts tailing `journal`.
+    pub fn start_with(
+        dir: &Path,
+        journal: Journal,
+        options: ProjectionOptions,
+    ) -> Result<Projections, String> {
         let db = ProjectionDb::open(dir)?;
         let timeline = Arc::new(timeline::Timeline::open(&db)?);
         let state = Arc::new(state::State::open(&db)?);
@@ -120,6 +140,7 @@ impl Projections {
         let push = Arc::new(push::Push::open(&db)?);
         let pushers = Arc::new(push::Pushers::open(&db)?);
         let relations = Arc::new(relations::Relations::open(&db)?);
+        let search = Arc::new(search::Search::open(&db, dir, options.search)?);
         let all: Vec<Arc<dyn Projection>> = vec![
             timeline.clone(),
             state.clone(),
@@ -140,6 +161,7 @@ impl Projections {
             push.clone(),
             pushers.clone(),
             relations.clone(),
+            search.clone(),
         ];
         let runtime = Runtime::start(journal, db.clone(), all);
         Ok(Projections {
@@ -162,6 +184,7 @@ impl Projections {
             push,
             pushers,
             relations,
+            search,
             runtime,
             db,
         })

@@ -14,6 +14,11 @@
 //! checkpoint reaches the journal head; then it is *ready* and joins. Readers of a
 //! backfilling projection ask [`Runtime::is_ready`] first and answer "not yet" rather
 //! than serve a half-built read model.
+//!
+//! **Projections that do not gate reads.** A projection whose
+//! [`Projection::gates_reads`] is `false` (the search index) is left out of
+//! [`Runtime::applied`] too: requests do not wait for it and no token is built from it.
+//! Its readers wait for it alone ([`Runtime::wait_for_projection`]).
 
 use std::{
     sync::{
@@ -42,6 +47,23 @@ pub trait Projection: Send + Sync + 'static {
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String>;
     /// Reloads in-memory caches from the tables (at start-up).
     fn reload(&self) {}
+    /// Commits whatever the projection keeps outside the projections database, just
+    /// before the batch's tables and `checkpoint` are committed (the search index). If
+    /// it fails, the batch is not committed and is applied again; if the process dies
+    /// after it but before the table commit, the batch is applied again too, so what
+    /// this commits must tolerate re-applied records.
+    fn prepare_commit(&self, _checkpoint: u64) -> Result<(), String> {
+        Ok(())
+    }
+    /// Runs after the batch's tables and `checkpoint` are committed.
+    fn committed(&self, _checkpoint: u64) {}
+    /// Whether reads and sync tokens wait for this projection ([`Runtime::applied`]).
+    /// `false` for a projection whose commits are too slow to sit on every request's
+    /// path (the search index: a tantivy commit costs milliseconds); its readers wait
+    /// for it alone with [`Runtime::wait_for_projection`], and no token is built from it.
+    fn gates_reads(&self) -> bool {
+        true
+    }
     /// A deterministic, readable rendering of everything the projection holds, for
     /// snapshot tests from recorded journals (`tests/snapshots.rs`). The default
     /// renders every table row by row ([`crate::render`]); override it only when rows
@@ -53,6 +75,8 @@ pub trait Projection: Send + Sync + 'static {
 
 struct Slot {
     projection: Arc<dyn Projection>,
+    /// [`Projection::gates_reads`], read once.
+    gates: bool,
     checkpoint: AtomicU64,
     /// `false` while backfilling (see the module doc); never goes back to `false`.
     ready: std::sync::atomic::AtomicBool,
@@ -77,6 +101,8 @@ const PROGRESS_EVERY_BATCHES: u64 = 64;
 pub struct Runtime {
     slots: Arc<Vec<Slot>>,
     applied_tx: Arc<watch::Sender<u64>>,
+    /// Bumped after every commit of a projection that does not gate reads.
+    ungated_tx: Arc<watch::Sender<u64>>,
     db: ProjectionDb,
 }
 
@@ -104,6 +130,7 @@ impl Runtime {
                     );
                 }
                 Slot {
+                    gates: p.gates_reads(),
                     checkpoint: AtomicU64::new(checkpoint),
                     ready: std::sync::atomic::AtomicBool::new(!backfilling),
                     projection: p,
@@ -115,6 +142,7 @@ impl Runtime {
         let rt = Runtime {
             slots: Arc::new(slots),
             applied_tx: Arc::new(tx),
+            ungated_tx: Arc::new(watch::channel(0).0),
             db,
         };
         for i in 0..rt.slots.len() {
@@ -129,11 +157,11 @@ impl Runtime {
         rt
     }
 
-    /// The lowest checkpoint among ready projections (0 if none is ready).
+    /// The lowest checkpoint among ready projections that gate reads (0 if none).
     fn min_ready(slots: &[Slot]) -> u64 {
         slots
             .iter()
-            .filter(|s| s.ready.load(Ordering::Acquire))
+            .filter(|s| s.gates && s.ready.load(Ordering::Acquire))
             .map(|s| s.checkpoint.load(Ordering::Acquire))
             .min()
             .unwrap_or(0)
@@ -174,12 +202,21 @@ impl Runtime {
                 }
                 last = rec.position();
             }
+            if let Err(e) = slot.projection.prepare_commit(last) {
+                tracing::error!(projection = slot.projection.name(), error = %e, "projection commit failed");
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            }
             if let Err(e) = ctx.commit(&self.db, slot.projection.name(), last) {
                 tracing::error!(projection = slot.projection.name(), error = %e, "projection commit failed");
                 std::thread::sleep(Duration::from_millis(200));
                 continue;
             }
+            slot.projection.committed(last);
             slot.checkpoint.store(last, Ordering::Release);
+            if !slot.gates {
+                self.ungated_tx.send_modify(|n| *n += 1);
+            }
             if !slot.ready.load(Ordering::Acquire) {
                 batches += 1;
                 let head = journal.durable_head();
@@ -213,7 +250,8 @@ impl Runtime {
         }
     }
 
-    /// The highest position every projection has applied.
+    /// The highest position every ready projection that gates reads has applied
+    /// (see [`Projection::gates_reads`]).
     pub fn applied(&self) -> u64 {
         *self.applied_tx.borrow()
     }
@@ -231,6 +269,35 @@ impl Runtime {
             .await
             .map(|r| r.is_ok())
             .unwrap_or(false)
+    }
+
+    /// Waits until the projection `name` has applied `position`, at most `timeout`
+    /// (readers of a projection that does not gate reads). Returns whether it got
+    /// there; an unknown name never does.
+    pub async fn wait_for_projection(&self, name: &str, position: u64, timeout: Duration) -> bool {
+        let Some(slot) = self.slots.iter().find(|s| s.projection.name() == name) else {
+            return false;
+        };
+        let mut rx = self.ungated_tx.subscribe();
+        let reached = || slot.checkpoint.load(Ordering::Acquire) >= position;
+        if reached() {
+            return true;
+        }
+        let wait = async {
+            loop {
+                if reached() {
+                    return true;
+                }
+                if !slot.gates {
+                    if rx.changed().await.is_err() {
+                        return reached();
+                    }
+                } else {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+        };
+        tokio::time::timeout(timeout, wait).await.unwrap_or(false)
     }
 
     /// Waits until every projection, backfilling ones included, has applied

@@ -152,23 +152,34 @@ async fn live_and_replayed_projections_have_identical_digests() {
         .unwrap();
     let head = journal.durable_head();
     assert_eq!(head, 2 + 4 + 1 + 1 + 60 + 1 + 1);
-    assert!(live.runtime.wait_for(head, Duration::from_secs(10)).await);
+    // wait_for_all: the search index does not gate reads, so `wait_for` skips it.
+    assert!(
+        live.runtime
+            .wait_for_all(head, Duration::from_secs(10))
+            .await
+    );
 
     // A rebuild from position 0 sees the whole journal in large batches.
     let rebuilt = Projections::start(&dir.path().join("rebuilt"), journal.clone()).unwrap();
     assert!(
         rebuilt
             .runtime
-            .wait_for(head, Duration::from_secs(10))
+            .wait_for_all(head, Duration::from_secs(10))
             .await
     );
     let a = live.runtime.digests();
     let b = rebuilt.runtime.digests();
     // Every projection: timeline, state, membership, accounts, filters, account_data,
     // receipts, aliases, room_summary, audit, directory, event_times, device_keys,
-    // to_device, key_backup, media, push, pushers, relations.
-    assert_eq!(a.len(), 19);
+    // to_device, key_backup, media, push, pushers, relations, search.
+    assert_eq!(a.len(), 20);
     assert_eq!(a, b);
+    // The search index holds the 60 messages and the name in both, whatever the batch
+    // sizes were.
+    for p in [&live, &rebuilt] {
+        assert_eq!(p.search.num_docs(), 61);
+        assert_eq!(p.search.words("M7, m7!"), vec!["m7".to_owned()]);
+    }
     // The room summary (member counts, heroes) agrees: alice and bob joined.
     for p in [&live, &rebuilt] {
         let counts = p.room_summary.counts(&room);
