@@ -29,6 +29,8 @@ pub struct Config {
     pub presence: Presence,
     /// The content repository.
     pub media: Media,
+    /// The full-text search index (`POST /search`).
+    pub search: Search,
     /// Log filter (tracing `EnvFilter` syntax); `RUST_LOG` overrides it.
     pub log: String,
     /// Server admins (full user ids): they may use the admin API
@@ -180,6 +182,23 @@ impl Default for Presence {
     }
 }
 
+/// Search index settings (`POST /search`, the `search` projection).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Search {
+    /// Heap budget of the index writer, bytes: documents are buffered up to this much
+    /// before they are flushed to a segment. At least 15000000 (tantivy's minimum).
+    pub writer_heap_bytes: usize,
+}
+
+impl Default for Search {
+    fn default() -> Self {
+        Search {
+            writer_heap_bytes: spindle_projections::search::WRITER_HEAP_BYTES_DEFAULT,
+        }
+    }
+}
+
 impl Default for Config {
     fn default() -> Self {
         Config {
@@ -192,6 +211,7 @@ impl Default for Config {
             sessions: Sessions::default(),
             presence: Presence::default(),
             media: Media::default(),
+            search: Search::default(),
             log: "info,fjall=warn,lsm_tree=warn,ruma_state_res=warn".into(),
             admins: Vec::new(),
             voip: Voip::default(),
@@ -262,6 +282,13 @@ impl Config {
                  Set registration.allow_open_registration_on_public_bind = true to allow it, or use registration.tokens \
                  with registration.mode = \"closed\"",
                 self.bind
+            ));
+        }
+        if self.search.writer_heap_bytes < spindle_projections::search::WRITER_HEAP_BYTES_MIN {
+            return Err(format!(
+                "search.writer_heap_bytes must be at least {} (got {})",
+                spindle_projections::search::WRITER_HEAP_BYTES_MIN,
+                self.search.writer_heap_bytes
             ));
         }
         if self.registration.tokens.iter().any(|t| t.trim().is_empty()) {
@@ -381,7 +408,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 32);
+        assert_eq!(want.len(), 34);
     }
 
     #[test]

@@ -67,8 +67,16 @@ impl Server {
             })?;
         let journal =
             Journal::open(Arc::new(store), key.clone()).map_err(|e| anyhow!(e.to_string()))?;
-        let projections = Projections::start(&config.data_dir.join("projections"), journal.clone())
-            .map_err(|e| anyhow!(e))?;
+        let projections = Projections::start_with(
+            &config.data_dir.join("projections"),
+            journal.clone(),
+            spindle_projections::ProjectionOptions {
+                search: spindle_projections::search::SearchOptions {
+                    writer_heap_bytes: config.search.writer_heap_bytes,
+                },
+            },
+        )
+        .map_err(|e| anyhow!(e))?;
         // Serve only once every projection has caught up with the journal, so no reader
         // ever sees a half-built read model (a fresh `projections/` rebuilds here).
         let head = journal.durable_head();
@@ -80,6 +88,22 @@ impl Server {
                 .await
             {
                 return Err(anyhow!("projections did not catch up to position {head}"));
+            }
+        }
+        // Projections that do not gate reads (the search index) catch up too, unless
+        // they are backfilling (new in this release: they serve "not yet" meanwhile).
+        for p in projections.runtime.status() {
+            if p.ready
+                && p.checkpoint < head
+                && !projections
+                    .runtime
+                    .wait_for_projection(p.name, head, std::time::Duration::from_secs(24 * 3600))
+                    .await
+            {
+                return Err(anyhow!(
+                    "projection {} did not catch up to position {head}",
+                    p.name
+                ));
             }
         }
         let listener = tokio::net::TcpListener::bind(config.bind)

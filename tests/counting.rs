@@ -1395,3 +1395,88 @@ async fn sliding_sync_e2ee_extensions_do_not_pay_for_strangers_key_uploads() {
     );
     srv.stop().await;
 }
+
+/// `/search` as a late joiner under `joined` history visibility: matches sent before
+/// the join are hidden, and each costs a visibility lookup; at most `2 * limit + 20`
+/// are checked per request (bounded overscan), so the reads do not grow with the hidden
+/// history (40 vs 200 hidden matches), and the page still names the visible ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn search_reads_do_not_grow_with_hidden_history() {
+    let h = Harness::start().await;
+    let (_alice, at) = h.register("alice").await;
+    let (_carol, ct) = h.register("carol").await;
+    let joined_only = json!({ "preset": "public_chat", "initial_state": [
+        { "type": "m.room.history_visibility", "state_key": "", "content": { "history_visibility": "joined" } }
+    ]});
+    let small = h.create_room(&at, joined_only.clone()).await;
+    let big = h.create_room(&at, joined_only).await;
+    for i in 0..40 {
+        h.send(&at, &small, &format!("s{i}"), "kiwi hidden").await;
+    }
+    for i in 0..200 {
+        h.send(&at, &big, &format!("b{i}"), "kiwi hidden").await;
+    }
+    h.join(&ct, &small).await;
+    h.join(&ct, &big).await;
+    let mut visible = std::collections::HashMap::new();
+    for room in [&small, &big] {
+        let mut ids = Vec::new();
+        for i in 0..2 {
+            ids.push(
+                h.send(&at, room, &format!("v{i}{}", room.len()), "kiwi seen")
+                    .await,
+            );
+        }
+        ids.reverse();
+        visible.insert(room.clone(), ids);
+    }
+    h.quiesce().await;
+    let mut reads = Vec::new();
+    for room in [&small, &big] {
+        let body = json!({"search_categories": {"room_events": {
+            "search_term": "kiwi", "order_by": "recent", "filter": {"rooms": [room], "limit": 5}
+        }}});
+        // Settle the search projection first (the request waits for it anyway).
+        h.call(
+            reqwest::Method::POST,
+            "/_matrix/client/v3/search",
+            Some(&ct),
+            Some(body.clone()),
+        )
+        .await;
+        let before = h.reads();
+        let (status, v) = h
+            .call(
+                reqwest::Method::POST,
+                "/_matrix/client/v3/search",
+                Some(&ct),
+                Some(body),
+            )
+            .await;
+        reads.push(h.reads() - before);
+        assert_eq!(status, 200, "{v}");
+        let found: Vec<String> = v["search_categories"]["room_events"]["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["result"]["event_id"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(found, visible[room.as_str()]);
+        // The overscan stopped before the end of the hidden history: a next page exists.
+        assert!(
+            v["search_categories"]["room_events"]["next_batch"].is_string(),
+            "{v}"
+        );
+        assert_eq!(v["search_categories"]["room_events"]["count"], 2);
+    }
+    assert_eq!(
+        reads[0], reads[1],
+        "search reads grew with hidden history: {reads:?}"
+    );
+    // 2 results rendered plus at most 30 visibility checks of a few point lookups each.
+    assert!(
+        reads[1] <= 30 * 16 + 40,
+        "search took {} store reads",
+        reads[1]
+    );
+}

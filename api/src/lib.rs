@@ -24,6 +24,7 @@ pub mod read;
 pub mod relations;
 pub mod reports;
 pub mod rooms;
+pub mod search;
 pub mod sliding;
 pub mod spaces;
 pub mod sync;
@@ -260,6 +261,7 @@ pub fn router(state: AppState) -> Router {
         .merge(reports::routes())
         .merge(rooms::routes())
         .merge(read::routes())
+        .merge(search::routes())
         .merge(sync::routes())
         .merge(sliding::routes())
         .merge(push::routes())

@@ -544,6 +544,23 @@ def test_room_discovery(anon, world, spindle):
     users = bob.post(f"{C3}/user_directory/search", {"search_term": "alice", "limit": 5})
     assert alice.user_id in [u["user_id"] for u in users["results"]]
 
+    # Server-side search: "hello 0" was redacted, so two pages of one result each.
+    criteria = {
+        "search_term": "hello", "order_by": "recent", "filter": {"limit": 1, "rooms": [room]},
+        "event_context": {"before_limit": 1, "after_limit": 1, "include_profile": True},
+        "groupings": {"group_by": [{"key": "room_id"}, {"key": "sender"}]},
+        "include_state": True,
+    }
+    first = bob.post(f"{C3}/search", {"search_categories": {"room_events": criteria}})
+    events = first["search_categories"]["room_events"]
+    assert [x["result"]["event_id"] for x in events["results"]] == [world["events"][2]]
+    assert events["count"] == 2 and events["highlights"] == ["hello"]
+    second = bob.post(f"{C3}/search", {"search_categories": {"room_events": criteria}},
+                      query={"next_batch": events["next_batch"]})
+    events = second["search_categories"]["room_events"]
+    assert [x["result"]["event_id"] for x in events["results"]] == [world["events"][1]]
+    assert "next_batch" not in events
+
     knock_room = alice.post(f"{C3}/createRoom", {"preset": "private_chat"})["room_id"]
     alice.put(f"{C3}/rooms/{seg(knock_room)}/state/m.room.join_rules", {"join_rule": "knock"})
     knocked = bob.post(f"{C3}/knock/{seg(knock_room)}", {"reason": "hello"})
