@@ -204,7 +204,15 @@ async fn audit_room_lists_state_changes_with_previous_values_to_admins_only() {
     assert_eq!(user["entries"][4]["details"]["membership"], "join");
     assert_eq!(user["entries"][3]["by"], alice.user_id);
 
-    // Projection status for admins: every projection ready, none behind the head.
+    // Projection status for admins: every projection ready, none behind the head. The
+    // search index does not gate reads (SPEC §3); a search waits for it to catch up.
+    alice
+        .post(
+            "/_matrix/client/v3/search",
+            &json!({"search_categories": {"room_events": {"search_term": "x"}}}),
+        )
+        .await
+        .ok();
     bob.get("/_spindle/admin/v1/projections")
         .await
         .expect_err(403, "M_FORBIDDEN");

@@ -326,6 +326,14 @@ impl Runtime {
             .any(|s| s.projection.name() == name && s.ready.load(Ordering::Acquire))
     }
 
+    /// Whether `name` gates reads and tokens ([`Projection::gates_reads`]). Unknown
+    /// names: `false`.
+    pub fn gates_reads(&self, name: &str) -> bool {
+        self.slots
+            .iter()
+            .any(|s| s.projection.name() == name && s.gates)
+    }
+
     /// Every projection's checkpoint and readiness, in registration order.
     pub fn status(&self) -> Vec<ProjectionStatus> {
         self.slots

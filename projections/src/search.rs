@@ -13,17 +13,21 @@
 //!   holds: the projection's digest and snapshot rendering (a function of the records,
 //!   unlike tantivy's segment files, whose layout depends on merges and batch sizes).
 //! - `redacted`: event id -> the first redaction of it.
+//! - `index_state`: `changed_at` -> the position of the last record that changed the
+//!   index (so a batch that changes nothing skips the tantivy commit, and start-up can
+//!   tell an index that is merely older than the checkpoint from one that is behind).
 //!
 //! **Two stores, one checkpoint.** tantivy and fjall cannot commit in one batch, so the
 //! order is fixed: tantivy commits first, with the checkpoint as its commit payload
-//! ([`Projection::prepare_commit`]), then the runtime commits the fjall tables and the
-//! checkpoint. A crash between the two leaves tantivy *ahead* of the fjall checkpoint;
-//! the runtime then re-applies those records, and apply is idempotent on the index: an
-//! add first deletes the event id's term (only for positions tantivy may already hold),
-//! a redaction deletes it again. tantivy *behind* the checkpoint (its directory lost or
-//! unreadable) cannot be repaired by re-applying, so [`Search::open`] resets the
-//! projection (tables and checkpoint) and the index is rebuilt by replay. A fresh
-//! checkpoint (0: `replay rebuild search`, a deleted `projections/`) clears the index.
+//! ([`Projection::prepare_commit`]; skipped when the batch changed nothing), then the
+//! runtime commits the fjall tables and the checkpoint. A crash between the two leaves
+//! tantivy *ahead* of the fjall checkpoint; the runtime then re-applies those records,
+//! and apply is idempotent on the index: an add first deletes the event id's term (only
+//! for positions tantivy may already hold), a redaction deletes it again. tantivy
+//! *behind* (its payload below `changed_at`: its directory lost or unreadable) cannot be
+//! repaired by re-applying, so [`Search::open`] resets the projection (tables and
+//! checkpoint) and the index is rebuilt by replay. A fresh checkpoint (0: `replay
+//! rebuild search`, a deleted `projections/`) clears the index.
 //!
 //! **Memory.** One indexing thread with an explicit heap budget
 //! ([`SearchOptions::writer_heap_bytes`], at least tantivy's 15 MB minimum) and one merge
@@ -233,6 +237,7 @@ fn schema() -> (Schema, Fields) {
 pub struct Search {
     docs: Table,
     redacted: Table,
+    index_state: Table,
     index: Index,
     writer: Mutex<IndexWriter>,
     reader: IndexReader,
@@ -240,8 +245,13 @@ pub struct Search {
     /// The checkpoint of the index's last commit: records at or below it may already be
     /// in the index (a crash between the two commits), so adding one deletes first.
     index_checkpoint: AtomicU64,
+    /// Whether the writer holds operations not yet committed.
+    dirty: std::sync::atomic::AtomicBool,
     stats: Arc<SearchStats>,
 }
+
+/// The `index_state` key of the last position that changed the index.
+const CHANGED_AT: &[u8] = b"changed_at";
 
 fn terr(e: impl std::fmt::Display) -> String {
     format!("search index: {e}")
@@ -280,9 +290,17 @@ impl Search {
         };
         let mut index_cp = index_checkpoint(&index)?;
         let checkpoint = db.checkpoint("search");
-        if checkpoint > index_cp {
+        let changed_at = db
+            .table("search", "index_state")?
+            .get(CHANGED_AT)
+            .filter(|v| v.len() == 8)
+            .map(|v| u64::from_be_bytes(v[..8].try_into().expect("8 bytes")))
+            .unwrap_or(0);
+        let behind = changed_at > index_cp;
+        if behind {
             tracing::warn!(
                 checkpoint,
+                changed_at,
                 index_checkpoint = index_cp,
                 "search index is behind its checkpoint: rebuilding it by replay"
             );
@@ -298,7 +316,7 @@ impl Search {
                     .build(),
             )
             .map_err(terr)?;
-        if checkpoint == 0 || checkpoint > index_cp {
+        if checkpoint == 0 || behind {
             writer.delete_all_documents().map_err(terr)?;
             let mut commit = writer.prepare_commit().map_err(terr)?;
             commit.set_payload("0");
@@ -313,11 +331,13 @@ impl Search {
         Ok(Search {
             docs: db.table("search", "docs")?,
             redacted: db.table("search", "redacted")?,
+            index_state: db.table("search", "index_state")?,
             index,
             writer: Mutex::new(writer),
             reader,
             fields,
             index_checkpoint: AtomicU64::new(index_cp),
+            dirty: std::sync::atomic::AtomicBool::new(false),
             stats: Arc::default(),
         })
     }
@@ -507,6 +527,16 @@ impl Search {
         Ok((read("event_id")?, read("room_id")?))
     }
 
+    /// Notes that the record at `position` changed the index (commit needed).
+    fn changed(&self, ctx: &ApplyCtx, position: u64) {
+        self.dirty.store(true, Ordering::Release);
+        ctx.put(
+            &self.index_state,
+            CHANGED_AT.to_vec(),
+            position.to_be_bytes().to_vec(),
+        );
+    }
+
     /// The `docs` row of an event, if the index holds it.
     pub fn indexed(&self, event_id: &str) -> Option<IndexedEvent> {
         serde_json::from_slice(&self.docs.get(event_id.as_bytes())?).ok()
@@ -560,7 +590,11 @@ impl Projection for Search {
     }
 
     fn tables(&self) -> Vec<Table> {
-        vec![self.docs.clone(), self.redacted.clone()]
+        vec![
+            self.docs.clone(),
+            self.redacted.clone(),
+            self.index_state.clone(),
+        ]
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
@@ -585,6 +619,7 @@ impl Projection for Search {
             if ctx.get(&self.docs, target.as_bytes()).is_some() {
                 ctx.delete(&self.docs, target.clone().into_bytes());
                 writer.delete_term(Term::from_field_text(f.event_id, &target));
+                self.changed(ctx, record.position());
             }
             return Ok(());
         }
@@ -622,11 +657,17 @@ impl Projection for Search {
             event_id.into_bytes(),
             serde_json::to_vec(&row).map_err(|e| e.to_string())?,
         );
+        self.changed(ctx, record.position());
         Ok(())
     }
 
     fn prepare_commit(&self, checkpoint: u64) -> Result<(), String> {
         let mut writer = self.writer.lock();
+        if !self.dirty.load(Ordering::Acquire) {
+            // Nothing changed: the index's payload stays at its last change, which
+            // `changed_at` (committed with the tables) tells apart from "behind".
+            return Ok(());
+        }
         let result = (|| {
             let mut commit = writer.prepare_commit().map_err(terr)?;
             commit.set_payload(&checkpoint.to_string());
@@ -636,11 +677,13 @@ impl Projection for Search {
             Ok(_) => {
                 self.index_checkpoint
                     .fetch_max(checkpoint, Ordering::AcqRel);
+                self.dirty.store(false, Ordering::Release);
                 Ok(())
             }
             Err(e) => {
                 // Drop the batch's buffered operations; the runtime applies it again.
                 let _ = writer.rollback();
+                self.dirty.store(false, Ordering::Release);
                 Err(e)
             }
         }
