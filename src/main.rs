@@ -58,7 +58,8 @@ enum Command {
         url: Option<String>,
     },
     /// Check a backup: manifest, every file's size and blake3, media files named by
-    /// their hash, and the journal export's hash chain.
+    /// their hash, the journal export's hash chain, and that every media upload in the
+    /// export has its blob.
     VerifyBackup {
         /// The backup directory.
         dir: PathBuf,
@@ -69,6 +70,16 @@ enum Command {
         /// The backup directory.
         dir: PathBuf,
         /// Restore into this data directory instead of the config's.
+        #[arg(long)]
+        data: Option<PathBuf>,
+    },
+    /// Check that every media upload in the journal (`MediaUploaded` fact) has its blob
+    /// in <data_dir>/media and that the blob hashes to its name (server stopped, or
+    /// --data on a copy). Prints one line per missing or corrupt blob (`missing|corrupt
+    /// <TAB> position <TAB> media id <TAB> blake3 [<TAB> actual blake3]`), then a
+    /// summary; exits 1 if any is missing or corrupt.
+    VerifyMedia {
+        /// Check this data directory instead of the config's.
         #[arg(long)]
         data: Option<PathBuf>,
     },
@@ -152,16 +163,30 @@ enum Admin {
 
 #[derive(Subcommand)]
 enum Replay {
-    /// Delete projections and rebuild them from position 0; prints each digest.
+    /// Rebuild projections from position 0. Offline (server stopped): deletes their
+    /// tables and rebuilds them, printing each digest. Online (--token, or
+    /// SPINDLE_ADMIN_TOKEN): the running server rebuilds each one beside the live
+    /// tables, which keep serving, and swaps it in once caught up; prints
+    /// `name <TAB> generation N <TAB> checkpoint C` when each is live.
     Rebuild {
         /// The projection to rebuild (`replay status` lists them); the others keep
         /// their tables and resume from their checkpoints.
         projection: Option<String>,
-        /// Rebuild every projection.
+        /// Rebuild every projection (online: one after the other).
         #[arg(long, conflicts_with = "projection")]
         all: bool,
+        /// An admin's access token: rebuild online through the running server.
+        #[arg(long)]
+        token: Option<String>,
+        /// The running server's base URL (default: http://<bind>).
+        #[arg(long)]
+        url: Option<String>,
     },
-    /// Rebuild every projection into a scratch directory and compare digests with the live ones.
+    /// Rebuild every projection into a scratch directory and compare digests with the
+    /// live ones. Prints `name <TAB> ok|DIFFERS <TAB> digest` per projection and, under a
+    /// projection that differs, one line per differing table: how many keys differ
+    /// (only live, only rebuilt, changed) and the first and last differing key. Exits 1
+    /// if any differs. Server stopped.
     Verify,
     /// Print each projection's checkpoint, the journal head and the lag. With --token
     /// (an admin's access token, or SPINDLE_ADMIN_TOKEN) ask the running server instead,
@@ -228,6 +253,40 @@ async fn run() -> anyhow::Result<()> {
         Command::Replay {
             verb:
                 Replay::Rebuild {
+                    projection,
+                    all,
+                    token,
+                    url,
+                },
+        } if token.is_some() || std::env::var("SPINDLE_ADMIN_TOKEN").is_ok() => {
+            let token = token
+                .or_else(|| std::env::var("SPINDLE_ADMIN_TOKEN").ok())
+                .unwrap_or_default();
+            let base = url.unwrap_or_else(|| local_url(&config));
+            let names = match (projection, all) {
+                (Some(name), _) => vec![name],
+                (None, true) => online_status(&base, &token).await?["projections"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|p| p["name"].as_str().map(str::to_owned))
+                    .collect(),
+                (None, false) => {
+                    return Err(anyhow!(
+                        "say which projections to rebuild: a name (see `replay status`) or --all"
+                    ));
+                }
+            };
+            for name in names {
+                let (generation, checkpoint) = rebuild_online(&base, &token, &name).await?;
+                out(&format!(
+                    "{name}\tgeneration {generation}\tcheckpoint {checkpoint}\n"
+                ));
+            }
+        }
+        Command::Replay {
+            verb:
+                Replay::Rebuild {
                     projection: Some(name),
                     ..
                 },
@@ -263,6 +322,18 @@ async fn run() -> anyhow::Result<()> {
                     if ok { "ok" } else { "DIFFERS" },
                     v.live
                 );
+                for d in &v.differences {
+                    println!(
+                        "\t{}\t{} keys differ ({} only live, {} only rebuilt, {} changed)\tkeys {} .. {}",
+                        d.table,
+                        d.only_live + d.only_rebuilt + d.changed,
+                        d.only_live,
+                        d.only_rebuilt,
+                        d.changed,
+                        spindle_projections::render_key(&d.first_key),
+                        spindle_projections::render_key(&d.last_key),
+                    );
+                }
             }
             if failed {
                 return Err(anyhow!("some projections differ from a rebuild"));
@@ -431,6 +502,36 @@ async fn run() -> anyhow::Result<()> {
                 m.files.len()
             );
         }
+        Command::VerifyMedia { data } => {
+            let data = data.unwrap_or_else(|| config.data_dir.clone());
+            let report = spindle_replay::verify_media(&data)?;
+            for b in &report.missing {
+                out(&format!(
+                    "missing\t{}\t{}\t{}\n",
+                    b.position, b.media_id, b.content_hash
+                ));
+            }
+            for b in &report.corrupt {
+                out(&format!(
+                    "corrupt\t{}\t{}\t{}\t{}\n",
+                    b.position,
+                    b.media_id,
+                    b.content_hash,
+                    b.actual.as_deref().unwrap_or("")
+                ));
+            }
+            let summary = format!(
+                "{} uploads\t{} blobs checked\t{} missing\t{} corrupt",
+                report.uploads,
+                report.blobs_checked,
+                report.missing.len(),
+                report.corrupt.len()
+            );
+            if !report.ok() {
+                return Err(anyhow!("media blobs are missing or corrupt: {summary}"));
+            }
+            out(&format!("ok\t{summary}\n"));
+        }
         Command::Restore { dir, data } => {
             let data = data.unwrap_or_else(|| config.data_dir.clone());
             let m = spindle_replay::backup::restore(&dir, &data)?;
@@ -449,30 +550,25 @@ async fn run() -> anyhow::Result<()> {
                 .or_else(|| std::env::var("SPINDLE_ADMIN_TOKEN").ok())
                 .unwrap_or_default();
             let base = url.unwrap_or_else(|| local_url(&config));
-            let resp = reqwest::Client::new()
-                .get(format!("{base}/_spindle/admin/v1/projections"))
-                .bearer_auth(token)
-                .send()
-                .await
-                .with_context(|| format!("asking the server at {base}"))?;
-            let status = resp.status();
-            let body: serde_json::Value = resp.json().await.unwrap_or_default();
-            if !status.is_success() {
-                return Err(anyhow!("the server answered {status}: {body}"));
-            }
+            let body = online_status(&base, &token).await?;
             println!("journal head\t{}", body["head"]);
             for p in body["projections"].as_array().into_iter().flatten() {
-                println!(
-                    "{}\t{}\tlag {}{}",
+                let mut line = format!(
+                    "{}\t{}\tlag {}",
                     p["name"].as_str().unwrap_or(""),
                     p["checkpoint"],
                     p["lag"],
-                    if p["ready"] == true {
-                        ""
-                    } else {
-                        "\tbackfilling"
-                    }
                 );
+                if p["ready"] != true {
+                    line.push_str("\tbackfilling");
+                }
+                if let Some(r) = p["rebuilding"].as_object() {
+                    line.push_str(&format!(
+                        "\trebuilding generation {} at {} (lag {})",
+                        r["generation"], r["checkpoint"], r["lag"]
+                    ));
+                }
+                println!("{line}");
             }
         }
         Command::Replay {
@@ -487,6 +583,69 @@ async fn run() -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `GET /_spindle/admin/v1/projections` on the running server.
+async fn online_status(base: &str, token: &str) -> anyhow::Result<serde_json::Value> {
+    let resp = reqwest::Client::new()
+        .get(format!("{base}/_spindle/admin/v1/projections"))
+        .bearer_auth(token)
+        .send()
+        .await
+        .with_context(|| format!("asking the server at {base}"))?;
+    let status = resp.status();
+    let body: serde_json::Value = resp.json().await.unwrap_or_default();
+    if !status.is_success() {
+        return Err(anyhow!("the server answered {status}: {body}"));
+    }
+    Ok(body)
+}
+
+/// Starts an online rebuild of `name` on the running server and waits until the new
+/// generation is live, logging its progress. Returns (generation, checkpoint).
+async fn rebuild_online(base: &str, token: &str, name: &str) -> anyhow::Result<(u64, u64)> {
+    let resp = reqwest::Client::new()
+        .post(format!(
+            "{base}/_spindle/admin/v1/projections/{name}/rebuild"
+        ))
+        .bearer_auth(token)
+        .send()
+        .await
+        .with_context(|| format!("asking the server at {base}"))?;
+    let status = resp.status();
+    let body: serde_json::Value = resp.json().await.unwrap_or_default();
+    if !status.is_success() {
+        return Err(anyhow!("the server answered {status}: {body}"));
+    }
+    let generation = body["generation"].as_u64().unwrap_or(0);
+    let mut last_log = std::time::Instant::now();
+    loop {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let status = online_status(base, token).await?;
+        let Some(p) = status["projections"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|p| p["name"] == name)
+        else {
+            return Err(anyhow!("the server no longer lists {name:?}"));
+        };
+        if p["rebuilding"].is_null() {
+            if p["generation"].as_u64() == Some(generation) {
+                return Ok((generation, p["checkpoint"].as_u64().unwrap_or(0)));
+            }
+            return Err(anyhow!(
+                "the rebuild of {name:?} stopped before generation {generation} went live (see the server log)"
+            ));
+        }
+        if last_log.elapsed() >= std::time::Duration::from_secs(2) {
+            last_log = std::time::Instant::now();
+            eprintln!(
+                "{name}: rebuilding generation {generation}: position {} of {}",
+                p["rebuilding"]["checkpoint"], status["head"]
+            );
+        }
+    }
 }
 
 /// Writes to stdout; a closed pipe (`spindle audit room … | head`) ends the program

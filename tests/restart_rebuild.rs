@@ -880,3 +880,322 @@ async fn to_device_messages_survive_restarts_until_acknowledged() {
     p.stop();
     verify(&s.config);
 }
+
+/// The `m.room.message` event ids of `room`, oldest first, through `/messages`.
+async fn message_ids(c: &Client, room: &str) -> Vec<String> {
+    let page = c.messages(room, "dir=f&limit=1000").await;
+    page["chunk"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["type"] == "m.room.message")
+        .map(|e| e["event_id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// The `timeline` row of `GET /_spindle/admin/v1/projections`, and the head.
+async fn timeline_status(admin: &Client) -> (Value, u64) {
+    let status = admin.get("/_spindle/admin/v1/projections").await.ok();
+    let row = status["projections"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "timeline")
+        .unwrap()
+        .clone();
+    (row, status["head"].as_u64().unwrap())
+}
+
+/// Online rebuild of an existing projection (SPEC §3 "Online rebuild"):
+/// `spindle replay rebuild timeline --token` while a writer keeps sending and a reader
+/// keeps paging `/messages`. Every read returns exactly the acknowledged messages (never
+/// a half-built timeline); generation 1 is swapped in, its checkpoint reaches the head,
+/// only its keyspaces are left, and after a restart its digest equals a rebuild from
+/// position 0 (`replay verify`) and an offline `replay rebuild timeline`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn online_rebuild_swaps_in_while_writers_and_readers_continue() {
+    use std::sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    };
+    let s = setup();
+    let mut config = std::fs::read_to_string(&s.config).unwrap();
+    config.push_str(&format!("admins = [\"{}\"]\n", common::uid("alice")));
+    std::fs::write(&s.config, config).unwrap();
+    let p = Proc::start(&s.config);
+    let http = common::http();
+    let alice = common::register(&p.base, &http, "alice").await;
+    let bob = common::register(&p.base, &http, "bob").await;
+    let room = alice.create_room(json!({"preset": "public_chat"})).await;
+    bob.join(&room).await;
+    let acked: Arc<Mutex<Vec<String>>> = Arc::new(Mutex::new(Vec::new()));
+    for i in 0..120 {
+        let id = alice.send_text(&room, &format!("before {i}")).await;
+        acked.lock().unwrap().push(id);
+    }
+
+    bob.post(
+        "/_spindle/admin/v1/projections/timeline/rebuild",
+        &json!({}),
+    )
+    .await
+    .expect_err(403, "M_FORBIDDEN");
+    alice
+        .post(
+            "/_spindle/admin/v1/projections/nonesuch/rebuild",
+            &json!({}),
+        )
+        .await
+        .expect_err(404, "M_NOT_FOUND");
+    let (row, _) = timeline_status(&alice).await;
+    assert_eq!(row["generation"], 0, "{row}");
+    assert_eq!(row["rebuilding"], Value::Null, "{row}");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (alice, room, acked, stop) = (alice.clone(), room.clone(), acked.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut i = 0;
+            while !stop.load(Ordering::Acquire) && i < 600 {
+                let id = alice.send_text(&room, &format!("during {i}")).await;
+                acked.lock().unwrap().push(id);
+                i += 1;
+            }
+        })
+    };
+    let reads = Arc::new(AtomicUsize::new(0));
+    let reader = {
+        let (bob, room, acked, stop, reads) = (
+            bob.clone(),
+            room.clone(),
+            acked.clone(),
+            stop.clone(),
+            reads.clone(),
+        );
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Acquire) {
+                // Everything acknowledged before the read is in it, in order; at most
+                // the writer's one in-flight message may follow.
+                let expected = acked.lock().unwrap().clone();
+                let got = message_ids(&bob, &room).await;
+                assert!(
+                    got.len() == expected.len() || got.len() == expected.len() + 1,
+                    "read {} messages, {} acknowledged",
+                    got.len(),
+                    expected.len()
+                );
+                assert_eq!(got[..expected.len()], expected[..], "a read lost messages");
+                reads.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (config, base, token) = (
+        s.config.clone(),
+        p.base.clone(),
+        alice.token.clone().unwrap(),
+    );
+    let printed = tokio::task::spawn_blocking(move || {
+        run(
+            &config,
+            &[
+                "replay", "rebuild", "timeline", "--url", &base, "--token", &token,
+            ],
+        )
+    })
+    .await
+    .unwrap();
+    let fields: Vec<&str> = printed.trim().split('\t').collect();
+    assert_eq!(fields[..2], ["timeline", "generation 1"], "{printed}");
+    // Keep writing and reading on the new generation for a while.
+    let swapped_at = acked.lock().unwrap().len();
+    while acked.lock().unwrap().len() < swapped_at + 30 && !writer.is_finished() {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, Ordering::Release);
+    writer.await.unwrap();
+    reader.await.unwrap();
+    assert!(reads.load(Ordering::Relaxed) > 0);
+
+    let expected = acked.lock().unwrap().clone();
+    assert!(expected.len() >= 150, "{} messages", expected.len());
+    assert_eq!(message_ids(&alice, &room).await, expected);
+    let (row, head) = timeline_status(&alice).await;
+    assert_eq!(row["checkpoint"], head, "{row}");
+    assert_eq!(row["lag"], 0, "{row}");
+    assert_eq!(row["generation"], 1, "{row}");
+    assert_eq!(row["rebuilding"], Value::Null, "{row}");
+    p.stop();
+
+    // Only generation 1's keyspaces are left.
+    {
+        let db = spindle_projections::ProjectionDb::open(&s.data.join("projections")).unwrap();
+        assert_eq!(db.generation("timeline"), 1);
+        let names = db.keyspace_names();
+        assert!(names.iter().any(|n| n == "timeline#g1.events"), "{names:?}");
+        assert!(
+            !names.iter().any(|n| n.starts_with("timeline.")),
+            "old generation left: {names:?}"
+        );
+    }
+    // A restart opens generation 1, equal to a rebuild from position 0 and to an
+    // offline rebuild of the projection.
+    let verified = verify(&s.config);
+    let live = &verified.iter().find(|(n, _)| n == "timeline").unwrap().1;
+    let offline = run(&s.config, &["replay", "rebuild", "timeline"]);
+    assert_eq!(offline.trim(), format!("timeline\t{live}"));
+}
+
+/// `replay verify` names the projection, the table and the key range that differ: a
+/// changed `timeline.rooms` row and a `room_summary.members` row that should not be
+/// there, written behind the projections' backs. Exit status 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_reports_a_corrupted_row_by_projection_and_key_range() {
+    let s = setup();
+    let p = Proc::start(&s.config);
+    let http = common::http();
+    let alice = common::register(&p.base, &http, "alice").await;
+    let room = alice.create_room(json!({})).await;
+    for i in 0..3 {
+        alice.send_text(&room, &format!("m{i}")).await;
+    }
+    p.stop();
+    verify(&s.config);
+    {
+        use spindle_projections::{ProjectionDb, store::ApplyCtx};
+        let db = ProjectionDb::open(&s.data.join("projections")).unwrap();
+        let rooms = db.table("timeline", "rooms").unwrap();
+        assert!(rooms.get(room.as_bytes()).is_some());
+        let ctx = ApplyCtx::new();
+        ctx.put(
+            &rooms,
+            room.as_bytes().to_vec(),
+            7u64.to_be_bytes().to_vec(),
+        );
+        ctx.commit(&db, "timeline", db.checkpoint("timeline"))
+            .unwrap();
+        let members = db.table("room_summary", "members").unwrap();
+        let ctx = ApplyCtx::new();
+        let ghost = format!("{room}\0@ghost:{}", common::SERVER_NAME);
+        ctx.put(&members, ghost.into_bytes(), b"j".to_vec());
+        ctx.commit(&db, "room_summary", db.checkpoint("room_summary"))
+            .unwrap();
+    }
+    let (ok, out) = try_run(&s.config, &["replay", "verify"]);
+    assert!(!ok, "{out}");
+    let lines: Vec<&str> = out.lines().collect();
+    let differs: Vec<&str> = lines
+        .iter()
+        .filter(|l| l.contains("\tDIFFERS\t"))
+        .map(|l| l.split('\t').next().unwrap())
+        .collect();
+    assert_eq!(differs, ["timeline", "room_summary"], "{out}");
+    let details: Vec<&&str> = lines.iter().filter(|l| l.starts_with('\t')).collect();
+    let ghost = format!("{room}|@ghost:{}", common::SERVER_NAME);
+    assert_eq!(
+        details,
+        [
+            &format!(
+                "\ttimeline.rooms\t1 keys differ (0 only live, 0 only rebuilt, 1 changed)\tkeys {room} .. {room}"
+            )
+            .as_str(),
+            &format!(
+                "\troom_summary.members\t1 keys differ (1 only live, 0 only rebuilt, 0 changed)\tkeys {ghost} .. {ghost}"
+            )
+            .as_str(),
+        ],
+        "{out}"
+    );
+    // The rest of the report: every other projection ok.
+    assert!(
+        lines
+            .iter()
+            .filter(|l| !l.starts_with('\t')
+                && !l.contains("DIFFERS")
+                && !l.starts_with("spindle:"))
+            .all(|l| l.split('\t').nth(1) == Some("ok")),
+        "{out}"
+    );
+    // Rebuilding the two fixes them.
+    run(&s.config, &["replay", "rebuild", "timeline"]);
+    run(&s.config, &["replay", "rebuild", "room_summary"]);
+    verify(&s.config);
+}
+
+/// `spindle verify-media`: every `MediaUploaded` fact's blob is there and hashes to its
+/// name; a changed blob is reported `corrupt`, a deleted one `missing` (exit 1), and a
+/// backup of a data directory missing a blob refuses, naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_media_reports_missing_and_corrupt_blobs() {
+    let s = setup();
+    let p = Proc::start(&s.config);
+    let http = common::http();
+    let alice = common::register(&p.base, &http, "alice").await;
+    let mut uploads = Vec::new();
+    for body in [&b"first blob"[..], b"second blob", b"first blob"] {
+        let r = alice
+            .raw(
+                reqwest::Method::POST,
+                "/_matrix/media/v3/upload?filename=a.txt",
+                Some(body.to_vec()),
+                &[("content-type", "text/plain")],
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let uri = r.body["content_uri"].as_str().unwrap().to_owned();
+        uploads.push((uri, blake3::hash(body).to_hex().to_string()));
+    }
+    p.stop();
+    let media_id = |uri: &str| uri.rsplit('/').next().unwrap().to_owned();
+    assert_eq!(
+        run(&s.config, &["verify-media"]),
+        "ok\t3 uploads\t2 blobs checked\t0 missing\t0 corrupt\n"
+    );
+
+    let blob = |hash: &str| s.data.join("media").join(&hash[..2]).join(hash);
+    let (first, second) = (&uploads[0].1, &uploads[1].1);
+    std::fs::write(blob(second), b"tampered").unwrap();
+    let (ok, out) = try_run(&s.config, &["verify-media"]);
+    assert!(!ok, "{out}");
+    let lines: Vec<Vec<&str>> = out
+        .lines()
+        .filter(|l| l.starts_with("corrupt") || l.starts_with("missing"))
+        .map(|l| l.split('\t').collect())
+        .collect();
+    let tampered = blake3::hash(b"tampered").to_hex().to_string();
+    assert_eq!(lines.len(), 1, "{out}");
+    assert_eq!(lines[0][0], "corrupt");
+    assert_eq!(
+        lines[0][2..],
+        [media_id(&uploads[1].0).as_str(), second, &tampered]
+    );
+    assert!(out.contains("1 corrupt"), "{out}");
+
+    std::fs::remove_file(blob(first)).unwrap();
+    let (ok, out) = try_run(&s.config, &["verify-media"]);
+    assert!(!ok, "{out}");
+    let missing: Vec<Vec<&str>> = out
+        .lines()
+        .filter(|l| l.starts_with("missing"))
+        .map(|l| l.split('\t').collect())
+        .collect();
+    assert_eq!(missing.len(), 2, "{out}");
+    assert_eq!(missing[0][2..], [media_id(&uploads[0].0).as_str(), first]);
+    assert_eq!(missing[1][2..], [media_id(&uploads[2].0).as_str(), first]);
+    assert!(
+        missing[0][1].parse::<u64>().unwrap() < missing[1][1].parse::<u64>().unwrap(),
+        "{out}"
+    );
+    assert!(
+        out.contains("3 uploads\t1 blobs checked\t2 missing\t1 corrupt"),
+        "{out}"
+    );
+
+    // A backup would name a blob it does not have: refused.
+    std::fs::write(blob(second), b"second blob").unwrap();
+    let backup = s._dir.path().join("backup");
+    let (ok, out) = try_run(&s.config, &["backup", "--out", backup.to_str().unwrap()]);
+    assert!(!ok, "{out}");
+    assert!(out.contains("2 of 3 media uploads"), "{out}");
+    assert!(out.contains(first.as_str()), "{out}");
+}

@@ -12,7 +12,13 @@
 //! - `GET /_spindle/admin/v1/audit/users/{userId}`: `{"user_id", "entries": [UserEntry],
 //!   "next_from"?}`. Query: `from`, `limit` (as above).
 //! - `GET /_spindle/admin/v1/projections`: `{"head", "applied", "projections": [{"name",
-//!   "checkpoint", "lag", "ready"}]}` (what `spindle replay status` prints offline).
+//!   "checkpoint", "lag", "ready", "generation", "rebuilding"}]}` (what `spindle replay
+//!   status` prints offline); `rebuilding` is `null` or `{"generation", "checkpoint",
+//!   "lag"}` while an online rebuild runs.
+//! - `POST /_spindle/admin/v1/projections/{name}/rebuild`: starts rebuilding that
+//!   projection online (beside the live tables, swapped in once caught up; SPEC §3
+//!   "Online rebuild"). 202 `{"projection", "generation"}`; 404 `M_NOT_FOUND` for an
+//!   unknown name; 409 `M_UNKNOWN` while it is backfilling or already being rebuilt.
 //!
 //! Also the spec's `GET /_matrix/client/v3/admin/whois/{userId}` (see [`whois`]).
 //!
@@ -22,7 +28,8 @@
 use axum::{
     Json, Router,
     extract::{Path, State},
-    routing::get,
+    http::StatusCode,
+    routing::{get, post},
 };
 use serde_json::{Value, json};
 use spindle_projections::audit::RoomFilter;
@@ -42,6 +49,39 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/_spindle/admin/v1/audit/users/{user_id}", get(audit_user))
         .route("/_spindle/admin/v1/projections", get(projections_status))
         .route("/_matrix/client/v3/admin/whois/{user_id}", get(whois))
+        .route(
+            "/_spindle/admin/v1/projections/{name}/rebuild",
+            post(rebuild_projection),
+        )
+}
+
+/// `POST /_spindle/admin/v1/projections/{name}/rebuild`: starts an online rebuild (see
+/// the module doc). Answers once it has started; progress is in
+/// `GET /_spindle/admin/v1/projections`.
+async fn rebuild_projection(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(name): Path<String>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    require_admin(&s, &r)?;
+    use spindle_projections::RebuildError;
+    match s.projections.rebuild_online(&name) {
+        Ok(generation) => Ok((
+            StatusCode::ACCEPTED,
+            Json(json!({"projection": name, "generation": generation})),
+        )),
+        Err(e @ RebuildError::Unknown(_)) => Err(MatrixError::not_found(e.to_string())),
+        Err(
+            e @ (RebuildError::Backfilling(_)
+            | RebuildError::AlreadyRebuilding(..)
+            | RebuildError::OfflineOnly(_)),
+        ) => Err(MatrixError::new(
+            StatusCode::CONFLICT,
+            "M_UNKNOWN",
+            e.to_string(),
+        )),
+        Err(e @ RebuildError::Store(_)) => Err(MatrixError::internal(e.to_string())),
+    }
 }
 
 /// `GET /_matrix/client/v3/admin/whois/{userId}` (spec: "Server administration"): the
@@ -117,6 +157,12 @@ async fn projections_status(State(s): State<AppState>, r: Requester) -> ApiResul
                 "checkpoint": p.checkpoint,
                 "lag": head.saturating_sub(p.checkpoint),
                 "ready": p.ready,
+                "generation": p.generation,
+                "rebuilding": p.rebuilding.map(|r| json!({
+                    "generation": r.generation,
+                    "checkpoint": r.checkpoint,
+                    "lag": head.saturating_sub(r.checkpoint),
+                })),
             })
         })
         .collect();

@@ -49,7 +49,10 @@ use std::{path::Path, sync::Arc};
 
 use spindle_journal::Journal;
 
-pub use runtime::{Projection, ProjectionStatus, Runtime};
+pub use runtime::{
+    Projection, ProjectionStatus, RebuildError, RebuildProgress, Runtime, TableDiff, diff_tables,
+    render_key,
+};
 pub use store::ProjectionDb;
 
 /// Every projection, opened on one database, plus the runtime that feeds them.
@@ -101,6 +104,39 @@ pub struct Projections {
     pub db: ProjectionDb,
 }
 
+/// Opens a fresh instance of the projection called `name` on `db` (`None`: no such
+/// projection). Keep in step with [`Projections::start`].
+fn open_by_name(name: &str, db: &ProjectionDb) -> Option<Result<Arc<dyn Projection>, String>> {
+    fn arc<P: Projection>(p: Result<P, String>) -> Result<Arc<dyn Projection>, String> {
+        p.map(|p| Arc::new(p) as Arc<dyn Projection>)
+    }
+    Some(match name {
+        "timeline" => arc(timeline::Timeline::open(db)),
+        "state" => arc(state::State::open(db)),
+        "membership" => arc(membership::Memberships::open(db)),
+        "accounts" => arc(accounts::Accounts::open(db)),
+        "filters" => arc(user_data::Filters::open(db)),
+        "account_data" => arc(user_data::AccountData::open(db)),
+        "receipts" => arc(user_data::Receipts::open(db)),
+        "aliases" => arc(user_data::Aliases::open(db)),
+        "room_summary" => arc(room_summary::RoomSummary::open(db)),
+        "audit" => arc(audit::Audit::open(db)),
+        "directory" => arc(directory::Directory::open(db)),
+        "event_times" => arc(directory::EventTimes::open(db)),
+        "device_keys" => arc(device_keys::DeviceKeys::open(db)),
+        "to_device" => arc(to_device::ToDevice::open(db)),
+        "key_backup" => arc(key_backup::KeyBackup::open(db)),
+        "media" => arc(media::Media::open(db)),
+        "push" => arc(push::Push::open(db)),
+        "pushers" => arc(push::Pushers::open(db)),
+        "relations" => arc(relations::Relations::open(db)),
+        // The search index lives in its own tantivy directory, not in generations of
+        // fjall keyspaces: it is rebuilt offline (see `Projections::rebuild_online`).
+        "search" => Err("search".into()),
+        _ => return None,
+    })
+}
+
 /// Settings of the projections that have any.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ProjectionOptions {
@@ -109,6 +145,28 @@ pub struct ProjectionOptions {
 }
 
 impl Projections {
+    /// Starts rebuilding projection `name` online: from position 0 into the next
+    /// generation of its tables, beside the live ones that keep serving, then swapped
+    /// in (see [`runtime`], "Online rebuild"). Returns the generation being built.
+    pub fn rebuild_online(&self, name: &str) -> Result<u32, RebuildError> {
+        if name == "search" {
+            return Err(RebuildError::OfflineOnly(name.to_owned()));
+        }
+        let generation = self.runtime.next_generation(name);
+        let db = self.db.for_generation(name, generation);
+        let shadow = open_by_name(name, &db)
+            .ok_or_else(|| RebuildError::Unknown(name.to_owned()))?
+            .map_err(RebuildError::Store)?;
+        if shadow.name() != name {
+            return Err(RebuildError::Store(format!(
+                "opened {:?} for {name:?}",
+                shadow.name()
+            )));
+        }
+        self.runtime.rebuild_online(name, shadow, generation)?;
+        Ok(generation)
+    }
+
     /// Opens every projection in `dir` with default settings and starts tailing `journal`.
     pub fn start(dir: &Path, journal: Journal) -> Result<Projections, String> {
         Self::start_with(dir, journal, ProjectionOptions::default())
@@ -163,6 +221,10 @@ impl Projections {
             relations.clone(),
             search.clone(),
         ];
+        debug_assert!(
+            all.iter().all(|p| open_by_name(p.name(), &db).is_some()),
+            "open_by_name knows every projection"
+        );
         let runtime = Runtime::start(journal, db.clone(), all);
         Ok(Projections {
             timeline,

@@ -19,6 +19,18 @@
 //! [`Projection::gates_reads`] is `false` (the search index) is left out of
 //! [`Runtime::applied`] too: requests do not wait for it and no token is built from it.
 //! Its readers wait for it alone ([`Runtime::wait_for_projection`]).
+//! **Online rebuild.** [`Runtime::rebuild_online`] rebuilds an existing projection
+//! while it keeps serving: a second instance of it, opened on the next *generation* of
+//! its keyspaces ([`crate::store`]), replays from position 0 on its own thread and
+//! commits batches (writes + its own checkpoint row) like any projection. Once it has
+//! caught up with the live instance's checkpoint, it takes the live slot's apply lock
+//! (the live tail holds it around apply + commit, so the live tables stop moving),
+//! applies whatever is left up to at least the live checkpoint, makes its generation
+//! current with its checkpoint in one durable batch, points every live table handle
+//! at the new keyspaces, reloads the live instance's caches from them and releases the
+//! lock; then the old keyspaces are deleted. Readers read through the live handles
+//! throughout: before the swap they see the old, complete tables; after it the new,
+//! complete ones, at a checkpoint no lower than before. Never a half-built table.
 
 use std::{
     sync::{
@@ -80,6 +92,22 @@ struct Slot {
     checkpoint: AtomicU64,
     /// `false` while backfilling (see the module doc); never goes back to `false`.
     ready: std::sync::atomic::AtomicBool,
+    /// Held by the tail thread around apply + commit; an online rebuild's swap holds it
+    /// so the live tables and checkpoint do not move under it.
+    apply_lock: parking_lot::Mutex<()>,
+    /// The generation of the live tables.
+    generation: std::sync::atomic::AtomicU32,
+    /// The online rebuild under way, if any.
+    rebuild: parking_lot::Mutex<Option<RebuildProgress>>,
+}
+
+/// An online rebuild's progress (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RebuildProgress {
+    /// The generation being built.
+    pub generation: u32,
+    /// The last position the rebuild has applied.
+    pub checkpoint: u64,
 }
 
 /// One projection's progress, for `status`.
@@ -91,6 +119,31 @@ pub struct ProjectionStatus {
     pub checkpoint: u64,
     /// `false` while backfilling.
     pub ready: bool,
+    /// The generation of the live tables (0 until the first online rebuild).
+    pub generation: u32,
+    /// An online rebuild under way.
+    pub rebuilding: Option<RebuildProgress>,
+}
+
+/// Why [`Runtime::rebuild_online`] refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RebuildError {
+    /// No projection has that name.
+    #[error("no projection named {0:?}")]
+    Unknown(String),
+    /// The projection is still backfilling; it is being built already.
+    #[error("projection {0:?} is still backfilling")]
+    Backfilling(String),
+    /// An online rebuild of it is under way.
+    #[error("projection {0:?} is already being rebuilt (generation {1})")]
+    AlreadyRebuilding(String, u32),
+    /// Opening the new generation failed.
+    #[error("opening the new generation: {0}")]
+    Store(String),
+    /// The projection is not kept in generations of tables (the search index has its
+    /// own tantivy directory): it is rebuilt offline only.
+    #[error("projection {0:?} is rebuilt offline only (spindle replay rebuild {0})")]
+    OfflineOnly(String),
 }
 
 /// Commits between two "backfilling" progress log lines.
@@ -104,6 +157,7 @@ pub struct Runtime {
     /// Bumped after every commit of a projection that does not gate reads.
     ungated_tx: Arc<watch::Sender<u64>>,
     db: ProjectionDb,
+    journal: Journal,
 }
 
 impl Runtime {
@@ -133,6 +187,9 @@ impl Runtime {
                     gates: p.gates_reads(),
                     checkpoint: AtomicU64::new(checkpoint),
                     ready: std::sync::atomic::AtomicBool::new(!backfilling),
+                    apply_lock: parking_lot::Mutex::new(()),
+                    generation: std::sync::atomic::AtomicU32::new(db.generation(p.name())),
+                    rebuild: parking_lot::Mutex::new(None),
                     projection: p,
                 }
             })
@@ -144,6 +201,7 @@ impl Runtime {
             applied_tx: Arc::new(tx),
             ungated_tx: Arc::new(watch::channel(0).0),
             db,
+            journal: journal.clone(),
         };
         for i in 0..rt.slots.len() {
             let rt2 = rt.clone();
@@ -192,6 +250,12 @@ impl Runtime {
                 }
                 continue;
             }
+            let guard = slot.apply_lock.lock();
+            if slot.checkpoint.load(Ordering::Acquire) != cp {
+                // An online rebuild swapped in new tables meanwhile: read again from
+                // its checkpoint.
+                continue;
+            }
             let mut ctx = ApplyCtx::new();
             let mut last = cp;
             for rec in &records {
@@ -208,12 +272,14 @@ impl Runtime {
                 continue;
             }
             if let Err(e) = ctx.commit(&self.db, slot.projection.name(), last) {
+                drop(guard);
                 tracing::error!(projection = slot.projection.name(), error = %e, "projection commit failed");
                 std::thread::sleep(Duration::from_millis(200));
                 continue;
             }
             slot.projection.committed(last);
             slot.checkpoint.store(last, Ordering::Release);
+            drop(guard);
             if !slot.gates {
                 self.ungated_tx.send_modify(|n| *n += 1);
             }
@@ -238,16 +304,167 @@ impl Runtime {
                     );
                 }
             }
-            let min = Self::min_ready(&self.slots);
-            self.applied_tx.send_if_modified(|v| {
-                if min > *v {
-                    *v = min;
-                    true
-                } else {
-                    false
-                }
+            self.publish_applied();
+        }
+    }
+
+    /// Raises [`Runtime::applied`] to the lowest ready checkpoint (never lowers it).
+    fn publish_applied(&self) {
+        let min = Self::min_ready(&self.slots);
+        self.applied_tx.send_if_modified(|v| {
+            if min > *v {
+                *v = min;
+                true
+            } else {
+                false
+            }
+        });
+    }
+
+    /// Starts rebuilding `name` online (see the module doc) into `shadow`: a fresh
+    /// instance of the same projection opened with
+    /// [`ProjectionDb::for_generation`]`(name, generation)`, where `generation` is the
+    /// live one plus 1 ([`Runtime::next_generation`]). Returns at once; progress is in
+    /// [`Runtime::status`] and the log. Refuses an unknown name, a backfilling
+    /// projection and a second rebuild of the same one.
+    pub fn rebuild_online(
+        &self,
+        name: &str,
+        shadow: Arc<dyn Projection>,
+        generation: u32,
+    ) -> Result<(), RebuildError> {
+        let i = self
+            .slots
+            .iter()
+            .position(|s| s.projection.name() == name)
+            .ok_or_else(|| RebuildError::Unknown(name.to_owned()))?;
+        let slot = &self.slots[i];
+        if !slot.ready.load(Ordering::Acquire) {
+            return Err(RebuildError::Backfilling(name.to_owned()));
+        }
+        {
+            let mut rebuild = slot.rebuild.lock();
+            if let Some(r) = *rebuild {
+                return Err(RebuildError::AlreadyRebuilding(
+                    name.to_owned(),
+                    r.generation,
+                ));
+            }
+            *rebuild = Some(RebuildProgress {
+                generation,
+                checkpoint: 0,
             });
         }
+        tracing::info!(
+            projection = name,
+            generation,
+            head = self.journal.durable_head(),
+            "online rebuild: replaying from position 0 beside the live tables"
+        );
+        let rt = self.clone();
+        std::thread::Builder::new()
+            .name(format!("rebuild-{name}"))
+            .spawn(move || {
+                if let Err(e) = rt.run_rebuild(i, shadow, generation) {
+                    tracing::error!(projection = rt.slots[i].projection.name(), generation, error = %e, "online rebuild failed; the live tables keep serving");
+                }
+                *rt.slots[i].rebuild.lock() = None;
+            })
+            .map_err(|e| RebuildError::Store(e.to_string()))?;
+        Ok(())
+    }
+
+    /// The generation a new online rebuild of `name` builds (0 for unknown names).
+    pub fn next_generation(&self, name: &str) -> u32 {
+        self.slots
+            .iter()
+            .find(|s| s.projection.name() == name)
+            .map(|s| s.generation.load(Ordering::Acquire) + 1)
+            .unwrap_or(0)
+    }
+
+    /// Applies one batch after `cp` into the rebuild; returns the new checkpoint.
+    fn rebuild_batch(&self, shadow: &dyn Projection, key: &str, cp: u64) -> Result<u64, String> {
+        let records = self
+            .journal
+            .read_after(cp, BATCH)
+            .map_err(|e| e.to_string())?;
+        let Some(last) = records.last().map(|r| r.position()) else {
+            return Ok(cp);
+        };
+        let mut ctx = ApplyCtx::new();
+        for rec in &records {
+            if let Err(e) = shadow.apply(&mut ctx, rec) {
+                tracing::error!(projection = shadow.name(), position = rec.position(), error = %e, "apply failed");
+            }
+        }
+        ctx.commit(&self.db, key, last)?;
+        Ok(last)
+    }
+
+    fn run_rebuild(
+        &self,
+        i: usize,
+        shadow: Arc<dyn Projection>,
+        generation: u32,
+    ) -> Result<(), String> {
+        let slot = &self.slots[i];
+        let name = slot.projection.name();
+        let key = crate::store::rebuild_checkpoint_key(name, generation);
+        let progress = |cp: u64| {
+            if let Some(r) = slot.rebuild.lock().as_mut() {
+                r.checkpoint = cp;
+            }
+        };
+        // Catch up with the live instance without holding it up.
+        let mut cp = 0u64;
+        let mut batches = 0u64;
+        while cp < slot.checkpoint.load(Ordering::Acquire) {
+            cp = self.rebuild_batch(&*shadow, &key, cp)?;
+            progress(cp);
+            batches += 1;
+            if batches.is_multiple_of(PROGRESS_EVERY_BATCHES) {
+                tracing::info!(
+                    projection = name,
+                    generation,
+                    checkpoint = cp,
+                    head = self.journal.durable_head(),
+                    "online rebuild"
+                );
+            }
+        }
+        // The swap: the live tables stand still while the last records are applied.
+        let guard = slot.apply_lock.lock();
+        while cp < slot.checkpoint.load(Ordering::Acquire) {
+            cp = self.rebuild_batch(&*shadow, &key, cp)?;
+        }
+        progress(cp);
+        let live_tables = slot.projection.tables();
+        let new_tables = shadow.tables();
+        let mut pairs = Vec::with_capacity(live_tables.len());
+        for t in &live_tables {
+            let n = new_tables
+                .iter()
+                .find(|n| n.name() == t.name())
+                .ok_or_else(|| format!("the new generation has no table {}", t.name()))?;
+            pairs.push((t, n));
+        }
+        self.db.commit_generation(name, generation, cp)?;
+        let old: Vec<_> = pairs.into_iter().map(|(t, n)| t.swap_keyspace(n)).collect();
+        slot.generation.store(generation, Ordering::Release);
+        slot.checkpoint.store(cp, Ordering::Release);
+        slot.projection.reload();
+        drop(guard);
+        drop(shadow);
+        self.publish_applied();
+        self.db.delete_keyspaces(old)?;
+        tracing::info!(
+            projection = name,
+            generation,
+            checkpoint = cp,
+            "online rebuild done; the new generation is live and the old one deleted"
+        );
+        Ok(())
     }
 
     /// The highest position every ready projection that gates reads has applied
@@ -342,6 +559,8 @@ impl Runtime {
                 name: s.projection.name(),
                 checkpoint: s.checkpoint.load(Ordering::Acquire),
                 ready: s.ready.load(Ordering::Acquire),
+                generation: s.generation.load(Ordering::Acquire),
+                rebuilding: *s.rebuild.lock(),
             })
             .collect()
     }
@@ -388,4 +607,120 @@ pub fn digest(p: &dyn Projection) -> String {
         }
     }
     h.finalize().to_hex().to_string()
+}
+
+/// Where one table of a projection differs between two copies (`replay verify`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableDiff {
+    /// The table (`<projection>.<table>`).
+    pub table: String,
+    /// Keys only in the first (live) copy.
+    pub only_live: u64,
+    /// Keys only in the second (rebuilt) copy.
+    pub only_rebuilt: u64,
+    /// Keys in both with different values.
+    pub changed: u64,
+    /// The smallest differing key.
+    pub first_key: Vec<u8>,
+    /// The largest differing key.
+    pub last_key: Vec<u8>,
+}
+
+impl Runtime {
+    /// The tables of projection `name` (empty for unknown names).
+    pub fn tables(&self, name: &str) -> Vec<Table> {
+        self.slots
+            .iter()
+            .find(|s| s.projection.name() == name)
+            .map(|s| s.projection.tables())
+            .unwrap_or_default()
+    }
+}
+
+/// Compares two copies of a projection's tables (paired by name) row by row, in key
+/// order, and reports each table that differs with its differing key range. Reads
+/// every row of both copies: an offline diagnostic, run only when digests differ.
+pub fn diff_tables(live: &[Table], rebuilt: &[Table]) -> Vec<TableDiff> {
+    let mut names: Vec<&str> = live.iter().chain(rebuilt).map(|t| t.name()).collect();
+    names.sort_unstable();
+    names.dedup();
+    let mut out = Vec::new();
+    for name in names {
+        let rows = |ts: &[Table]| -> Vec<(Vec<u8>, Vec<u8>)> {
+            ts.iter()
+                .find(|t| t.name() == name)
+                .map(|t| t.all().collect())
+                .unwrap_or_default()
+        };
+        let (a, b) = (rows(live), rows(rebuilt));
+        let mut d = TableDiff {
+            table: name.to_owned(),
+            only_live: 0,
+            only_rebuilt: 0,
+            changed: 0,
+            first_key: Vec::new(),
+            last_key: Vec::new(),
+        };
+        let note = |d: &mut TableDiff, k: &[u8]| {
+            if d.only_live + d.only_rebuilt + d.changed == 1 {
+                d.first_key = k.to_vec();
+            }
+            d.last_key = k.to_vec();
+        };
+        let (mut i, mut j) = (0, 0);
+        while i < a.len() || j < b.len() {
+            match (a.get(i), b.get(j)) {
+                (Some((ka, va)), Some((kb, vb))) if ka == kb => {
+                    if va != vb {
+                        d.changed += 1;
+                        note(&mut d, ka);
+                    }
+                    i += 1;
+                    j += 1;
+                }
+                (Some((ka, _)), Some((kb, _))) if ka < kb => {
+                    d.only_live += 1;
+                    note(&mut d, ka);
+                    i += 1;
+                }
+                (Some((ka, _)), None) => {
+                    d.only_live += 1;
+                    note(&mut d, ka);
+                    i += 1;
+                }
+                (_, Some((kb, _))) => {
+                    d.only_rebuilt += 1;
+                    note(&mut d, kb);
+                    j += 1;
+                }
+                (None, None) => unreachable!("loop condition"),
+            }
+        }
+        if d.only_live + d.only_rebuilt + d.changed > 0 {
+            out.push(d);
+        }
+    }
+    out
+}
+
+/// A key for people: printable ASCII as is, the 0x00 separator as `|`, 8-byte
+/// big-endian positions after a separator as `#<n>`, any other byte as `\xNN`.
+pub fn render_key(key: &[u8]) -> String {
+    let mut s = String::new();
+    let mut i = 0;
+    while i < key.len() {
+        let b = key[i];
+        if b == 0 && key.len() - (i + 1) == 8 && key[i + 1..].iter().any(|&x| x < 0x20) {
+            let pos = u64::from_be_bytes(key[i + 1..].try_into().expect("8 bytes"));
+            s.push_str(&format!("|#{pos}"));
+            break;
+        }
+        match b {
+            0 => s.push('|'),
+            0x20..=0x7e => s.push(b as char),
+            _ => s.push_str(&format!("\\x{b:02x}")),
+        }
+        i += 1;
+    }
+    s
 }

@@ -6,6 +6,16 @@
 //! Reads during apply go through [`ApplyCtx`], which overlays the batch's pending
 //! writes on the committed data, so a record can read what an earlier record of the
 //! same batch wrote.
+//!
+//! **Generations.** A projection's tables live in generation `g` of its keyspaces:
+//! `<projection>.<table>` for generation 0, `<projection>#g<g>.<table>` after online
+//! rebuilds (the keyspace `generations` holds the current one per projection). An
+//! online rebuild fills generation `g + 1` beside the live one, then swaps every
+//! [`Table`] handle of the live projection to it at once (the handles share their
+//! keyspace slot, so every clone follows) and deletes the old keyspaces. At open, the
+//! keyspaces of any other generation (a rebuild interrupted by a restart) are deleted.
+//! Table *names* (digests, renders, staging) are always the logical
+//! `<projection>.<table>`, whatever the generation.
 
 use std::{
     collections::BTreeMap,
@@ -39,7 +49,35 @@ impl StoreStats {
 pub struct ProjectionDb {
     pub(crate) db: Database,
     pub(crate) checkpoints: Keyspace,
+    /// Current generation per projection (u32 BE); absent is generation 0.
+    pub(crate) generations: Keyspace,
     pub(crate) stats: Arc<StoreStats>,
+    /// Tables of this projection are opened in this generation instead of the current
+    /// one (a rebuild's handle, [`ProjectionDb::for_generation`]).
+    shadow: Option<(Arc<str>, u32)>,
+}
+
+/// The keyspace name prefix of `projection`'s tables in `generation`.
+fn keyspace_prefix(projection: &str, generation: u32) -> String {
+    if generation == 0 {
+        format!("{projection}.")
+    } else {
+        format!("{projection}#g{generation}.")
+    }
+}
+
+/// The checkpoint key of an online rebuild of `projection` into `generation`.
+pub(crate) fn rebuild_checkpoint_key(projection: &str, generation: u32) -> String {
+    format!("{projection}#g{generation}")
+}
+
+/// (projection, generation) of a table keyspace name; `None` for other keyspaces.
+fn parse_keyspace(name: &str) -> Option<(&str, u32)> {
+    let (head, _) = name.split_once('.')?;
+    match head.split_once("#g") {
+        Some((p, g)) => Some((p, g.parse().ok()?)),
+        None => Some((head, 0)),
+    }
 }
 
 impl ProjectionDb {
@@ -51,27 +89,134 @@ impl ProjectionDb {
         let checkpoints = db
             .keyspace("checkpoints", KeyspaceCreateOptions::default)
             .map_err(|e| e.to_string())?;
-        Ok(ProjectionDb {
+        let generations = db
+            .keyspace("generations", KeyspaceCreateOptions::default)
+            .map_err(|e| e.to_string())?;
+        let pdb = ProjectionDb {
             db,
             checkpoints,
+            generations,
             stats: Arc::new(StoreStats::default()),
-        })
+            shadow: None,
+        };
+        pdb.drop_stale_generations()?;
+        Ok(pdb)
     }
 
-    /// Opens one table of a projection.
+    /// Deletes the keyspaces and checkpoints of generations that are not current (an
+    /// online rebuild cut short by a restart, or old ones whose deletion was).
+    fn drop_stale_generations(&self) -> Result<(), String> {
+        let mut dropped = 0usize;
+        for name in self.db.list_keyspace_names() {
+            let Some((projection, generation)) = parse_keyspace(&name) else {
+                continue;
+            };
+            if generation != self.generation(projection) {
+                let ks = self
+                    .db
+                    .keyspace(&name, KeyspaceCreateOptions::default)
+                    .map_err(|e| e.to_string())?;
+                self.db.delete_keyspace(ks).map_err(|e| e.to_string())?;
+                dropped += 1;
+            }
+        }
+        let stale: Vec<Vec<u8>> = self
+            .checkpoints
+            .iter()
+            .filter_map(|kv| kv.into_inner().ok())
+            .map(|(k, _)| k.to_vec())
+            .filter(|k| k.windows(2).any(|w| w == b"#g"))
+            .collect();
+        for k in &stale {
+            self.checkpoints
+                .remove(k.clone())
+                .map_err(|e| e.to_string())?;
+        }
+        if dropped > 0 || !stale.is_empty() {
+            tracing::info!(
+                keyspaces = dropped,
+                checkpoints = stale.len(),
+                "deleted the tables of an unfinished or replaced projection generation"
+            );
+        }
+        Ok(())
+    }
+
+    /// Every keyspace name in the database (tests and diagnostics).
+    pub fn keyspace_names(&self) -> Vec<String> {
+        self.db
+            .list_keyspace_names()
+            .into_iter()
+            .map(|n| n.to_string())
+            .collect()
+    }
+
+    /// The current generation of `projection`'s tables (0 until an online rebuild).
+    pub fn generation(&self, projection: &str) -> u32 {
+        match self.generations.get(projection) {
+            Ok(Some(v)) if v.len() == 4 => u32::from_be_bytes(v[..4].try_into().expect("4 bytes")),
+            _ => 0,
+        }
+    }
+
+    /// A handle on the same database that opens `projection`'s tables in `generation`
+    /// (for building a projection beside the live one; see the module doc).
+    pub fn for_generation(&self, projection: &str, generation: u32) -> ProjectionDb {
+        ProjectionDb {
+            shadow: Some((Arc::from(projection), generation)),
+            ..self.clone()
+        }
+    }
+
+    /// Opens one table of a projection (in its current generation).
     pub fn table(&self, projection: &str, name: &str) -> Result<Table, String> {
+        let generation = match &self.shadow {
+            Some((p, g)) if &**p == projection => *g,
+            _ => self.generation(projection),
+        };
         let ks = self
             .db
             .keyspace(
-                &format!("{projection}.{name}"),
+                &format!("{}{name}", keyspace_prefix(projection, generation)),
                 KeyspaceCreateOptions::default,
             )
             .map_err(|e| e.to_string())?;
         Ok(Table {
-            ks,
+            ks: Arc::new(parking_lot::RwLock::new(ks)),
             stats: self.stats.clone(),
             id: Arc::from(format!("{projection}.{name}")),
         })
+    }
+
+    /// Makes `generation` the current generation of `projection` with `checkpoint`, and
+    /// drops the rebuild's own checkpoint row, in one durable batch (the swap point of
+    /// an online rebuild: a restart after it opens the new generation).
+    pub(crate) fn commit_generation(
+        &self,
+        projection: &str,
+        generation: u32,
+        checkpoint: u64,
+    ) -> Result<(), String> {
+        let mut batch = self.db.batch();
+        batch.insert(&self.generations, projection, generation.to_be_bytes());
+        batch.insert(&self.checkpoints, projection, checkpoint.to_be_bytes());
+        batch.remove(
+            &self.checkpoints,
+            rebuild_checkpoint_key(projection, generation),
+        );
+        batch.commit().map_err(|e| e.to_string())?;
+        self.db
+            .persist(fjall::PersistMode::SyncAll)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Deletes keyspaces (the old generation after a swap). Readers still holding a
+    /// handle keep reading it; fjall removes the files when the last handle goes.
+    pub(crate) fn delete_keyspaces(&self, old: Vec<Keyspace>) -> Result<(), String> {
+        for ks in old {
+            self.db.delete_keyspace(ks).map_err(|e| e.to_string())?;
+        }
+        Ok(())
     }
 
     /// The checkpoint (last applied position) of a projection; 0 if it never ran.
@@ -87,10 +232,9 @@ impl ProjectionDb {
     /// (no runtime may be tailing this database). Returns how many tables were deleted;
     /// 0 and no checkpoint means no such projection.
     pub fn reset_projection(&self, projection: &str) -> Result<(usize, bool), String> {
-        let prefix = format!("{projection}.");
         let mut deleted = 0;
         for name in self.db.list_keyspace_names() {
-            if name.starts_with(&prefix) {
+            if parse_keyspace(&name).is_some_and(|(p, _)| p == projection) {
                 let ks = self
                     .db
                     .keyspace(&name, KeyspaceCreateOptions::default)
@@ -107,6 +251,9 @@ impl ProjectionDb {
         self.checkpoints
             .remove(projection)
             .map_err(|e| e.to_string())?;
+        self.generations
+            .remove(projection)
+            .map_err(|e| e.to_string())?;
         self.db
             .persist(fjall::PersistMode::SyncAll)
             .map_err(|e| e.to_string())?;
@@ -119,30 +266,42 @@ impl ProjectionDb {
     }
 }
 
-/// One keyspace of a projection, with counted reads.
+/// One keyspace of a projection, with counted reads. Clones share the keyspace slot,
+/// so an online rebuild's swap ([`Table::swap_keyspace`]) moves every clone at once.
 #[derive(Clone)]
 pub struct Table {
-    ks: Keyspace,
+    ks: Arc<parking_lot::RwLock<Keyspace>>,
     stats: Arc<StoreStats>,
     id: Arc<str>,
 }
 
 impl Table {
+    /// The keyspace this table reads and writes now.
+    fn ks(&self) -> Keyspace {
+        self.ks.read().clone()
+    }
+
+    /// Points this table (and every clone) at `other`'s keyspace; returns the old one.
+    pub(crate) fn swap_keyspace(&self, other: &Table) -> Keyspace {
+        let new = other.ks();
+        std::mem::replace(&mut *self.ks.write(), new)
+    }
+
     /// Point read.
     pub fn get(&self, key: &[u8]) -> Option<Vec<u8>> {
         self.stats.reads.fetch_add(1, Ordering::Relaxed);
-        self.ks.get(key).ok().flatten().map(|v| v.to_vec())
+        self.ks.read().get(key).ok().flatten().map(|v| v.to_vec())
     }
 
     /// Point read that is not counted (the apply path; counters measure queries).
     pub(crate) fn get_uncounted(&self, key: &[u8]) -> Option<Vec<u8>> {
-        self.ks.get(key).ok().flatten().map(|v| v.to_vec())
+        self.ks.read().get(key).ok().flatten().map(|v| v.to_vec())
     }
 
     /// Ascending scan of keys starting with `prefix`, at most `limit` rows.
     pub fn scan_prefix(&self, prefix: &[u8], limit: usize) -> Vec<(Vec<u8>, Vec<u8>)> {
         let mut out = Vec::new();
-        for kv in self.ks.prefix(prefix) {
+        for kv in self.ks().prefix(prefix) {
             if out.len() >= limit {
                 break;
             }
@@ -164,7 +323,7 @@ impl Table {
         reverse: bool,
         limit: usize,
     ) -> Vec<(Vec<u8>, Vec<u8>)> {
-        let iter = self.ks.range(start.to_vec()..end.to_vec());
+        let iter = self.ks().range(start.to_vec()..end.to_vec());
         let rows: Box<dyn Iterator<Item = fjall::Guard>> = if reverse {
             Box::new(iter.rev())
         } else {
@@ -188,7 +347,7 @@ impl Table {
 
     /// Every row, for digests and snapshots.
     pub(crate) fn all(&self) -> impl Iterator<Item = (Vec<u8>, Vec<u8>)> + '_ {
-        self.ks
+        self.ks()
             .iter()
             .filter_map(|kv| kv.into_inner().ok())
             .map(|(k, v)| (k.to_vec(), v.to_vec()))
@@ -335,8 +494,8 @@ impl ApplyCtx {
         let mut batch = db.db.batch();
         for ((_, key), (table, value)) in self.overlay.into_inner() {
             match value {
-                Some(v) => batch.insert(&table.ks, key, v),
-                None => batch.remove(&table.ks, key),
+                Some(v) => batch.insert(&table.ks(), key, v),
+                None => batch.remove(&table.ks(), key),
             }
         }
         batch.insert(&db.checkpoints, projection, checkpoint.to_be_bytes());

@@ -141,6 +141,9 @@ pub fn backup_with(
     for f in &files {
         check_blob(&f.path, &f.blake3)?;
     }
+    // Consistent: the copied journal names no blob the copy lacks.
+    let input = std::io::BufReader::new(std::fs::File::open(&journal_file)?);
+    check_media(&export::read_export(input)?.1, out)?;
     let manifest = Manifest {
         spindle_backup: 1,
         journal: header,
@@ -181,11 +184,33 @@ pub fn verify(dir: &Path) -> anyhow::Result<Manifest> {
         check_blob(&f.path, &hash)?;
     }
     let input = std::io::BufReader::new(std::fs::File::open(dir.join("journal.jsonl"))?);
-    let (header, _) = export::read_export(input)?;
+    let (header, records) = export::read_export(input)?;
     if header != manifest.journal {
         bail!("journal.jsonl's header differs from the manifest");
     }
+    check_media(&records, dir)?;
     Ok(manifest)
+}
+
+/// Every `MediaUploaded` fact in `records` has its blob under `dir/media`, intact.
+fn check_media(records: &[spindle_journal::EncodedRecord], dir: &Path) -> anyhow::Result<()> {
+    let stored = records
+        .iter()
+        .map(|r| spindle_journal::StoredRecord::from_bytes(&r.bytes).map_err(|e| anyhow!(e)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let report = crate::media::check(&stored, &dir.join("media"))?;
+    if let Some(b) = report.missing.first().or(report.corrupt.first()) {
+        bail!(
+            "{} of {} media uploads in the journal have no intact blob in {}/media (first: {} at position {}, blake3 {}); run `spindle verify-media` on the source",
+            report.missing.len() + report.corrupt.len(),
+            report.uploads,
+            dir.display(),
+            b.media_id,
+            b.position,
+            b.content_hash
+        );
+    }
+    Ok(())
 }
 
 /// Restores a verified backup into `data_dir`, which must have no journal: imports the

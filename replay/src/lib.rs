@@ -11,6 +11,7 @@ use spindle_projections::Projections;
 
 pub mod backup;
 pub mod export;
+pub mod media;
 
 /// Opens the journal of a data directory (replaying its room aggregates).
 pub fn open_journal(data_dir: &Path, server_name: &str) -> anyhow::Result<Journal> {
@@ -111,10 +112,13 @@ pub struct Verification {
     pub live: String,
     /// Digest of a rebuild from position 0 in a scratch directory.
     pub rebuilt: String,
+    /// When the digests differ: each table that differs and its differing key range.
+    pub differences: Vec<spindle_projections::TableDiff>,
 }
 
 /// Rebuilds every projection into a scratch directory and compares digests with the
-/// live ones (both caught up to the same head).
+/// live ones (both caught up to the same head); where they differ, compares the two
+/// copies table by table and reports each differing table's key range.
 pub async fn verify(data_dir: &Path, server_name: &str) -> anyhow::Result<Vec<Verification>> {
     let journal = open_journal(data_dir, server_name)?;
     let live = Projections::start(&data_dir.join("projections"), journal.clone())
@@ -128,10 +132,18 @@ pub async fn verify(data_dir: &Path, server_name: &str) -> anyhow::Result<Vec<Ve
         .digests()
         .into_iter()
         .zip(rebuilt.runtime.digests())
-        .map(|((name, live), (_, rebuilt))| Verification {
+        .map(|((name, live_digest), (_, rebuilt_digest))| Verification {
             projection: name,
-            live,
-            rebuilt,
+            differences: if live_digest == rebuilt_digest {
+                Vec::new()
+            } else {
+                spindle_projections::diff_tables(
+                    &live.runtime.tables(name),
+                    &rebuilt.runtime.tables(name),
+                )
+            },
+            live: live_digest,
+            rebuilt: rebuilt_digest,
         })
         .collect();
     let _ = std::fs::remove_dir_all(&scratch);
@@ -400,4 +412,24 @@ pub fn backup_offline(
         },
         out,
     )
+}
+
+/// `spindle verify-media` (server stopped): checks every `MediaUploaded` fact of the
+/// journal of `data_dir` against the blobs in `data_dir/media` ([`media::check`]).
+pub fn verify_media(data_dir: &Path) -> anyhow::Result<media::MediaReport> {
+    let store = open_store(data_dir)?;
+    let mut report = media::MediaReport::default();
+    let mut after = 0;
+    loop {
+        let page = store.read_after(after, 1024).map_err(|e| anyhow!(e))?;
+        let Some(last) = page.last() else {
+            return Ok(report);
+        };
+        after = last.position();
+        let part = media::check(&page, &data_dir.join("media"))?;
+        report.uploads += part.uploads;
+        report.blobs_checked += part.blobs_checked;
+        report.missing.extend(part.missing);
+        report.corrupt.extend(part.corrupt);
+    }
 }
