@@ -489,6 +489,26 @@ async fn bad_requests_are_matrix_errors() {
         )
         .await
         .expect_err(400, "M_BAD_JSON");
+    // A term of many words is many query clauses: capped (32 words, 1000 bytes).
+    let long_term: Vec<String> = (0..33).map(|i| format!("w{i}")).collect();
+    alice
+        .post(
+            path,
+            &json!({"search_categories": {"room_events": {"search_term": long_term.join(" ")}}}),
+        )
+        .await
+        .expect_err(400, "M_INVALID_PARAM");
+    alice
+        .post(
+            path,
+            &json!({"search_categories": {"room_events": {"search_term": "x".repeat(1001)}}}),
+        )
+        .await
+        .expect_err(400, "M_INVALID_PARAM");
+    alice
+        .post(path, &json!({"search_categories": {"room_events": {"search_term": long_term[..32].join(" ")}}}))
+        .await
+        .ok();
     alice
         .post(path, &json!({"search_categories": {"room_events": {"search_term": "x", "order_by": "best"}}}))
         .await

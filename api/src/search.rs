@@ -43,6 +43,11 @@ use crate::{
     visibility::{Access, can_see, state_content},
 };
 
+/// Longest `search_term`, bytes (longer: 400 `M_INVALID_PARAM`): each word is a
+/// query clause, so an unbounded term is unbounded work for one request.
+const MAX_TERM_BYTES: usize = 1000;
+/// Most words in a `search_term` (more: 400 `M_INVALID_PARAM`).
+const MAX_TERM_WORDS: usize = 32;
 /// Results per page when the filter gives no `limit`.
 pub const DEFAULT_LIMIT: usize = 10;
 /// Largest `filter.limit` honoured (larger values are clamped).
@@ -121,6 +126,11 @@ fn parse_criteria(s: &AppState, c: &Value) -> ApiResult<Criteria> {
         .get("search_term")
         .and_then(|t| t.as_str())
         .ok_or_else(|| MatrixError::bad_json("room_events.search_term (a string) is required"))?;
+    if term.len() > MAX_TERM_BYTES || term.split_whitespace().count() > MAX_TERM_WORDS {
+        return Err(MatrixError::invalid_param(format!(
+            "search_term is limited to {MAX_TERM_WORDS} words and {MAX_TERM_BYTES} bytes"
+        )));
+    }
     let keys = match c.get("keys") {
         None | Some(Value::Null) => SearchKeys::default(),
         Some(Value::Array(list)) => {
