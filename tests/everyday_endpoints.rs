@@ -491,6 +491,12 @@ async fn mutual_rooms_lists_rooms_both_users_joined_in_pages() {
     let carol = ts.register("carol").await;
     let path = |q: &str| format!("/_matrix/client/v1/mutual_rooms?{q}");
     let with = |u: &str| format!("user_id={}", enc(u));
+    // Clients look for MSC2666's stable flag before calling the v1 endpoint.
+    let versions = alice.get("/_matrix/client/versions").await.ok();
+    assert_eq!(
+        versions["unstable_features"]["uk.half-shot.msc2666.query_mutual_rooms.stable"],
+        json!(true)
+    );
 
     // 102 rooms both joined, one only alice is in, one bob was invited to, one bob left.
     let mut shared = Vec::new();

@@ -74,10 +74,14 @@ pub(crate) fn routes() -> Router<AppState> {
 }
 
 async fn versions() -> Json<Value> {
-    // MSC4186 (Simplified Sliding Sync) is served on its unstable path.
+    // MSC4186 (Simplified Sliding Sync) is served on its unstable path. MSC2666's
+    // `.stable` flag tells clients (matrix-js-sdk) that `GET /v1/mutual_rooms` is served.
     Json(json!({
         "versions": SPEC_VERSIONS,
-        "unstable_features": { "org.matrix.simplified_msc3575": true },
+        "unstable_features": {
+            "org.matrix.simplified_msc3575": true,
+            "uk.half-shot.msc2666.query_mutual_rooms.stable": true,
+        },
     }))
 }
 
