@@ -471,18 +471,14 @@ async fn run() -> anyhow::Result<()> {
                 Some(token) => {
                     let base = url.unwrap_or_else(|| local_url(&config));
                     let out = std::path::absolute(&out)?;
-                    let resp = reqwest::Client::new()
-                        .post(format!("{base}/_spindle/admin/v1/backup"))
-                        .bearer_auth(token)
-                        .json(&serde_json::json!({ "out": out }))
-                        .send()
-                        .await
-                        .with_context(|| format!("asking the server at {base}"))?;
-                    let status = resp.status();
-                    let body: serde_json::Value = resp.json().await.unwrap_or_default();
-                    if !status.is_success() {
-                        return Err(anyhow!("the server answered {status}: {body}"));
-                    }
+                    let body = admin_call(
+                        reqwest::Client::new()
+                            .post(format!("{base}/_spindle/admin/v1/backup"))
+                            .json(&serde_json::json!({ "out": out })),
+                        &base,
+                        &token,
+                    )
+                    .await?;
                     println!(
                         "backup of head {} {} in {} ({} files)",
                         body["head"],
@@ -587,8 +583,22 @@ async fn run() -> anyhow::Result<()> {
 
 /// `GET /_spindle/admin/v1/projections` on the running server.
 async fn online_status(base: &str, token: &str) -> anyhow::Result<serde_json::Value> {
-    let resp = reqwest::Client::new()
-        .get(format!("{base}/_spindle/admin/v1/projections"))
+    admin_call(
+        reqwest::Client::new().get(format!("{base}/_spindle/admin/v1/projections")),
+        base,
+        token,
+    )
+    .await
+}
+
+/// Sends an admin request with `token`; the JSON body of a 2xx answer, else an error
+/// naming the status and body.
+async fn admin_call(
+    req: reqwest::RequestBuilder,
+    base: &str,
+    token: &str,
+) -> anyhow::Result<serde_json::Value> {
+    let resp = req
         .bearer_auth(token)
         .send()
         .await
@@ -604,19 +614,14 @@ async fn online_status(base: &str, token: &str) -> anyhow::Result<serde_json::Va
 /// Starts an online rebuild of `name` on the running server and waits until the new
 /// generation is live, logging its progress. Returns (generation, checkpoint).
 async fn rebuild_online(base: &str, token: &str, name: &str) -> anyhow::Result<(u64, u64)> {
-    let resp = reqwest::Client::new()
-        .post(format!(
+    let body = admin_call(
+        reqwest::Client::new().post(format!(
             "{base}/_spindle/admin/v1/projections/{name}/rebuild"
-        ))
-        .bearer_auth(token)
-        .send()
-        .await
-        .with_context(|| format!("asking the server at {base}"))?;
-    let status = resp.status();
-    let body: serde_json::Value = resp.json().await.unwrap_or_default();
-    if !status.is_success() {
-        return Err(anyhow!("the server answered {status}: {body}"));
-    }
+        )),
+        base,
+        token,
+    )
+    .await?;
     let generation = body["generation"].as_u64().unwrap_or(0);
     let mut last_log = std::time::Instant::now();
     loop {
