@@ -40,6 +40,8 @@ pub struct Config {
     pub voip: Voip,
     /// Who to contact about this server (`GET /.well-known/matrix/support`).
     pub support: Support,
+    /// Federation with other servers (the Server-Server API), see docs/federation.md.
+    pub federation: spindle_federation::FederationConfig,
 }
 
 /// TURN settings (spec: client-server API "Voice over IP"). Either a shared secret
@@ -216,6 +218,7 @@ impl Default for Config {
             admins: Vec::new(),
             voip: Voip::default(),
             support: Support::default(),
+            federation: spindle_federation::FederationConfig::default(),
         }
     }
 }
@@ -284,6 +287,25 @@ impl Config {
                 self.bind
             ));
         }
+        let fed = &self.federation;
+        if !fed.tls_bind.is_empty() {
+            if fed.tls_bind.parse::<SocketAddr>().is_err() {
+                return Err(format!(
+                    "federation.tls_bind {:?} is not an address:port",
+                    fed.tls_bind
+                ));
+            }
+            if fed.tls_certificate_path.as_os_str().is_empty()
+                || fed.tls_private_key_path.as_os_str().is_empty()
+            {
+                return Err(
+                    "federation.tls_bind needs federation.tls_certificate_path and federation.tls_private_key_path"
+                        .into(),
+                );
+            }
+        }
+        spindle_federation::client::IpPolicy::new(&fed.ip_range_denylist, &fed.ip_range_allowlist)
+            .map_err(|e| format!("federation: {e}"))?;
         if self.search.writer_heap_bytes < spindle_projections::search::WRITER_HEAP_BYTES_MIN {
             return Err(format!(
                 "search.writer_heap_bytes must be at least {} (got {})",

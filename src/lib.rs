@@ -43,6 +43,9 @@ pub struct Server {
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     wake_long_polls: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
+    tls: Option<axum_server::Handle>,
+    /// The federation sender (`None` with federation disabled).
+    pub federation_sender: Option<spindle_federation::sender::FederationSender>,
 }
 
 impl Server {
@@ -152,9 +155,73 @@ impl Server {
             api_config,
             shutdown_rx,
         );
+        let fed = spindle_federation::FedState::new(
+            key.clone(),
+            journal.clone(),
+            projections.clone(),
+            config.federation.clone(),
+        )
+        .map_err(|e| anyhow!("federation: {e}"))?;
+        let fed_routes = if config.federation.enabled {
+            spindle_federation::router(fed.clone())
+        } else {
+            spindle_federation::key_routes(fed.clone())
+        };
+        let sender = if config.federation.enabled {
+            Some(
+                spindle_federation::sender::FederationSender::start(
+                    fed.clone(),
+                    &config.data_dir.join("consumers"),
+                )
+                .map_err(|e| anyhow!("federation sender: {e}"))?,
+            )
+        } else {
+            None
+        };
+        let state = if config.federation.enabled {
+            state.with_federation(fed.clone())
+        } else {
+            state
+        };
         let app = spindle_api::router(state.clone())
             .merge(ops::router(state, config.data_dir.clone()))
-            .merge(spindle_federation::router(key));
+            .merge(fed_routes);
+        let tls = if config.federation.tls_bind.is_empty() {
+            None
+        } else {
+            let _ = rustls::crypto::ring::default_provider().install_default();
+            let tls_addr: SocketAddr = config
+                .federation
+                .tls_bind
+                .parse()
+                .context("federation.tls_bind")?;
+            let tls_config = axum_server::tls_rustls::RustlsConfig::from_pem_file(
+                &config.federation.tls_certificate_path,
+                &config.federation.tls_private_key_path,
+            )
+            .await
+            .with_context(|| {
+                format!(
+                    "loading the federation TLS certificate {} and key {}",
+                    config.federation.tls_certificate_path.display(),
+                    config.federation.tls_private_key_path.display()
+                )
+            })?;
+            let std_listener = std::net::TcpListener::bind(tls_addr)
+                .with_context(|| format!("binding federation.tls_bind {tls_addr}"))?;
+            std_listener.set_nonblocking(true)?;
+            let handle = axum_server::Handle::new();
+            let server = axum_server::from_tcp_rustls(std_listener, tls_config)
+                .handle(handle.clone());
+            let tls_app = app.clone();
+            tokio::spawn(async move {
+                if let Err(e) = server.serve(tls_app.into_make_service()).await {
+                    tracing::error!(error = %e, "federation TLS listener stopped");
+                }
+            });
+            tracing::info!(addr = %tls_addr, "federation TLS listener is serving");
+            Some(handle)
+        };
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
             let serve = axum::serve(listener, app).with_graceful_shutdown(async {
@@ -172,6 +239,8 @@ impl Server {
             shutdown: Some(tx),
             wake_long_polls: shutdown_tx,
             task,
+            tls,
+            federation_sender: sender,
         })
     }
 
@@ -179,6 +248,9 @@ impl Server {
     /// in-flight requests (at most 10 s).
     pub async fn stop(mut self) {
         let _ = self.wake_long_polls.send(true);
+        if let Some(h) = &self.tls {
+            h.graceful_shutdown(Some(std::time::Duration::from_secs(10)));
+        }
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }

@@ -109,7 +109,9 @@ impl From<JournalError> for MatrixError {
             JournalError::TooLarge(m) => {
                 MatrixError::new(StatusCode::PAYLOAD_TOO_LARGE, "M_TOO_LARGE", m.clone())
             }
-            JournalError::BadJson(m) => MatrixError::bad_json(m.clone()),
+            JournalError::BadJson(m) | JournalError::MissingPrevEvents(m) => {
+                MatrixError::bad_json(m.clone())
+            }
             JournalError::UnsupportedRoomVersion(v) => MatrixError::new(
                 StatusCode::BAD_REQUEST,
                 "M_UNSUPPORTED_ROOM_VERSION",
@@ -125,3 +127,8 @@ impl From<JournalError> for MatrixError {
 
 /// Result alias for handlers.
 pub type ApiResult<T> = Result<T, MatrixError>;
+
+/// A federation failure as the local client sees it (status and errcode kept).
+pub fn from_federation(e: spindle_federation::FedError) -> MatrixError {
+    MatrixError::new(e.status, e.errcode, e.error)
+}

@@ -126,6 +126,8 @@ pub struct AppState {
     pub presence: presence::Presence,
     /// Media blobs (content-addressed files).
     pub blobs: Arc<spindle_journal::blobs::BlobStore>,
+    /// Federation (remote joins, aliases, profiles); `None` when it is disabled.
+    pub federation: Option<spindle_federation::FedState>,
 }
 
 impl AppState {
@@ -150,7 +152,15 @@ impl AppState {
             shutdown,
             last_seen: devices::LastSeen::default(),
             presence: presence::Presence::default(),
+            federation: None,
         }
+    }
+
+    /// The same state with federation on: remote joins, aliases and profiles go
+    /// through `fed`.
+    pub fn with_federation(mut self, fed: spindle_federation::FedState) -> AppState {
+        self.federation = Some(fed);
+        self
     }
 
     /// Signs and submits a command as `principal`/`device`. Returns once the records

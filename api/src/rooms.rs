@@ -651,16 +651,42 @@ async fn create_room(
     Ok(Json(json!({ "room_id": room_id })))
 }
 
-async fn join(s: &AppState, r: &Requester, room_id: &str) -> ApiResult<Json<Value>> {
+async fn join(
+    s: &AppState,
+    r: &Requester,
+    room_id: &str,
+    via: &[String],
+) -> ApiResult<Json<Value>> {
     valid_room_id(room_id)?;
-    if s.projections.state.room(room_id).is_none() {
-        return Err(MatrixError::not_found(
-            "No known servers for this room (federation is not served yet)",
-        ));
-    }
     let current = s.projections.membership.get(room_id, &r.user_id);
     if current.as_ref().is_some_and(|m| m.membership == "join") {
         return Ok(Json(json!({ "room_id": room_id })));
+    }
+    // A room this server is not in (or no longer in: nobody here is joined) is joined
+    // through a server that is (spec: server-server API, "Joining Rooms").
+    let known = s.projections.state.room(room_id).is_some();
+    if !known || !crate::visibility::server_is_joined(s, room_id) {
+        let mut servers: Vec<String> = via.to_vec();
+        if let Some(origin) = room_id.split_once(':').map(|(_, srv)| srv.to_owned())
+            && !servers.contains(&origin)
+        {
+            servers.push(origin);
+        }
+        servers.retain(|srv| srv != s.server_name());
+        match (&s.federation, servers.is_empty()) {
+            (Some(fed), false) => {
+                let content = member_content(s, &r.user_id, "join", None);
+                let extra = content.as_object().cloned().unwrap_or_default();
+                spindle_federation::outbound::join_remote(fed, &r.user_id, room_id, &servers, extra)
+                    .await
+                    .map_err(crate::error::from_federation)?;
+                return Ok(Json(json!({ "room_id": room_id })));
+            }
+            _ if !known => {
+                return Err(MatrixError::not_found("No known servers for this room"));
+            }
+            _ => {}
+        }
     }
     let mut content = member_content(s, &r.user_id, "join", None);
     let invited = current.is_some_and(|m| m.membership == "invite");
@@ -832,23 +858,46 @@ async fn join_room_id(
     r: Requester,
     Path(room_id): Path<String>,
 ) -> ApiResult<Json<Value>> {
-    join(&s, &r, &room_id).await
+    join(&s, &r, &room_id, &[]).await
 }
 
+/// `POST /join/{roomIdOrAlias}?via=&server_name=`: a remote alias is resolved on its
+/// server; `via` (and the deprecated `server_name`) name servers to join through.
 async fn join_by_id_or_alias(
     State(s): State<AppState>,
     r: Requester,
     Path(target): Path<String>,
+    q: crate::extract::Query,
 ) -> ApiResult<Json<Value>> {
+    let mut via: Vec<String> = q
+        .all("via")
+        .into_iter()
+        .chain(q.all("server_name"))
+        .map(str::to_owned)
+        .collect();
     if target.starts_with('#') {
-        let room = s
-            .projections
-            .aliases
-            .resolve(&target)
-            .ok_or_else(|| MatrixError::not_found("Room alias not found"))?;
-        join(&s, &r, &room.room_id).await
+        ruma::RoomAliasId::parse(&target)
+            .map_err(|_| MatrixError::invalid_param("Invalid room alias"))?;
+        let local = target.ends_with(&format!(":{}", s.server_name()));
+        let room_id = match (&s.federation, local) {
+            (Some(fed), false) => {
+                let (room_id, servers) = spindle_federation::outbound::resolve_alias(fed, &target)
+                    .await
+                    .map_err(crate::error::from_federation)?;
+                via.extend(servers);
+                room_id
+            }
+            _ => {
+                s.projections
+                    .aliases
+                    .resolve(&target)
+                    .ok_or_else(|| MatrixError::not_found("Room alias not found"))?
+                    .room_id
+            }
+        };
+        join(&s, &r, &room_id, &via).await
     } else {
-        join(&s, &r, &target).await
+        join(&s, &r, &target, &via).await
     }
 }
 

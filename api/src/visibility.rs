@@ -203,3 +203,14 @@ pub fn can_see(s: &AppState, user_id: &str, access: &Access, ev: &EventRecord) -
         }
     }
 }
+
+/// Whether one of this server's users is joined to the room now (else a join must go
+/// through a server that is). Reads the room's member list.
+pub fn server_is_joined(s: &AppState, room_id: &str) -> bool {
+    let suffix = format!(":{}", s.server_name());
+    s.projections
+        .membership
+        .members(room_id)
+        .iter()
+        .any(|(u, m)| m.membership == "join" && u.ends_with(&suffix))
+}

@@ -302,6 +302,48 @@ impl Pdu {
         })
     }
 
+    /// Hashes and signs an event another server templated for one of our users
+    /// (spec: `make_join`/`make_leave` on the joining server's side): the template's
+    /// `signatures`, `hashes` and `unsigned` are dropped, `origin_server_ts` is set to
+    /// `ts`, then the event is hashed, signed with `key` and parsed. Errors like
+    /// [`PduTemplate::build`].
+    pub fn sign_template(
+        template: serde_json::Value,
+        room_version: &str,
+        key: &ServerKey,
+        ts: u64,
+    ) -> Result<Pdu, PduError> {
+        let rules = rules(room_version)?;
+        let mut obj = canonical::to_object(template)
+            .map_err(|e| PduError::Invalid(format!("template: {e}")))?;
+        for k in ["signatures", "hashes", "unsigned", "event_id"] {
+            obj.remove(k);
+        }
+        obj.insert(
+            "origin_server_ts".into(),
+            CanonicalJsonValue::Integer(
+                UInt::try_from(ts)
+                    .map_err(|_| PduError::Invalid("ts".into()))?
+                    .into(),
+            ),
+        );
+        ruma::signatures::hash_and_sign_event(
+            key.server_name(),
+            key.pair(),
+            &mut obj,
+            &rules.redaction,
+        )
+        .map_err(|e| PduError::Invalid(e.to_string()))?;
+        let json = canonical::to_bytes(&obj);
+        if json.len() > MAX_PDU_BYTES {
+            return Err(PduError::TooLarge(json.len()));
+        }
+        let hash = reference_id(&obj, &rules)?;
+        let event_id = OwnedEventId::try_from(format!("${hash}"))
+            .map_err(|e| PduError::Invalid(e.to_string()))?;
+        Pdu::parse(&json, room_version, Some(event_id), None)
+    }
+
     /// The content as a `serde_json::Value`.
     pub fn content_value(&self) -> serde_json::Value {
         serde_json::from_str(self.content.get()).unwrap_or(serde_json::Value::Null)

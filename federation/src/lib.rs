@@ -1,113 +1,272 @@
-//! Server-Server API. What is real so far: the server's persistent ed25519 signing
-//! key and the key server endpoint `GET /_matrix/key/v2/server` (spec: server-server
-//! API, "Publishing Keys").
+//! The Server-Server API (spec v1.19, "Server-Server API"), served with axum, and the
+//! outbound side of federation.
+//!
+//! What it is:
+//! - **Keys** ([`keys`]): our signing key, the key server and notary endpoints, and a
+//!   bounded cache of other servers' keys.
+//! - **Transport** ([`client`], [`auth`]): server name resolution, outbound TLS trust,
+//!   the outbound IP range denylist, X-Matrix request signing and verification.
+//! - **Inbound PDUs** ([`transactions`], [`joins`]): every PDU another server sends
+//!   becomes a [`spindle_journal::CommandBody::RemotePdu`] command; the journal checks
+//!   it and appends it or records why not. This crate never writes anything itself.
+//! - **Reads** ([`reads`], [`queries`]): events, state, auth chains, backfill, missing
+//!   events, alias and profile queries, from the projections only, each checking that
+//!   the asking server may see the room.
+//! - **The sender** ([`sender`]): a journal consumer that delivers our events to every
+//!   other server in the room, one queue per destination, with retries.
+//!
+//! What it is not (yet): EDUs are accepted and ignored; remote room joins from the
+//! Client-Server API, remote invites and forks that need state resolution are not
+//! served (see docs/federation.md for the list).
+//!
+//! Invariant: `federation` never imports `api`; both read projections and submit
+//! commands to the journal.
 
-use std::{path::Path, sync::Arc};
+pub mod auth;
+pub mod client;
+pub mod error;
+pub mod joins;
+pub mod outbound;
+pub mod keys;
+pub mod queries;
+pub mod reads;
+pub mod sender;
+pub mod transactions;
 
-use axum::{Json, Router, extract::State, routing::get};
-use base64::Engine as _;
+use std::{path::PathBuf, sync::Arc};
+
+use axum::{
+    Router,
+    routing::{get, post, put},
+};
+use serde::{Deserialize, Serialize};
 use spindle_core::keys::ServerKey;
+use spindle_journal::{CommandBody, CommandEnvelope, Journal, Outcome, SignedCommand};
+use spindle_projections::Projections;
 
-/// How long other servers may cache our key response: 7 days, in milliseconds.
-pub const KEY_VALIDITY_MS: u64 = 7 * 24 * 3600 * 1000;
+pub use client::FederationClient;
+pub use error::{FedError, FedResult};
+pub use keys::{KEY_VALIDITY_MS, KeyCache, load_or_create_key, server_keys_response};
 
-/// Loads the signing key from `<data>/signing.key`, creating it on first start.
-///
-/// File format (one line): `ed25519 <version> <unpadded base64 of the PKCS#8 document>`,
-/// the same shape Synapse uses. Errors if the file exists but cannot be parsed.
-pub fn load_or_create_key(data_dir: &Path, server_name: &str) -> Result<ServerKey, String> {
-    let path = data_dir.join("signing.key");
-    if path.exists() {
-        let text =
-            std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        let mut parts = text.split_whitespace();
-        let (Some("ed25519"), Some(version), Some(b64)) =
-            (parts.next(), parts.next(), parts.next())
-        else {
-            return Err(format!(
-                "{}: expected `ed25519 <version> <base64>`",
-                path.display()
-            ));
-        };
-        let doc = base64::engine::general_purpose::STANDARD_NO_PAD
-            .decode(b64.trim_end_matches('='))
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        return ServerKey::from_pkcs8(server_name, version, &doc).map_err(|e| e.to_string());
-    }
-    std::fs::create_dir_all(data_dir).map_err(|e| e.to_string())?;
-    let key = ServerKey::generate(server_name);
-    let line = format!(
-        "ed25519 {} {}\n",
-        key.version(),
-        base64::engine::general_purpose::STANDARD_NO_PAD.encode(key.pkcs8())
-    );
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, line).map_err(|e| e.to_string())?;
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600));
-    }
-    std::fs::rename(&tmp, &path).map_err(|e| e.to_string())?;
-    Ok(key)
+/// Federation settings (`[federation]` in the config file; every field documented in
+/// `spindle.example.toml`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct FederationConfig {
+    /// Serve the Server-Server API and send to other servers.
+    pub enabled: bool,
+    /// Address of the TLS federation listener (e.g. `0.0.0.0:8448`); empty: none
+    /// (put a TLS reverse proxy in front of `bind` instead).
+    pub tls_bind: String,
+    /// PEM certificate chain of the TLS listener.
+    pub tls_certificate_path: PathBuf,
+    /// PEM private key of the TLS listener.
+    pub tls_private_key_path: PathBuf,
+    /// `m.server` served at `/.well-known/matrix/server` (e.g. `"matrix.example.org:443"`);
+    /// empty: not served (404).
+    pub well_known_server: String,
+    /// Extra PEM CA bundles trusted for outbound federation, beside the system roots.
+    pub trusted_ca_files: Vec<PathBuf>,
+    /// Accept any certificate on outbound federation. For tests against self-signed
+    /// peers only: anyone on the path can impersonate any server with this on.
+    pub dangerous_skip_tls_verification_for_tests: bool,
+    /// Address ranges (CIDR) outbound federation never connects to.
+    pub ip_range_denylist: Vec<String>,
+    /// Ranges exempt from the denylist (e.g. `["127.0.0.0/8"]` to federate on loopback).
+    pub ip_range_allowlist: Vec<String>,
+    /// Notaries asked for a server's keys when the server itself does not answer.
+    pub trusted_key_servers: Vec<String>,
+    /// Timeout of one outbound request, ms.
+    pub request_timeout_ms: u64,
+    /// First retry delay after a destination fails, ms (doubles each failure).
+    pub retry_initial_ms: u64,
+    /// Longest retry delay for a failing destination, ms.
+    pub retry_max_ms: u64,
 }
 
-fn now_ms() -> u64 {
+impl Default for FederationConfig {
+    fn default() -> Self {
+        FederationConfig {
+            enabled: true,
+            tls_bind: String::new(),
+            tls_certificate_path: PathBuf::new(),
+            tls_private_key_path: PathBuf::new(),
+            well_known_server: String::new(),
+            trusted_ca_files: Vec::new(),
+            dangerous_skip_tls_verification_for_tests: false,
+            ip_range_denylist: client::DEFAULT_IP_RANGE_DENYLIST
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            ip_range_allowlist: Vec::new(),
+            trusted_key_servers: Vec::new(),
+            request_timeout_ms: 30_000,
+            retry_initial_ms: 1_000,
+            retry_max_ms: 3_600_000,
+        }
+    }
+}
+
+/// Everything a federation handler needs (cheap to clone).
+#[derive(Clone)]
+pub struct FedState {
+    /// Our signing key.
+    pub key: Arc<ServerKey>,
+    /// The journal (the only writer).
+    pub journal: Journal,
+    /// The projections (reads).
+    pub projections: Projections,
+    /// Outbound requests.
+    pub client: FederationClient,
+    /// Remote server keys.
+    pub keys: KeyCache,
+    /// Settings.
+    pub config: Arc<FederationConfig>,
+    /// `/send` responses by (origin, txn id), for retried transactions.
+    pub txns: Arc<parking_lot::Mutex<transactions::TxnCache>>,
+}
+
+impl FedState {
+    /// Builds the state. Errors on bad trust settings (unreadable CA file, bad CIDR).
+    pub fn new(
+        key: Arc<ServerKey>,
+        journal: Journal,
+        projections: Projections,
+        config: FederationConfig,
+    ) -> Result<FedState, String> {
+        let client = FederationClient::new(key.clone(), &config)?;
+        let keys = KeyCache::new(key.clone(), client.clone(), config.trusted_key_servers.clone());
+        Ok(FedState {
+            key,
+            journal,
+            projections,
+            client,
+            keys,
+            config: Arc::new(config),
+            txns: Arc::default(),
+        })
+    }
+
+    /// Our server name.
+    pub fn server_name(&self) -> &str {
+        self.key.server_name()
+    }
+
+    /// Signs and submits a command with `principal` (a server name for remote PDUs).
+    pub async fn submit(&self, principal: &str, body: CommandBody) -> FedResult<Outcome> {
+        Ok(self.submit_journal(principal, body).await?)
+    }
+
+    /// [`FedState::submit`] keeping the journal's refusal as it is.
+    pub async fn submit_journal(
+        &self,
+        principal: &str,
+        body: CommandBody,
+    ) -> Result<Outcome, spindle_journal::JournalError> {
+        let envelope = CommandEnvelope {
+            principal: principal.to_owned(),
+            device_id: None,
+            issued_at: now_ms(),
+            body,
+        };
+        let cmd = SignedCommand::sign(&self.key, envelope)
+            .map_err(spindle_journal::JournalError::BadJson)?;
+        self.journal.submit(cmd).await
+    }
+
+    /// Waits (bounded, 10 s) until the projections have applied `position`.
+    pub async fn wait_for(&self, position: u64) -> FedResult<()> {
+        if self
+            .projections
+            .runtime
+            .wait_for(position, std::time::Duration::from_secs(10))
+            .await
+        {
+            Ok(())
+        } else {
+            Err(FedError::internal("projections did not catch up in time"))
+        }
+    }
+}
+
+/// The server part of a user id or room alias (`@a:b.org` -> `b.org`).
+pub fn server_of(id: &str) -> Option<&str> {
+    id.split_once(':').map(|(_, s)| s)
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
 }
 
-/// The signed key response (spec: `ServerKeys` schema): `server_name`, `verify_keys`,
-/// `old_verify_keys`, `valid_until_ts`, `signatures`.
-pub fn server_keys_response(key: &ServerKey) -> serde_json::Value {
-    let body = serde_json::json!({
-        "server_name": key.server_name(),
-        "verify_keys": { key.key_id(): { "key": key.public_key_base64() } },
-        "old_verify_keys": {},
-        "valid_until_ts": now_ms() + KEY_VALIDITY_MS,
-    });
-    let mut obj = spindle_core::canonical::to_object(body).expect("key response is canonical");
-    key.sign_json(&mut obj).expect("key response signs");
-    serde_json::to_value(obj).expect("object")
-}
-
-/// Routes of the federation surface served so far.
-pub fn router(key: Arc<ServerKey>) -> Router {
+/// The key routes alone (served even with federation disabled: clients and tools
+/// fetch a server's key).
+pub fn key_routes(st: FedState) -> Router {
     Router::new()
-        .route("/_matrix/key/v2/server", get(keys))
-        .route("/_matrix/key/v2/server/{key_id}", get(keys_by_id))
-        .with_state(key)
+        .route("/_matrix/key/v2/server", get(keys::keys))
+        .route("/_matrix/key/v2/server/{key_id}", get(keys::keys))
+        .route("/_matrix/key/v2/query", post(keys::query_many))
+        .route("/_matrix/key/v2/query/{server_name}", get(keys::query_one))
+        .with_state(st)
 }
 
-async fn keys(State(key): State<Arc<ServerKey>>) -> Json<serde_json::Value> {
-    Json(server_keys_response(&key))
-}
-
-async fn keys_by_id(State(key): State<Arc<ServerKey>>) -> Json<serde_json::Value> {
-    // The key id path segment is deprecated; the response is the same.
-    Json(server_keys_response(&key))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn key_persists_and_response_verifies() {
-        let dir = tempfile::tempdir().unwrap();
-        let a = load_or_create_key(dir.path(), "example.org").unwrap();
-        let b = load_or_create_key(dir.path(), "example.org").unwrap();
-        assert_eq!(a.public_key_base64(), b.public_key_base64());
-        assert_eq!(a.key_id(), b.key_id());
-        let resp = server_keys_response(&b);
-        assert_eq!(resp["server_name"], "example.org");
-        assert_eq!(
-            resp["verify_keys"][a.key_id()]["key"],
-            a.public_key_base64()
+/// Every Server-Server route this crate serves (see docs/federation.md).
+pub fn router(st: FedState) -> Router {
+    let well_known = st.config.well_known_server.clone();
+    let mut r = Router::new()
+        .route("/_matrix/federation/v1/version", get(queries::version))
+        .route("/_matrix/federation/v1/query/directory", get(queries::directory))
+        .route("/_matrix/federation/v1/query/profile", get(queries::profile))
+        .route(
+            "/_matrix/federation/v1/make_join/{room_id}/{user_id}",
+            get(joins::make_join),
+        )
+        .route(
+            "/_matrix/federation/v1/send_join/{room_id}/{event_id}",
+            put(joins::send_join_v1),
+        )
+        .route(
+            "/_matrix/federation/v2/send_join/{room_id}/{event_id}",
+            put(joins::send_join_v2),
+        )
+        .route(
+            "/_matrix/federation/v1/make_leave/{room_id}/{user_id}",
+            get(joins::make_leave),
+        )
+        .route(
+            "/_matrix/federation/v1/send_leave/{room_id}/{event_id}",
+            put(joins::send_leave_v1),
+        )
+        .route(
+            "/_matrix/federation/v2/send_leave/{room_id}/{event_id}",
+            put(joins::send_leave_v2),
+        )
+        .route("/_matrix/federation/v1/send/{txn_id}", put(transactions::send))
+        .route("/_matrix/federation/v1/event/{event_id}", get(reads::event))
+        .route("/_matrix/federation/v1/state/{room_id}", get(reads::state))
+        .route("/_matrix/federation/v1/state_ids/{room_id}", get(reads::state_ids))
+        .route(
+            "/_matrix/federation/v1/event_auth/{room_id}/{event_id}",
+            get(reads::event_auth),
+        )
+        .route("/_matrix/federation/v1/backfill/{room_id}", get(reads::backfill))
+        .route(
+            "/_matrix/federation/v1/get_missing_events/{room_id}",
+            post(reads::get_missing_events),
         );
-        let obj = spindle_core::canonical::to_object(resp).unwrap();
-        ruma::signatures::verify_json(&a.public_key_map(), &obj).unwrap();
+    if !well_known.is_empty() {
+        r = r.route(
+            "/.well-known/matrix/server",
+            get(move || async move { axum::Json(serde_json::json!({ "m.server": well_known })) }),
+        );
     }
+    // Unknown paths fall through to the Client-Server router's `M_UNRECOGNIZED`.
+    r.with_state(st.clone())
+    .layer(axum::extract::DefaultBodyLimit::max(
+        auth::MAX_FEDERATION_BODY_BYTES,
+    ))
+    .merge(key_routes(st))
 }

@@ -60,6 +60,34 @@ pub enum CommandBody {
     /// none is left, and appends one [`Fact::OneTimeKeysClaimed`]. Requests for devices
     /// with no key of the algorithm get nothing.
     ClaimOneTimeKeys { requests: Vec<KeyClaimRequest> },
+    /// Append a PDU another server built and signed (spec: server-server API, "Checks
+    /// performed on receipt of a PDU"). The principal is the origin server; `keys` are
+    /// the verify keys (server -> key id -> unpadded base64) the federation layer
+    /// fetched for the servers that must have signed it; `event_id`, when the request
+    /// named one (`send_join`), must match the PDU's reference hash.
+    /// Join a room another server hosts (spec: server-server API, "Joining Rooms",
+    /// joining server side): `join` is our user's join event, already signed and
+    /// accepted by the resident server through `send_join`; `state` and `auth_chain`
+    /// are what it answered. The journal verifies every PDU (signatures with `keys`,
+    /// content hash, room, auth rules against its own auth events), appends the auth
+    /// chain and state as outlier records (state and memberships, not timeline), then
+    /// the join as the room's first timeline event here. A room already known here
+    /// gets only the events it lacks.
+    ImportRemoteRoom {
+        room_id: String,
+        room_version: String,
+        auth_chain: Vec<serde_json::Value>,
+        state: Vec<serde_json::Value>,
+        join: serde_json::Value,
+        keys: crate::remote::VerifyKeys,
+    },
+    RemotePdu {
+        room_id: String,
+        pdu: serde_json::Value,
+        keys: crate::remote::VerifyKeys,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        event_id: Option<String>,
+    },
 }
 
 /// One (user, device, algorithm) asked for by a claim.

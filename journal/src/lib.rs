@@ -13,9 +13,11 @@
 
 pub mod blobs;
 pub mod chain;
+pub mod consumer;
 pub mod command;
 pub mod migrate;
 pub mod record;
+pub mod remote;
 pub mod store;
 
 use std::{
@@ -78,6 +80,10 @@ pub enum JournalError {
     /// Storage failure.
     #[error("storage: {0}")]
     Storage(String),
+    /// A remote PDU names `prev_events` this server does not have yet (fetch them
+    /// first with `/get_missing_events`).
+    #[error("{0}")]
+    MissingPrevEvents(String),
     /// The media id already has content: 409 `M_CANNOT_OVERWRITE_MEDIA`.
     #[error("media {0} has already been uploaded")]
     MediaExists(String),
@@ -190,14 +196,38 @@ const AUTH_TYPES: [&str; 5] = [
     "m.room.third_party_invite",
 ];
 
-/// The journal's per-room write model: head and auth-relevant state. Restored from
-/// the room's own records at start-up.
+/// Most `prev_events` a local event names (spec: at most 20 in every room version;
+/// Synapse uses 10). Only a room that federates with a DAG peer ever has more than one
+/// forward extremity.
+pub const MAX_PREV_EVENTS: usize = 10;
+
+/// The journal's per-room write model: forward extremities and auth-relevant state.
+/// Restored from the room's own records at start-up.
 struct RoomAggregate {
     version: String,
+    /// The last event appended and its depth.
     head: Option<(OwnedEventId, u64)>,
+    /// Forward extremities (events no other event of the room names in `prev_events`),
+    /// with their depth, oldest first. A room whose events all come through this server
+    /// is a chain: exactly one extremity, the head (BRIEF §3.8).
+    extremities: Vec<(OwnedEventId, u64)>,
+    /// Highest depth seen in the room.
+    max_depth: u64,
     auth_state: HashMap<(String, String), Arc<Pdu>>,
+    /// Every auth-relevant state event the room ever had, by id: a remote PDU's
+    /// `auth_events` may name a power levels or member event that is no longer current.
+    auth_history: HashMap<OwnedEventId, Arc<Pdu>>,
+    /// 64-bit digests of every event id in the room: remote duplicates are recognised
+    /// and `prev_events` checked without reading the log (8 bytes per event).
+    known: HashSet<u64>,
     /// (user, device, txn id) -> (event id, position) for idempotent sends.
     txns: HashMap<(String, String, String), (OwnedEventId, u64)>,
+}
+
+/// The digest [`RoomAggregate::known`] keeps of an event id.
+fn id_digest(event_id: &str) -> u64 {
+    let h = blake3::hash(event_id.as_bytes());
+    u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
 }
 
 impl RoomAggregate {
@@ -205,19 +235,60 @@ impl RoomAggregate {
         Self {
             version: version.to_owned(),
             head: None,
+            extremities: Vec::new(),
+            max_depth: 0,
             auth_state: HashMap::new(),
+            auth_history: HashMap::new(),
+            known: HashSet::new(),
             txns: HashMap::new(),
         }
     }
 
+    fn knows(&self, event_id: &str) -> bool {
+        self.known.contains(&id_digest(event_id))
+    }
+
     fn apply(&mut self, pdu: Arc<Pdu>) {
         self.head = Some((pdu.event_id.clone(), pdu.depth));
+        self.known.insert(id_digest(pdu.event_id.as_str()));
+        self.extremities
+            .retain(|(id, _)| !pdu.prev_events.contains(id));
+        self.extremities.push((pdu.event_id.clone(), pdu.depth));
+        self.max_depth = self.max_depth.max(pdu.depth);
         if let Some(sk) = &pdu.state_key {
             let kind = pdu.kind.to_string();
             if AUTH_TYPES.contains(&kind.as_str()) {
+                self.auth_history.insert(pdu.event_id.clone(), pdu.clone());
                 self.auth_state.insert((kind, sk.clone()), pdu);
             }
         }
+    }
+
+    /// An outlier (imported state or auth event): known and, if auth-relevant, part
+    /// of the auth state; never a forward extremity.
+    fn apply_outlier(&mut self, pdu: Arc<Pdu>) {
+        self.known.insert(id_digest(pdu.event_id.as_str()));
+        self.max_depth = self.max_depth.max(pdu.depth);
+        if let Some(sk) = &pdu.state_key {
+            let kind = pdu.kind.to_string();
+            if AUTH_TYPES.contains(&kind.as_str()) {
+                self.auth_history.insert(pdu.event_id.clone(), pdu.clone());
+                self.auth_state.insert((kind, sk.clone()), pdu);
+            }
+        }
+    }
+
+    /// The `prev_events` and depth of the next local event: every forward extremity
+    /// (at most [`MAX_PREV_EVENTS`], the deepest), depth one more than the deepest.
+    fn next_prev_events(&self) -> (Vec<OwnedEventId>, u64) {
+        if self.extremities.is_empty() {
+            return (Vec::new(), 1);
+        }
+        let mut ext = self.extremities.clone();
+        ext.sort_by(|a, b| b.1.cmp(&a.1));
+        ext.truncate(MAX_PREV_EVENTS);
+        let depth = ext.iter().map(|(_, d)| *d).max().unwrap_or(0) + 1;
+        (ext.into_iter().map(|(id, _)| id).collect(), depth)
     }
 }
 
@@ -309,7 +380,13 @@ impl Journal {
         let mut to_device_txns = HashMap::new();
         let mut media = HashMap::new();
         let walked = chain::walk(&*store, |rec| {
-            if rec.is_event() {
+            if rec.is_outlier() {
+                let pdu = rec.room_pdu().ok_or("unreadable outlier PDU")?;
+                rooms
+                    .entry(pdu.room_id.clone())
+                    .or_insert_with(|| RoomAggregate::new(&pdu.room_version))
+                    .apply_outlier(Arc::new(pdu));
+            } else if rec.is_event() {
                 let pdu = rec.pdu().ok_or("unreadable PDU")?;
                 let agg = rooms
                     .entry(pdu.room_id.clone())
@@ -477,6 +554,26 @@ impl Journal {
                     precondition.as_ref(),
                 )
                 .await?
+            }
+            CommandBody::ImportRemoteRoom {
+                room_id,
+                room_version,
+                auth_chain,
+                state,
+                join,
+                keys,
+            } => {
+                self.import_remote_room(&cmd, room_id, room_version, auth_chain, state, join, keys)
+                    .await?
+            }
+            CommandBody::RemotePdu {
+                room_id,
+                pdu,
+                keys,
+                event_id,
+            } => {
+                self.ingest_remote(&cmd, room_id, pdu, keys, event_id.as_deref())
+                    .await?
             }
             CommandBody::CreateRoom {
                 room_version,
@@ -857,10 +954,7 @@ impl Journal {
                 auth_events.push(p.event_id.clone());
             }
         }
-        let (prev_events, depth) = match &agg.head {
-            Some((id, d)) => (vec![id.clone()], d + 1),
-            None => (vec![], 1),
-        };
+        let (prev_events, depth) = agg.next_prev_events();
         let redacts = match &spec.redacts {
             Some(r) => Some(
                 OwnedEventId::try_from(r.as_str())

@@ -33,6 +33,11 @@ pub enum RecordKind {
     Event,
     /// A non-room fact; `payload` is a JSON [`Fact`].
     Fact,
+    /// A room event known only as state or as an auth event: part of the state and
+    /// auth chain a resident server handed over when we joined its room (spec:
+    /// server-server API, "outliers"). It counts for the room's state and
+    /// memberships, but is not in the room's timeline. `payload` is the signed PDU.
+    Outlier,
 }
 
 /// One journal record, exactly as stored (key: the global position, big-endian u64).
@@ -142,9 +147,23 @@ impl StoredRecord {
         self.view().appended_at.to_native()
     }
 
-    /// Whether this is a room event (else a fact).
+    /// Whether this is a room event of the timeline (else a fact or an outlier).
     pub fn is_event(&self) -> bool {
         matches!(self.view().kind, ArchivedRecordKind::Event)
+    }
+
+    /// Whether this is an outlier: a room event imported as state or auth chain.
+    pub fn is_outlier(&self) -> bool {
+        matches!(self.view().kind, ArchivedRecordKind::Outlier)
+    }
+
+    /// The PDU of an event or an outlier record (projections of room state use it;
+    /// timeline-only projections keep to [`StoredRecord::pdu`]).
+    pub fn room_pdu(&self) -> Option<spindle_core::pdu::Pdu> {
+        if !(self.is_event() || self.is_outlier()) {
+            return None;
+        }
+        self.parse_pdu()
     }
 
     /// Room id of an event record.
@@ -189,7 +208,7 @@ impl StoredRecord {
 
     /// Parses the payload of a fact record.
     pub fn fact(&self) -> Option<Fact> {
-        if self.is_event() {
+        if !matches!(self.view().kind, ArchivedRecordKind::Fact) {
             return None;
         }
         serde_json::from_slice(self.payload()).ok()
@@ -200,6 +219,10 @@ impl StoredRecord {
         if !self.is_event() {
             return None;
         }
+        self.parse_pdu()
+    }
+
+    fn parse_pdu(&self) -> Option<spindle_core::pdu::Pdu> {
         let event_id = self
             .event_id()
             .and_then(|e| ruma::OwnedEventId::try_from(e).ok());
@@ -222,6 +245,14 @@ impl StoredRecord {
 #[serde(tag = "type", rename_all = "snake_case")]
 #[allow(missing_docs)] // Fields carry the spec's names (user_id, device_id, ...); each variant says what it means.
 pub enum Fact {
+    /// Another server's PDU was refused (bad signature, failed auth, unknown room, ...):
+    /// kept so the audit trail shows what arrived and why it is not in the room.
+    RemotePduRejected {
+        origin: String,
+        room_id: String,
+        event_id: String,
+        reason: String,
+    },
     /// A local account was created. `password_hash` is an argon2 PHC string.
     AccountRegistered {
         user_id: String,

@@ -114,10 +114,11 @@ impl Projection for Directory {
             }
             return Ok(());
         }
-        if !record.is_event() {
+        // Outliers (state imported on a remote join) count for room state too.
+        if !record.is_event() && !record.is_outlier() {
             return Ok(());
         }
-        let pdu = record.pdu().ok_or("unreadable PDU")?;
+        let pdu = record.room_pdu().ok_or("unreadable PDU")?;
         let Some(state_key) = &pdu.state_key else {
             return Ok(());
         };

@@ -121,10 +121,11 @@ impl Projection for RoomSummary {
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
-        if !record.is_event() {
+        // Outliers (state imported on a remote join) count for room state too.
+        if !record.is_event() && !record.is_outlier() {
             return Ok(());
         }
-        let pdu = record.pdu().ok_or("unreadable PDU")?;
+        let pdu = record.room_pdu().ok_or("unreadable PDU")?;
         if pdu.kind.to_string() != "m.room.member" {
             return Ok(());
         }

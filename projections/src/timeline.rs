@@ -214,10 +214,10 @@ impl Projection for Timeline {
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
-        if !record.is_event() {
+        if !record.is_event() && !record.is_outlier() {
             return Ok(());
         }
-        let pdu = record.pdu().ok_or("unreadable PDU")?;
+        let pdu = record.room_pdu().ok_or("unreadable PDU")?;
         let room = pdu.room_id.to_string();
         let event_id = pdu.event_id.to_string();
         let stored = StoredEvent {
@@ -233,6 +233,10 @@ impl Projection for Timeline {
             event_id.clone().into_bytes(),
             serde_json::to_vec(&stored).map_err(|e| e.to_string())?,
         );
+        // An outlier is fetchable by id (state, auth chains) but not in the timeline.
+        if record.is_outlier() {
+            return Ok(());
+        }
         ctx.put(
             &self.room_events,
             key::with_pos(&[&room], record.position()),

@@ -164,7 +164,13 @@ pub fn export(
                 position: r.position(),
                 prev_hash: hex(&r.prev_hash()),
                 appended_at: r.appended_at(),
-                kind: if r.is_event() { "event" } else { "fact" },
+                kind: if r.is_event() {
+                    "event"
+                } else if r.is_outlier() {
+                    "outlier"
+                } else {
+                    "fact"
+                },
                 room_id: r.room_id().map(str::to_owned),
                 event_id: r.event_id().map(str::to_owned),
                 room_version: r.room_version().map(str::to_owned),
@@ -223,6 +229,7 @@ pub fn read_export(input: impl BufRead) -> anyhow::Result<(ExportHeader, Vec<Enc
         let kind = match l.kind {
             "event" => RecordKind::Event,
             "fact" => RecordKind::Fact,
+            "outlier" => RecordKind::Outlier,
             other => bail!("{}: unknown kind {other:?}", at()),
         };
         let rec = Record {

@@ -1,0 +1,204 @@
+//! Joining and leaving our rooms from another server (spec: server-server API,
+//! "Joining Rooms", "Leaving Rooms (Rejecting Invites)"): `make_join`/`send_join` (v1
+//! and v2) and `make_leave`/`send_leave` (v1 and v2).
+//!
+//! `make_*` hands out a template built on the room's forward extremities by the journal
+//! (nothing is written). `send_*` submits the signed event as a remote PDU: the journal
+//! checks it like any other (signatures, event id, auth rules) and appends it.
+
+use axum::{
+    Json,
+    extract::{Path, State},
+};
+use spindle_journal::CommandBody;
+
+use crate::{
+    FedState,
+    auth::Signed,
+    error::{FedError, FedResult},
+    reads, server_of, transactions,
+};
+
+/// `GET /_matrix/federation/v1/make_join/{roomId}/{userId}?ver=`: a join template.
+/// 400 `M_INCOMPATIBLE_ROOM_VERSION` if the room's version is not among `ver`; 403 if
+/// the user is not on the asking server, is banned, or the room is not open to them.
+pub(crate) async fn make_join(
+    State(st): State<FedState>,
+    Path((room_id, user_id)): Path<(String, String)>,
+    axum::extract::RawQuery(raw): axum::extract::RawQuery,
+    signed: Signed,
+) -> FedResult<Json<serde_json::Value>> {
+    let versions: Vec<String> = reads::form_pairs(raw.as_deref().unwrap_or(""))
+        .into_iter()
+        .filter(|(k, _)| k == "ver")
+        .map(|(_, v)| v)
+        .collect();
+    let (version, event) = template(&st, &signed.origin, &room_id, &user_id, "join").await?;
+    // Without `ver` the asking server supports only version 1 (spec).
+    if !versions.iter().any(|v| *v == version) {
+        return Err(FedError::new(
+            axum::http::StatusCode::BAD_REQUEST,
+            "M_INCOMPATIBLE_ROOM_VERSION",
+            format!("the room is version {version}, which your server did not list"),
+        )
+        .with_room_version(&version));
+    }
+    let membership = st.projections.membership.get(&room_id, &user_id);
+    let current = membership.as_ref().map(|m| m.membership.as_str());
+    if current == Some("ban") {
+        return Err(FedError::forbidden("the user is banned from the room"));
+    }
+    let join_rule = st
+        .projections
+        .directory
+        .join_rule(&room_id)
+        .unwrap_or_else(|| "invite".into());
+    if join_rule != "public" && !matches!(current, Some("invite") | Some("join")) {
+        return Err(FedError::forbidden(format!(
+            "the room's join rule is {join_rule} and the user is not invited"
+        )));
+    }
+    Ok(Json(serde_json::json!({ "room_version": version, "event": event })))
+}
+
+/// `GET /_matrix/federation/v1/make_leave/{roomId}/{userId}`: a leave template.
+pub(crate) async fn make_leave(
+    State(st): State<FedState>,
+    Path((room_id, user_id)): Path<(String, String)>,
+    signed: Signed,
+) -> FedResult<Json<serde_json::Value>> {
+    let (version, event) = template(&st, &signed.origin, &room_id, &user_id, "leave").await?;
+    Ok(Json(serde_json::json!({ "room_version": version, "event": event })))
+}
+
+async fn template(
+    st: &FedState,
+    origin: &str,
+    room_id: &str,
+    user_id: &str,
+    membership: &str,
+) -> FedResult<(String, serde_json::Value)> {
+    if server_of(user_id) != Some(origin) {
+        return Err(FedError::forbidden(format!(
+            "{user_id} is not a user of {origin}"
+        )));
+    }
+    if st.journal.room_version(room_id).await.is_none() {
+        return Err(FedError::not_found("unknown room"));
+    }
+    Ok(st
+        .journal
+        .membership_template(room_id, user_id, membership, crate::now_ms())
+        .await?)
+}
+
+/// Submits a membership PDU from a `send_*` request; checks it is the membership the
+/// endpoint is for and that its sender belongs to the origin.
+async fn submit_membership(
+    st: &FedState,
+    signed: &Signed,
+    room_id: &str,
+    event_id: &str,
+    membership: &str,
+) -> FedResult<(serde_json::Value, Vec<String>)> {
+    let pdu = signed
+        .body
+        .clone()
+        .ok_or_else(|| FedError::bad_json("the body must be the signed event"))?;
+    let field = |k: &str| pdu.get(k).and_then(|v| v.as_str()).unwrap_or_default();
+    if field("type") != "m.room.member"
+        || pdu.get("content").and_then(|c| c.get("membership")).and_then(|m| m.as_str())
+            != Some(membership)
+    {
+        return Err(FedError::bad_json(format!(
+            "the event must be an m.room.member event with membership {membership}"
+        )));
+    }
+    if field("state_key") != field("sender") || server_of(field("sender")) != Some(&signed.origin) {
+        return Err(FedError::forbidden(
+            "the event's sender must be the member, a user of the asking server",
+        ));
+    }
+    if field("room_id") != room_id {
+        return Err(FedError::bad_json("the event is for another room"));
+    }
+    let keys = transactions::verify_keys_for(st, &pdu).await;
+    let outcome = st
+        .submit(
+            &signed.origin,
+            CommandBody::RemotePdu {
+                room_id: room_id.to_owned(),
+                pdu: pdu.clone(),
+                keys,
+                event_id: Some(event_id.to_owned()),
+            },
+        )
+        .await?;
+    st.wait_for(outcome.position).await?;
+    let ids = reads::state_before(st, event_id).unwrap_or_default();
+    Ok((pdu, ids))
+}
+
+async fn send_join(
+    st: &FedState,
+    signed: &Signed,
+    room_id: &str,
+    event_id: &str,
+) -> FedResult<serde_json::Value> {
+    let (event, state_ids) = submit_membership(st, signed, room_id, event_id, "join").await?;
+    let state: Vec<_> = state_ids
+        .iter()
+        .filter_map(|id| reads::load(st, id))
+        .collect();
+    let chain = reads::auth_chain(st, &state);
+    Ok(serde_json::json!({
+        "origin": st.server_name(),
+        "event": event,
+        "state": reads::pdus_json(&state),
+        "auth_chain": reads::pdus_json(&chain),
+        "members_omitted": false,
+        "servers_in_room": reads::servers_in_room(st, room_id),
+    }))
+}
+
+/// `PUT /_matrix/federation/v2/send_join/{roomId}/{eventId}`: appends the join and
+/// answers the state before it with its auth chain (`omit_members` is accepted and the
+/// full member list sent anyway: `members_omitted: false`).
+pub(crate) async fn send_join_v2(
+    State(st): State<FedState>,
+    Path((room_id, event_id)): Path<(String, String)>,
+    signed: Signed,
+) -> FedResult<Json<serde_json::Value>> {
+    Ok(Json(send_join(&st, &signed, &room_id, &event_id).await?))
+}
+
+/// `PUT /_matrix/federation/v1/send_join/{roomId}/{eventId}`: the same, in the v1
+/// `[200, {...}]` shape.
+pub(crate) async fn send_join_v1(
+    State(st): State<FedState>,
+    Path((room_id, event_id)): Path<(String, String)>,
+    signed: Signed,
+) -> FedResult<Json<serde_json::Value>> {
+    let body = send_join(&st, &signed, &room_id, &event_id).await?;
+    Ok(Json(serde_json::json!([200, body])))
+}
+
+/// `PUT /_matrix/federation/v2/send_leave/{roomId}/{eventId}`: appends the leave.
+pub(crate) async fn send_leave_v2(
+    State(st): State<FedState>,
+    Path((room_id, event_id)): Path<(String, String)>,
+    signed: Signed,
+) -> FedResult<Json<serde_json::Value>> {
+    submit_membership(&st, &signed, &room_id, &event_id, "leave").await?;
+    Ok(Json(serde_json::json!({})))
+}
+
+/// `PUT /_matrix/federation/v1/send_leave/{roomId}/{eventId}`: v1 shape `[200, {}]`.
+pub(crate) async fn send_leave_v1(
+    State(st): State<FedState>,
+    Path((room_id, event_id)): Path<(String, String)>,
+    signed: Signed,
+) -> FedResult<Json<serde_json::Value>> {
+    submit_membership(&st, &signed, &room_id, &event_id, "leave").await?;
+    Ok(Json(serde_json::json!([200, {}])))
+}

@@ -1,0 +1,101 @@
+//! Journal consumers: readers that act on the world (federation transactions; push
+//! gateways and application services use the same shape), as opposed to projections,
+//! which only build read models (BRIEF §2, "Consumers act on the world").
+//!
+//! A consumer keeps one or more named cursors (a destination server, a push gateway,
+//! an application service), each the journal position up to which its work is done.
+//! Cursors live in one small JSON file per consumer under `<data>/consumers/`, written
+//! atomically (temporary file, fsync, rename) after each delivery, so a restart resumes
+//! from the last acknowledged delivery: at least once, never lost. Cursors are not
+//! facts about the server's state (like a projection's checkpoint, they only say how
+//! far a reader got), which is why they are not journal records.
+
+use std::{
+    collections::BTreeMap,
+    io::Write as _,
+    path::{Path, PathBuf},
+};
+
+use crate::{Journal, JournalError, StoredRecord};
+
+/// The durable cursors of one consumer: name -> journal position done.
+pub struct Cursors {
+    path: PathBuf,
+    map: BTreeMap<String, u64>,
+}
+
+impl Cursors {
+    /// Loads `<dir>/<consumer>.json` (empty if it does not exist). Errors on an
+    /// unreadable or malformed file: guessing a position would lose or repeat work.
+    pub fn open(dir: &Path, consumer: &str) -> Result<Cursors, String> {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let path = dir.join(format!("{consumer}.json"));
+        let map = match std::fs::read(&path) {
+            Ok(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| format!("{}: {e}", path.display()))?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
+            Err(e) => return Err(format!("{}: {e}", path.display())),
+        };
+        Ok(Cursors { path, map })
+    }
+
+    /// Every cursor.
+    pub fn all(&self) -> &BTreeMap<String, u64> {
+        &self.map
+    }
+
+    /// One cursor.
+    pub fn get(&self, name: &str) -> Option<u64> {
+        self.map.get(name).copied()
+    }
+
+    /// Sets a cursor and writes the file durably before returning.
+    pub fn set(&mut self, name: &str, position: u64) -> Result<(), String> {
+        self.map.insert(name.to_owned(), position);
+        let tmp = self.path.with_extension("json.tmp");
+        let bytes = serde_json::to_vec(&self.map).map_err(|e| e.to_string())?;
+        let mut f = std::fs::File::create(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
+        f.write_all(&bytes)
+            .and_then(|_| f.sync_all())
+            .map_err(|e| format!("{}: {e}", tmp.display()))?;
+        std::fs::rename(&tmp, &self.path).map_err(|e| format!("{}: {e}", self.path.display()))
+    }
+}
+
+impl Journal {
+    /// Waits until the durable head passes `after`, then reads up to `limit` records
+    /// after it. Returns an empty batch only when the journal stops.
+    pub async fn next_after(
+        &self,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<StoredRecord>, JournalError> {
+        let mut rx = self.subscribe();
+        if rx.wait_for(|h| *h > after).await.is_err() {
+            return Ok(Vec::new());
+        }
+        self.read_after(after, limit)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cursors_survive_reopen_and_refuse_a_corrupt_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut c = Cursors::open(dir.path(), "federation-sender").unwrap();
+        assert_eq!(c.get("a.org"), None);
+        c.set("a.org", 41).unwrap();
+        c.set("b.org", 7).unwrap();
+        c.set("a.org", 42).unwrap();
+        let c = Cursors::open(dir.path(), "federation-sender").unwrap();
+        assert_eq!(
+            c.all().iter().map(|(k, v)| (k.as_str(), *v)).collect::<Vec<_>>(),
+            vec![("a.org", 42), ("b.org", 7)]
+        );
+        std::fs::write(dir.path().join("federation-sender.json"), b"{not json").unwrap();
+        assert!(Cursors::open(dir.path(), "federation-sender").is_err());
+    }
+}

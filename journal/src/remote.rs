@@ -1,0 +1,478 @@
+//! Remote PDUs: events built and signed by another server enter the room's log through
+//! the journal, like a client's (BRIEF §2, "Remote events enter through the journal").
+//!
+//! The federation layer fetches the signing keys of the servers that must have signed
+//! the PDU and hands them over in the command ([`CommandBody::RemotePdu`]); the journal
+//! then checks, under the room lock and without any I/O:
+//!
+//! 1. size (65536 bytes), shape, and the room version's event id (the reference hash);
+//! 2. signatures (every server the spec requires for this event) and the content hash:
+//!    a PDU whose hash does not match is redacted and kept in its redacted form (spec:
+//!    "Checks performed on receipt of a PDU", step 3);
+//! 3. that its `prev_events` are known (a PDU with unknown predecessors is refused; the
+//!    federation layer fetches the gap first with `/get_missing_events`);
+//! 4. the auth rules against its `auth_events` (state-independent) and against the
+//!    room's current state (state-dependent).
+//!
+//! An accepted PDU is appended as an event record whose principal is the origin server;
+//! a refused one appends a [`Fact::RemotePduRejected`] with the reason, so the audit
+//! trail shows what another server tried. A PDU the room already has is accepted again
+//! without a new record (transactions are retried).
+
+use std::{collections::HashMap, sync::Arc};
+
+use ruma::{CanonicalJsonValue, OwnedEventId, OwnedRoomId};
+use spindle_core::{canonical, pdu::Pdu, room_version};
+
+use crate::{
+    Fact, Journal, JournalError, Outcome, RecordKind, RoomAggregate, SignedCommand,
+};
+
+/// The keys a remote PDU is verified with: server name -> key id -> unpadded base64
+/// ed25519 public key.
+pub type VerifyKeys = std::collections::BTreeMap<String, std::collections::BTreeMap<String, String>>;
+
+/// Why a remote PDU was refused (the reason recorded and answered per PDU in `/send`).
+fn reject(reason: impl Into<String>) -> JournalError {
+    JournalError::Forbidden(reason.into())
+}
+
+impl Journal {
+    /// Checks a remote PDU and appends it (see the module docs). `expect_event_id` is
+    /// the id the request named (`send_join`, `invite`): a PDU hashing to another id is
+    /// refused.
+    pub(crate) async fn ingest_remote(
+        &self,
+        cmd: &SignedCommand,
+        room_id: &str,
+        pdu: &serde_json::Value,
+        keys: &VerifyKeys,
+        expect_event_id: Option<&str>,
+    ) -> Result<Outcome, JournalError> {
+        let room = OwnedRoomId::try_from(room_id)
+            .map_err(|_| JournalError::UnknownRoom(room_id.to_owned()))?;
+        let agg = self
+            .inner
+            .rooms
+            .lock()
+            .get(&room)
+            .cloned()
+            .ok_or_else(|| JournalError::UnknownRoom(room_id.to_owned()))?;
+        let mut agg = agg.lock().await;
+        match check_remote(&agg, &room, pdu, keys, expect_event_id) {
+            Ok(Checked::Known(event_id)) => Ok(Outcome {
+                position: self.durable_head(),
+                room_id: Some(room),
+                event_ids: vec![event_id],
+                ..Outcome::default()
+            }),
+            Ok(Checked::Accept(pdu)) => {
+                let rec = self.event_record(cmd, &pdu, None);
+                let position = self.enqueue(vec![rec]);
+                let event_id = pdu.event_id.clone();
+                agg.apply(Arc::new(pdu));
+                Ok(Outcome {
+                    position,
+                    room_id: Some(room),
+                    event_ids: vec![event_id],
+                    ..Outcome::default()
+                })
+            }
+            Err((event_id, err)) => {
+                let fact = Fact::RemotePduRejected {
+                    origin: cmd.envelope.principal.clone(),
+                    room_id: room_id.to_owned(),
+                    event_id: event_id.unwrap_or_default(),
+                    reason: err.to_string(),
+                };
+                let payload =
+                    serde_json::to_vec(&fact).map_err(|e| JournalError::BadJson(e.to_string()))?;
+                let position = self.enqueue(vec![self.base_record(cmd, RecordKind::Fact, payload)]);
+                drop(agg);
+                // The rejection is on disk before the origin hears of it.
+                self.wait_durable(position).await?;
+                Err(err)
+            }
+        }
+    }
+}
+
+enum Checked {
+    /// The room already has it.
+    Known(OwnedEventId),
+    /// Passed every check: append it.
+    Accept(Pdu),
+}
+
+type CheckError = (Option<String>, JournalError);
+
+fn check_remote(
+    agg: &RoomAggregate,
+    room: &OwnedRoomId,
+    pdu: &serde_json::Value,
+    keys: &VerifyKeys,
+    expect_event_id: Option<&str>,
+) -> Result<Checked, CheckError> {
+    let rules = room_version::rules(&agg.version).ok_or_else(|| {
+        (
+            None,
+            JournalError::UnsupportedRoomVersion(agg.version.clone()),
+        )
+    })?;
+    let mut obj = canonical::to_object(pdu.clone())
+        .map_err(|e| (None, JournalError::BadJson(format!("PDU is not canonical JSON: {e}"))))?;
+    // `unsigned` is not covered by hashes or signatures; what another server put there
+    // is not ours to keep.
+    obj.remove("unsigned");
+    let size = canonical::to_bytes(&obj).len();
+    if size > spindle_core::pdu::MAX_PDU_BYTES {
+        return Err((
+            None,
+            JournalError::TooLarge(format!("PDU is {size} bytes (limit 65536)")),
+        ));
+    }
+    let hash = ruma::signatures::reference_hash(&obj, &rules)
+        .map_err(|e| (None, JournalError::BadJson(format!("invalid PDU: {e}"))))?;
+    let event_id = format!("${hash}");
+    if let Some(expected) = expect_event_id
+        && expected != event_id
+    {
+        return Err((
+            Some(event_id.clone()),
+            JournalError::BadJson(format!(
+                "the event id {expected} does not match the PDU (its reference hash is {event_id})"
+            )),
+        ));
+    }
+    let fail = |e: JournalError| (Some(event_id.clone()), e);
+    match obj.get("room_id") {
+        Some(CanonicalJsonValue::String(r)) if r == room.as_str() => {}
+        _ => return Err(fail(reject(format!("the PDU is not an event of {room}")))),
+    }
+    if agg.knows(&event_id) {
+        return Ok(Checked::Known(
+            OwnedEventId::try_from(event_id.as_str())
+                .map_err(|e| fail(JournalError::BadJson(e.to_string())))?,
+        ));
+    }
+    let parsed = verify_pdu(pdu, &agg.version, room, keys).map_err(|e| fail(reject(e)))?;
+    if parsed.prev_events.is_empty() || parsed.prev_events.len() > 20 {
+        return Err(fail(reject("prev_events must name 1 to 20 events")));
+    }
+    if parsed.auth_events.len() > 10 {
+        return Err(fail(reject("auth_events must name at most 10 events")));
+    }
+    if let Some(missing) = parsed.prev_events.iter().find(|p| !agg.knows(p.as_str())) {
+        return Err(fail(JournalError::MissingPrevEvents(format!(
+            "prev event {missing} is not known here"
+        ))));
+    }
+    // Auth rules: state-independent against the named auth events, state-dependent
+    // against the room's current state.
+    let mut auth_map: HashMap<OwnedEventId, &Pdu> = HashMap::new();
+    for id in &parsed.auth_events {
+        match agg.auth_history.get(id) {
+            Some(p) => {
+                auth_map.insert(id.clone(), &**p);
+            }
+            None => {
+                return Err(fail(reject(format!(
+                    "auth event {id} is not an auth event of this room"
+                ))));
+            }
+        }
+    }
+    if let Some(create) = agg
+        .auth_state
+        .get(&("m.room.create".to_owned(), String::new()))
+    {
+        auth_map.insert(create.event_id.clone(), &**create);
+    }
+    spindle_core::auth::authorize(&rules, &parsed, &auth_map, |t, k| {
+        agg.auth_state
+            .get(&(t.to_owned(), k.to_owned()))
+            .map(|p| &**p)
+    })
+    .map_err(|e| fail(reject(format!("auth rules: {e}"))))?;
+    Ok(Checked::Accept(parsed))
+}
+
+impl Journal {
+    /// The room's version, if the room exists here.
+    pub async fn room_version(&self, room_id: &str) -> Option<String> {
+        let room = OwnedRoomId::try_from(room_id).ok()?;
+        let agg = self.inner.rooms.lock().get(&room).cloned()?;
+        let version = agg.lock().await.version.clone();
+        Some(version)
+    }
+
+    /// A template for a remote user's membership event in a room here (spec:
+    /// `make_join`, `make_leave`, `make_knock`): `prev_events` are the room's forward
+    /// extremities, `auth_events` what the auth rules select for it from the current
+    /// state, `depth` one more than the deepest extremity. Nothing is appended.
+    ///
+    /// Errors: [`JournalError::UnknownRoom`]; [`JournalError::BadJson`] for a
+    /// malformed user id.
+    pub async fn membership_template(
+        &self,
+        room_id: &str,
+        user_id: &str,
+        membership: &str,
+        origin_server_ts: u64,
+    ) -> Result<(String, serde_json::Value), JournalError> {
+        let room = OwnedRoomId::try_from(room_id)
+            .map_err(|_| JournalError::UnknownRoom(room_id.to_owned()))?;
+        let agg = self
+            .inner
+            .rooms
+            .lock()
+            .get(&room)
+            .cloned()
+            .ok_or_else(|| JournalError::UnknownRoom(room_id.to_owned()))?;
+        let agg = agg.lock().await;
+        let rules = room_version::rules(&agg.version)
+            .ok_or_else(|| JournalError::UnsupportedRoomVersion(agg.version.clone()))?;
+        let sender = ruma::OwnedUserId::try_from(user_id)
+            .map_err(|e| JournalError::BadJson(e.to_string()))?;
+        let content = serde_json::json!({ "membership": membership });
+        let raw = serde_json::value::to_raw_value(&content)
+            .map_err(|e| JournalError::BadJson(e.to_string()))?;
+        let types = spindle_core::auth::auth_types(
+            &rules,
+            "m.room.member",
+            &sender,
+            Some(user_id),
+            &raw,
+        )
+        .map_err(JournalError::BadJson)?;
+        let mut auth_events: Vec<String> = Vec::new();
+        for (t, k) in &types {
+            if let Some(p) = agg.auth_state.get(&(t.clone(), k.clone()))
+                && !auth_events.contains(&p.event_id.to_string())
+            {
+                auth_events.push(p.event_id.to_string());
+            }
+        }
+        let (prev_events, depth) = agg.next_prev_events();
+        let event = serde_json::json!({
+            "auth_events": auth_events,
+            "content": content,
+            "depth": depth,
+            "origin": sender.server_name().as_str(),
+            "origin_server_ts": origin_server_ts,
+            "prev_events": prev_events,
+            "room_id": room_id,
+            "sender": user_id,
+            "state_key": user_id,
+            "type": "m.room.member",
+        });
+        Ok((agg.version.clone(), event))
+    }
+}
+
+/// Verifies one PDU of a room of `version`: size, reference hash (its event id), the
+/// signatures of every server the spec requires, the content hash (a PDU that fails
+/// it is redacted), and that it belongs to `room`. Returns the PDU as it is kept.
+fn verify_pdu(
+    pdu: &serde_json::Value,
+    version: &str,
+    room: &OwnedRoomId,
+    keys: &VerifyKeys,
+) -> Result<Pdu, String> {
+    let rules = room_version::rules(version).ok_or(format!("unsupported room version {version}"))?;
+    let mut obj =
+        canonical::to_object(pdu.clone()).map_err(|e| format!("PDU is not canonical JSON: {e}"))?;
+    obj.remove("unsigned");
+    let size = canonical::to_bytes(&obj).len();
+    if size > spindle_core::pdu::MAX_PDU_BYTES {
+        return Err(format!("PDU is {size} bytes (limit 65536)"));
+    }
+    let hash = ruma::signatures::reference_hash(&obj, &rules).map_err(|e| format!("invalid PDU: {e}"))?;
+    let event_id = format!("${hash}");
+    let is_create = obj.get("type").and_then(|t| t.as_str()) == Some("m.room.create");
+    match obj.get("room_id") {
+        Some(CanonicalJsonValue::String(r)) if r == room.as_str() => {}
+        None if is_create && room_version::room_id_from_create(version) => {
+            if room.as_str()[1..] != event_id[1..] {
+                return Err(format!("{event_id} is not the create event of {room}"));
+            }
+        }
+        _ => return Err(format!("{event_id} is not an event of {room}")),
+    }
+    let verified = ruma::signatures::verify_event(&key_map(keys), &obj, &rules)
+        .map_err(|e| format!("{event_id}: signature check failed: {e}"))?;
+    if verified == ruma::signatures::Verified::Signatures {
+        obj = ruma::canonical_json::redact(obj, &rules.redaction, None).map_err(|e| e.to_string())?;
+    }
+    let json = canonical::to_bytes(&obj);
+    Pdu::parse(
+        &json,
+        version,
+        Some(OwnedEventId::try_from(event_id.as_str()).map_err(|e| e.to_string())?),
+        Some(room.clone()),
+    )
+    .map_err(|e| e.to_string())
+}
+
+fn key_map(keys: &VerifyKeys) -> ruma::signatures::PublicKeyMap {
+    let mut key_map = ruma::signatures::PublicKeyMap::new();
+    for (server, set) in keys {
+        let mut s = ruma::signatures::PublicKeySet::new();
+        for (id, key) in set {
+            if let Ok(k) = ruma::serde::Base64::parse(key) {
+                s.insert(id.clone(), k);
+            }
+        }
+        key_map.insert(server.clone(), s);
+    }
+    key_map
+}
+
+/// Checks `pdu` against the auth rules using only its own `auth_events` (looked up in
+/// `known`) as the state: how an outlier is authorized (spec: "Checks performed on
+/// receipt of a PDU", step 4, for events whose state we do not have).
+fn authorize_by_auth_events(
+    version: &str,
+    pdu: &Pdu,
+    known: &HashMap<OwnedEventId, Arc<Pdu>>,
+    create: Option<&Arc<Pdu>>,
+) -> Result<(), String> {
+    let rules = room_version::rules(version).ok_or("unsupported room version")?;
+    let mut auth_map: HashMap<OwnedEventId, &Pdu> = HashMap::new();
+    for id in &pdu.auth_events {
+        let ev = known
+            .get(id)
+            .ok_or_else(|| format!("auth event {id} of {} is missing", pdu.event_id))?;
+        auth_map.insert(id.clone(), &**ev);
+    }
+    if let Some(c) = create {
+        auth_map.insert(c.event_id.clone(), &**c);
+    }
+    let by_key: HashMap<(String, String), &Pdu> = auth_map
+        .values()
+        .filter_map(|p| Some(((p.kind.to_string(), p.state_key.clone()?), *p)))
+        .collect();
+    spindle_core::auth::authorize(&rules, pdu, &auth_map, |t, k| {
+        by_key.get(&(t.to_owned(), k.to_owned())).copied()
+    })
+    .map_err(|e| format!("{} fails the auth rules: {e}", pdu.event_id))
+}
+
+impl Journal {
+    /// [`crate::CommandBody::ImportRemoteRoom`]: see its docs.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn import_remote_room(
+        &self,
+        cmd: &SignedCommand,
+        room_id: &str,
+        version: &str,
+        auth_chain: &[serde_json::Value],
+        state: &[serde_json::Value],
+        join: &serde_json::Value,
+        keys: &VerifyKeys,
+    ) -> Result<Outcome, JournalError> {
+        if room_version::rules(version).is_none() {
+            return Err(JournalError::UnsupportedRoomVersion(version.to_owned()));
+        }
+        let room = OwnedRoomId::try_from(room_id)
+            .map_err(|_| JournalError::BadJson(format!("bad room id {room_id}")))?;
+        if auth_chain.len() + state.len() > 200_000 {
+            return Err(JournalError::TooLarge("the room's state is too large to import".into()));
+        }
+        // Verify every PDU first (no lock held: pure computation).
+        let mut verified: HashMap<OwnedEventId, Arc<Pdu>> = HashMap::new();
+        let mut state_ids: Vec<OwnedEventId> = Vec::new();
+        for (in_state, list) in [(false, auth_chain), (true, state)] {
+            for v in list {
+                match verify_pdu(v, version, &room, keys) {
+                    Ok(p) => {
+                        if in_state {
+                            state_ids.push(p.event_id.clone());
+                        }
+                        verified.insert(p.event_id.clone(), Arc::new(p));
+                    }
+                    Err(e) => tracing::info!(%room, error = %e, "an imported PDU failed verification"),
+                }
+            }
+        }
+        let join = verify_pdu(join, version, &room, keys).map_err(JournalError::Forbidden)?;
+        if join.sender.as_str() != cmd.envelope.principal
+            || join.state_key.as_deref() != Some(join.sender.as_str())
+            || join.kind.to_string() != "m.room.member"
+        {
+            return Err(JournalError::Forbidden(
+                "the join must be the principal's own membership event".into(),
+            ));
+        }
+        let create = verified
+            .values()
+            .find(|p| p.kind.to_string() == "m.room.create" && p.state_key.as_deref() == Some(""))
+            .cloned();
+        let agg_arc = {
+            let mut rooms = self.inner.rooms.lock();
+            rooms
+                .entry(room.clone())
+                .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(RoomAggregate::new(version))))
+                .clone()
+        };
+        let mut agg = agg_arc.lock().await;
+        if agg.version != version {
+            return Err(JournalError::BadState(format!(
+                "{room} is version {} here, not {version}",
+                agg.version
+            )));
+        }
+        let create = create.or_else(|| {
+            agg.auth_state
+                .get(&("m.room.create".to_owned(), String::new()))
+                .cloned()
+        });
+        if create.is_none() {
+            return Err(JournalError::Forbidden("the state has no create event".into()));
+        }
+        // Authorize in depth order; an event that fails is dropped (and so is anything
+        // that needs it as an auth event).
+        let mut order: Vec<Arc<Pdu>> = verified.values().cloned().collect();
+        order.sort_by(|a, b| a.depth.cmp(&b.depth).then_with(|| a.event_id.cmp(&b.event_id)));
+        let mut accepted: HashMap<OwnedEventId, Arc<Pdu>> = agg.auth_history.clone();
+        let mut new_events: Vec<Arc<Pdu>> = Vec::new();
+        for p in order {
+            if agg.knows(p.event_id.as_str()) {
+                accepted.insert(p.event_id.clone(), p);
+                continue;
+            }
+            match authorize_by_auth_events(version, &p, &accepted, create.as_ref()) {
+                Ok(()) => {
+                    accepted.insert(p.event_id.clone(), p.clone());
+                    new_events.push(p);
+                }
+                Err(e) => tracing::info!(%room, error = %e, "an imported PDU was rejected"),
+            }
+        }
+        authorize_by_auth_events(version, &join, &accepted, create.as_ref())
+            .map_err(JournalError::Forbidden)?;
+        // Auth-chain-only events first, then the state, each in depth order: applying
+        // them in that order leaves exactly the resident server's state current.
+        let in_state: std::collections::HashSet<&OwnedEventId> = state_ids.iter().collect();
+        new_events.sort_by_key(|p| (in_state.contains(&p.event_id), p.depth));
+        let mut records = Vec::with_capacity(new_events.len() + 1);
+        for p in &new_events {
+            let mut rec = self.event_record(cmd, p, None);
+            rec.kind = RecordKind::Outlier;
+            records.push(rec);
+        }
+        records.push(self.event_record(cmd, &join, None));
+        for p in new_events {
+            agg.apply_outlier(p);
+        }
+        let position = self.enqueue(records);
+        let event_id = join.event_id.clone();
+        agg.apply(Arc::new(join));
+        Ok(Outcome {
+            position,
+            room_id: Some(room),
+            event_ids: vec![event_id],
+            ..Outcome::default()
+        })
+    }
+}
