@@ -112,7 +112,7 @@ def wait_until(what: str, check, timeout: float = 30.0, interval: float = 0.2):
             last = check()
             if last:
                 return last
-        except AssertionError as e:
+        except (AssertionError, OSError) as e:
             last = e
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
@@ -170,9 +170,9 @@ class Synapse:
             "macaroon_secret_key: 'not-a-secret-either'\n"
             "form_secret: 'nor-this'\n"
             "federation:\n"
-            "  destination_min_retry_interval: 200ms\n"
+            "  destination_min_retry_interval: 200\n"
             "  destination_retry_multiplier: 1.5\n"
-            "  destination_max_retry_interval: 2s\n"
+            "  destination_max_retry_interval: 2000\n"
             "rc_message: {per_second: 1000, burst_count: 1000}\n"
             "rc_registration: {per_second: 1000, burst_count: 1000}\n"
             "rc_login: {address: {per_second: 1000, burst_count: 1000}, account: {per_second: 1000, burst_count: 1000}, failed_attempts: {per_second: 1000, burst_count: 1000}}\n"
@@ -195,6 +195,14 @@ class Synapse:
             stderr=subprocess.STDOUT, cwd=str(self.root), start_new_session=True,
         )
         c = Client(self.base_url)
+
+        def up():
+            if self.proc.poll() is not None:
+                pytest.fail(f"synapse exited with {self.proc.returncode}\n{self.logs()}\n{_tail(self.root / 'stdout.log')}", pytrace=False)
+            return c.call("GET", "/_matrix/client/versions", expect=None).get("versions")
+
+        wait_until("synapse to answer /versions", up, timeout=120)
+        return
         wait_until("synapse to answer /versions", lambda: c.call("GET", "/_matrix/client/versions", expect=None).get("versions"), timeout=120)
 
     def stop(self):
@@ -302,15 +310,18 @@ def test_remote_user_with_power_changes_topic_and_kick_and_ban_hold(world):
     assert topic_id in [e["event_id"] for e in alice.messages(room) if e["type"] == "m.room.topic"]
     # Kick: both sides see bob leave.
     alice.call("POST", f"/_matrix/client/v3/rooms/{q(room)}/kick", {"user_id": bob.user_id, "reason": "test"})
-    wait_until("the kick on Synapse", lambda: bob.membership(room, bob.user_id) == "leave" or bob.call("GET", f"/_matrix/client/v3/rooms/{q(room)}/state/m.room.member/{q(bob.user_id)}", expect=None).get("errcode"))
+    wait_until("the kick on Synapse", lambda: bob.membership(room, bob.user_id) == "leave")
     assert alice.membership(room, bob.user_id) == "leave"
     # Bob joins again over federation, then a ban holds on both sides.
     bob.call("POST", f"/_matrix/client/v3/join/{q('#fed:' + spindle.server_name)}", {})
     wait_until("bob back on Spindle", lambda: alice.membership(room, bob.user_id) == "join")
     alice.call("POST", f"/_matrix/client/v3/rooms/{q(room)}/ban", {"user_id": bob.user_id, "reason": "test"})
     wait_until("the ban on Spindle", lambda: alice.membership(room, bob.user_id) == "ban")
-    out = bob.call("POST", f"/_matrix/client/v3/join/{q('#fed:' + spindle.server_name)}", {}, expect=None)
-    assert out.get("errcode") == "M_FORBIDDEN", out
+    # Once Synapse has the ban, bob's join goes to Spindle's make_join and is refused
+    # (before that, Synapse still thinks he is in and answers the join itself).
+    join_path = f"/_matrix/client/v3/join/{q('#fed:' + spindle.server_name)}"
+    out = wait_until("the ban refusing bob's join", lambda: bob.call("POST", join_path, {}, expect=None).get("errcode"))
+    assert out == "M_FORBIDDEN"
     assert alice.membership(room, bob.user_id) == "ban"
     alice.call("POST", f"/_matrix/client/v3/rooms/{q(room)}/unban", {"user_id": bob.user_id})
 
