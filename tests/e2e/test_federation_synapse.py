@@ -337,6 +337,36 @@ def test_synapse_down_while_spindle_sends_catches_up_after_restart(world):
     assert [e for e in ids(bob.messages(room)) if e in set(sent)] == sent
 
 
+def test_spindle_user_joins_a_synapse_room_by_alias_and_both_sides_agree(world):
+    alice, bob, synapse = world["alice"], world["bob"], world["synapse"]
+    room = bob.call("POST", "/_matrix/client/v3/createRoom", {
+        "preset": "public_chat", "room_alias_name": "syn", "name": "Hosted on Synapse",
+        "topic": "a Synapse room",
+    })["room_id"]
+    before = [bob.send(room, f"before alice {i}") for i in range(5)]
+    alias = f"#syn:{synapse.server_name}"
+    joined = alice.call("POST", f"/_matrix/client/v3/join/{q(alias)}", {})
+    assert joined["room_id"] == room
+    wait_until("alice's join on Synapse", lambda: bob.membership(room, alice.user_id) == "join")
+    # The imported state is Spindle's current state; the join is the first timeline event.
+    assert alice.state(room, "m.room.name")["name"] == "Hosted on Synapse"
+    assert alice.state(room, "m.room.topic")["topic"] == "a Synapse room"
+    assert alice.membership(room, bob.user_id) == "join"
+    members = alice.call("GET", f"/_matrix/client/v3/rooms/{q(room)}/joined_members")["joined"]
+    assert sorted(members) == sorted([alice.user_id, bob.user_id])
+    timeline = alice.messages(room)
+    join = [e for e in timeline if e["type"] == "m.room.member" and e["state_key"] == alice.user_id]
+    assert len(join) == 1
+    assert not set(before) & set(ids(timeline)), "history before the join is not backfilled yet"
+    sent_a = [alice.send(room, f"spindle into synapse's room {i}") for i in range(10)]
+    sent_b = [bob.send(room, f"synapse into its own room {i}") for i in range(10)]
+    wait_until("alice's messages on Synapse", lambda: set(sent_a) <= set(ids(bob.messages(room))))
+    wait_until("bob's messages on Spindle", lambda: set(sent_b) <= set(ids(alice.messages(room))))
+    assert [e for e in ids(bob.messages(room)) if e in set(sent_a)] == sent_a
+    assert [e for e in ids(alice.messages(room)) if e in set(sent_b)] == sent_b
+    world["synapse_room"] = room
+
+
 def test_remote_leave_reaches_spindle(world):
     alice, bob, room = world["alice"], world["bob"], world["room"]
     bob.call("POST", f"/_matrix/client/v3/rooms/{q(room)}/leave", {})
