@@ -667,6 +667,13 @@ async fn join(
     let known = s.projections.state.room(room_id).is_some();
     if !known || !crate::visibility::server_is_joined(s, room_id) {
         let mut servers: Vec<String> = via.to_vec();
+        // An invite names a server that is in the room: the inviter's.
+        if let Some(m) = current.as_ref().filter(|m| m.membership == "invite")
+            && let Some((_, srv)) = m.sender.split_once(':')
+            && !servers.iter().any(|x| x == srv)
+        {
+            servers.push(srv.to_owned());
+        }
         if let Some(origin) = room_id.split_once(':').map(|(_, srv)| srv.to_owned())
             && !servers.contains(&origin)
         {
@@ -920,12 +927,53 @@ async fn invite(
         return Err(MatrixError::not_found("Unknown user"));
     }
     if !target.ends_with(&local_suffix) {
-        return Err(MatrixError::forbidden(
-            "Inviting users on other servers needs federation, which is not served yet",
-        ));
+        let Some(fed) = s.federation.clone() else {
+            return Err(MatrixError::forbidden(
+                "Inviting users on other servers needs federation, which is disabled here",
+            ));
+        };
+        return invite_remote(&s, &fed, &r, &room_id, &target, reason).await;
     }
     membership(&s, &r, &room_id, &target, "invite", reason).await?;
     Ok(Json(json!({})))
+}
+
+/// Invites a user of another server: the invite is appended here, then the invitee's
+/// server countersigns it (`/invite`). If that server refuses or cannot be reached,
+/// the invite is withdrawn again (when the inviter may) and its answer passed on.
+async fn invite_remote(
+    s: &AppState,
+    fed: &spindle_federation::FedState,
+    r: &Requester,
+    room_id: &str,
+    target: &str,
+    reason: Option<String>,
+) -> ApiResult<Json<Value>> {
+    let outcome = membership(s, r, room_id, target, "invite", reason).await?;
+    let Some(event_id) = outcome.event_ids.last() else {
+        return Ok(Json(json!({})));
+    };
+    s.wait_for(outcome.position).await?;
+    let invite = s
+        .projections
+        .timeline
+        .event(event_id.as_str())
+        .ok_or_else(|| MatrixError::internal("the invite was not applied"))?;
+    let membership_row = s.projections.membership.get(room_id, target);
+    let stripped = membership_row
+        .as_ref()
+        .and_then(|m| crate::sync::invite_state(s, m))
+        .unwrap_or_default();
+    match spindle_federation::invites::invite_remote(fed, &invite.pdu, stripped).await {
+        Ok(()) => Ok(Json(json!({}))),
+        Err(e) => {
+            let withdrawn = membership(s, r, room_id, target, "kick", None).await;
+            if let Err(w) = withdrawn {
+                tracing::info!(error = %w.error, "the refused invite could not be withdrawn");
+            }
+            Err(crate::error::from_federation(e))
+        }
+    }
 }
 
 async fn leave(
@@ -935,6 +983,26 @@ async fn leave(
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
     let reason = opt_str(&body, "reason")?;
+    // Rejecting an invite to a room this server is not in goes through the inviter's
+    // server (spec: "Leaving Rooms (Rejecting Invites)").
+    if let Some(fed) = &s.federation
+        && let Some(m) = s.projections.membership.get(&room_id, &r.user_id)
+        && m.membership == "invite"
+        && !crate::visibility::server_is_joined(&s, &room_id)
+    {
+        let mut servers: Vec<String> = Vec::new();
+        for id in [m.sender.as_str(), room_id.as_str()] {
+            if let Some((_, srv)) = id.split_once(':')
+                && !servers.iter().any(|x| x == srv)
+            {
+                servers.push(srv.to_owned());
+            }
+        }
+        spindle_federation::invites::reject_remote(fed, &r.user_id, &room_id, &servers)
+            .await
+            .map_err(crate::error::from_federation)?;
+        return Ok(Json(json!({})));
+    }
     membership(&s, &r, &room_id, &r.user_id.clone(), "leave", reason).await?;
     Ok(Json(json!({})))
 }

@@ -744,6 +744,24 @@ impl Ctx<'_> {
 /// invite, the inviter's member event and the invite itself. Point lookups only.
 pub(crate) fn invite_state(s: &AppState, m: &Membership) -> Option<Vec<Value>> {
     let (_, root) = s.projections.state.roots_at(&m.event_id)?;
+    // An invite to a room on another server carries the inviter's stripped state.
+    if let Some(invite) = s.projections.timeline.event(&m.event_id)
+        && let Some(remote) = invite
+            .pdu
+            .federation_json()
+            .get("unsigned")
+            .and_then(|u| u.get("invite_room_state"))
+            .and_then(|v| v.as_array())
+    {
+        let mut events: Vec<Value> = remote
+            .iter()
+            .filter(|e| e.get("type").is_some() && e.get("state_key").is_some())
+            .take(64)
+            .cloned()
+            .collect();
+        events.push(stripped(&invite.pdu));
+        return Some(events);
+    }
     let mut events = Vec::new();
     for kind in [
         "m.room.create",

@@ -25,6 +25,7 @@
 pub mod auth;
 pub mod client;
 pub mod error;
+pub mod invites;
 pub mod joins;
 pub mod outbound;
 pub mod keys;
@@ -245,6 +246,14 @@ pub fn router(st: FedState) -> Router {
             put(joins::send_leave_v2),
         )
         .route("/_matrix/federation/v1/send/{txn_id}", put(transactions::send))
+        .route(
+            "/_matrix/federation/v1/invite/{room_id}/{event_id}",
+            put(invites::invite_v1),
+        )
+        .route(
+            "/_matrix/federation/v2/invite/{room_id}/{event_id}",
+            put(invites::invite_v2),
+        )
         .route("/_matrix/federation/v1/event/{event_id}", get(reads::event))
         .route("/_matrix/federation/v1/state/{room_id}", get(reads::state))
         .route("/_matrix/federation/v1/state_ids/{room_id}", get(reads::state_ids))

@@ -21,7 +21,7 @@ use crate::{
 /// Maps an outbound failure to the error the local client gets: the remote's own
 /// refusal (403/404) is passed on, anything else is 502 (the remote is unreachable
 /// or misbehaved; never a 500 of ours).
-fn remote_error(e: ClientError) -> FedError {
+pub(crate) fn remote_error(e: ClientError) -> FedError {
     match &e {
         ClientError::Status { status, body, .. } if (400..500).contains(status) => {
             let parsed: serde_json::Value = serde_json::from_str(body).unwrap_or_default();

@@ -81,6 +81,20 @@ pub enum CommandBody {
         join: serde_json::Value,
         keys: crate::remote::VerifyKeys,
     },
+    /// Keep a membership event of a room this server is not in as an outlier (spec:
+    /// server-server API, "Inviting to a room" and "Leaving Rooms (Rejecting
+    /// Invites)"): an invite for one of our users (countersigned by us, with the
+    /// inviter's `invite_room_state` kept in `unsigned`), or our user's leave that
+    /// rejected one. Its signatures are verified with `keys`; auth rules cannot be
+    /// checked without the room's state, which the remote server answers for.
+    RemoteOutlier {
+        room_id: String,
+        room_version: String,
+        pdu: serde_json::Value,
+        keys: crate::remote::VerifyKeys,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        invite_room_state: Option<serde_json::Value>,
+    },
     RemotePdu {
         room_id: String,
         pdu: serde_json::Value,

@@ -566,6 +566,16 @@ impl Journal {
                 self.import_remote_room(&cmd, room_id, room_version, auth_chain, state, join, keys)
                     .await?
             }
+            CommandBody::RemoteOutlier {
+                room_id,
+                room_version,
+                pdu,
+                keys,
+                invite_room_state,
+            } => {
+                self.remote_outlier(&cmd, room_id, room_version, pdu, keys, invite_room_state.as_ref())
+                    .await?
+            }
             CommandBody::RemotePdu {
                 room_id,
                 pdu,

@@ -476,3 +476,72 @@ impl Journal {
         })
     }
 }
+
+impl Journal {
+    /// [`crate::CommandBody::RemoteOutlier`]: see its docs. Only `m.room.member`
+    /// events whose target is a user of this server are kept this way.
+    pub(crate) async fn remote_outlier(
+        &self,
+        cmd: &SignedCommand,
+        room_id: &str,
+        version: &str,
+        pdu: &serde_json::Value,
+        keys: &VerifyKeys,
+        invite_room_state: Option<&serde_json::Value>,
+    ) -> Result<Outcome, JournalError> {
+        if room_version::rules(version).is_none() {
+            return Err(JournalError::UnsupportedRoomVersion(version.to_owned()));
+        }
+        let room = OwnedRoomId::try_from(room_id)
+            .map_err(|_| JournalError::BadJson(format!("bad room id {room_id}")))?;
+        let mut parsed = verify_pdu(pdu, version, &room, keys).map_err(JournalError::Forbidden)?;
+        let ours = format!(":{}", self.inner.key.server_name());
+        if parsed.kind.to_string() != "m.room.member"
+            || !parsed.state_key.as_deref().is_some_and(|k| k.ends_with(&ours))
+        {
+            return Err(JournalError::Forbidden(
+                "only membership events of this server's users are kept as outliers".into(),
+            ));
+        }
+        if let Some(state) = invite_room_state {
+            // Kept beside the signed fields (not covered by hashes or signatures).
+            let mut obj = canonical::from_bytes(&parsed.json)
+                .map_err(|e| JournalError::BadJson(e.to_string()))?;
+            let stripped = canonical::to_object(serde_json::json!({ "invite_room_state": state }))
+                .map_err(|e| JournalError::BadJson(format!("invite_room_state: {e}")))?;
+            obj.insert("unsigned".into(), CanonicalJsonValue::Object(stripped));
+            let json = canonical::to_bytes(&obj);
+            if json.len() > 4 * spindle_core::pdu::MAX_PDU_BYTES {
+                return Err(JournalError::TooLarge("invite_room_state is too large".into()));
+            }
+            parsed = Pdu::parse(&json, version, Some(parsed.event_id.clone()), Some(room.clone()))?;
+        }
+        let agg_arc = {
+            let mut rooms = self.inner.rooms.lock();
+            rooms
+                .entry(room.clone())
+                .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(RoomAggregate::new(version))))
+                .clone()
+        };
+        let mut agg = agg_arc.lock().await;
+        if agg.knows(parsed.event_id.as_str()) {
+            return Ok(Outcome {
+                position: self.durable_head(),
+                room_id: Some(room),
+                event_ids: vec![parsed.event_id],
+                ..Outcome::default()
+            });
+        }
+        let mut rec = self.event_record(cmd, &parsed, None);
+        rec.kind = RecordKind::Outlier;
+        let position = self.enqueue(vec![rec]);
+        let event_id = parsed.event_id.clone();
+        agg.apply_outlier(Arc::new(parsed));
+        Ok(Outcome {
+            position,
+            room_id: Some(room),
+            event_ids: vec![event_id],
+            ..Outcome::default()
+        })
+    }
+}

@@ -367,6 +367,43 @@ def test_spindle_user_joins_a_synapse_room_by_alias_and_both_sides_agree(world):
     world["synapse_room"] = room
 
 
+def sync_rooms(client: Client, section: str) -> dict:
+    return client.call("GET", "/_matrix/client/v3/sync?timeout=0")["rooms"].get(section, {})
+
+
+def test_invites_both_ways_accept_one_reject_one(world):
+    alice, bob = world["alice"], world["bob"]
+    # Spindle invites a Synapse user; the invite reaches Synapse and is accepted.
+    room = alice.call("POST", "/_matrix/client/v3/createRoom", {"name": "Private on Spindle"})["room_id"]
+    alice.call("POST", f"/_matrix/client/v3/rooms/{q(room)}/invite", {"user_id": bob.user_id})
+    assert alice.membership(room, bob.user_id) == "invite"
+    invite = wait_until("the invite on Synapse", lambda: sync_rooms(bob, "invite").get(room))
+    names = [e["content"].get("name") for e in invite["invite_state"]["events"] if e["type"] == "m.room.name"]
+    assert names == ["Private on Spindle"]
+    bob.call("POST", f"/_matrix/client/v3/join/{q(room)}", {})
+    wait_until("bob joined the private room on Spindle", lambda: alice.membership(room, bob.user_id) == "join")
+    hello = bob.send(room, "thanks for the invite")
+    wait_until("bob's message on Spindle", lambda: hello in ids(alice.messages(room)))
+    # Synapse invites a Spindle user: the invite shows in Spindle's /sync with the
+    # inviter's stripped state, and joining it joins through Synapse.
+    theirs = bob.call("POST", "/_matrix/client/v3/createRoom", {"name": "Private on Synapse"})["room_id"]
+    bob.call("POST", f"/_matrix/client/v3/rooms/{q(theirs)}/invite", {"user_id": alice.user_id})
+    invite = wait_until("the invite on Spindle", lambda: sync_rooms(alice, "invite").get(theirs))
+    state = invite["invite_state"]["events"]
+    assert [e["content"].get("name") for e in state if e["type"] == "m.room.name"] == ["Private on Synapse"]
+    assert [e["sender"] for e in state if e["type"] == "m.room.member" and e["state_key"] == alice.user_id] == [bob.user_id]
+    alice.call("POST", f"/_matrix/client/v3/rooms/{q(theirs)}/join", {})
+    wait_until("alice joined on Synapse", lambda: bob.membership(theirs, alice.user_id) == "join")
+    assert theirs in sync_rooms(alice, "join")
+    # A second invite from Synapse, rejected: both sides record the leave.
+    other = bob.call("POST", "/_matrix/client/v3/createRoom", {"name": "Not for alice"})["room_id"]
+    bob.call("POST", f"/_matrix/client/v3/rooms/{q(other)}/invite", {"user_id": alice.user_id})
+    wait_until("the second invite on Spindle", lambda: sync_rooms(alice, "invite").get(other))
+    alice.call("POST", f"/_matrix/client/v3/rooms/{q(other)}/leave", {})
+    wait_until("the rejection on Synapse", lambda: bob.membership(other, alice.user_id) == "leave")
+    assert other not in sync_rooms(alice, "invite")
+
+
 def test_remote_leave_reaches_spindle(world):
     alice, bob, room = world["alice"], world["bob"], world["room"]
     bob.call("POST", f"/_matrix/client/v3/rooms/{q(room)}/leave", {})
