@@ -430,7 +430,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 34);
+        assert_eq!(want.len(), 48);
     }
 
     #[test]

@@ -46,6 +46,8 @@ pub struct Server {
     tls: Option<axum_server::Handle>,
     /// The federation sender (`None` with federation disabled).
     pub federation_sender: Option<spindle_federation::sender::FederationSender>,
+    /// The federation state (keys, client); tests pin peers' keys through it.
+    pub federation: spindle_federation::FedState,
 }
 
 impl Server {
@@ -211,8 +213,8 @@ impl Server {
                 .with_context(|| format!("binding federation.tls_bind {tls_addr}"))?;
             std_listener.set_nonblocking(true)?;
             let handle = axum_server::Handle::new();
-            let server = axum_server::from_tcp_rustls(std_listener, tls_config)
-                .handle(handle.clone());
+            let server =
+                axum_server::from_tcp_rustls(std_listener, tls_config).handle(handle.clone());
             let tls_app = app.clone();
             tokio::spawn(async move {
                 if let Err(e) = server.serve(tls_app.into_make_service()).await {
@@ -241,6 +243,7 @@ impl Server {
             task,
             tls,
             federation_sender: sender,
+            federation: fed,
         })
     }
 

@@ -597,7 +597,30 @@ fn check_profile_key(key: &str) -> ApiResult<()> {
 async fn profile(State(s): State<AppState>, Path(user_id): Path<String>) -> ApiResult<Json<Value>> {
     // Unauthenticated: wait for acknowledged writes here (no Requester does it).
     s.wait_for_acknowledged().await?;
+    if let Some(remote) = remote_profile(&s, &user_id, None).await? {
+        return Ok(Json(remote));
+    }
     Ok(Json(profile_json(&s, &user_id)?))
+}
+
+/// A profile of a user on another server, asked of that server (`/query/profile`);
+/// `None` for our own users or with federation off.
+async fn remote_profile(
+    s: &AppState,
+    user_id: &str,
+    field: Option<&str>,
+) -> ApiResult<Option<Value>> {
+    let Some(fed) = &s.federation else {
+        return Ok(None);
+    };
+    if user_id.ends_with(&format!(":{}", s.server_name())) || !user_id.starts_with('@') {
+        return Ok(None);
+    }
+    ruma::UserId::parse(user_id).map_err(|_| MatrixError::invalid_param("Invalid user id"))?;
+    spindle_federation::outbound::query_profile(fed, user_id, field)
+        .await
+        .map(Some)
+        .map_err(crate::error::from_federation)
 }
 
 /// `GET /profile/{userId}/{keyName}`: `{keyName: value}`; 404 when the user or the
@@ -608,7 +631,10 @@ async fn profile_field(
 ) -> ApiResult<Json<Value>> {
     check_profile_key(&field)?;
     s.wait_for_acknowledged().await?;
-    let p = profile_json(&s, &user_id)?;
+    let p = match remote_profile(&s, &user_id, Some(&field)).await? {
+        Some(remote) => remote,
+        None => profile_json(&s, &user_id)?,
+    };
     match p.get(&field) {
         Some(v) => Ok(Json(json!({ field: v }))),
         None => Err(MatrixError::not_found(format!("The user has no {field}"))),

@@ -665,7 +665,7 @@ async fn join(
     // A room this server is not in (or no longer in: nobody here is joined) is joined
     // through a server that is (spec: server-server API, "Joining Rooms").
     let known = s.projections.state.room(room_id).is_some();
-    if !known || !crate::visibility::server_is_joined(s, room_id) {
+    if !known || !crate::visibility::server_is_joined(s, room_id).await {
         let mut servers: Vec<String> = via.to_vec();
         // An invite names a server that is in the room: the inviter's.
         if let Some(m) = current.as_ref().filter(|m| m.membership == "invite")
@@ -684,9 +684,11 @@ async fn join(
             (Some(fed), false) => {
                 let content = member_content(s, &r.user_id, "join", None);
                 let extra = content.as_object().cloned().unwrap_or_default();
-                spindle_federation::outbound::join_remote(fed, &r.user_id, room_id, &servers, extra)
-                    .await
-                    .map_err(crate::error::from_federation)?;
+                spindle_federation::outbound::join_remote(
+                    fed, &r.user_id, room_id, &servers, extra,
+                )
+                .await
+                .map_err(crate::error::from_federation)?;
                 return Ok(Json(json!({ "room_id": room_id })));
             }
             _ if !known => {
@@ -988,7 +990,7 @@ async fn leave(
     if let Some(fed) = &s.federation
         && let Some(m) = s.projections.membership.get(&room_id, &r.user_id)
         && m.membership == "invite"
-        && !crate::visibility::server_is_joined(&s, &room_id)
+        && !crate::visibility::server_is_joined(&s, &room_id).await
     {
         let mut servers: Vec<String> = Vec::new();
         for id in [m.sender.as_str(), room_id.as_str()] {

@@ -205,12 +205,12 @@ pub fn can_see(s: &AppState, user_id: &str, access: &Access, ev: &EventRecord) -
 }
 
 /// Whether one of this server's users is joined to the room now (else a join must go
-/// through a server that is). Reads the room's member list.
-pub fn server_is_joined(s: &AppState, room_id: &str) -> bool {
-    let suffix = format!(":{}", s.server_name());
-    s.projections
-        .membership
-        .members(room_id)
+/// through a server that is). Answered from the journal's write model: no store read,
+/// whatever the room's size.
+pub async fn server_is_joined(s: &AppState, room_id: &str) -> bool {
+    s.journal
+        .servers_in_room(room_id)
+        .await
         .iter()
-        .any(|(u, m)| m.membership == "join" && u.ends_with(&suffix))
+        .any(|srv| srv == s.server_name())
 }

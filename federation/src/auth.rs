@@ -128,10 +128,13 @@ impl FromRequest<FedState> for Signed {
         let body: Option<serde_json::Value> = if bytes.is_empty() {
             None
         } else {
-            Some(
-                serde_json::from_slice(&bytes)
-                    .map_err(|e| FedError::new(axum::http::StatusCode::BAD_REQUEST, "M_NOT_JSON", e.to_string()))?,
-            )
+            Some(serde_json::from_slice(&bytes).map_err(|e| {
+                FedError::new(
+                    axum::http::StatusCode::BAD_REQUEST,
+                    "M_NOT_JSON",
+                    e.to_string(),
+                )
+            })?)
         };
         let keys = st.keys.keys_of(&header.origin).await?;
         let Some(public) = keys.get(&header.key) else {

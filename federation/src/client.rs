@@ -416,7 +416,10 @@ mod tests {
 
     #[test]
     fn denylist_blocks_private_ranges_and_allowlist_reopens_them() {
-        let deny: Vec<String> = DEFAULT_IP_RANGE_DENYLIST.iter().map(|s| s.to_string()).collect();
+        let deny: Vec<String> = DEFAULT_IP_RANGE_DENYLIST
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         let p = IpPolicy::new(&deny, &[]).unwrap();
         assert!(!p.allows("127.0.0.1".parse().unwrap()));
         assert!(!p.allows("10.1.2.3".parse().unwrap()));

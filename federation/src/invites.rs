@@ -44,22 +44,37 @@ async fn receive_invite(
         )
         .with_room_version(version)
     })?;
-    let field = |k: &str| event.get(k).and_then(|v| v.as_str()).unwrap_or_default().to_owned();
+    let field = |k: &str| {
+        event
+            .get(k)
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_owned()
+    };
     let target = field("state_key");
     if field("type") != "m.room.member"
-        || event.get("content").and_then(|c| c.get("membership")).and_then(|m| m.as_str())
+        || event
+            .get("content")
+            .and_then(|c| c.get("membership"))
+            .and_then(|m| m.as_str())
             != Some("invite")
     {
-        return Err(FedError::bad_json("the event must be an m.room.member invite"));
+        return Err(FedError::bad_json(
+            "the event must be an m.room.member invite",
+        ));
     }
     if field("room_id") != room_id {
         return Err(FedError::bad_json("the event is for another room"));
     }
     if server_of(&field("sender")) != Some(origin) {
-        return Err(FedError::forbidden("the inviter must be a user of the asking server"));
+        return Err(FedError::forbidden(
+            "the inviter must be a user of the asking server",
+        ));
     }
     if server_of(&target) != Some(st.server_name()) {
-        return Err(FedError::bad_json("the invitee is not a user of this server"));
+        return Err(FedError::bad_json(
+            "the invitee is not a user of this server",
+        ));
     }
     if st.projections.accounts.user(&target).is_none() {
         return Err(FedError::not_found("no such user"));
@@ -75,8 +90,13 @@ async fn receive_invite(
             "the event id {event_id} does not match the event (${hash})"
         )));
     }
-    ruma::signatures::hash_and_sign_event(st.server_name(), st.key.pair(), &mut obj, &rules.redaction)
-        .map_err(|e| FedError::bad_json(e.to_string()))?;
+    ruma::signatures::hash_and_sign_event(
+        st.server_name(),
+        st.key.pair(),
+        &mut obj,
+        &rules.redaction,
+    )
+    .map_err(|e| FedError::bad_json(e.to_string()))?;
     let signed = serde_json::to_value(&obj).map_err(|e| FedError::bad_json(e.to_string()))?;
     let keys = verify_keys_for(st, &signed).await;
     let joined_here = reads::servers_in_room(st, room_id)
@@ -121,7 +141,16 @@ pub(crate) async fn invite_v2(
         .cloned()
         .ok_or_else(|| FedError::bad_json("event is required"))?;
     let state = body.get("invite_room_state").cloned();
-    let out = receive_invite(&st, &signed.origin, &room_id, &event_id, &version, event, state).await?;
+    let out = receive_invite(
+        &st,
+        &signed.origin,
+        &room_id,
+        &event_id,
+        &version,
+        event,
+        state,
+    )
+    .await?;
     Ok(Json(serde_json::json!({ "event": out })))
 }
 
@@ -186,7 +215,11 @@ pub async fn reject_remote(
             urlencode(room_id),
             urlencode(user_id)
         );
-        let made = match st.client.request(reqwest::Method::GET, server, &path, None).await {
+        let made = match st
+            .client
+            .request(reqwest::Method::GET, server, &path, None)
+            .await
+        {
             Ok(m) => m,
             Err(e) => {
                 last = remote_error(e);
@@ -216,7 +249,12 @@ pub async fn reject_remote(
         );
         if let Err(e) = st
             .client
-            .request(reqwest::Method::PUT, server, &path, Some(&pdu.federation_json()))
+            .request(
+                reqwest::Method::PUT,
+                server,
+                &path,
+                Some(&pdu.federation_json()),
+            )
             .await
         {
             last = remote_error(e);
@@ -225,7 +263,9 @@ pub async fn reject_remote(
         let mut keys = VerifyKeys::new();
         keys.insert(
             st.server_name().to_owned(),
-            [(st.key.key_id(), st.key.public_key_base64())].into_iter().collect(),
+            [(st.key.key_id(), st.key.public_key_base64())]
+                .into_iter()
+                .collect(),
         );
         let outcome = st
             .submit(

@@ -58,7 +58,9 @@ pub(crate) async fn make_join(
             "the room's join rule is {join_rule} and the user is not invited"
         )));
     }
-    Ok(Json(serde_json::json!({ "room_version": version, "event": event })))
+    Ok(Json(
+        serde_json::json!({ "room_version": version, "event": event }),
+    ))
 }
 
 /// `GET /_matrix/federation/v1/make_leave/{roomId}/{userId}`: a leave template.
@@ -68,7 +70,9 @@ pub(crate) async fn make_leave(
     signed: Signed,
 ) -> FedResult<Json<serde_json::Value>> {
     let (version, event) = template(&st, &signed.origin, &room_id, &user_id, "leave").await?;
-    Ok(Json(serde_json::json!({ "room_version": version, "event": event })))
+    Ok(Json(
+        serde_json::json!({ "room_version": version, "event": event }),
+    ))
 }
 
 async fn template(
@@ -107,7 +111,10 @@ async fn submit_membership(
         .ok_or_else(|| FedError::bad_json("the body must be the signed event"))?;
     let field = |k: &str| pdu.get(k).and_then(|v| v.as_str()).unwrap_or_default();
     if field("type") != "m.room.member"
-        || pdu.get("content").and_then(|c| c.get("membership")).and_then(|m| m.as_str())
+        || pdu
+            .get("content")
+            .and_then(|c| c.get("membership"))
+            .and_then(|m| m.as_str())
             != Some(membership)
     {
         return Err(FedError::bad_json(format!(

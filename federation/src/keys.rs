@@ -200,13 +200,31 @@ impl KeyCache {
         Ok(keys)
     }
 
+    /// Remembers `server`'s keys (key id -> unpadded base64) without fetching them, for
+    /// `valid_for_ms`: keys known out of band (tests federating with in-process
+    /// servers; a peer an operator pins).
+    pub fn pin(&self, server: &str, keys: BTreeMap<String, String>, valid_for_ms: u64) {
+        self.cache.lock().insert(
+            server.to_owned(),
+            Cached {
+                keys,
+                response: serde_json::Value::Null,
+                valid_until_ts: now_ms() + valid_for_ms,
+            },
+        );
+    }
+
     /// The signed key response of `server` as a notary serves it (cached or fetched).
     pub async fn response_of(&self, server: &str) -> Option<serde_json::Value> {
         if server == self.own.server_name() {
             return Some(server_keys_response(&self.own));
         }
         self.keys_of(server).await.ok()?;
-        self.cache.lock().get(server).map(|c| c.response.clone())
+        self.cache
+            .lock()
+            .get(server)
+            .map(|c| c.response.clone())
+            .filter(|r| !r.is_null())
     }
 
     async fn fetch(&self, server: &str) -> Result<Cached, FedError> {

@@ -27,8 +27,8 @@ pub mod client;
 pub mod error;
 pub mod invites;
 pub mod joins;
-pub mod outbound;
 pub mod keys;
+pub mod outbound;
 pub mod queries;
 pub mod reads;
 pub mod sender;
@@ -38,6 +38,7 @@ use std::{path::PathBuf, sync::Arc};
 
 use axum::{
     Router,
+    extract::State,
     routing::{get, post, put},
 };
 use serde::{Deserialize, Serialize};
@@ -136,7 +137,11 @@ impl FedState {
         config: FederationConfig,
     ) -> Result<FedState, String> {
         let client = FederationClient::new(key.clone(), &config)?;
-        let keys = KeyCache::new(key.clone(), client.clone(), config.trusted_key_servers.clone());
+        let keys = KeyCache::new(
+            key.clone(),
+            client.clone(),
+            config.trusted_key_servers.clone(),
+        );
         Ok(FedState {
             key,
             journal,
@@ -214,13 +219,36 @@ pub fn key_routes(st: FedState) -> Router {
         .with_state(st)
 }
 
+/// Every federation request starts once the projections have applied everything
+/// acknowledged before it arrived: a server that hears of our event and asks for it
+/// (`/event`, `/state_ids`, `/backfill`) must find it.
+async fn read_your_writes(
+    State(st): State<FedState>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let head = st.journal.durable_head();
+    if head > st.projections.runtime.applied()
+        && let Err(e) = st.wait_for(head).await
+    {
+        return axum::response::IntoResponse::into_response(e);
+    }
+    next.run(req).await
+}
+
 /// Every Server-Server route this crate serves (see docs/federation.md).
 pub fn router(st: FedState) -> Router {
     let well_known = st.config.well_known_server.clone();
     let mut r = Router::new()
         .route("/_matrix/federation/v1/version", get(queries::version))
-        .route("/_matrix/federation/v1/query/directory", get(queries::directory))
-        .route("/_matrix/federation/v1/query/profile", get(queries::profile))
+        .route(
+            "/_matrix/federation/v1/query/directory",
+            get(queries::directory),
+        )
+        .route(
+            "/_matrix/federation/v1/query/profile",
+            get(queries::profile),
+        )
         .route(
             "/_matrix/federation/v1/make_join/{room_id}/{user_id}",
             get(joins::make_join),
@@ -245,7 +273,10 @@ pub fn router(st: FedState) -> Router {
             "/_matrix/federation/v2/send_leave/{room_id}/{event_id}",
             put(joins::send_leave_v2),
         )
-        .route("/_matrix/federation/v1/send/{txn_id}", put(transactions::send))
+        .route(
+            "/_matrix/federation/v1/send/{txn_id}",
+            put(transactions::send),
+        )
         .route(
             "/_matrix/federation/v1/invite/{room_id}/{event_id}",
             put(invites::invite_v1),
@@ -256,12 +287,18 @@ pub fn router(st: FedState) -> Router {
         )
         .route("/_matrix/federation/v1/event/{event_id}", get(reads::event))
         .route("/_matrix/federation/v1/state/{room_id}", get(reads::state))
-        .route("/_matrix/federation/v1/state_ids/{room_id}", get(reads::state_ids))
+        .route(
+            "/_matrix/federation/v1/state_ids/{room_id}",
+            get(reads::state_ids),
+        )
         .route(
             "/_matrix/federation/v1/event_auth/{room_id}/{event_id}",
             get(reads::event_auth),
         )
-        .route("/_matrix/federation/v1/backfill/{room_id}", get(reads::backfill))
+        .route(
+            "/_matrix/federation/v1/backfill/{room_id}",
+            get(reads::backfill),
+        )
         .route(
             "/_matrix/federation/v1/get_missing_events/{room_id}",
             post(reads::get_missing_events),
@@ -273,7 +310,11 @@ pub fn router(st: FedState) -> Router {
         );
     }
     // Unknown paths fall through to the Client-Server router's `M_UNRECOGNIZED`.
-    r.with_state(st.clone())
+    r.route_layer(axum::middleware::from_fn_with_state(
+        st.clone(),
+        read_your_writes,
+    ))
+    .with_state(st.clone())
     .layer(axum::extract::DefaultBodyLimit::max(
         auth::MAX_FEDERATION_BODY_BYTES,
     ))

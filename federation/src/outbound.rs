@@ -41,7 +41,11 @@ pub(crate) fn remote_error(e: ClientError) -> FedError {
                 .to_owned();
             FedError::new(status, errcode, msg)
         }
-        _ => FedError::new(axum::http::StatusCode::BAD_GATEWAY, "M_UNKNOWN", e.to_string()),
+        _ => FedError::new(
+            axum::http::StatusCode::BAD_GATEWAY,
+            "M_UNKNOWN",
+            e.to_string(),
+        ),
     }
 }
 
@@ -61,12 +65,22 @@ pub async fn resolve_alias(st: &FedState, alias: &str) -> FedResult<(String, Vec
     let room_id = out
         .get("room_id")
         .and_then(|r| r.as_str())
-        .ok_or_else(|| FedError::new(axum::http::StatusCode::BAD_GATEWAY, "M_UNKNOWN", "bad directory answer"))?
+        .ok_or_else(|| {
+            FedError::new(
+                axum::http::StatusCode::BAD_GATEWAY,
+                "M_UNKNOWN",
+                "bad directory answer",
+            )
+        })?
         .to_owned();
     let mut servers: Vec<String> = out
         .get("servers")
         .and_then(|s| s.as_array())
-        .map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_owned)).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| s.as_str().map(str::to_owned))
+                .collect()
+        })
         .unwrap_or_default();
     if !servers.iter().any(|s| s == server) {
         servers.insert(0, server.to_owned());
@@ -133,7 +147,11 @@ pub async fn join_remote(
             urlencode(room_id),
             urlencode(user_id)
         );
-        let made = match st.client.request(reqwest::Method::GET, server, &path, None).await {
+        let made = match st
+            .client
+            .request(reqwest::Method::GET, server, &path, None)
+            .await
+        {
             Ok(m) => m,
             Err(e) => {
                 tracing::info!(%server, error = %e, "make_join failed");
@@ -204,7 +222,11 @@ pub async fn join_remote(
             .cloned()
             .unwrap_or(body);
         let mut keys = VerifyKeys::new();
-        for p in state.iter().chain(auth_chain.iter()).chain(std::iter::once(&join)) {
+        for p in state
+            .iter()
+            .chain(auth_chain.iter())
+            .chain(std::iter::once(&join))
+        {
             for (server, k) in verify_keys_for_cached(st, p, &keys).await {
                 keys.insert(server, k);
             }

@@ -71,7 +71,10 @@ pub(crate) fn may_see(st: &FedState, origin: &str, pdu: &Pdu) -> bool {
     let state = &st.projections.state;
     if let Some(hv) = state.lookup(roots.after, "m.room.history_visibility", "")
         && let Some(ev) = load(st, &hv)
-        && ev.content_value().get("history_visibility").and_then(|v| v.as_str())
+        && ev
+            .content_value()
+            .get("history_visibility")
+            .and_then(|v| v.as_str())
             == Some("world_readable")
     {
         return true;
@@ -153,7 +156,12 @@ pub(crate) struct AtEvent {
 }
 
 /// The event asked about, checked to be in `room_id` and visible to `origin`.
-fn event_in_room(st: &FedState, origin: &str, room_id: &str, event_id: &str) -> FedResult<Arc<Pdu>> {
+fn event_in_room(
+    st: &FedState,
+    origin: &str,
+    room_id: &str,
+    event_id: &str,
+) -> FedResult<Arc<Pdu>> {
     let pdu = load(st, event_id)
         .filter(|p| p.room_id.as_str() == room_id)
         .ok_or_else(|| FedError::forbidden("you may not see this room"))?;
@@ -195,7 +203,9 @@ pub(crate) async fn state_ids(
         .iter()
         .map(|e| e.event_id.to_string())
         .collect();
-    Ok(Json(serde_json::json!({ "pdu_ids": ids, "auth_chain_ids": chain })))
+    Ok(Json(
+        serde_json::json!({ "pdu_ids": ids, "auth_chain_ids": chain }),
+    ))
 }
 
 /// `GET /_matrix/federation/v1/event_auth/{roomId}/{eventId}`: the event's auth chain.

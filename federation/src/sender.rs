@@ -21,13 +21,16 @@ use std::{collections::HashMap, path::Path, sync::Arc, time::Duration};
 
 use spindle_journal::consumer::Cursors;
 
-use crate::{FedState, reads, server_of, transactions::urlencode};
+use crate::{FedState, server_of, transactions::urlencode};
 
 /// Most PDUs per transaction (spec).
 pub const MAX_TXN_PDUS: usize = 50;
 
 /// Records read from the journal per step.
 const READ_BATCH: usize = 256;
+
+/// How often a cursor that moved without a delivery is saved.
+const IDLE_SAVE_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Counters for tests: transactions sent and acknowledged, PDUs delivered.
 #[derive(Debug, Default)]
@@ -55,9 +58,7 @@ impl FederationSender {
     /// dispatcher. Errors if the cursor file cannot be read.
     pub fn start(st: FedState, consumers_dir: &Path) -> Result<FederationSender, String> {
         let cursors = Cursors::open(consumers_dir, "federation-sender")?;
-        let start = cursors
-            .get("")
-            .unwrap_or_else(|| st.journal.durable_head());
+        let start = cursors.get("").unwrap_or_else(|| st.journal.durable_head());
         let stored: Vec<(String, u64)> = cursors
             .all()
             .iter()
@@ -79,7 +80,7 @@ impl FederationSender {
     }
 
     /// The destinations of one record, if it is one of our events.
-    fn destinations(&self, rec: &spindle_journal::StoredRecord) -> Vec<String> {
+    async fn destinations(&self, rec: &spindle_journal::StoredRecord) -> Vec<String> {
         let Some(pdu) = rec.pdu() else {
             return Vec::new();
         };
@@ -87,7 +88,11 @@ impl FederationSender {
         if server_of(pdu.sender.as_str()) != Some(ours) {
             return Vec::new();
         }
-        let mut out: Vec<String> = reads::servers_in_room(&self.st, pdu.room_id.as_str())
+        let mut out: Vec<String> = self
+            .st
+            .journal
+            .servers_in_room(pdu.room_id.as_str())
+            .await
             .into_iter()
             .filter(|s| s != ours)
             .collect();
@@ -111,6 +116,7 @@ impl FederationSender {
     }
 
     async fn dispatch(self, mut after: u64) {
+        let mut last_saved = std::time::Instant::now();
         loop {
             let batch = match self.st.journal.next_after(after, READ_BATCH).await {
                 Ok(b) if b.is_empty() => return,
@@ -122,16 +128,8 @@ impl FederationSender {
                 }
             };
             let last = batch.last().map(|r| r.position()).unwrap_or(after);
-            // Membership decides destinations: read it once the projections have
-            // applied this batch.
-            let _ = self
-                .st
-                .projections
-                .runtime
-                .wait_for(last, Duration::from_secs(30))
-                .await;
             for rec in &batch {
-                for dest in self.destinations(rec) {
+                for dest in self.destinations(rec).await {
                     let known = self.workers.lock().contains_key(&dest);
                     if !known {
                         self.spawn_worker(dest, rec.position() - 1);
@@ -139,8 +137,13 @@ impl FederationSender {
                 }
             }
             after = last;
-            if let Err(e) = self.cursors.lock().set("", after) {
-                tracing::warn!(error = %e, "federation sender: cursor not saved");
+            // Only where to look for new destinations: saved now and then (a restart
+            // from an older position finds the same destinations again).
+            if last_saved.elapsed() >= IDLE_SAVE_INTERVAL {
+                last_saved = std::time::Instant::now();
+                if let Err(e) = self.cursors.lock().set("", after) {
+                    tracing::warn!(error = %e, "federation sender: cursor not saved");
+                }
             }
         }
     }
@@ -162,9 +165,15 @@ impl FederationSender {
         }
     }
 
-    async fn run_worker(self, dest: String, mut cursor: u64, mut wake: tokio::sync::watch::Receiver<()>) {
+    async fn run_worker(
+        self,
+        dest: String,
+        mut cursor: u64,
+        mut wake: tokio::sync::watch::Receiver<()>,
+    ) {
         let cfg = self.st.config.clone();
         let mut backoff_ms = cfg.retry_initial_ms;
+        let mut idle_saved = std::time::Instant::now();
         loop {
             // Collect up to 50 PDUs for this destination after the cursor.
             let mut pdus = Vec::new();
@@ -179,18 +188,11 @@ impl FederationSender {
                         continue;
                     }
                 };
-                let last = batch.last().map(|r| r.position()).unwrap_or(covered);
-                let _ = self
-                    .st
-                    .projections
-                    .runtime
-                    .wait_for(last, Duration::from_secs(30))
-                    .await;
                 for rec in &batch {
                     if pdus.len() >= MAX_TXN_PDUS {
                         break;
                     }
-                    if self.destinations(rec).iter().any(|d| *d == dest)
+                    if self.destinations(rec).await.iter().any(|d| *d == dest)
                         && let Some(p) = rec.pdu()
                     {
                         pdus.push(p.federation_json());
@@ -200,10 +202,15 @@ impl FederationSender {
                 if !pdus.is_empty() {
                     break;
                 }
-                // Nothing for this destination in the batch: move on without sending.
+                // Nothing for this destination in the batch: move on without sending,
+                // saving the cursor now and then (not per record: that would be an
+                // fsync per local event; a restart just rescans a little).
                 cursor = covered;
-                if let Err(e) = self.cursors.lock().set(&dest, cursor) {
-                    tracing::warn!(error = %e, "federation sender: cursor not saved");
+                if idle_saved.elapsed() >= IDLE_SAVE_INTERVAL {
+                    idle_saved = std::time::Instant::now();
+                    if let Err(e) = self.cursors.lock().set(&dest, cursor) {
+                        tracing::warn!(error = %e, "federation sender: cursor not saved");
+                    }
                 }
             }
             let txn_id = format!("{}-{}", cursor + 1, covered);
@@ -245,7 +252,8 @@ impl FederationSender {
                         .failures
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     tracing::info!(destination = %dest, error = %e, retry_in_ms = backoff_ms, "federation transaction failed");
-                    let _ = tokio::time::timeout(Duration::from_millis(backoff_ms), wake.changed()).await;
+                    let _ = tokio::time::timeout(Duration::from_millis(backoff_ms), wake.changed())
+                        .await;
                     backoff_ms = (backoff_ms.saturating_mul(2)).min(cfg.retry_max_ms.max(1));
                 }
             }

@@ -65,7 +65,10 @@ pub async fn verify_keys_for(st: &FedState, pdu: &serde_json::Value) -> VerifyKe
         .and_then(|s| s.as_object())
         .map(|s| s.keys().cloned().collect())
         .unwrap_or_default();
-    if let Some(s) = pdu.get("sender").and_then(|v| v.as_str()).and_then(server_of)
+    if let Some(s) = pdu
+        .get("sender")
+        .and_then(|v| v.as_str())
+        .and_then(server_of)
         && !servers.iter().any(|x| x == s)
     {
         servers.insert(0, s.to_owned());
@@ -92,7 +95,11 @@ fn event_id_of(pdu: &serde_json::Value, version: &str) -> Option<String> {
 }
 
 /// Ingests one PDU from `origin`; fills a gap of missing `prev_events` once.
-pub async fn ingest(st: &FedState, origin: &str, pdu: &serde_json::Value) -> Result<String, String> {
+pub async fn ingest(
+    st: &FedState,
+    origin: &str,
+    pdu: &serde_json::Value,
+) -> Result<String, String> {
     let room_id = pdu
         .get("room_id")
         .and_then(|v| v.as_str())
@@ -101,7 +108,8 @@ pub async fn ingest(st: &FedState, origin: &str, pdu: &serde_json::Value) -> Res
     let Some(version) = st.journal.room_version(&room_id).await else {
         return Err(format!("{room_id} is not a room on this server"));
     };
-    let event_id = event_id_of(pdu, &version).ok_or("the PDU is not valid JSON for its room version")?;
+    let event_id =
+        event_id_of(pdu, &version).ok_or("the PDU is not valid JSON for its room version")?;
     let submit = |p: serde_json::Value| {
         let room_id = room_id.clone();
         async move {

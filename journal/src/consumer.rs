@@ -31,8 +31,9 @@ impl Cursors {
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let path = dir.join(format!("{consumer}.json"));
         let map = match std::fs::read(&path) {
-            Ok(bytes) => serde_json::from_slice(&bytes)
-                .map_err(|e| format!("{}: {e}", path.display()))?,
+            Ok(bytes) => {
+                serde_json::from_slice(&bytes).map_err(|e| format!("{}: {e}", path.display()))?
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
             Err(e) => return Err(format!("{}: {e}", path.display())),
         };
@@ -92,7 +93,10 @@ mod tests {
         c.set("a.org", 42).unwrap();
         let c = Cursors::open(dir.path(), "federation-sender").unwrap();
         assert_eq!(
-            c.all().iter().map(|(k, v)| (k.as_str(), *v)).collect::<Vec<_>>(),
+            c.all()
+                .iter()
+                .map(|(k, v)| (k.as_str(), *v))
+                .collect::<Vec<_>>(),
             vec![("a.org", 42), ("b.org", 7)]
         );
         std::fs::write(dir.path().join("federation-sender.json"), b"{not json").unwrap();

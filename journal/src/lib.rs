@@ -13,8 +13,8 @@
 
 pub mod blobs;
 pub mod chain;
-pub mod consumer;
 pub mod command;
+pub mod consumer;
 pub mod migrate;
 pub mod record;
 pub mod remote;
@@ -222,6 +222,9 @@ struct RoomAggregate {
     known: HashSet<u64>,
     /// (user, device, txn id) -> (event id, position) for idempotent sends.
     txns: HashMap<(String, String, String), (OwnedEventId, u64)>,
+    /// Server name -> number of its users joined now: whom the federation sender
+    /// delivers the room's events to, without reading a member list.
+    joined_servers: std::collections::BTreeMap<String, u32>,
 }
 
 /// The digest [`RoomAggregate::known`] keeps of an event id.
@@ -241,6 +244,43 @@ impl RoomAggregate {
             auth_history: HashMap::new(),
             known: HashSet::new(),
             txns: HashMap::new(),
+            joined_servers: std::collections::BTreeMap::new(),
+        }
+    }
+
+    /// Keeps [`RoomAggregate::joined_servers`] right across a member event.
+    fn count_membership(&mut self, pdu: &Pdu) {
+        let (Some(user), true) = (&pdu.state_key, pdu.kind.to_string() == "m.room.member") else {
+            return;
+        };
+        let joined = |p: Option<&Arc<Pdu>>| {
+            p.is_some_and(|p| {
+                p.content_value().get("membership").and_then(|m| m.as_str()) == Some("join")
+            })
+        };
+        let before = joined(
+            self.auth_state
+                .get(&("m.room.member".to_owned(), user.clone())),
+        );
+        let after = pdu
+            .content_value()
+            .get("membership")
+            .and_then(|m| m.as_str())
+            == Some("join");
+        let Some((_, server)) = user.split_once(':') else {
+            return;
+        };
+        match (before, after) {
+            (false, true) => *self.joined_servers.entry(server.to_owned()).or_insert(0) += 1,
+            (true, false) => {
+                if let Some(n) = self.joined_servers.get_mut(server) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.joined_servers.remove(server);
+                    }
+                }
+            }
+            _ => {}
         }
     }
 
@@ -249,6 +289,7 @@ impl RoomAggregate {
     }
 
     fn apply(&mut self, pdu: Arc<Pdu>) {
+        self.count_membership(&pdu);
         self.head = Some((pdu.event_id.clone(), pdu.depth));
         self.known.insert(id_digest(pdu.event_id.as_str()));
         self.extremities
@@ -267,6 +308,7 @@ impl RoomAggregate {
     /// An outlier (imported state or auth event): known and, if auth-relevant, part
     /// of the auth state; never a forward extremity.
     fn apply_outlier(&mut self, pdu: Arc<Pdu>) {
+        self.count_membership(&pdu);
         self.known.insert(id_digest(pdu.event_id.as_str()));
         self.max_depth = self.max_depth.max(pdu.depth);
         if let Some(sk) = &pdu.state_key {
@@ -573,8 +615,15 @@ impl Journal {
                 keys,
                 invite_room_state,
             } => {
-                self.remote_outlier(&cmd, room_id, room_version, pdu, keys, invite_room_state.as_ref())
-                    .await?
+                self.remote_outlier(
+                    &cmd,
+                    room_id,
+                    room_version,
+                    pdu,
+                    keys,
+                    invite_room_state.as_ref(),
+                )
+                .await?
             }
             CommandBody::RemotePdu {
                 room_id,

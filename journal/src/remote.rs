@@ -24,13 +24,12 @@ use std::{collections::HashMap, sync::Arc};
 use ruma::{CanonicalJsonValue, OwnedEventId, OwnedRoomId};
 use spindle_core::{canonical, pdu::Pdu, room_version};
 
-use crate::{
-    Fact, Journal, JournalError, Outcome, RecordKind, RoomAggregate, SignedCommand,
-};
+use crate::{Fact, Journal, JournalError, Outcome, RecordKind, RoomAggregate, SignedCommand};
 
 /// The keys a remote PDU is verified with: server name -> key id -> unpadded base64
 /// ed25519 public key.
-pub type VerifyKeys = std::collections::BTreeMap<String, std::collections::BTreeMap<String, String>>;
+pub type VerifyKeys =
+    std::collections::BTreeMap<String, std::collections::BTreeMap<String, String>>;
 
 /// Why a remote PDU was refused (the reason recorded and answered per PDU in `/send`).
 fn reject(reason: impl Into<String>) -> JournalError {
@@ -119,8 +118,12 @@ fn check_remote(
             JournalError::UnsupportedRoomVersion(agg.version.clone()),
         )
     })?;
-    let mut obj = canonical::to_object(pdu.clone())
-        .map_err(|e| (None, JournalError::BadJson(format!("PDU is not canonical JSON: {e}"))))?;
+    let mut obj = canonical::to_object(pdu.clone()).map_err(|e| {
+        (
+            None,
+            JournalError::BadJson(format!("PDU is not canonical JSON: {e}")),
+        )
+    })?;
     // `unsigned` is not covered by hashes or signatures; what another server put there
     // is not ours to keep.
     obj.remove("unsigned");
@@ -198,6 +201,19 @@ fn check_remote(
 }
 
 impl Journal {
+    /// The servers with a user joined to the room now (from the write model: no store
+    /// read), in name order; empty for an unknown room.
+    pub async fn servers_in_room(&self, room_id: &str) -> Vec<String> {
+        let Ok(room) = OwnedRoomId::try_from(room_id) else {
+            return Vec::new();
+        };
+        let Some(agg) = self.inner.rooms.lock().get(&room).cloned() else {
+            return Vec::new();
+        };
+        let servers = agg.lock().await.joined_servers.keys().cloned().collect();
+        servers
+    }
+
     /// The room's version, if the room exists here.
     pub async fn room_version(&self, room_id: &str) -> Option<String> {
         let room = OwnedRoomId::try_from(room_id).ok()?;
@@ -237,14 +253,9 @@ impl Journal {
         let content = serde_json::json!({ "membership": membership });
         let raw = serde_json::value::to_raw_value(&content)
             .map_err(|e| JournalError::BadJson(e.to_string()))?;
-        let types = spindle_core::auth::auth_types(
-            &rules,
-            "m.room.member",
-            &sender,
-            Some(user_id),
-            &raw,
-        )
-        .map_err(JournalError::BadJson)?;
+        let types =
+            spindle_core::auth::auth_types(&rules, "m.room.member", &sender, Some(user_id), &raw)
+                .map_err(JournalError::BadJson)?;
         let mut auth_events: Vec<String> = Vec::new();
         for (t, k) in &types {
             if let Some(p) = agg.auth_state.get(&(t.clone(), k.clone()))
@@ -279,7 +290,8 @@ fn verify_pdu(
     room: &OwnedRoomId,
     keys: &VerifyKeys,
 ) -> Result<Pdu, String> {
-    let rules = room_version::rules(version).ok_or(format!("unsupported room version {version}"))?;
+    let rules =
+        room_version::rules(version).ok_or(format!("unsupported room version {version}"))?;
     let mut obj =
         canonical::to_object(pdu.clone()).map_err(|e| format!("PDU is not canonical JSON: {e}"))?;
     obj.remove("unsigned");
@@ -287,7 +299,8 @@ fn verify_pdu(
     if size > spindle_core::pdu::MAX_PDU_BYTES {
         return Err(format!("PDU is {size} bytes (limit 65536)"));
     }
-    let hash = ruma::signatures::reference_hash(&obj, &rules).map_err(|e| format!("invalid PDU: {e}"))?;
+    let hash =
+        ruma::signatures::reference_hash(&obj, &rules).map_err(|e| format!("invalid PDU: {e}"))?;
     let event_id = format!("${hash}");
     let is_create = obj.get("type").and_then(|t| t.as_str()) == Some("m.room.create");
     match obj.get("room_id") {
@@ -302,7 +315,8 @@ fn verify_pdu(
     let verified = ruma::signatures::verify_event(&key_map(keys), &obj, &rules)
         .map_err(|e| format!("{event_id}: signature check failed: {e}"))?;
     if verified == ruma::signatures::Verified::Signatures {
-        obj = ruma::canonical_json::redact(obj, &rules.redaction, None).map_err(|e| e.to_string())?;
+        obj =
+            ruma::canonical_json::redact(obj, &rules.redaction, None).map_err(|e| e.to_string())?;
     }
     let json = canonical::to_bytes(&obj);
     Pdu::parse(
@@ -377,7 +391,9 @@ impl Journal {
         let room = OwnedRoomId::try_from(room_id)
             .map_err(|_| JournalError::BadJson(format!("bad room id {room_id}")))?;
         if auth_chain.len() + state.len() > 200_000 {
-            return Err(JournalError::TooLarge("the room's state is too large to import".into()));
+            return Err(JournalError::TooLarge(
+                "the room's state is too large to import".into(),
+            ));
         }
         // Verify every PDU first (no lock held: pure computation).
         let mut verified: HashMap<OwnedEventId, Arc<Pdu>> = HashMap::new();
@@ -391,7 +407,9 @@ impl Journal {
                         }
                         verified.insert(p.event_id.clone(), Arc::new(p));
                     }
-                    Err(e) => tracing::info!(%room, error = %e, "an imported PDU failed verification"),
+                    Err(e) => {
+                        tracing::info!(%room, error = %e, "an imported PDU failed verification")
+                    }
                 }
             }
         }
@@ -428,12 +446,18 @@ impl Journal {
                 .cloned()
         });
         if create.is_none() {
-            return Err(JournalError::Forbidden("the state has no create event".into()));
+            return Err(JournalError::Forbidden(
+                "the state has no create event".into(),
+            ));
         }
         // Authorize in depth order; an event that fails is dropped (and so is anything
         // that needs it as an auth event).
         let mut order: Vec<Arc<Pdu>> = verified.values().cloned().collect();
-        order.sort_by(|a, b| a.depth.cmp(&b.depth).then_with(|| a.event_id.cmp(&b.event_id)));
+        order.sort_by(|a, b| {
+            a.depth
+                .cmp(&b.depth)
+                .then_with(|| a.event_id.cmp(&b.event_id))
+        });
         let mut accepted: HashMap<OwnedEventId, Arc<Pdu>> = agg.auth_history.clone();
         let mut new_events: Vec<Arc<Pdu>> = Vec::new();
         for p in order {
@@ -497,7 +521,10 @@ impl Journal {
         let mut parsed = verify_pdu(pdu, version, &room, keys).map_err(JournalError::Forbidden)?;
         let ours = format!(":{}", self.inner.key.server_name());
         if parsed.kind.to_string() != "m.room.member"
-            || !parsed.state_key.as_deref().is_some_and(|k| k.ends_with(&ours))
+            || !parsed
+                .state_key
+                .as_deref()
+                .is_some_and(|k| k.ends_with(&ours))
         {
             return Err(JournalError::Forbidden(
                 "only membership events of this server's users are kept as outliers".into(),
@@ -512,9 +539,16 @@ impl Journal {
             obj.insert("unsigned".into(), CanonicalJsonValue::Object(stripped));
             let json = canonical::to_bytes(&obj);
             if json.len() > 4 * spindle_core::pdu::MAX_PDU_BYTES {
-                return Err(JournalError::TooLarge("invite_room_state is too large".into()));
+                return Err(JournalError::TooLarge(
+                    "invite_room_state is too large".into(),
+                ));
             }
-            parsed = Pdu::parse(&json, version, Some(parsed.event_id.clone()), Some(room.clone()))?;
+            parsed = Pdu::parse(
+                &json,
+                version,
+                Some(parsed.event_id.clone()),
+                Some(room.clone()),
+            )?;
         }
         let agg_arc = {
             let mut rooms = self.inner.rooms.lock();

@@ -281,6 +281,12 @@ def test_synapse_user_joins_a_spindle_room_by_alias(world):
     assert [e["event_id"] for e in theirs] == [bob_join[0]["event_id"]]
     assert bob.state(room, "m.room.name")["name"] == "Federated"
     assert bob.membership(room, alice.user_id) == "join"
+    # Profiles across servers, both ways.
+    bob.call("PUT", f"/_matrix/client/v3/profile/{q(bob.user_id)}/displayname", {"displayname": "Bob on Synapse"})
+    assert alice.call("GET", f"/_matrix/client/v3/profile/{q(bob.user_id)}")["displayname"] == "Bob on Synapse"
+    assert alice.call("GET", f"/_matrix/client/v3/profile/{q(bob.user_id)}/displayname") == {"displayname": "Bob on Synapse"}
+    alice.call("PUT", f"/_matrix/client/v3/profile/{q(alice.user_id)}/displayname", {"displayname": "Alice on Spindle"})
+    assert bob.call("GET", f"/_matrix/client/v3/profile/{q(alice.user_id)}")["displayname"] == "Alice on Spindle"
 
 
 def test_sixty_messages_each_way_arrive_with_the_same_event_ids(world):
@@ -365,6 +371,41 @@ def test_spindle_user_joins_a_synapse_room_by_alias_and_both_sides_agree(world):
     assert [e for e in ids(bob.messages(room)) if e in set(sent_a)] == sent_a
     assert [e for e in ids(alice.messages(room)) if e in set(sent_b)] == sent_b
     world["synapse_room"] = room
+
+
+def state_ids(client: Client, room_id: str) -> set[tuple[str, str, str]]:
+    events = client.call("GET", f"/_matrix/client/v3/rooms/{q(room_id)}/state")
+    return {(e["type"], e["state_key"], e["event_id"]) for e in events}
+
+
+def test_concurrent_sends_from_both_servers_converge(world):
+    import threading
+
+    alice, bob, room = world["alice"], world["bob"], world["room"]
+    assert alice.membership(room, bob.user_id) == "join"
+    sent: dict[str, list[str]] = {"a": [], "b": []}
+    start = threading.Barrier(2)
+
+    def burst(who: str, client: Client):
+        start.wait()
+        for i in range(20):
+            sent[who].append(client.send(room, f"{who} at the same moment {i}"))
+
+    threads = [threading.Thread(target=burst, args=("a", alice)), threading.Thread(target=burst, args=("b", bob))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    want = set(sent["a"]) | set(sent["b"])
+    assert len(want) == 40
+    wait_until("all 40 on Spindle", lambda: want <= set(ids(alice.messages(room))), timeout=60)
+    wait_until("all 40 on Synapse", lambda: want <= set(ids(bob.messages(room))), timeout=60)
+    # One more message from each side merges the forks; then both hold the same state.
+    alice.send(room, "after the burst (spindle)")
+    bob.send(room, "after the burst (synapse)")
+    wait_until("the same current state on both sides", lambda: state_ids(alice, room) == state_ids(bob, room))
+    assert [e for e in ids(bob.messages(room)) if e in set(sent["a"])] == sent["a"]
+    assert [e for e in ids(alice.messages(room)) if e in set(sent["b"])] == sent["b"]
 
 
 def sync_rooms(client: Client, section: str) -> dict:

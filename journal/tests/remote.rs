@@ -1,0 +1,436 @@
+//! Remote PDUs through the journal (issue 12, item 7): each bad PDU gets the spec's
+//! answer, a refusal is recorded, nothing refused reaches the room, and a local room
+//! stays a chain until a remote event forks it.
+
+use std::{collections::BTreeMap, sync::Arc};
+
+use serde_json::json;
+use spindle_core::{keys::ServerKey, pdu::PduTemplate};
+use spindle_journal::{
+    CommandBody, CommandEnvelope, EventSpec, Fact, FjallStore, Journal, JournalError,
+    SignedCommand, remote::VerifyKeys,
+};
+
+const ALICE: &str = "@alice:example.org";
+const BOB: &str = "@bob:remote.org";
+
+fn signed(key: &ServerKey, principal: &str, body: CommandBody) -> SignedCommand {
+    let envelope = CommandEnvelope {
+        principal: principal.into(),
+        device_id: None,
+        issued_at: 1_700_000_000_000,
+        body,
+    };
+    SignedCommand::sign(key, envelope).unwrap()
+}
+
+fn state(kind: &str, key: &str, content: serde_json::Value) -> EventSpec {
+    EventSpec {
+        kind: kind.into(),
+        state_key: Some(key.into()),
+        content,
+        redacts: None,
+    }
+}
+
+struct World {
+    journal: Journal,
+    key: Arc<ServerKey>,
+    remote: ServerKey,
+    room: String,
+    create: String,
+    power: String,
+    join_rules: String,
+    _dir: tempfile::TempDir,
+}
+
+fn keys_of(k: &ServerKey) -> VerifyKeys {
+    BTreeMap::from([(
+        k.server_name().to_owned(),
+        BTreeMap::from([(k.key_id(), k.public_key_base64())]),
+    )])
+}
+
+/// A public v11 room created by alice on example.org.
+async fn world() -> World {
+    let dir = tempfile::tempdir().unwrap();
+    let key = Arc::new(ServerKey::generate("example.org"));
+    let journal =
+        Journal::open(Arc::new(FjallStore::open(dir.path()).unwrap()), key.clone()).unwrap();
+    let created = journal
+        .submit(signed(
+            &key,
+            ALICE,
+            CommandBody::CreateRoom {
+                room_version: "11".into(),
+                events: vec![
+                    state("m.room.create", "", json!({ "room_version": "11" })),
+                    state("m.room.member", ALICE, json!({ "membership": "join" })),
+                    state(
+                        "m.room.power_levels",
+                        "",
+                        json!({ "users": { ALICE: 100 }, "events_default": 0, "state_default": 50 }),
+                    ),
+                    state("m.room.join_rules", "", json!({ "join_rule": "public" })),
+                ],
+                alias: None,
+            },
+        ))
+        .await
+        .unwrap();
+    let ids: Vec<String> = created.event_ids.iter().map(|e| e.to_string()).collect();
+    World {
+        journal,
+        key,
+        remote: ServerKey::generate("remote.org"),
+        room: created.room_id.unwrap().to_string(),
+        create: ids[0].clone(),
+        power: ids[2].clone(),
+        join_rules: ids[3].clone(),
+        _dir: dir,
+    }
+}
+
+impl World {
+    /// A PDU built and signed by remote.org.
+    fn remote_pdu(
+        &self,
+        sender: &str,
+        kind: &str,
+        state_key: Option<&str>,
+        content: serde_json::Value,
+        prev: &str,
+        auth: Vec<&str>,
+        depth: u64,
+    ) -> serde_json::Value {
+        PduTemplate {
+            room_version: "11".into(),
+            room_id: Some(self.room.as_str().try_into().unwrap()),
+            sender: sender.try_into().unwrap(),
+            kind: kind.into(),
+            state_key: state_key.map(str::to_owned),
+            content,
+            redacts: None,
+            prev_events: vec![prev.try_into().unwrap()],
+            auth_events: auth.into_iter().map(|a| a.try_into().unwrap()).collect(),
+            depth,
+            origin_server_ts: 1_700_000_000_500,
+        }
+        .build(&self.remote)
+        .unwrap()
+        .federation_json()
+    }
+
+    async fn ingest(
+        &self,
+        pdu: serde_json::Value,
+        keys: VerifyKeys,
+    ) -> Result<String, JournalError> {
+        let out = self
+            .journal
+            .submit(signed(
+                &self.key,
+                "remote.org",
+                CommandBody::RemotePdu {
+                    room_id: self.room.clone(),
+                    pdu,
+                    keys,
+                    event_id: None,
+                },
+            ))
+            .await?;
+        Ok(out.event_ids[0].to_string())
+    }
+
+    async fn head_event(&self) -> String {
+        let recs = self.journal.read_after(0, 1000).unwrap();
+        recs.iter()
+            .rev()
+            .find(|r| r.is_event())
+            .and_then(|r| r.event_id().map(str::to_owned))
+            .unwrap()
+    }
+
+    fn rejections(&self) -> Vec<(String, String)> {
+        self.journal
+            .read_after(0, 1000)
+            .unwrap()
+            .iter()
+            .filter_map(|r| match r.fact() {
+                Some(Fact::RemotePduRejected { origin, reason, .. }) => Some((origin, reason)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    async fn bob_join(&self) -> String {
+        let head = self.head_event().await;
+        let join = self.remote_pdu(
+            BOB,
+            "m.room.member",
+            Some(BOB),
+            json!({ "membership": "join" }),
+            &head,
+            vec![&self.create, &self.power, &self.join_rules],
+            5,
+        );
+        self.ingest(join, keys_of(&self.remote)).await.unwrap()
+    }
+}
+
+#[tokio::test]
+async fn a_valid_remote_join_and_message_are_appended_and_a_retry_adds_nothing() {
+    let w = world().await;
+    let join = w.bob_join().await;
+    let head_before = w.journal.durable_head();
+    let msg = w.remote_pdu(
+        BOB,
+        "m.room.message",
+        None,
+        json!({ "msgtype": "m.text", "body": "hi" }),
+        &join,
+        vec![&w.create, &w.power, &join],
+        6,
+    );
+    let id = w.ingest(msg.clone(), keys_of(&w.remote)).await.unwrap();
+    assert_eq!(w.journal.durable_head(), head_before + 1);
+    // The same PDU again (a retried transaction): accepted, nothing appended.
+    assert_eq!(w.ingest(msg, keys_of(&w.remote)).await.unwrap(), id);
+    assert_eq!(w.journal.durable_head(), head_before + 1);
+    assert_eq!(w.head_event().await, id);
+    assert!(w.rejections().is_empty());
+}
+
+#[tokio::test]
+async fn bad_signatures_wrong_ids_unknown_prevs_and_failed_auth_are_refused_and_recorded() {
+    let w = world().await;
+    let head = w.head_event().await;
+    let join = w.remote_pdu(
+        BOB,
+        "m.room.member",
+        Some(BOB),
+        json!({ "membership": "join" }),
+        &head,
+        vec![&w.create, &w.power, &w.join_rules],
+        5,
+    );
+    // Verified with another key of remote.org: refused, recorded.
+    let impostor = ServerKey::generate("remote.org");
+    let err = w
+        .ingest(join.clone(), keys_of(&impostor))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, JournalError::Forbidden(m) if m.contains("signature")),
+        "{err}"
+    );
+    // No key for the signer at all.
+    let err = w.ingest(join.clone(), VerifyKeys::new()).await.unwrap_err();
+    assert!(
+        matches!(&err, JournalError::Forbidden(m) if m.contains("signature")),
+        "{err}"
+    );
+    // A send_join naming another event id.
+    let err = w
+        .journal
+        .submit(signed(
+            &w.key,
+            "remote.org",
+            CommandBody::RemotePdu {
+                room_id: w.room.clone(),
+                pdu: join.clone(),
+                keys: keys_of(&w.remote),
+                event_id: Some("$notthisone".into()),
+            },
+        ))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, JournalError::BadJson(m) if m.contains("does not match")),
+        "{err}"
+    );
+    // Unknown prev event: refused as missing (the federation layer fetches the gap).
+    let orphan = w.remote_pdu(
+        BOB,
+        "m.room.member",
+        Some(BOB),
+        json!({ "membership": "join" }),
+        "$unknownprevevent00000000000000000000000000",
+        vec![&w.create, &w.power, &w.join_rules],
+        5,
+    );
+    let err = w.ingest(orphan, keys_of(&w.remote)).await.unwrap_err();
+    assert!(matches!(err, JournalError::MissingPrevEvents(_)), "{err}");
+    // A message from bob before he joined fails the auth rules.
+    let early = w.remote_pdu(
+        BOB,
+        "m.room.message",
+        None,
+        json!({ "body": "not a member" }),
+        &head,
+        vec![&w.create, &w.power],
+        5,
+    );
+    let err = w.ingest(early, keys_of(&w.remote)).await.unwrap_err();
+    assert!(
+        matches!(&err, JournalError::Forbidden(m) if m.contains("auth rules")),
+        "{err}"
+    );
+    // An oversized PDU.
+    let big = w.remote_pdu(
+        BOB,
+        "m.room.message",
+        None,
+        json!({ "body": "x".repeat(60_000) }),
+        &head,
+        vec![&w.create, &w.power],
+        5,
+    );
+    let mut big = big;
+    big["content"]["padding"] = json!("y".repeat(10_000));
+    let err = w.ingest(big, keys_of(&w.remote)).await.unwrap_err();
+    assert!(matches!(err, JournalError::TooLarge(_)), "{err}");
+    // Another room's event.
+    let mut elsewhere = join.clone();
+    elsewhere["room_id"] = json!("!other:example.org");
+    let err = w.ingest(elsewhere, keys_of(&w.remote)).await.unwrap_err();
+    assert!(
+        matches!(&err, JournalError::Forbidden(m) if m.contains("not an event of")),
+        "{err}"
+    );
+    // Nothing refused is in the room: the head is still alice's last event.
+    assert_eq!(w.head_event().await, head);
+    let reasons = w.rejections();
+    assert_eq!(reasons.len(), 7, "{reasons:?}");
+    assert!(reasons.iter().all(|(origin, _)| origin == "remote.org"));
+    // A room that does not exist here.
+    let err = w
+        .journal
+        .submit(signed(
+            &w.key,
+            "remote.org",
+            CommandBody::RemotePdu {
+                room_id: "!nope:example.org".into(),
+                pdu: join,
+                keys: keys_of(&w.remote),
+                event_id: None,
+            },
+        ))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, JournalError::UnknownRoom(_)), "{err}");
+}
+
+#[tokio::test]
+async fn a_pdu_whose_content_hash_fails_is_kept_redacted() {
+    let w = world().await;
+    let join = w.bob_join().await;
+    let mut msg = w.remote_pdu(
+        BOB,
+        "m.room.message",
+        None,
+        json!({ "msgtype": "m.text", "body": "original" }),
+        &join,
+        vec![&w.create, &w.power, &join],
+        6,
+    );
+    // Content changed after signing: signatures (over the redacted form) still hold,
+    // the content hash does not.
+    msg["content"]["body"] = json!("tampered");
+    let id = w.ingest(msg, keys_of(&w.remote)).await.unwrap();
+    let rec = w
+        .journal
+        .read_after(0, 1000)
+        .unwrap()
+        .into_iter()
+        .find(|r| r.event_id() == Some(id.as_str()))
+        .unwrap();
+    let pdu = rec.pdu().unwrap();
+    assert_eq!(pdu.content_value(), json!({}));
+}
+
+#[tokio::test]
+async fn a_local_room_is_a_chain_until_a_remote_event_forks_it() {
+    let w = world().await;
+    let join = w.bob_join().await;
+    // Bob's message names the join; alice's message (sent meanwhile) too: a fork.
+    let alice_msg = w
+        .journal
+        .submit(signed(
+            &w.key,
+            ALICE,
+            CommandBody::SendEvent {
+                room_id: w.room.clone(),
+                event: EventSpec {
+                    kind: "m.room.message".into(),
+                    state_key: None,
+                    content: json!({ "body": "from alice" }),
+                    redacts: None,
+                },
+                txn_id: None,
+                precondition: None,
+            },
+        ))
+        .await
+        .unwrap()
+        .event_ids[0]
+        .to_string();
+    let bob_msg = w.remote_pdu(
+        BOB,
+        "m.room.message",
+        None,
+        json!({ "body": "from bob" }),
+        &join,
+        vec![&w.create, &w.power, &join],
+        6,
+    );
+    let bob_id = w.ingest(bob_msg, keys_of(&w.remote)).await.unwrap();
+    // Alice's next event merges both forward extremities.
+    let next = w
+        .journal
+        .submit(signed(
+            &w.key,
+            ALICE,
+            CommandBody::SendEvent {
+                room_id: w.room.clone(),
+                event: EventSpec {
+                    kind: "m.room.message".into(),
+                    state_key: None,
+                    content: json!({ "body": "merge" }),
+                    redacts: None,
+                },
+                txn_id: None,
+                precondition: None,
+            },
+        ))
+        .await
+        .unwrap();
+    let rec = w
+        .journal
+        .read_after(0, 1000)
+        .unwrap()
+        .into_iter()
+        .find(|r| r.event_id() == Some(next.event_ids[0].as_str()))
+        .unwrap();
+    let pdu = rec.pdu().unwrap();
+    let mut prevs: Vec<String> = pdu.prev_events.iter().map(|p| p.to_string()).collect();
+    prevs.sort();
+    let mut want = vec![alice_msg.clone(), bob_id];
+    want.sort();
+    assert_eq!(prevs, want);
+    assert_eq!(pdu.depth, 7);
+    // Every event before the fork named exactly one prev event.
+    for r in w.journal.read_after(0, 1000).unwrap() {
+        if let Some(p) = r.pdu()
+            && p.sender.as_str() == ALICE
+            && p.event_id != pdu.event_id
+        {
+            assert!(
+                p.prev_events.len() <= 1,
+                "{} has {:?}",
+                p.event_id,
+                p.prev_events
+            );
+        }
+    }
+}

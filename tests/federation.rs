@@ -1,0 +1,501 @@
+//! The Server-Server API of an in-process server, driven by a fake remote server
+//! (`remote.test`, whose key the server is told through `KeyCache::pin`): request
+//! authentication, the read-endpoint route walk for a server with no member in the
+//! room, bad transactions, a join through make_join/send_join, and counting guards
+//! (an inbound transaction's and a join's store reads follow what they carry and
+//! return, not the room's length).
+
+use std::sync::atomic::Ordering;
+
+use serde_json::{Value, json};
+use spindle_core::{keys::ServerKey, pdu::Pdu};
+
+const REMOTE: &str = "remote.test";
+
+struct Harness {
+    server: spindle::Server,
+    http: reqwest::Client,
+    base: String,
+    remote: ServerKey,
+    _dir: tempfile::TempDir,
+}
+
+fn enc(s: &str) -> String {
+    spindle_federation::transactions::urlencode(s)
+}
+
+impl Harness {
+    async fn start() -> Harness {
+        let dir = tempfile::tempdir().unwrap();
+        let config = spindle::Config {
+            bind: "127.0.0.1:0".parse().unwrap(),
+            data_dir: dir.path().to_path_buf(),
+            ..Default::default()
+        };
+        let server = spindle::Server::start(config).await.unwrap();
+        let base = format!("http://{}", server.addr);
+        let remote = ServerKey::generate(REMOTE);
+        server.federation.keys.pin(
+            REMOTE,
+            [(remote.key_id(), remote.public_key_base64())]
+                .into_iter()
+                .collect(),
+            3_600_000,
+        );
+        Harness {
+            server,
+            http: reqwest::Client::new(),
+            base,
+            remote,
+            _dir: dir,
+        }
+    }
+
+    async fn client(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        token: Option<&str>,
+        body: Option<Value>,
+    ) -> (u16, Value) {
+        let mut req = self.http.request(method, format!("{}{}", self.base, path));
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    /// A request signed by `remote.test` (or with `auth` as the Authorization header).
+    async fn fed(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+        auth: Option<String>,
+    ) -> (u16, Value) {
+        let ours = "localhost:8008";
+        let auth = auth
+            .unwrap_or_else(|| x_matrix(&self.remote, method.as_str(), path, ours, body.as_ref()));
+        let mut req = self
+            .http
+            .request(method, format!("{}{}", self.base, path))
+            .header("Authorization", auth);
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let resp = req.send().await.unwrap();
+        let status = resp.status().as_u16();
+        (status, resp.json().await.unwrap_or(Value::Null))
+    }
+
+    async fn register(&self, name: &str) -> String {
+        let (status, v) = self
+            .client(
+                reqwest::Method::POST,
+                "/_matrix/client/v3/register",
+                None,
+                Some(json!({ "username": name, "password": "pw", "auth": { "type": "m.login.dummy" } })),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+        v["access_token"].as_str().unwrap().to_owned()
+    }
+
+    async fn public_room(&self, token: &str, messages: usize) -> (String, String) {
+        let (status, v) = self
+            .client(
+                reqwest::Method::POST,
+                "/_matrix/client/v3/createRoom",
+                Some(token),
+                Some(json!({ "preset": "public_chat" })),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+        let room = v["room_id"].as_str().unwrap().to_owned();
+        let mut last = String::new();
+        for i in 0..messages {
+            let (status, v) = self
+                .client(
+                    reqwest::Method::PUT,
+                    &format!(
+                        "/_matrix/client/v3/rooms/{}/send/m.room.message/t{i}",
+                        enc(&room)
+                    ),
+                    Some(token),
+                    Some(json!({ "msgtype": "m.text", "body": format!("m{i}") })),
+                )
+                .await;
+            assert_eq!(status, 200, "{v}");
+            last = v["event_id"].as_str().unwrap().to_owned();
+        }
+        (room, last)
+    }
+
+    /// Waits until every projection (search too) has applied the journal head, so a
+    /// measurement holds only what its request caused.
+    async fn quiesce(&self) {
+        let head = self.server.journal.durable_head();
+        assert!(
+            self.server
+                .projections
+                .runtime
+                .wait_for_all(head, std::time::Duration::from_secs(10))
+                .await
+        );
+    }
+
+    fn reads(&self) -> u64 {
+        self.server.projections.db.stats().total()
+    }
+
+    /// `remote.test`'s user joins `room` through make_join and send_join; returns the
+    /// send_join answer.
+    async fn remote_join(&self, room: &str, user: &str) -> Value {
+        let (status, made) = self
+            .fed(
+                reqwest::Method::GET,
+                &format!(
+                    "/_matrix/federation/v1/make_join/{}/{}?ver=10&ver=11",
+                    enc(room),
+                    enc(user)
+                ),
+                None,
+                None,
+            )
+            .await;
+        assert_eq!(status, 200, "{made}");
+        let version = made["room_version"].as_str().unwrap().to_owned();
+        let pdu = Pdu::sign_template(
+            made["event"].clone(),
+            &version,
+            &self.remote,
+            1_700_000_000_000,
+        )
+        .unwrap();
+        let (status, joined) = self
+            .fed(
+                reqwest::Method::PUT,
+                &format!(
+                    "/_matrix/federation/v2/send_join/{}/{}",
+                    enc(room),
+                    enc(pdu.event_id.as_str())
+                ),
+                Some(pdu.federation_json()),
+                None,
+            )
+            .await;
+        assert_eq!(status, 200, "{joined}");
+        joined
+    }
+}
+
+fn x_matrix(
+    key: &ServerKey,
+    method: &str,
+    uri: &str,
+    destination: &str,
+    content: Option<&Value>,
+) -> String {
+    let mut req = json!({ "method": method, "uri": uri, "origin": key.server_name(), "destination": destination });
+    if let Some(c) = content {
+        req["content"] = c.clone();
+    }
+    let obj = spindle_core::canonical::to_object(req).unwrap();
+    let sig = key.sign_bytes(&spindle_core::canonical::to_bytes(&obj));
+    format!(
+        "X-Matrix origin=\"{}\",destination=\"{destination}\",key=\"{}\",sig=\"{sig}\"",
+        key.server_name(),
+        key.key_id()
+    )
+}
+
+#[tokio::test]
+async fn requests_must_be_signed_by_their_origin_for_this_server() {
+    let h = Harness::start().await;
+    let path = "/_matrix/federation/v1/query/profile?user_id=%40a%3Alocalhost%3A8008";
+    // No header, a wrong destination, a tampered signature, an unknown key id.
+    let (status, v) = h
+        .fed(reqwest::Method::GET, path, None, Some("Bearer nope".into()))
+        .await;
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (401, Some("M_UNAUTHORIZED"))
+    );
+    let wrong_dest = x_matrix(&h.remote, "GET", path, "elsewhere.test", None);
+    let (status, v) = h
+        .fed(reqwest::Method::GET, path, None, Some(wrong_dest))
+        .await;
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (401, Some("M_UNAUTHORIZED"))
+    );
+    let other_path = x_matrix(
+        &h.remote,
+        "GET",
+        "/_matrix/federation/v1/version",
+        "localhost:8008",
+        None,
+    );
+    let (status, v) = h
+        .fed(reqwest::Method::GET, path, None, Some(other_path))
+        .await;
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (401, Some("M_UNAUTHORIZED"))
+    );
+    let impostor = ServerKey::generate(REMOTE);
+    let forged = x_matrix(&impostor, "GET", path, "localhost:8008", None);
+    let (status, v) = h.fed(reqwest::Method::GET, path, None, Some(forged)).await;
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (401, Some("M_UNAUTHORIZED"))
+    );
+    // Properly signed: answered (the user does not exist: 404).
+    let (status, v) = h.fed(reqwest::Method::GET, path, None, None).await;
+    assert_eq!((status, v["errcode"].as_str()), (404, Some("M_NOT_FOUND")));
+}
+
+#[tokio::test]
+async fn a_server_with_no_member_in_the_room_reads_nothing() {
+    let h = Harness::start().await;
+    let token = h.register("alice").await;
+    let (room, last) = h.public_room(&token, 3).await;
+    let r = enc(&room);
+    let e = enc(&last);
+    let reads = [
+        (
+            reqwest::Method::GET,
+            format!("/_matrix/federation/v1/event/{e}"),
+            None,
+        ),
+        (
+            reqwest::Method::GET,
+            format!("/_matrix/federation/v1/state/{r}?event_id={e}"),
+            None,
+        ),
+        (
+            reqwest::Method::GET,
+            format!("/_matrix/federation/v1/state_ids/{r}?event_id={e}"),
+            None,
+        ),
+        (
+            reqwest::Method::GET,
+            format!("/_matrix/federation/v1/event_auth/{r}/{e}"),
+            None,
+        ),
+        (
+            reqwest::Method::GET,
+            format!("/_matrix/federation/v1/backfill/{r}?v={e}&limit=10"),
+            None,
+        ),
+        (
+            reqwest::Method::POST,
+            format!("/_matrix/federation/v1/get_missing_events/{r}"),
+            Some(json!({ "earliest_events": [], "latest_events": [last], "limit": 10 })),
+        ),
+    ];
+    for (method, path, body) in &reads {
+        let (status, v) = h.fed(method.clone(), path, body.clone(), None).await;
+        assert_eq!(
+            (status, v["errcode"].as_str()),
+            (403, Some("M_FORBIDDEN")),
+            "{method} {path}: {v}"
+        );
+    }
+    // Once remote.test has a member in the room, the same reads answer.
+    h.remote_join(&room, "@bob:remote.test").await;
+    for (method, path, body) in &reads {
+        let (status, v) = h.fed(method.clone(), path, body.clone(), None).await;
+        assert_eq!(status, 200, "{method} {path}: {v}");
+    }
+    let (_, v) = h
+        .fed(
+            reqwest::Method::GET,
+            &format!("/_matrix/federation/v1/event/{e}"),
+            None,
+            None,
+        )
+        .await;
+    assert_eq!(v["pdus"].as_array().unwrap().len(), 1);
+    // The backfill answer ends at the event asked for, newest first.
+    let (_, v) = h
+        .fed(
+            reqwest::Method::GET,
+            &format!("/_matrix/federation/v1/backfill/{r}?v={e}&limit=2"),
+            None,
+            None,
+        )
+        .await;
+    assert_eq!(v["pdus"].as_array().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn bad_transactions_get_matrix_errors_and_nothing_is_accepted() {
+    let h = Harness::start().await;
+    let token = h.register("alice").await;
+    let (room, _) = h.public_room(&token, 1).await;
+    let joined = h.remote_join(&room, "@bob:remote.test").await;
+    let bob_join = joined["event"].clone();
+    let head = h.server.journal.durable_head();
+    // More than 50 PDUs: 400.
+    let body =
+        json!({ "origin": REMOTE, "origin_server_ts": 1, "pdus": vec![bob_join.clone(); 51] });
+    let (status, v) = h
+        .fed(
+            reqwest::Method::PUT,
+            "/_matrix/federation/v1/send/t1",
+            Some(body),
+            None,
+        )
+        .await;
+    assert_eq!((status, v["errcode"].as_str()), (400, Some("M_BAD_JSON")));
+    // Not JSON at all / pdus missing: 400, never 500.
+    let (status, v) = h
+        .fed(
+            reqwest::Method::PUT,
+            "/_matrix/federation/v1/send/t2",
+            Some(json!({ "origin": REMOTE })),
+            None,
+        )
+        .await;
+    assert_eq!((status, v["errcode"].as_str()), (400, Some("M_BAD_JSON")));
+    // A PDU whose sender is not a user of the origin, one of an unknown room, one
+    // that fails auth (a stranger's message): each refused in the per-PDU results.
+    let mut foreign = bob_join.clone();
+    foreign["sender"] = json!("@mallory:elsewhere.test");
+    let mut unknown = bob_join.clone();
+    unknown["room_id"] = json!("!nowhere:localhost:8008");
+    let stranger = spindle_core::pdu::PduTemplate {
+        room_version: "10".into(),
+        room_id: Some(room.as_str().try_into().unwrap()),
+        sender: "@carol:remote.test".try_into().unwrap(),
+        kind: "m.room.message".into(),
+        state_key: None,
+        content: json!({ "body": "not joined" }),
+        redacts: None,
+        prev_events: vec![bob_join_id(&bob_join).as_str().try_into().unwrap()],
+        auth_events: vec![],
+        depth: 10,
+        origin_server_ts: 1_700_000_000_000,
+    }
+    .build(&h.remote)
+    .unwrap();
+    let body = json!({ "origin": REMOTE, "origin_server_ts": 1, "pdus": [foreign, unknown, stranger.federation_json()] });
+    let (status, v) = h
+        .fed(
+            reqwest::Method::PUT,
+            "/_matrix/federation/v1/send/t3",
+            Some(body),
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let results = v["pdus"].as_object().unwrap();
+    assert_eq!(results.len(), 2, "{v}"); // the unknown room's PDU has no id to answer under
+    assert!(results.values().all(|r| r["error"].is_string()), "{v}");
+    assert!(
+        results[stranger.event_id.as_str()]["error"]
+            .as_str()
+            .unwrap()
+            .contains("auth")
+    );
+    // Only the rejection of the stranger's message was recorded; the room is unchanged.
+    assert_eq!(h.server.journal.durable_head(), head + 1);
+    let (_, msgs) = h
+        .client(
+            reqwest::Method::GET,
+            &format!(
+                "/_matrix/client/v3/rooms/{}/messages?dir=b&limit=50",
+                enc(&room)
+            ),
+            Some(&token),
+            None,
+        )
+        .await;
+    assert!(!msgs.to_string().contains("not joined"));
+}
+
+fn bob_join_id(join: &Value) -> String {
+    let rules = spindle_core::room_version::rules("10").unwrap();
+    let mut obj = spindle_core::canonical::to_object(join.clone()).unwrap();
+    obj.remove("unsigned");
+    format!(
+        "${}",
+        ruma::signatures::reference_hash(&obj, &rules).unwrap()
+    )
+}
+
+#[tokio::test]
+async fn an_inbound_transaction_and_a_join_cost_what_they_carry_not_the_room_length() {
+    let h = Harness::start().await;
+    let token = h.register("alice").await;
+    let mut costs = Vec::new();
+    for messages in [5usize, 300] {
+        let (room, _) = h.public_room(&token, messages).await;
+        let user = format!("@bob{messages}:remote.test");
+        h.quiesce().await;
+        let before = h.reads();
+        let joined = h.remote_join(&room, &user).await;
+        h.quiesce().await;
+        let join_reads = h.reads() - before;
+        let state_len = joined["state"].as_array().unwrap().len();
+        let join_id = bob_join_id(&joined["event"]);
+        let msg = spindle_core::pdu::PduTemplate {
+            room_version: "10".into(),
+            room_id: Some(room.as_str().try_into().unwrap()),
+            sender: user.as_str().try_into().unwrap(),
+            kind: "m.room.message".into(),
+            state_key: None,
+            content: json!({ "body": "hello" }),
+            redacts: None,
+            prev_events: vec![join_id.as_str().try_into().unwrap()],
+            auth_events: ["m.room.create", "m.room.power_levels"]
+                .iter()
+                .map(|t| {
+                    let ev = joined["state"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .find(|s| s["type"] == *t)
+                        .unwrap();
+                    bob_join_id(ev).as_str().try_into().unwrap()
+                })
+                .chain(std::iter::once(join_id.as_str().try_into().unwrap()))
+                .collect(),
+            depth: 1000,
+            origin_server_ts: 1_700_000_000_000,
+        }
+        .build(&h.remote)
+        .unwrap();
+        let before = h.reads();
+        let body =
+            json!({ "origin": REMOTE, "origin_server_ts": 1, "pdus": [msg.federation_json()] });
+        let (status, v) = h
+            .fed(
+                reqwest::Method::PUT,
+                &format!("/_matrix/federation/v1/send/c{messages}"),
+                Some(body),
+                None,
+            )
+            .await;
+        assert_eq!(status, 200);
+        assert_eq!(v["pdus"][msg.event_id.as_str()], json!({}), "{v}");
+        h.quiesce().await;
+        let txn_reads = h.reads() - before;
+        costs.push((state_len, join_reads, txn_reads));
+    }
+    let stats = &h.server.federation.keys.fetches;
+    assert_eq!(
+        stats.load(Ordering::Relaxed),
+        0,
+        "pinned keys are not fetched"
+    );
+    // Same state, same cost: (state events, join reads, transaction reads).
+    assert_eq!(costs[0], costs[1], "5 vs 300 messages: {costs:?}");
+    assert!(costs[0].0 >= 4, "{costs:?}");
+}
