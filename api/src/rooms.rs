@@ -13,6 +13,7 @@ use spindle_journal::{CommandBody, EventSpec, Fact, MembershipPrecondition, Outc
 use crate::{
     ApiResult, AppState, MatrixError,
     extract::{JsonObject, Requester, opt_str},
+    ratelimit::{check_user, exempt},
 };
 
 pub(crate) fn routes() -> Router<AppState> {
@@ -413,6 +414,8 @@ async fn create_room(
         }
         Some(_) => return Err(MatrixError::bad_json("invite_3pid must be a list")),
     }
+    // Creating a room counts as one event against `rate_limits.message`, as Synapse does.
+    check_user(&s, &s.rate_limits.message, &r.user_id)?;
     let preset = opt_str(&body, "preset")?.unwrap_or_else(|| {
         if visibility == "public" {
             "public_chat".into()
@@ -651,6 +654,8 @@ async fn create_room(
     Ok(Json(json!({ "room_id": room_id })))
 }
 
+/// Joins `room_id` as the requester; rate limited per user (`rate_limits.joins`; a
+/// join of a room already joined is free).
 async fn join(s: &AppState, r: &Requester, room_id: &str) -> ApiResult<Json<Value>> {
     valid_room_id(room_id)?;
     if s.projections.state.room(room_id).is_none() {
@@ -662,6 +667,7 @@ async fn join(s: &AppState, r: &Requester, room_id: &str) -> ApiResult<Json<Valu
     if current.as_ref().is_some_and(|m| m.membership == "join") {
         return Ok(Json(json!({ "room_id": room_id })));
     }
+    check_user(s, &s.rate_limits.joins, &r.user_id)?;
     let mut content = member_content(s, &r.user_id, "join", None);
     let invited = current.is_some_and(|m| m.membership == "invite");
     if !invited && let Some(via) = restricted_join_authoriser(s, &r.user_id, room_id)? {
@@ -875,6 +881,17 @@ async fn invite(
             "Inviting users on other servers needs federation, which is not served yet",
         ));
     }
+    // Synapse's rc_invites: per sender, per room and per invitee; all three must have
+    // room before any counts.
+    if !exempt(&s, &r.user_id) {
+        let rl = &s.rate_limits;
+        rl.invites_per_issuer.peek(&r.user_id)?;
+        rl.invites_per_room.peek(&room_id)?;
+        rl.invites_per_user.peek(&target)?;
+        rl.invites_per_issuer.record(&r.user_id);
+        rl.invites_per_room.record(&room_id);
+        rl.invites_per_user.record(&target);
+    }
     membership(&s, &r, &room_id, &target, "invite", reason).await?;
     Ok(Json(json!({})))
 }
@@ -967,6 +984,7 @@ async fn send(
     if event_type.is_empty() || event_type.len() > 255 {
         return Err(MatrixError::invalid_param("Invalid event type"));
     }
+    check_user(&s, &s.rate_limits.message, &r.user_id)?;
     let mut redacts = None;
     if event_type == "m.room.redaction" {
         redacts = opt_str(&body, "redacts")?;
@@ -998,6 +1016,7 @@ async fn put_state_inner(
     if event_type == "m.room.create" {
         return Err(MatrixError::forbidden("m.room.create cannot be sent"));
     }
+    check_user(&s, &s.rate_limits.message, &r.user_id)?;
     if event_type == "m.room.member" {
         valid_user_id(&state_key)?;
     }
@@ -1077,6 +1096,7 @@ async fn redact(
     if ruma::EventId::parse(&event_id).is_err() {
         return Err(MatrixError::invalid_param("Invalid event id"));
     }
+    check_user(&s, &s.rate_limits.message, &r.user_id)?;
     let access = crate::visibility::room_access(&s, &r.user_id, &room_id)?;
     let target = s
         .projections
