@@ -98,6 +98,8 @@ fn bench(c: &mut Criterion) {
                 bind: "127.0.0.1:0".parse().unwrap(),
                 data_dir: dir.path().join("data"),
                 log: "warn".into(),
+                // The setup sends a burst no public default allows.
+                rate_limits: spindle::config::RateLimits::lifted(),
                 ..Default::default()
             })
             .await

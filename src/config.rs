@@ -42,6 +42,262 @@ pub struct Config {
     pub support: Support,
     /// Federation with other servers (the Server-Server API), see docs/federation.md.
     pub federation: spindle_federation::FederationConfig,
+    /// The bounded password-hashing pool and the argon2 cost of new hashes.
+    pub password_hashing: PasswordHashing,
+    /// Rate limits (token buckets, modelled on Synapse's `rc_*`).
+    pub rate_limits: RateLimits,
+    /// What to trust from a reverse proxy in front of the server.
+    pub reverse_proxy: ReverseProxy,
+    /// Log format, colours and the access log (the filter is `log`).
+    pub logging: Logging,
+    /// What is kept about devices' use.
+    pub devices: Devices,
+}
+
+/// Device details kept for `/devices` and `/admin/whois`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Devices {
+    /// Keep each device's last client address (`last_seen_ip`), in memory and in the
+    /// journal's `DeviceSeen` facts. `false`: no address is kept anywhere (the time and
+    /// user agent still are); addresses journaled before stay in the journal.
+    pub keep_client_addresses: bool,
+}
+
+impl Default for Devices {
+    fn default() -> Self {
+        Devices {
+            keep_client_addresses: true,
+        }
+    }
+}
+
+/// How logs are written (to stderr).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Logging {
+    /// `"text"` (one human-readable line per event) or `"json"` (one JSON object per
+    /// line: `timestamp`, `level`, `target`, `message` and the event's fields).
+    pub format: String,
+    /// ANSI colours: `"auto"` (only when stderr is a terminal), `"always"`, `"never"`.
+    pub color: String,
+    /// One `info` line per request (target `spindle::access`): method, path with
+    /// secrets removed, status, duration in ms, user.
+    pub access_log: bool,
+}
+
+impl Default for Logging {
+    fn default() -> Self {
+        Logging {
+            format: "text".into(),
+            color: "auto".into(),
+            access_log: true,
+        }
+    }
+}
+
+/// Password hashing (argon2id on a fixed pool of threads with a bounded queue).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PasswordHashing {
+    /// Hashing threads: at most this many hashes run at once, each holding
+    /// `m_cost_kib` of memory. `0`: the number of cores.
+    pub pool_size: usize,
+    /// Password checks that may wait for a thread; more at once are answered 429
+    /// `M_LIMIT_EXCEEDED` at once, without hashing. At least 1.
+    pub queue_len: usize,
+    /// argon2id memory cost of new hashes, KiB. Existing hashes keep their own cost.
+    pub m_cost_kib: u32,
+    /// argon2id iterations of new hashes.
+    pub t_cost: u32,
+    /// argon2id parallelism (lanes) of new hashes.
+    pub p_cost: u32,
+}
+
+impl Default for PasswordHashing {
+    fn default() -> Self {
+        let d = spindle_api::hashing::HashingConfig::default();
+        PasswordHashing {
+            pool_size: d.pool_size,
+            queue_len: d.queue_len,
+            m_cost_kib: d.m_cost_kib,
+            t_cost: d.t_cost,
+            p_cost: d.p_cost,
+        }
+    }
+}
+
+impl PasswordHashing {
+    /// The API crate's form of these settings.
+    pub fn to_api(&self) -> spindle_api::hashing::HashingConfig {
+        spindle_api::hashing::HashingConfig {
+            pool_size: self.pool_size,
+            queue_len: self.queue_len,
+            m_cost_kib: self.m_cost_kib,
+            t_cost: self.t_cost,
+            p_cost: self.p_cost,
+        }
+    }
+}
+
+/// One token bucket: `burst_count` actions at once, refilled at `per_second`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Rate {
+    /// Actions regained per second (fractional allowed); `0` turns this limit off.
+    pub per_second: f64,
+    /// Actions allowed at once from a full bucket (at least 1 when `per_second > 0`).
+    pub burst_count: u32,
+}
+
+impl Rate {
+    /// No limit.
+    pub const OFF: Rate = Rate {
+        per_second: 0.0,
+        burst_count: 0,
+    };
+}
+
+impl From<spindle_api::ratelimit::Rate> for Rate {
+    fn from(r: spindle_api::ratelimit::Rate) -> Self {
+        Rate {
+            per_second: r.per_second,
+            burst_count: r.burst_count,
+        }
+    }
+}
+
+impl From<Rate> for spindle_api::ratelimit::Rate {
+    fn from(r: Rate) -> Self {
+        spindle_api::ratelimit::Rate::new(r.per_second, r.burst_count)
+    }
+}
+
+/// Rate limits. Each names the Synapse setting it follows and has Synapse's default.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RateLimits {
+    /// Apply rate limits at all (`false` lifts every one).
+    pub enabled: bool,
+    /// Server admins pass every per-user limit.
+    pub exempt_admins: bool,
+    /// Buckets kept per limit at most (idle ones are evicted; beyond it new keys share
+    /// one bucket).
+    pub max_keys: usize,
+    /// Events sent and rooms created per user (`rc_message`).
+    pub message: Rate,
+    /// Login attempts per client address (`rc_login.address`).
+    pub login_address: Rate,
+    /// Successful logins per account (`rc_login.account`).
+    pub login_account: Rate,
+    /// Failed logins per account (`rc_login.failed_attempts`).
+    pub login_failed_attempts: Rate,
+    /// Registrations per client address (`rc_registration`).
+    pub registration: Rate,
+    /// Registration-token validity checks per address (`rc_registration_token_validity`).
+    pub registration_token_validity: Rate,
+    /// Joins per user (`rc_joins.local`).
+    pub joins: Rate,
+    /// Invites into one room (`rc_invites.per_room`).
+    pub invites_per_room: Rate,
+    /// Invites received by one user (`rc_invites.per_user`).
+    pub invites_per_user: Rate,
+    /// Invites sent by one user (`rc_invites.per_issuer`).
+    pub invites_per_issuer: Rate,
+    /// Media uploads per user.
+    pub media_upload: Rate,
+    /// Media ids reserved with `POST /_matrix/media/v1/create` per user (`rc_media_create`).
+    pub media_create: Rate,
+    /// Inbound federation requests per origin server (`rc_federation`, as a bucket).
+    pub federation_origin: Rate,
+}
+
+impl Default for RateLimits {
+    fn default() -> Self {
+        let d = spindle_api::ratelimit::RateLimitConfig::default();
+        RateLimits {
+            enabled: d.enabled,
+            exempt_admins: d.exempt_admins,
+            max_keys: d.max_keys,
+            message: d.message.into(),
+            login_address: d.login_address.into(),
+            login_account: d.login_account.into(),
+            login_failed_attempts: d.login_failed_attempts.into(),
+            registration: d.registration.into(),
+            registration_token_validity: d.registration_token_validity.into(),
+            joins: d.joins.into(),
+            invites_per_room: d.invites_per_room.into(),
+            invites_per_user: d.invites_per_user.into(),
+            invites_per_issuer: d.invites_per_issuer.into(),
+            media_upload: d.media_upload.into(),
+            media_create: d.media_create.into(),
+            federation_origin: d.federation_origin.into(),
+        }
+    }
+}
+
+impl RateLimits {
+    /// Every limit with its config key, for validation.
+    fn named(&self) -> [(&'static str, Rate); 13] {
+        [
+            ("message", self.message),
+            ("login_address", self.login_address),
+            ("login_account", self.login_account),
+            ("login_failed_attempts", self.login_failed_attempts),
+            ("registration", self.registration),
+            (
+                "registration_token_validity",
+                self.registration_token_validity,
+            ),
+            ("joins", self.joins),
+            ("invites_per_room", self.invites_per_room),
+            ("invites_per_user", self.invites_per_user),
+            ("invites_per_issuer", self.invites_per_issuer),
+            ("media_upload", self.media_upload),
+            ("media_create", self.media_create),
+            ("federation_origin", self.federation_origin),
+        ]
+    }
+
+    /// The API crate's form of these settings.
+    pub fn to_api(&self) -> spindle_api::ratelimit::RateLimitConfig {
+        spindle_api::ratelimit::RateLimitConfig {
+            enabled: self.enabled,
+            exempt_admins: self.exempt_admins,
+            max_keys: self.max_keys,
+            message: self.message.into(),
+            login_address: self.login_address.into(),
+            login_account: self.login_account.into(),
+            login_failed_attempts: self.login_failed_attempts.into(),
+            registration: self.registration.into(),
+            registration_token_validity: self.registration_token_validity.into(),
+            joins: self.joins.into(),
+            invites_per_room: self.invites_per_room.into(),
+            invites_per_user: self.invites_per_user.into(),
+            invites_per_issuer: self.invites_per_issuer.into(),
+            media_upload: self.media_upload.into(),
+            media_create: self.media_create.into(),
+            federation_origin: self.federation_origin.into(),
+        }
+    }
+
+    /// Every limit off (what the test harnesses start with).
+    pub fn lifted() -> RateLimits {
+        RateLimits {
+            enabled: false,
+            ..RateLimits::default()
+        }
+    }
+}
+
+/// A reverse proxy in front of the server.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReverseProxy {
+    /// Take the client address (per-address rate limits, device `last_seen_ip`) from
+    /// the last `X-Forwarded-For` entry. Only behind a proxy that sets it: otherwise a
+    /// client picks its own address.
+    pub trust_x_forwarded_for: bool,
 }
 
 /// TURN settings (spec: client-server API "Voice over IP"). Either a shared secret
@@ -214,11 +470,16 @@ impl Default for Config {
             presence: Presence::default(),
             media: Media::default(),
             search: Search::default(),
-            log: "info,fjall=warn,lsm_tree=warn,ruma_state_res=warn".into(),
+            log: "info,fjall=warn,lsm_tree=warn,ruma_state_res=warn,tantivy=warn".into(),
             admins: Vec::new(),
             voip: Voip::default(),
             support: Support::default(),
             federation: spindle_federation::FederationConfig::default(),
+            password_hashing: PasswordHashing::default(),
+            rate_limits: RateLimits::default(),
+            reverse_proxy: ReverseProxy::default(),
+            logging: Logging::default(),
+            devices: Devices::default(),
         }
     }
 }
@@ -356,6 +617,40 @@ impl Config {
         if voip.turn_ttl_s == 0 {
             return Err("voip.turn_ttl_s must be positive".into());
         }
+        if !["text", "json"].contains(&self.logging.format.as_str()) {
+            return Err(format!(
+                "logging.format must be text or json (got {:?})",
+                self.logging.format
+            ));
+        }
+        if !["auto", "always", "never"].contains(&self.logging.color.as_str()) {
+            return Err(format!(
+                "logging.color must be auto, always or never (got {:?})",
+                self.logging.color
+            ));
+        }
+        self.password_hashing.to_api().params()?;
+        if self.password_hashing.queue_len == 0 {
+            return Err("password_hashing.queue_len must be at least 1".into());
+        }
+        if self.password_hashing.pool_size > 1024 {
+            return Err("password_hashing.pool_size must be at most 1024".into());
+        }
+        for (name, r) in self.rate_limits.named() {
+            if !r.per_second.is_finite() || r.per_second < 0.0 {
+                return Err(format!(
+                    "rate_limits.{name}.per_second must be a non-negative number (0 turns the limit off)"
+                ));
+            }
+            if r.per_second > 0.0 && r.burst_count == 0 {
+                return Err(format!(
+                    "rate_limits.{name}.burst_count must be at least 1 (or set per_second = 0 to turn the limit off)"
+                ));
+            }
+        }
+        if self.rate_limits.max_keys == 0 {
+            return Err("rate_limits.max_keys must be at least 1".into());
+        }
         for c in &self.support.contacts {
             if c.role.is_empty() || (c.matrix_id.is_empty() && c.email_address.is_empty()) {
                 return Err(
@@ -430,7 +725,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 48);
+        assert_eq!(want.len(), 105);
     }
 
     #[test]

@@ -40,6 +40,8 @@ pub struct Server {
     pub journal: Journal,
     /// The projections.
     pub projections: Projections,
+    /// The API's shared state (hashing pool, rate limiters, ...).
+    pub state: spindle_api::AppState,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     wake_long_polls: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
@@ -54,6 +56,19 @@ impl Server {
     /// Opens the data directory, restores the journal, starts the projections and serves
     /// HTTP on `config.bind`.
     pub async fn start(config: Config) -> anyhow::Result<Server> {
+        Self::start_with_clock(
+            config,
+            Arc::new(spindle_api::ratelimit::SystemClock::default()),
+        )
+        .await
+    }
+
+    /// [`Server::start`] with the rate limiters on `clock` (tests step a
+    /// `ManualClock` to drain buckets instead of sleeping).
+    pub async fn start_with_clock(
+        config: Config,
+        clock: Arc<dyn spindle_api::ratelimit::Clock>,
+    ) -> anyhow::Result<Server> {
         config.validate().map_err(|e| anyhow!(e))?;
         std::fs::create_dir_all(&config.data_dir)
             .with_context(|| format!("creating data directory {}", config.data_dir.display()))?;
@@ -149,13 +164,18 @@ impl Server {
                 turn_ttl_s: config.voip.turn_ttl_s,
             },
             support: support_body(&config.support),
+            hashing: config.password_hashing.to_api(),
+            rate_limits: config.rate_limits.to_api(),
+            trust_x_forwarded_for: config.reverse_proxy.trust_x_forwarded_for,
+            keep_client_addresses: config.devices.keep_client_addresses,
         };
         let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
-        let state = spindle_api::AppState::new(
+        let state = spindle_api::AppState::new_with_clock(
             journal.clone(),
             projections.clone(),
             api_config,
             shutdown_rx,
+            clock,
         );
         let fed = spindle_federation::FedState::new(
             key.clone(),
@@ -186,8 +206,15 @@ impl Server {
             state
         };
         let app = spindle_api::router(state.clone())
-            .merge(ops::router(state, config.data_dir.clone()))
+            .merge(ops::router(state.clone(), config.data_dir.clone()))
             .merge(fed_routes);
+        let app = if config.logging.access_log {
+            app.layer(axum::middleware::from_fn(
+                spindle_api::access_log::access_log,
+            ))
+        } else {
+            app
+        };
         let tls = if config.federation.tls_bind.is_empty() {
             None
         } else {
@@ -226,6 +253,9 @@ impl Server {
         };
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(async move {
+            // The peer address reaches handlers as `ConnectInfo` (per-address rate
+            // limits, device `last_seen_ip`).
+            let app = app.into_make_service_with_connect_info::<SocketAddr>();
             let serve = axum::serve(listener, app).with_graceful_shutdown(async {
                 let _ = rx.await;
             });
@@ -238,6 +268,7 @@ impl Server {
             addr,
             journal,
             projections,
+            state,
             shutdown: Some(tx),
             wake_long_polls: shutdown_tx,
             task,

@@ -221,15 +221,32 @@ fn main() {
     }
 }
 
+/// Logs go to stderr: text or JSON lines (`[logging] format`), colours only on a
+/// terminal unless told otherwise (a log file must not fill with escape codes).
+fn init_logging(config: &Config) {
+    use std::io::IsTerminal;
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log));
+    let ansi = match config.logging.color.as_str() {
+        "always" => true,
+        "never" => false,
+        _ => std::io::stderr().is_terminal(),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
+    if config.logging.format == "json" {
+        builder.json().flatten_event(true).init();
+    } else {
+        builder.init();
+    }
+}
+
 async fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let config = load_config(cli.config.as_ref())?;
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    init_logging(&config);
     match cli.command.unwrap_or(Command::Serve) {
         Command::Serve => {
             // Handlers go in before the server answers anything: a supervisor (or a

@@ -30,7 +30,7 @@ impl Node {
         std::fs::write(
             &config,
             format!(
-                "server_name = \"localhost:{port}\"\nbind = \"127.0.0.1:{port}\"\ndata_dir = \"{}\"\n",
+                "server_name = \"localhost:{port}\"\nbind = \"127.0.0.1:{port}\"\ndata_dir = \"{}\"\n\n[rate_limits]\nenabled = false\n",
                 dir.path().join("data").display()
             ),
         )

@@ -577,10 +577,12 @@ async fn whois_lists_devices_for_admins_and_oneself() {
     let mut want = vec![&alice.device_id, &phone.device_id];
     want.sort();
     assert_eq!(ids, want);
-    // Alice's first device was used (this request): its connection has last_seen.
+    // Alice's first device was used (this request): its connection has last_seen and
+    // the address; reqwest sends no user agent, so there is none to report.
     let conn = &own["devices"][&alice.device_id]["sessions"][0]["connections"][0];
     assert!(conn["last_seen"].as_u64().is_some(), "{own}");
-    assert_eq!(conn.as_object().unwrap().len(), 1);
+    assert_eq!(conn["ip"], "127.0.0.1", "{own}");
+    assert_eq!(conn.as_object().unwrap().len(), 2, "{own}");
     let by_admin = admin.get(&path(&alice.user_id)).await.ok();
     assert_eq!(by_admin["user_id"], own["user_id"]);
     assert_eq!(by_admin["devices"].as_object().unwrap().len(), 2);

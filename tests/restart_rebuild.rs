@@ -34,7 +34,7 @@ fn setup() -> Setup {
     std::fs::write(
         &config,
         format!(
-            "server_name = \"{}\"\nbind = \"127.0.0.1:0\"\ndata_dir = \"{}\"\nlog = \"warn\"\n",
+            "server_name = \"{}\"\nbind = \"127.0.0.1:0\"\ndata_dir = \"{}\"\nlog = \"warn\"\nrate_limits = {{ enabled = false }}\n",
             common::SERVER_NAME,
             data.display()
         ),
@@ -778,7 +778,7 @@ async fn online_backup_restores_to_the_same_answers() {
     std::fs::write(
         &config2,
         format!(
-            "server_name = \"{}\"\nbind = \"127.0.0.1:0\"\ndata_dir = \"{}\"\nlog = \"warn\"\n",
+            "server_name = \"{}\"\nbind = \"127.0.0.1:0\"\ndata_dir = \"{}\"\nlog = \"warn\"\nrate_limits = {{ enabled = false }}\n",
             common::SERVER_NAME,
             restored.display()
         ),

@@ -12,7 +12,7 @@ use spindle_journal::{CommandBody, Fact};
 
 use crate::{
     ApiResult, AppState, MatrixError,
-    extract::{JsonObject, Query, Requester, opt_str, token_hash},
+    extract::{ClientAddr, JsonObject, Query, Requester, opt_str, token_hash},
 };
 
 /// Spec versions advertised by `/versions`.
@@ -105,13 +105,17 @@ async fn support(State(s): State<AppState>) -> ApiResult<Json<Value>> {
 /// `{"valid"}`, whether `token` is one of the configured registration tokens (tokens
 /// never expire or run out here, so a configured token stays valid). A server whose
 /// registration is closed to everyone (not open, no tokens) answers 403
-/// `M_FORBIDDEN`, as the spec says. The spec asks for rate limiting against guessing;
-/// Spindle has no rate limiter yet (SPEC.md §7), so none is applied. Comparison is by
-/// blake3 digest (constant-time equality), so timing reveals nothing of a token.
+/// `M_FORBIDDEN`, as the spec says. Rate limited per client address against guessing
+/// (`[rate_limits.registration_token_validity]`, 429 `M_LIMIT_EXCEEDED`). Comparison
+/// is by blake3 digest (constant-time equality), so timing reveals nothing of a token.
 async fn registration_token_validity(
     State(s): State<AppState>,
+    addr: ClientAddr,
     q: Query,
 ) -> ApiResult<Json<Value>> {
+    s.rate_limits
+        .registration_token_validity
+        .check(&addr.rate_key())?;
     let token = q
         .get("token")
         .ok_or_else(|| MatrixError::missing_param("token is required"))?;
@@ -201,34 +205,24 @@ fn uia_flows(s: &AppState) -> Vec<Value> {
     flows
 }
 
-pub(crate) async fn hash_password(password: String) -> ApiResult<String> {
-    tokio::task::spawn_blocking(move || {
-        use argon2::{PasswordHasher, password_hash::SaltString};
-        let bytes: [u8; 16] = rand::random();
-        let salt = SaltString::encode_b64(&bytes)?;
-        argon2::Argon2::default()
-            .hash_password(password.as_bytes(), &salt)
-            .map(|h| h.to_string())
-    })
-    .await
-    .map_err(|e| MatrixError::internal(e.to_string()))?
-    .map_err(|e| MatrixError::internal(e.to_string()))
+/// Hashes a new password on the bounded hashing pool ([`crate::hashing`]); a full
+/// queue is 429 `M_LIMIT_EXCEEDED`.
+pub(crate) async fn hash_password(s: &AppState, password: String) -> ApiResult<String> {
+    s.hashing.hash(password).await
 }
 
-/// Checks a password against an argon2 PHC hash (off the async threads).
-pub(crate) async fn verify_password(password: String, hash: String) -> bool {
-    tokio::task::spawn_blocking(move || {
-        use argon2::{PasswordVerifier, password_hash::PasswordHash};
-        PasswordHash::new(&hash)
-            .map(|h| {
-                argon2::Argon2::default()
-                    .verify_password(password.as_bytes(), &h)
-                    .is_ok()
-            })
-            .unwrap_or(false)
-    })
-    .await
-    .unwrap_or(false)
+/// Checks a password against an argon2 PHC hash on the bounded hashing pool. A
+/// password longer than any we accept when setting one cannot match and costs no
+/// hashing; a full queue is 429 `M_LIMIT_EXCEEDED`.
+pub(crate) async fn verify_password(
+    s: &AppState,
+    password: String,
+    hash: String,
+) -> ApiResult<bool> {
+    if password.len() > crate::devices::MAX_PASSWORD_BYTES {
+        return Ok(false);
+    }
+    s.hashing.verify(password, hash).await
 }
 
 /// A new session's credentials.
@@ -262,12 +256,14 @@ fn wants_refresh(body: &serde_json::Map<String, Value>) -> ApiResult<bool> {
 
 /// Issues a device (if new) and an access token (refreshable, with a refresh token,
 /// when asked for).
+/// The device is seen at once, from the login's own address and user agent.
 async fn start_session(
     s: &AppState,
     user_id: &str,
     device_id: Option<String>,
     display_name: Option<String>,
     refreshable: bool,
+    client: (ClientAddr, Option<&str>),
 ) -> ApiResult<Session> {
     let device_id = device_id.unwrap_or_else(|| random_string(10));
     if s.projections.accounts.device(user_id, &device_id).is_none() {
@@ -307,6 +303,7 @@ async fn start_session(
     };
     s.submit_and_wait(user_id, Some(&device_id), CommandBody::Fact { fact })
         .await?;
+    crate::devices::record_seen_now(s, user_id, &device_id, client.0.0, client.1).await?;
     Ok(Session {
         device_id,
         access_token: token,
@@ -314,8 +311,13 @@ async fn start_session(
     })
 }
 
+/// `POST /register` (spec: "Account registration"). Rate limited per client address
+/// (`[rate_limits.registration]`: every call is refused while the address's bucket is
+/// full, only a created account counts).
 async fn register(
     State(s): State<AppState>,
+    addr: ClientAddr,
+    headers: axum::http::HeaderMap,
     q: Query,
     JsonObject(body): JsonObject,
 ) -> ApiResult<axum::response::Response> {
@@ -333,6 +335,8 @@ async fn register(
     if flows.is_empty() {
         return Err(MatrixError::forbidden("Registration is disabled"));
     }
+    let addr_key = addr.rate_key();
+    s.rate_limits.registration.peek(&addr_key)?;
     let username = opt_str(&body, "username")?;
     if let Some(u) = &username {
         let local = u.to_lowercase();
@@ -403,7 +407,7 @@ async fn register(
     };
     let user_id = full_user_id(&s, &localpart);
     let password_hash = match password {
-        Some(p) => Some(hash_password(p).await?),
+        Some(p) => Some(hash_password(&s, p).await?),
         None => None,
     };
     s.submit_and_wait(
@@ -417,6 +421,7 @@ async fn register(
         },
     )
     .await?;
+    s.rate_limits.registration.record(&addr_key);
     if body.get("inhibit_login").and_then(|v| v.as_bool()) == Some(true) {
         return Ok(
             Json(json!({ "user_id": user_id, "home_server": s.server_name() })).into_response(),
@@ -428,6 +433,7 @@ async fn register(
         opt_str(&body, "device_id")?,
         opt_str(&body, "initial_device_display_name")?,
         wants_refresh(&body)?,
+        (addr, crate::extract::user_agent(&headers)),
     )
     .await?;
     let mut out = json!({ "user_id": user_id, "home_server": s.server_name() });
@@ -459,7 +465,19 @@ async fn login_flows() -> Json<Value> {
     Json(json!({ "flows": [{ "type": "m.login.password" }] }))
 }
 
-async fn login(State(s): State<AppState>, JsonObject(body): JsonObject) -> ApiResult<Json<Value>> {
+/// `POST /login` (spec: "Login"), `m.login.password`. Rate limited (429
+/// `M_LIMIT_EXCEEDED`): every attempt per client address (`login_address`), and per
+/// account both successful logins (`login_account`) and failed ones
+/// (`login_failed_attempts`); a full failed-attempts bucket refuses even the right
+/// password, so guessing gains nothing. Password checks run on the bounded hashing
+/// pool.
+async fn login(
+    State(s): State<AppState>,
+    addr: ClientAddr,
+    headers: axum::http::HeaderMap,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    s.rate_limits.login_address.check(&addr.rate_key())?;
     let kind = opt_str(&body, "type")?.ok_or_else(|| MatrixError::bad_json("type is required"))?;
     if kind != "m.login.password" {
         return Err(MatrixError::new(
@@ -485,7 +503,13 @@ async fn login(State(s): State<AppState>, JsonObject(body): JsonObject) -> ApiRe
     let password =
         opt_str(&body, "password")?.ok_or_else(|| MatrixError::bad_json("password is required"))?;
     let user_id = full_user_id(&s, &user);
-    let denied = || MatrixError::forbidden("Invalid username or password");
+    let account_key = user_id.to_lowercase();
+    s.rate_limits.login_account.peek(&account_key)?;
+    s.rate_limits.login_failed_attempts.peek(&account_key)?;
+    let denied = || {
+        s.rate_limits.login_failed_attempts.record(&account_key);
+        MatrixError::forbidden("Invalid username or password")
+    };
     let account = s.projections.accounts.user(&user_id).ok_or_else(denied)?;
     if account.deactivated {
         return Err(MatrixError::new(
@@ -495,9 +519,10 @@ async fn login(State(s): State<AppState>, JsonObject(body): JsonObject) -> ApiRe
         ));
     }
     let hash = account.password_hash.ok_or_else(denied)?;
-    if !verify_password(password, hash).await {
+    if !verify_password(&s, password, hash).await? {
         return Err(denied());
     }
+    s.rate_limits.login_account.record(&account_key);
     let refreshable = wants_refresh(&body)?;
     let session = start_session(
         &s,
@@ -505,6 +530,7 @@ async fn login(State(s): State<AppState>, JsonObject(body): JsonObject) -> ApiRe
         opt_str(&body, "device_id")?,
         opt_str(&body, "initial_device_display_name")?,
         refreshable,
+        (addr, crate::extract::user_agent(&headers)),
     )
     .await?;
     let mut out = json!({

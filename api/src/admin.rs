@@ -85,9 +85,9 @@ async fn rebuild_projection(
 }
 
 /// `GET /_matrix/client/v3/admin/whois/{userId}` (spec: "Server administration"): the
-/// user's devices, each with one session whose one connection carries `last_seen` (ms,
-/// kept in memory, absent until the device is used after a restart). Spindle keeps no
-/// IP addresses or user agents, so `ip` and `user_agent` are left out. For server
+/// user's devices, each with one session whose one connection carries `last_seen` (ms),
+/// `ip` and `user_agent` once the device has been seen (`ip` only while
+/// `[devices] keep_client_addresses` is on; see `devices` for how they are kept). For server
 /// admins and for the user themself; anyone else gets 403 `M_FORBIDDEN`, whether or not
 /// the user exists; an admin asking about an unknown user gets 404 `M_NOT_FOUND`.
 async fn whois(
@@ -108,8 +108,14 @@ async fn whois(
         .into_iter()
         .map(|(device_id, _)| {
             let mut connection = json!({});
-            if let Some(ts) = s.last_seen.get(&user_id, &device_id) {
-                connection["last_seen"] = json!(ts);
+            if let Some(seen) = crate::devices::last_seen_of(&s, &user_id, &device_id) {
+                connection["last_seen"] = json!(seen.ts);
+                if let Some(ip) = seen.ip {
+                    connection["ip"] = json!(ip);
+                }
+                if let Some(ua) = seen.user_agent {
+                    connection["user_agent"] = json!(ua);
+                }
             }
             let session = json!({ "connections": [connection] });
             (device_id, json!({ "sessions": [session] }))

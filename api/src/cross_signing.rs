@@ -112,7 +112,7 @@ async fn password_uia(
         .user(&r.user_id)
         .and_then(|a| a.password_hash);
     let good = match hash {
-        Some(h) if same_user => crate::account::verify_password(password.to_owned(), h).await,
+        Some(h) if same_user => crate::account::verify_password(s, password.to_owned(), h).await?,
         _ => false,
     };
     if !good {

@@ -5,9 +5,18 @@
 //!
 //! Devices are the accounts projection's rows (`DeviceCreated` / `DeviceRenamed` /
 //! `DeviceDeleted` facts); deleting a device revokes its access and refresh tokens in
-//! the same apply. `last_seen_ts` is kept in memory only ([`LastSeen`]): it changes on
-//! every request and is lossy by nature, so journaling it would put a write on every
-//! read. After a restart a device shows no `last_seen_ts` until it is used again.
+//! the same apply.
+//!
+//! Last seen (`last_seen_ts`, `last_seen_ip`, and the user agent `/admin/whois`
+//! reports): every authenticated request updates an in-memory [`LastSeen`] entry
+//! (a read-locked lookup, a write at most once a minute), and a `DeviceSeen` fact is
+//! journaled only when the address or user agent changed (at most once a minute per
+//! device) or an hour has passed: the journal stays the truth (invariant 1) without a
+//! write per read, and the accounts projection applies the fact's own timestamp
+//! (invariant 2: no clock in apply). Answers show the newer of memory and the
+//! projection, so a restart loses at most the last hour's timestamp. With
+//! `[devices] keep_client_addresses = false` no address is kept anywhere, and
+//! `last_seen_ip` is left out.
 
 use std::{collections::HashMap, sync::Arc};
 
@@ -27,38 +36,219 @@ use crate::{
     extract::{JsonObject, Requester, opt_str, token_hash},
 };
 
-/// A device's `last_seen_ts` is refreshed at most this often (ms): a request does one
-/// read-locked map lookup, and takes the write lock only once per interval.
+/// The in-memory `last_seen_ts` is refreshed at most this often (ms): a request does
+/// one read-locked map lookup, and takes the write lock only once per interval.
 pub const LAST_SEEN_GRANULARITY_MS: u64 = 60_000;
 
-/// When each device was last used, ms since the Unix epoch (in memory; see the module
-/// docs for why this is not journaled).
-#[derive(Clone, Default)]
+/// With neither address nor user agent changing, a device's `DeviceSeen` is journaled
+/// at most this often (ms).
+pub const LAST_SEEN_JOURNAL_INTERVAL_MS: u64 = 3_600_000;
+
+/// Longest user agent kept, bytes (longer ones are cut at a character boundary).
+pub const MAX_USER_AGENT_BYTES: usize = 512;
+
+/// A device's last use: when, from which address, with which client.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Seen {
+    /// ms since the Unix epoch.
+    pub ts: u64,
+    /// Client address (`None` when addresses are not kept or unknown).
+    pub ip: Option<String>,
+    /// The `User-Agent` header.
+    pub user_agent: Option<String>,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    seen: Seen,
+    /// What was last journaled (or found in the projection) for this device.
+    journaled: Seen,
+}
+
+/// Last use of each device (in memory; see the module docs for what is journaled).
+#[derive(Clone)]
 pub struct LastSeen {
-    map: Arc<parking_lot::RwLock<HashMap<(String, String), u64>>>,
+    map: Arc<parking_lot::RwLock<HashMap<(String, String), Entry>>>,
+    keep_client_addresses: bool,
+}
+
+impl Default for LastSeen {
+    fn default() -> Self {
+        LastSeen::new(true)
+    }
+}
+
+/// Cuts a user agent to [`MAX_USER_AGENT_BYTES`] at a character boundary.
+fn bounded_user_agent(ua: &str) -> String {
+    let mut end = ua.len().min(MAX_USER_AGENT_BYTES);
+    while !ua.is_char_boundary(end) {
+        end -= 1;
+    }
+    ua[..end].to_owned()
 }
 
 impl LastSeen {
-    /// Records a request by `(user, device)` at `now` (cheap when recent).
-    pub fn touch(&self, user_id: &str, device_id: &str, now: u64) {
-        let key = (user_id.to_owned(), device_id.to_owned());
-        if self
-            .map
-            .read()
-            .get(&key)
-            .is_some_and(|t| now.saturating_sub(*t) < LAST_SEEN_GRANULARITY_MS)
-        {
-            return;
+    /// An empty map; with `keep_client_addresses = false` no address is ever stored.
+    pub fn new(keep_client_addresses: bool) -> LastSeen {
+        LastSeen {
+            map: Arc::default(),
+            keep_client_addresses,
         }
-        self.map.write().insert(key, now);
     }
 
-    /// When the device was last seen, if since the server started.
-    pub fn get(&self, user_id: &str, device_id: &str) -> Option<u64> {
+    /// Records a request by `(user, device)` at `now` from `ip` with `user_agent`.
+    /// `journaled` gives what the projection holds (asked only for a device not in
+    /// memory yet). Returns the `DeviceSeen` to journal when one is due (see the module
+    /// docs); cheap when nothing changed recently.
+    pub fn touch(
+        &self,
+        user_id: &str,
+        device_id: &str,
+        now: u64,
+        ip: Option<std::net::IpAddr>,
+        user_agent: Option<&str>,
+        journaled: impl FnOnce() -> Option<Seen>,
+    ) -> Option<Seen> {
+        let ip = ip
+            .filter(|_| self.keep_client_addresses)
+            .map(|ip| match ip {
+                std::net::IpAddr::V6(v6) => v6
+                    .to_ipv4_mapped()
+                    .map_or(ip.to_string(), |v4| v4.to_string()),
+                v4 => v4.to_string(),
+            });
+        let user_agent = user_agent.map(bounded_user_agent);
+        let key = (user_id.to_owned(), device_id.to_owned());
+        if let Some(e) = self.map.read().get(&key)
+            && e.seen.ip == ip
+            && e.seen.user_agent == user_agent
+            && now.saturating_sub(e.seen.ts) < LAST_SEEN_GRANULARITY_MS
+        {
+            return None;
+        }
+        // Read the projection (first use since start) before taking the write lock.
+        let known = self.map.read().contains_key(&key);
+        let fresh = (!known).then(|| journaled().unwrap_or_default());
+        let mut map = self.map.write();
+        let entry = map.entry(key).or_insert_with(|| {
+            let journaled = fresh.unwrap_or_default();
+            Entry {
+                seen: journaled.clone(),
+                journaled,
+            }
+        });
+        entry.seen = Seen {
+            ts: now,
+            ip,
+            user_agent,
+        };
+        let since = now.saturating_sub(entry.journaled.ts);
+        let changed = entry.seen.ip != entry.journaled.ip
+            || entry.seen.user_agent != entry.journaled.user_agent;
+        let due = (changed && since >= LAST_SEEN_GRANULARITY_MS)
+            || since >= LAST_SEEN_JOURNAL_INTERVAL_MS;
+        if !due {
+            return None;
+        }
+        entry.journaled = entry.seen.clone();
+        Some(entry.seen.clone())
+    }
+
+    /// The device's last use as seen since the server started, if it was used.
+    pub fn get(&self, user_id: &str, device_id: &str) -> Option<Seen> {
         self.map
             .read()
             .get(&(user_id.to_owned(), device_id.to_owned()))
-            .copied()
+            .map(|e| e.seen.clone())
+    }
+}
+
+/// Records a request's use of a device; returns the `DeviceSeen` fact to journal when
+/// one is due.
+fn seen_fact(
+    s: &AppState,
+    user_id: &str,
+    device_id: &str,
+    ip: Option<std::net::IpAddr>,
+    user_agent: Option<&str>,
+) -> Option<Fact> {
+    let now = crate::now_ms();
+    let seen = s
+        .last_seen
+        .touch(user_id, device_id, now, ip, user_agent, || {
+            s.projections
+                .accounts
+                .device_seen(user_id, device_id)
+                .map(|d| Seen {
+                    ts: d.ts,
+                    ip: d.ip,
+                    user_agent: d.user_agent,
+                })
+        })?;
+    Some(Fact::DeviceSeen {
+        user_id: user_id.to_owned(),
+        device_id: device_id.to_owned(),
+        ts: seen.ts,
+        ip: seen.ip,
+        user_agent: seen.user_agent,
+    })
+}
+
+/// Records a request's use of a device and journals a `DeviceSeen` when one is due,
+/// in the background: an ordinary request never waits for it.
+pub fn record_seen(
+    s: &AppState,
+    user_id: &str,
+    device_id: &str,
+    ip: Option<std::net::IpAddr>,
+    user_agent: Option<&str>,
+) {
+    let Some(fact) = seen_fact(s, user_id, device_id, ip, user_agent) else {
+        return;
+    };
+    let s = s.clone();
+    let (user_id, device_id) = (user_id.to_owned(), device_id.to_owned());
+    tokio::spawn(async move {
+        if let Err(e) = s
+            .submit(&user_id, Some(&device_id), CommandBody::Fact { fact })
+            .await
+        {
+            tracing::warn!(user = %user_id, device = %device_id, error = %e.error, "could not journal DeviceSeen");
+        }
+    });
+}
+
+/// [`record_seen`] for a session's first request (login, registration): the fact is
+/// durable before the answer, so it precedes everything the new session does.
+pub async fn record_seen_now(
+    s: &AppState,
+    user_id: &str,
+    device_id: &str,
+    ip: Option<std::net::IpAddr>,
+    user_agent: Option<&str>,
+) -> ApiResult<()> {
+    if let Some(fact) = seen_fact(s, user_id, device_id, ip, user_agent) {
+        s.submit(user_id, Some(device_id), CommandBody::Fact { fact })
+            .await?;
+    }
+    Ok(())
+}
+
+/// The device's last use: the newer of memory and the projection.
+pub fn last_seen_of(s: &AppState, user_id: &str, device_id: &str) -> Option<Seen> {
+    let memory = s.last_seen.get(user_id, device_id);
+    let journaled = s
+        .projections
+        .accounts
+        .device_seen(user_id, device_id)
+        .map(|d| Seen {
+            ts: d.ts,
+            ip: d.ip,
+            user_agent: d.user_agent,
+        });
+    match (memory, journaled) {
+        (Some(m), Some(j)) => Some(if j.ts > m.ts { j } else { m }),
+        (m, j) => m.or(j),
     }
 }
 
@@ -76,13 +266,18 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/_matrix/client/v3/refresh", post(refresh))
 }
 
+/// A device as `/devices` answers it: `last_seen_ts` and `last_seen_ip` once the
+/// device has been seen (the address only while addresses are kept).
 fn device_json(s: &AppState, user_id: &str, device_id: &str, name: Option<String>) -> Value {
     let mut d = json!({ "device_id": device_id });
     if let Some(n) = name {
         d["display_name"] = json!(n);
     }
-    if let Some(ts) = s.last_seen.get(user_id, device_id) {
-        d["last_seen_ts"] = json!(ts);
+    if let Some(seen) = last_seen_of(s, user_id, device_id) {
+        d["last_seen_ts"] = json!(seen.ts);
+        if let Some(ip) = seen.ip {
+            d["last_seen_ip"] = json!(ip);
+        }
     }
     d
 }
@@ -227,7 +422,7 @@ pub(crate) async fn user_interactive_auth(
                 .unwrap_or_default()
                 .to_owned();
             let hash = account.password_hash.unwrap_or_default();
-            if verify_password(password, hash).await {
+            if verify_password(s, password, hash).await? {
                 Ok(None)
             } else {
                 Ok(challenge(Some(MatrixError::forbidden("Invalid password"))))
@@ -342,7 +537,7 @@ async fn change_password(
     }
     let fact = Fact::PasswordChanged {
         user_id: r.user_id.clone(),
-        password_hash: hash_password(new_password).await?,
+        password_hash: hash_password(&s, new_password).await?,
     };
     s.submit_and_wait(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
         .await?;

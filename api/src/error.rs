@@ -67,6 +67,11 @@ impl MatrixError {
             "Unrecognized request",
         )
     }
+    /// 429 `M_LIMIT_EXCEEDED` with `retry_after_ms` (and a `Retry-After` header).
+    pub fn limit_exceeded(msg: impl Into<String>, retry_after_ms: u64) -> Self {
+        Self::new(StatusCode::TOO_MANY_REQUESTS, "M_LIMIT_EXCEEDED", msg)
+            .with_extra(serde_json::json!({ "retry_after_ms": retry_after_ms }))
+    }
     /// Adds extra top-level fields.
     pub fn with_extra(mut self, extra: serde_json::Value) -> Self {
         self.extra = Some(extra);
@@ -84,7 +89,18 @@ impl IntoResponse for MatrixError {
                 map.insert(k, v);
             }
         }
-        (self.status, Json(body)).into_response()
+        // Rate limits (spec v1.19 "Rate limiting"): `retry_after_ms` in the body, and
+        // the same wait in whole seconds, rounded up, as `Retry-After`.
+        let retry_after_s = (self.status == StatusCode::TOO_MANY_REQUESTS)
+            .then(|| body.get("retry_after_ms").and_then(|v| v.as_u64()))
+            .flatten()
+            .map(|ms| ms.div_ceil(1000));
+        let mut resp = (self.status, Json(body)).into_response();
+        if let Some(s) = retry_after_s {
+            resp.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, s.into());
+        }
+        resp
     }
 }
 

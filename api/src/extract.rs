@@ -114,12 +114,86 @@ impl FromRequestParts<AppState> for Requester {
             )
             .with_extra(serde_json::json!({"soft_logout": true})));
         }
-        state.last_seen.touch(&owner.user_id, &owner.device_id, now);
+        crate::devices::record_seen(
+            state,
+            &owner.user_id,
+            &owner.device_id,
+            ClientAddr::of(parts, state.config.trust_x_forwarded_for).0,
+            user_agent(&parts.headers),
+        );
+        if let Some(slot) = parts.extensions.get::<crate::access_log::RequestUser>() {
+            slot.set(&owner.user_id);
+        }
         Ok(Requester {
             user_id: owner.user_id,
             device_id: owner.device_id,
             token_hash: hash,
         })
+    }
+}
+
+/// The `User-Agent` header, if it is text.
+pub fn user_agent(headers: &axum::http::HeaderMap) -> Option<&str> {
+    headers
+        .get(axum::http::header::USER_AGENT)
+        .and_then(|v| v.to_str().ok())
+}
+
+/// The client's address: the TCP peer, or (with `trust_x_forwarded_for`, behind a
+/// reverse proxy) the last `X-Forwarded-For` entry, the one our proxy appended.
+/// `None` when neither is known (a router driven without a socket, in tests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientAddr(pub Option<std::net::IpAddr>);
+
+impl ClientAddr {
+    /// The address from a request's parts.
+    pub fn of(parts: &Parts, trust_x_forwarded_for: bool) -> ClientAddr {
+        if trust_x_forwarded_for
+            && let Some(ip) = parts
+                .headers
+                .get_all("x-forwarded-for")
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .flat_map(|v| v.split(','))
+                .filter_map(|s| s.trim().parse::<std::net::IpAddr>().ok())
+                .next_back()
+        {
+            return ClientAddr(Some(ip));
+        }
+        ClientAddr(
+            parts
+                .extensions
+                .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+                .map(|c| c.0.ip()),
+        )
+    }
+
+    /// The key per-address rate limits count under: the IPv4 address, or the /64
+    /// prefix of an IPv6 one (one host's whole allocation; addresses inside it are
+    /// free to pick); `"unknown"` without an address.
+    pub fn rate_key(&self) -> String {
+        match self.0 {
+            Some(std::net::IpAddr::V4(v4)) => v4.to_string(),
+            Some(std::net::IpAddr::V6(v6)) => match v6.to_ipv4_mapped() {
+                Some(v4) => v4.to_string(),
+                None => {
+                    let s = v6.segments();
+                    format!("{:x}:{:x}:{:x}:{:x}::/64", s[0], s[1], s[2], s[3])
+                }
+            },
+            None => "unknown".into(),
+        }
+    }
+}
+
+impl FromRequestParts<AppState> for ClientAddr {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &AppState,
+    ) -> Result<Self, Self::Rejection> {
+        Ok(ClientAddr::of(parts, state.config.trust_x_forwarded_for))
     }
 }
 

@@ -6,6 +6,7 @@
 //! projections have applied everything acknowledged so far, so a client's next read
 //! sees its write (read-your-writes, BRIEF §3.5) without writers waiting on readers.
 
+pub mod access_log;
 pub mod account;
 pub mod admin;
 pub mod cross_signing;
@@ -13,6 +14,7 @@ pub mod devices;
 pub mod directory;
 pub mod error;
 pub mod extract;
+pub mod hashing;
 pub mod key_backup;
 pub mod keys;
 pub mod media;
@@ -20,6 +22,7 @@ pub mod mutual_rooms;
 pub mod openid;
 pub mod presence;
 pub mod push;
+pub mod ratelimit;
 pub mod read;
 pub mod relations;
 pub mod reports;
@@ -83,6 +86,15 @@ pub struct ApiConfig {
     /// The body of `GET /.well-known/matrix/support` (`contacts` and/or
     /// `support_page`); `None`: nothing configured, the endpoint answers 404.
     pub support: Option<serde_json::Value>,
+    /// The password-hashing pool (`[password_hashing]`).
+    pub hashing: hashing::HashingConfig,
+    /// Rate limits (`[rate_limits]`).
+    pub rate_limits: ratelimit::RateLimitConfig,
+    /// Take the client address from the last `X-Forwarded-For` entry (set by a
+    /// reverse proxy in front of us) instead of the TCP peer.
+    pub trust_x_forwarded_for: bool,
+    /// Keep devices' `last_seen_ip` (in memory and in `DeviceSeen` facts).
+    pub keep_client_addresses: bool,
 }
 
 /// Content repository settings (`[media]` in the config).
@@ -120,7 +132,8 @@ pub struct AppState {
     pub sliding: Arc<sliding::Connections>,
     /// Becomes `true` when the server shuts down: waiting long-polls answer at once.
     pub shutdown: tokio::sync::watch::Receiver<bool>,
-    /// When each device was last used (in memory).
+    /// When, from where and with what each device was last used (in memory; changes
+    /// are journaled as `DeviceSeen`).
     pub last_seen: devices::LastSeen,
     /// Presence (in memory, ephemeral like typing).
     pub presence: presence::Presence,
@@ -128,6 +141,10 @@ pub struct AppState {
     pub blobs: Arc<spindle_journal::blobs::BlobStore>,
     /// Federation (remote joins, aliases, profiles); `None` when it is disabled.
     pub federation: Option<spindle_federation::FedState>,
+    /// The bounded password-hashing pool (every argon2 hash and check runs there).
+    pub hashing: hashing::HashPool,
+    /// Rate limiters (token buckets per user, address, room).
+    pub rate_limits: Arc<ratelimit::RateLimits>,
 }
 
 impl AppState {
@@ -138,9 +155,30 @@ impl AppState {
         config: ApiConfig,
         shutdown: tokio::sync::watch::Receiver<bool>,
     ) -> AppState {
+        let clock = Arc::new(ratelimit::SystemClock::default());
+        Self::new_with_clock(journal, projections, config, shutdown, clock)
+    }
+
+    /// [`AppState::new`] with the rate limiters on `clock` (tests step a
+    /// [`ratelimit::ManualClock`] instead of sleeping).
+    pub fn new_with_clock(
+        journal: Journal,
+        projections: Projections,
+        config: ApiConfig,
+        shutdown: tokio::sync::watch::Receiver<bool>,
+        clock: Arc<dyn ratelimit::Clock>,
+    ) -> AppState {
+        let rate_limits = Arc::new(ratelimit::RateLimits::new(
+            config.rate_limits.clone(),
+            clock,
+        ));
         let key = journal.key().clone();
         let blobs = Arc::new(spindle_journal::blobs::BlobStore::new(&config.media.dir));
+        let hashing = hashing::HashPool::start(&config.hashing);
+        let last_seen = devices::LastSeen::new(config.keep_client_addresses);
         AppState {
+            rate_limits,
+            hashing,
             blobs,
             journal,
             projections,
@@ -150,7 +188,7 @@ impl AppState {
             summaries: Arc::default(),
             sliding: Arc::default(),
             shutdown,
-            last_seen: devices::LastSeen::default(),
+            last_seen,
             presence: presence::Presence::default(),
             federation: None,
         }

@@ -200,6 +200,7 @@ async fn upload(
     q: Query,
     req: Request,
 ) -> ApiResult<Json<Value>> {
+    crate::ratelimit::check_user(&s, &s.rate_limits.media_upload, &r.user_id)?;
     let content_type = content_type_of(req.headers());
     let bytes = body_bytes(req, &s).await?;
     let size = bytes.len() as u64;
@@ -222,6 +223,7 @@ async fn upload(
 
 /// `POST /_matrix/media/v1/create`: reserves a media id for a later upload.
 async fn create(State(s): State<AppState>, r: Requester) -> ApiResult<Json<Value>> {
+    crate::ratelimit::check_user(&s, &s.rate_limits.media_create, &r.user_id)?;
     let media_id = random_media_id();
     let outcome = s
         .submit(
@@ -268,6 +270,7 @@ async fn upload_to(
     if record.content_hash.is_some() {
         return Err(cannot_overwrite());
     }
+    crate::ratelimit::check_user(&s, &s.rate_limits.media_upload, &r.user_id)?;
     let content_type = content_type_of(req.headers());
     let bytes = body_bytes(req, &s).await?;
     let size = bytes.len() as u64;

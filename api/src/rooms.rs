@@ -13,6 +13,7 @@ use spindle_journal::{CommandBody, EventSpec, Fact, MembershipPrecondition, Outc
 use crate::{
     ApiResult, AppState, MatrixError,
     extract::{JsonObject, Requester, opt_str},
+    ratelimit::{check_user, exempt},
 };
 
 pub(crate) fn routes() -> Router<AppState> {
@@ -413,6 +414,8 @@ async fn create_room(
         }
         Some(_) => return Err(MatrixError::bad_json("invite_3pid must be a list")),
     }
+    // Creating a room counts as one event against `rate_limits.message`, as Synapse does.
+    check_user(&s, &s.rate_limits.message, &r.user_id)?;
     let preset = opt_str(&body, "preset")?.unwrap_or_else(|| {
         if visibility == "public" {
             "public_chat".into()
@@ -651,6 +654,9 @@ async fn create_room(
     Ok(Json(json!({ "room_id": room_id })))
 }
 
+/// Joins `room_id` as the requester, through `via` when this server is not in the
+/// room; rate limited per user (`rate_limits.joins`; a join of a room already joined
+/// is free).
 async fn join(
     s: &AppState,
     r: &Requester,
@@ -662,6 +668,7 @@ async fn join(
     if current.as_ref().is_some_and(|m| m.membership == "join") {
         return Ok(Json(json!({ "room_id": room_id })));
     }
+    check_user(s, &s.rate_limits.joins, &r.user_id)?;
     // A room this server is not in (or no longer in: nobody here is joined) is joined
     // through a server that is (spec: server-server API, "Joining Rooms").
     let known = s.projections.state.room(room_id).is_some();
@@ -928,6 +935,17 @@ async fn invite(
     if target.ends_with(&local_suffix) && s.projections.accounts.user(&target).is_none() {
         return Err(MatrixError::not_found("Unknown user"));
     }
+    // Synapse's rc_invites: per sender, per room and per invitee; all three must have
+    // room before any counts.
+    if !exempt(&s, &r.user_id) {
+        let rl = &s.rate_limits;
+        rl.invites_per_issuer.peek(&r.user_id)?;
+        rl.invites_per_room.peek(&room_id)?;
+        rl.invites_per_user.peek(&target)?;
+        rl.invites_per_issuer.record(&r.user_id);
+        rl.invites_per_room.record(&room_id);
+        rl.invites_per_user.record(&target);
+    }
     if !target.ends_with(&local_suffix) {
         let Some(fed) = s.federation.clone() else {
             return Err(MatrixError::forbidden(
@@ -1086,6 +1104,7 @@ async fn send(
     if event_type.is_empty() || event_type.len() > 255 {
         return Err(MatrixError::invalid_param("Invalid event type"));
     }
+    check_user(&s, &s.rate_limits.message, &r.user_id)?;
     let mut redacts = None;
     if event_type == "m.room.redaction" {
         redacts = opt_str(&body, "redacts")?;
@@ -1117,6 +1136,7 @@ async fn put_state_inner(
     if event_type == "m.room.create" {
         return Err(MatrixError::forbidden("m.room.create cannot be sent"));
     }
+    check_user(&s, &s.rate_limits.message, &r.user_id)?;
     if event_type == "m.room.member" {
         valid_user_id(&state_key)?;
     }
@@ -1196,6 +1216,7 @@ async fn redact(
     if ruma::EventId::parse(&event_id).is_err() {
         return Err(MatrixError::invalid_param("Invalid event id"));
     }
+    check_user(&s, &s.rate_limits.message, &r.user_id)?;
     let access = crate::visibility::room_access(&s, &r.user_id, &room_id)?;
     let target = s
         .projections

@@ -272,6 +272,18 @@ pub enum Fact {
     },
     /// A device was deleted; its tokens are revoked with it.
     DeviceDeleted { user_id: String, device_id: String },
+    /// A device was used at `ts` (ms since the Unix epoch, the server's clock when the
+    /// API saw the request) from `ip` with `user_agent`. Journaled when the address or
+    /// the user agent changes (at most once a minute per device) and otherwise at most
+    /// once an hour, never per request. `ip` is `None` when the server keeps no client
+    /// addresses (`[devices] keep_client_addresses = false`).
+    DeviceSeen {
+        user_id: String,
+        device_id: String,
+        ts: u64,
+        ip: Option<String>,
+        user_agent: Option<String>,
+    },
     /// An access token was issued. Only the blake3 hash of the token is stored.
     TokenIssued {
         user_id: String,

@@ -38,6 +38,19 @@ pub struct Device {
     pub display_name: Option<String>,
 }
 
+/// When and from where a device was last seen, as journaled (`DeviceSeen`).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct DeviceSeen {
+    /// ms since the Unix epoch.
+    pub ts: u64,
+    /// The client address (`None` when the server keeps none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip: Option<String>,
+    /// The client's `User-Agent`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_agent: Option<String>,
+}
+
 /// Who an access token belongs to.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct TokenOwner {
@@ -117,6 +130,7 @@ impl Profile {
 pub struct Accounts {
     users: Table,
     devices: Table,
+    device_seen: Table,
     tokens: Table,
     device_tokens: Table,
     profiles: Table,
@@ -130,6 +144,7 @@ impl Accounts {
         Ok(Accounts {
             users: db.table("accounts", "users")?,
             devices: db.table("accounts", "devices")?,
+            device_seen: db.table("accounts", "device_seen")?,
             tokens: db.table("accounts", "tokens")?,
             device_tokens: db.table("accounts", "device_tokens")?,
             profiles: db.table("accounts", "profiles")?,
@@ -166,6 +181,11 @@ impl Accounts {
     /// One device.
     pub fn device(&self, user_id: &str, device_id: &str) -> Option<Device> {
         serde_json::from_slice(&self.devices.get(&key::join(&[user_id, device_id]))?).ok()
+    }
+
+    /// When and from where the device was last seen, as last journaled.
+    pub fn device_seen(&self, user_id: &str, device_id: &str) -> Option<DeviceSeen> {
+        serde_json::from_slice(&self.device_seen.get(&key::join(&[user_id, device_id]))?).ok()
     }
 
     /// The user's profile (empty if never set).
@@ -270,6 +290,7 @@ impl Projection for Accounts {
             self.profiles.clone(),
             self.refresh_tokens.clone(),
             self.openid_tokens.clone(),
+            self.device_seen.clone(),
         ]
     }
 
@@ -308,8 +329,26 @@ impl Projection for Accounts {
                     json(&Device { display_name }),
                 );
             }
+            Fact::DeviceSeen {
+                user_id,
+                device_id,
+                ts,
+                ip,
+                user_agent,
+            } => {
+                // Only for a device that exists (the fact may trail its deletion).
+                let k = key::join(&[&user_id, &device_id]);
+                if ctx.get(&self.devices, &k).is_some() {
+                    ctx.put(
+                        &self.device_seen,
+                        k,
+                        json(&DeviceSeen { ts, ip, user_agent }),
+                    );
+                }
+            }
             Fact::DeviceDeleted { user_id, device_id } => {
                 ctx.delete(&self.devices, key::join(&[&user_id, &device_id]));
+                ctx.delete(&self.device_seen, key::join(&[&user_id, &device_id]));
                 let prefix = key::prefix(&[&user_id, &device_id]);
                 for (k, _) in ctx.scan_prefix(&self.device_tokens, &prefix) {
                     let hash = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();

@@ -57,15 +57,29 @@ impl TestServer {
 
     /// Starts a server after `f` adjusted the configuration.
     pub async fn start_with(f: impl FnOnce(&mut spindle::Config)) -> TestServer {
+        let clock = std::sync::Arc::new(spindle_api::ratelimit::SystemClock::default());
+        Self::start_with_clock(clock, f).await
+    }
+
+    /// [`TestServer::start_with`] with the rate limiters on `clock`.
+    pub async fn start_with_clock(
+        clock: std::sync::Arc<dyn spindle_api::ratelimit::Clock>,
+        f: impl FnOnce(&mut spindle::Config),
+    ) -> TestServer {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut config = spindle::Config {
             bind: "127.0.0.1:0".parse().unwrap(),
             data_dir: dir.path().join("data"),
             log: "warn".into(),
+            // Tests send bursts no public server should accept; the rate-limit tests
+            // turn the limits they test back on.
+            rate_limits: spindle::config::RateLimits::lifted(),
             ..Default::default()
         };
         f(&mut config);
-        let server = spindle::Server::start(config).await.expect("server starts");
+        let server = spindle::Server::start_with_clock(config, clock)
+            .await
+            .expect("server starts");
         let base = format!("http://{}", server.addr);
         TestServer {
             server,

@@ -80,6 +80,10 @@ class SpindleServer:
             "\n"
             "[registration]\n"
             "mode = \"open\"\n"
+            "\n"
+            "# The flows send bursts (logins, messages) that the public defaults refuse.\n"
+            "[rate_limits]\n"
+            "enabled = false\n"
             + self.extra_config
         )
 

@@ -33,6 +33,7 @@ import pytest_asyncio
 from nio import (
     AsyncClient,
     AsyncClientConfig,
+    DevicesResponse,
     JoinedMembersResponse,
     JoinResponse,
     LoginResponse,
@@ -712,6 +713,14 @@ async def test_07_restart_keeps_everything(world: World):
         ok(r, LoginResponse, f"password login {key} after restart")
         assert r.user_id == w.users[key]["user_id"]
         fresh[key] = c
+
+    # nio's device list parses (it needs last_seen_ip on every device), and the
+    # devices used before the restart still have their address: it was journaled.
+    d = ok(await bounded(fresh["A"].devices(), "devices A"), DevicesResponse, "GET /devices (nio)")
+    ids = {dev.id for dev in d.devices}
+    assert {a.device_id, fresh["A"].device_id} <= ids, f"devices: {ids}"
+    for dev in d.devices:
+        assert dev.last_seen_ip == "127.0.0.1", f"{dev.id}: last_seen_ip {dev.last_seen_ip!r}"
 
     # Same history, same order.
     s = await sync(w, fresh["A"], None, what="A2 initial sync after restart")

@@ -54,7 +54,8 @@ impl Server {
             &config,
             format!(
                 "server_name = \"localhost:{port}\"\nbind = \"127.0.0.1:{port}\"\n\
-                 data_dir = \"{}\"\n\n[registration]\nmode = \"open\"\n",
+                 data_dir = \"{}\"\n\n[registration]\nmode = \"open\"\n\n\
+                 [rate_limits]\nenabled = false\n",
                 dir.path().join("data").display()
             ),
         )?;
