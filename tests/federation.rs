@@ -30,6 +30,7 @@ impl Harness {
         let config = spindle::Config {
             bind: "127.0.0.1:0".parse().unwrap(),
             data_dir: dir.path().to_path_buf(),
+            rate_limits: spindle::config::RateLimits::lifted(),
             ..Default::default()
         };
         let server = spindle::Server::start(config).await.unwrap();
