@@ -195,6 +195,9 @@ const AUTH_TYPES: [&str; 5] = [
 struct RoomAggregate {
     version: String,
     head: Option<(OwnedEventId, u64)>,
+    /// The head's reference hash, kept only in rooms whose `prev_events` carry hashes
+    /// (v1/v2); `None` elsewhere.
+    head_hash: Option<String>,
     auth_state: HashMap<(String, String), Arc<Pdu>>,
     /// (user, device, txn id) -> (event id, position) for idempotent sends.
     txns: HashMap<(String, String, String), (OwnedEventId, u64)>,
@@ -205,6 +208,7 @@ impl RoomAggregate {
         Self {
             version: version.to_owned(),
             head: None,
+            head_hash: None,
             auth_state: HashMap::new(),
             txns: HashMap::new(),
         }
@@ -212,6 +216,11 @@ impl RoomAggregate {
 
     fn apply(&mut self, pdu: Arc<Pdu>) {
         self.head = Some((pdu.event_id.clone(), pdu.depth));
+        if room_version::rules(&self.version)
+            .is_some_and(|r| room_version::references_carry_hashes(&r))
+        {
+            self.head_hash = pdu.reference_hash().ok();
+        }
         if let Some(sk) = &pdu.state_key {
             let kind = pdu.kind.to_string();
             if AUTH_TYPES.contains(&kind.as_str()) {
@@ -881,7 +890,17 @@ impl Journal {
             depth,
             origin_server_ts: ts,
         }
-        .build(&self.inner.key)?;
+        .build_with_references(&self.inner.key, &|id| {
+            // Only v1/v2 ask: the head, or an auth event (held by the aggregate).
+            match &agg.head {
+                Some((head, _)) if head.as_str() == id.as_str() => agg.head_hash.clone(),
+                _ => agg
+                    .auth_state
+                    .values()
+                    .find(|p| p.event_id.as_str() == id.as_str())
+                    .and_then(|p| p.reference_hash().ok()),
+            }
+        })?;
         // The auth events, plus the create event: from room version 12 it is not among
         // the auth events but the rules still fetch it (by the room id).
         let create = agg
