@@ -17,6 +17,7 @@ pub mod extract;
 pub mod hashing;
 pub mod key_backup;
 pub mod keys;
+pub mod legacy;
 pub mod media;
 pub mod mutual_rooms;
 pub mod openid;
@@ -301,6 +302,7 @@ pub fn router(state: AppState) -> Router {
         .merge(read::routes())
         .merge(search::routes())
         .merge(sync::routes())
+        .merge(legacy::routes())
         .merge(sliding::routes())
         .merge(push::routes())
         .merge(relations::routes())

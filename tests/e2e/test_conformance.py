@@ -269,6 +269,18 @@ def test_sync(world):
     bodies = [e["content"].get("body") for e in later["rooms"]["join"][room]["timeline"]["events"]]
     assert bodies == ["news"]
     bob.get(f"{C3}/sync", query={"full_state": "true", "timeout": 0, "filter": {"room": {"timeline": {"limit": 2}}}})
+    # The legacy endpoints (deprecated, still used by bots) and room peeking.
+    r = seg(room)
+    init = bob.get(f"{C3}/initialSync", query={"limit": 2})
+    assert room in [i["room_id"] for i in init["rooms"]]
+    news = alice.put(f"{C3}/rooms/{r}/send/m.room.message/{unique('t')}", {"msgtype": "m.text", "body": "stream"})["event_id"]
+    stream = bob.get(f"{C3}/events", query={"from": init["end"], "timeout": 0})
+    assert news in [e["event_id"] for e in stream["chunk"]]
+    peek = bob.get(f"{C3}/events", query={"from": stream["end"], "timeout": 0, "room_id": room})
+    assert peek["chunk"] == []
+    snapshot = bob.get(f"{C3}/rooms/{r}/initialSync")
+    assert snapshot["messages"]["chunk"][-1]["event_id"] == news
+    assert bob.get(f"{C3}/events/{seg(news)}")["content"]["body"] == "stream"
 
 
 def canonical(obj) -> str:
