@@ -106,14 +106,15 @@ async fn resending_unchanged_state_returns_the_existing_event() {
         .await;
     assert_ne!(changed, first);
     let pl = alice
-        .get(&format!("{V3}/rooms/{}/state/m.room.power_levels", enc(&room)))
+        .get(&format!(
+            "{V3}/rooms/{}/state/m.room.power_levels",
+            enc(&room)
+        ))
         .await
         .ok();
     let mut pl2 = pl.clone();
     pl2["events"]["m.room.topic"] = json!(0);
-    alice
-        .put_state(&room, "m.room.power_levels", "", pl2)
-        .await;
+    alice.put_state(&room, "m.room.power_levels", "", pl2).await;
     let by_bob = bob
         .put_state(&room, "m.room.topic", "", json!({ "topic": "u" }))
         .await;

@@ -598,7 +598,11 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
     ] {
         let resp = eve.get(path).await;
         assert_eq!(resp.status, 200, "{}", resp.text);
-        assert!(!resp.text.contains(&room), "{path} names the room: {}", resp.text);
+        assert!(
+            !resp.text.contains(&room),
+            "{path} names the room: {}",
+            resp.text
+        );
         for s in secrets {
             assert!(!resp.text.contains(s), "{path} leaked {s}");
         }

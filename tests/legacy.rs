@@ -209,9 +209,12 @@ async fn room_initial_sync_serves_members_peekers_and_former_members() {
     assert_eq!(bob_member["content"]["membership"], json!("leave"));
     // Eve was never in it: refused, like an unknown room.
     eve.get(&path).await.expect_err(403, "M_FORBIDDEN");
-    eve.get(&format!("{V3}/rooms/{}/initialSync", enc("!nope:localhost:8008")))
-        .await
-        .expect_err(403, "M_FORBIDDEN");
+    eve.get(&format!(
+        "{V3}/rooms/{}/initialSync",
+        enc("!nope:localhost:8008")
+    ))
+    .await
+    .expect_err(403, "M_FORBIDDEN");
     // A world-readable room can be peeked (no membership).
     let open = alice.create_room(world_readable()).await;
     let m = alice.send_text(&open, "peek").await;
@@ -231,10 +234,7 @@ async fn events_by_id_answers_only_what_the_user_may_see() {
     let eve = ts.register("eve").await;
     let room = alice.create_room(json!({})).await;
     let m = alice.send_text(&room, "secret").await;
-    let ev = alice
-        .get(&format!("{V3}/events/{}", enc(&m)))
-        .await
-        .ok();
+    let ev = alice.get(&format!("{V3}/events/{}", enc(&m))).await.ok();
     assert_eq!(ev["event_id"], json!(m));
     assert_eq!(ev["room_id"], json!(room));
     assert_eq!(ev["content"]["body"], json!("secret"));

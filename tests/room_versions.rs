@@ -125,9 +125,12 @@ async fn every_room_version_creates_joins_sends_redacts_and_upgrades() {
         assert_eq!(ev["content"]["body"], json!("hello"));
 
         // Bob (level 0) may not rename the room: state_default is 50 in every version.
-        bob.put(&state_path(&room, "m.room.name"), &json!({ "name": "bob's" }))
-            .await
-            .expect_err(403, "M_FORBIDDEN");
+        bob.put(
+            &state_path(&room, "m.room.name"),
+            &json!({ "name": "bob's" }),
+        )
+        .await
+        .expect_err(403, "M_FORBIDDEN");
 
         // Redaction: the version's algorithm strips the body; the redaction's id has
         // the version's format too.
@@ -254,9 +257,7 @@ async fn old_rooms_accept_string_power_levels_and_upgrades_make_them_integers() 
         assert_eq!(pl["state_default"], json!(50), "v{version}: {pl}");
     }
     for version in ["10", "11"] {
-        let room = alice
-            .create_room(json!({ "room_version": version }))
-            .await;
+        let room = alice.create_room(json!({ "room_version": version })).await;
         alice
             .put(
                 &state_path(&room, "m.room.power_levels"),

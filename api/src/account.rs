@@ -139,7 +139,12 @@ async fn registration_token_validity(
 async fn capabilities(_r: Requester) -> Json<Value> {
     let available: serde_json::Map<String, Value> = spindle_core::room_version::SUPPORTED
         .iter()
-        .filter_map(|v| Some((v.to_string(), json!(spindle_core::room_version::stability(v)?))))
+        .filter_map(|v| {
+            Some((
+                v.to_string(),
+                json!(spindle_core::room_version::stability(v)?),
+            ))
+        })
         .collect();
     Json(json!({
         "capabilities": {

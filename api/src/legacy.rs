@@ -63,8 +63,7 @@ fn stream_rows(
 ) -> Vec<(u64, String)> {
     let mut rows: Vec<(u64, String)> = Vec::new();
     for room in rooms {
-        if s
-            .projections
+        if s.projections
             .timeline
             .last_activity(room)
             .is_none_or(|p| p <= after)
@@ -284,11 +283,7 @@ async fn room_initial_sync(
 /// [`crate::read::MAX_PAGE`]) and state, plus global account data; `end` is the token
 /// for `GET /events`. Invites carry the invite event instead of messages and state.
 /// Errors: 400 `M_INVALID_PARAM` for a bad `limit` or `archived`.
-async fn initial_sync(
-    State(s): State<AppState>,
-    r: Requester,
-    q: Query,
-) -> ApiResult<Json<Value>> {
+async fn initial_sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Json<Value>> {
     let limit = q
         .u64("limit")?
         .map(|l| l.min(crate::read::MAX_PAGE as u64) as usize)

@@ -143,10 +143,7 @@ pub fn render_unbundled(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &s
 /// member reading their rooms); for older events, the event's roots, one state point
 /// lookup and one member event.
 fn membership_at_event(s: &AppState, ev: &EventRecord, user: &str) -> String {
-    if let Some(m) = s
-        .projections
-        .membership
-        .get(ev.pdu.room_id.as_str(), user)
+    if let Some(m) = s.projections.membership.get(ev.pdu.room_id.as_str(), user)
         && m.position <= ev.position
     {
         return m.membership;

@@ -7,8 +7,8 @@ use axum::{
     http::StatusCode,
     routing::{get, post, put},
 };
-use serde_json::{Value, json};
 use ruma::room_version_rules::RoomVersionRules;
+use serde_json::{Value, json};
 use spindle_journal::{CommandBody, EventSpec, Fact, MembershipPrecondition, Outcome};
 
 use crate::{
@@ -228,8 +228,7 @@ pub(crate) fn validate_state_content(
     let Some(c) = content.as_object() else {
         return Err(MatrixError::bad_json("content must be an object"));
     };
-    let rules = spindle_core::room_version::rules(room_version)
-        .unwrap_or(RoomVersionRules::V10);
+    let rules = spindle_core::room_version::rules(room_version).unwrap_or(RoomVersionRules::V10);
     let string = |name: &str, required: bool| -> ApiResult<Option<&str>> {
         match c.get(name) {
             None if !required => Ok(None),

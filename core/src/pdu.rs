@@ -149,9 +149,8 @@ impl PduTemplate {
                     if !with_hashes {
                         return Ok(id);
                     }
-                    let hash = reference_hash(e).ok_or_else(|| {
-                        PduError::Invalid(format!("no reference hash for {e}"))
-                    })?;
+                    let hash = reference_hash(e)
+                        .ok_or_else(|| PduError::Invalid(format!("no reference hash for {e}")))?;
                     let mut h = CanonicalJsonObject::new();
                     h.insert("sha256".into(), CanonicalJsonValue::String(hash));
                     Ok(CanonicalJsonValue::Array(vec![
@@ -214,7 +213,10 @@ impl PduTemplate {
             let opaque = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(digest.as_bytes());
             let id = OwnedEventId::try_from(format!("${}:{}", &opaque[..24], key.server_name()))
                 .map_err(|e| PduError::Invalid(e.to_string()))?;
-            obj.insert("event_id".into(), CanonicalJsonValue::String(id.to_string()));
+            obj.insert(
+                "event_id".into(),
+                CanonicalJsonValue::String(id.to_string()),
+            );
             Some(id)
         } else {
             None
