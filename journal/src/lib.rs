@@ -195,8 +195,9 @@ const AUTH_TYPES: [&str; 5] = [
 struct RoomAggregate {
     version: String,
     head: Option<(OwnedEventId, u64)>,
-    /// The head's reference hash, kept only in rooms whose `prev_events` carry hashes
-    /// (v1/v2); `None` elsewhere.
+    /// Whether the version's references carry hashes (v1/v2).
+    hashed_refs: bool,
+    /// The head's reference hash, kept only when `hashed_refs`; `None` elsewhere.
     head_hash: Option<String>,
     auth_state: HashMap<(String, String), Arc<Pdu>>,
     /// (user, device, txn id) -> (event id, position) for idempotent sends.
@@ -208,6 +209,8 @@ impl RoomAggregate {
         Self {
             version: version.to_owned(),
             head: None,
+            hashed_refs: room_version::rules(version)
+                .is_some_and(|r| room_version::references_carry_hashes(&r)),
             head_hash: None,
             auth_state: HashMap::new(),
             txns: HashMap::new(),
@@ -216,9 +219,7 @@ impl RoomAggregate {
 
     fn apply(&mut self, pdu: Arc<Pdu>) {
         self.head = Some((pdu.event_id.clone(), pdu.depth));
-        if room_version::rules(&self.version)
-            .is_some_and(|r| room_version::references_carry_hashes(&r))
-        {
+        if self.hashed_refs {
             self.head_hash = pdu.reference_hash().ok();
         }
         if let Some(sk) = &pdu.state_key {
@@ -859,11 +860,16 @@ impl Journal {
         )
         .map_err(JournalError::BadJson)?;
         let mut auth_events = Vec::new();
+        // v1/v2 references carry the referenced events' hashes (point lookups only).
+        let mut auth_hashes = HashMap::new();
         for (t, k) in &auth_types {
             if let Some(p) = agg.auth_state.get(&(t.clone(), k.clone()))
                 && !auth_events.contains(&p.event_id)
             {
                 auth_events.push(p.event_id.clone());
+                if agg.hashed_refs {
+                    auth_hashes.insert(p.event_id.clone(), p.reference_hash()?);
+                }
             }
         }
         let (prev_events, depth) = match &agg.head {
@@ -891,14 +897,10 @@ impl Journal {
             origin_server_ts: ts,
         }
         .build_with_references(&self.inner.key, &|id| {
-            // Only v1/v2 ask: the head, or an auth event (held by the aggregate).
+            // Only v1/v2 ask: the head, or an auth event.
             match &agg.head {
                 Some((head, _)) if head.as_str() == id.as_str() => agg.head_hash.clone(),
-                _ => agg
-                    .auth_state
-                    .values()
-                    .find(|p| p.event_id.as_str() == id.as_str())
-                    .and_then(|p| p.reference_hash().ok()),
+                _ => auth_hashes.get(id).cloned(),
             }
         })?;
         // The auth events, plus the create event: from room version 12 it is not among
