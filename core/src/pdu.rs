@@ -1,5 +1,5 @@
 //! PDUs: building, hashing, signing and parsing (spec: server-server API "PDUs",
-//! "Calculating the reference hash for an event", room versions 10/11/12).
+//! "Calculating the reference hash for an event", room versions 1 to 12).
 //!
 //! A [`Pdu`] is always backed by the exact canonical JSON bytes that were signed; the
 //! parsed fields are a convenience view. From room version 3 the event id is not part
