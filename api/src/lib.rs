@@ -19,6 +19,7 @@ pub mod key_backup;
 pub mod keys;
 pub mod legacy;
 pub mod media;
+pub mod metrics;
 pub mod mutual_rooms;
 pub mod openid;
 pub mod presence;
@@ -144,6 +145,8 @@ pub struct AppState {
     pub hashing: hashing::HashPool,
     /// Rate limiters (token buckets per user, address, room).
     pub rate_limits: Arc<ratelimit::RateLimits>,
+    /// Prometheus metrics (served on `[metrics] bind` when enabled).
+    pub metrics: Arc<metrics::Metrics>,
 }
 
 impl AppState {
@@ -176,6 +179,7 @@ impl AppState {
         let hashing = hashing::HashPool::start(&config.hashing);
         let last_seen = devices::LastSeen::new(config.keep_client_addresses);
         AppState {
+            metrics: Arc::new(metrics::Metrics::new()),
             rate_limits,
             hashing,
             blobs,
