@@ -52,6 +52,27 @@ pub struct Config {
     pub logging: Logging,
     /// What is kept about devices' use.
     pub devices: Devices,
+    /// Prometheus metrics on a listener of their own.
+    pub metrics: Metrics,
+}
+
+/// Prometheus metrics (docs/metrics.md).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Metrics {
+    /// Serve `GET /metrics` on `bind`.
+    pub enabled: bool,
+    /// Address of the metrics listener (keep it private: it is unauthenticated).
+    pub bind: SocketAddr,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            enabled: false,
+            bind: "127.0.0.1:9090".parse().expect("valid address"),
+        }
+    }
 }
 
 /// Device details kept for `/devices` and `/admin/whois`.
@@ -480,6 +501,7 @@ impl Default for Config {
             reverse_proxy: ReverseProxy::default(),
             logging: Logging::default(),
             devices: Devices::default(),
+            metrics: Metrics::default(),
         }
     }
 }
@@ -725,7 +747,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 105);
+        assert_eq!(want.len(), 108);
     }
 
     #[test]

@@ -42,6 +42,9 @@ pub struct Server {
     pub projections: Projections,
     /// The API's shared state (hashing pool, rate limiters, ...).
     pub state: spindle_api::AppState,
+    /// The metrics listener's address, when `[metrics] enabled`.
+    pub metrics_addr: Option<SocketAddr>,
+    metrics_task: Option<tokio::task::JoinHandle<()>>,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     wake_long_polls: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
@@ -208,6 +211,20 @@ impl Server {
         let app = spindle_api::router(state.clone())
             .merge(ops::router(state.clone(), config.data_dir.clone()))
             .merge(fed_routes);
+        let app = if config.metrics.enabled {
+            app.layer(axum::middleware::from_fn_with_state(
+                state.clone(),
+                spindle_api::metrics::track,
+            ))
+        } else {
+            app
+        };
+        let (metrics_addr, metrics_task) = if config.metrics.enabled {
+            let (addr, task) = serve_metrics(config.metrics.bind, state.clone()).await?;
+            (Some(addr), Some(task))
+        } else {
+            (None, None)
+        };
         let app = if config.logging.access_log {
             app.layer(axum::middleware::from_fn(
                 spindle_api::access_log::access_log,
@@ -269,6 +286,8 @@ impl Server {
             journal,
             projections,
             state,
+            metrics_addr,
+            metrics_task,
             shutdown: Some(tx),
             wake_long_polls: shutdown_tx,
             task,
@@ -285,6 +304,9 @@ impl Server {
         if let Some(h) = &self.tls {
             h.graceful_shutdown(Some(std::time::Duration::from_secs(10)));
         }
+        if let Some(task) = self.metrics_task.take() {
+            task.abort();
+        }
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
@@ -296,6 +318,40 @@ impl Server {
             self.task.abort();
         }
     }
+}
+
+/// Serves `GET /metrics` (Prometheus text format) on its own listener.
+async fn serve_metrics(
+    bind: SocketAddr,
+    state: spindle_api::AppState,
+) -> anyhow::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind(bind)
+        .await
+        .with_context(|| format!("binding the metrics listener {bind}"))?;
+    let addr = listener.local_addr()?;
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            axum::routing::get(
+                |axum::extract::State(s): axum::extract::State<spindle_api::AppState>| async move {
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "text/plain; version=0.0.4; charset=utf-8",
+                        )],
+                        s.metrics.render(&s),
+                    )
+                },
+            ),
+        )
+        .with_state(state);
+    let task = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "metrics listener stopped");
+        }
+    });
+    tracing::info!(%addr, "serving metrics");
+    Ok((addr, task))
 }
 
 /// The `/.well-known/matrix/support` body for the configured contacts and page

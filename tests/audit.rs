@@ -170,8 +170,8 @@ async fn audit_room_lists_state_changes_with_previous_values_to_admins_only() {
         .await
         .expect_err(400, "M_INVALID_PARAM");
 
-    // The user audit: registration, device, token (never the token or its hash), where
-    // the device was first seen, and memberships.
+    // The user audit: registration, the display name set with it, device, token
+    // (never the token or its hash), where the device was first seen, and memberships.
     let user = alice
         .get(&format!(
             "/_spindle/admin/v1/audit/users/{}",
@@ -189,6 +189,7 @@ async fn audit_room_lists_state_changes_with_previous_values_to_admins_only() {
         kinds,
         vec![
             "account_registered",
+            "profile_set",
             "device_created",
             "token_issued",
             "device_seen",
@@ -202,8 +203,8 @@ async fn audit_room_lists_state_changes_with_previous_values_to_admins_only() {
     assert!(!text.contains("token_hash"), "{text}");
     assert!(!text.contains("password"), "{text}");
     assert!(!text.contains(&spindle_api::extract::token_hash(&token)));
-    assert_eq!(user["entries"][5]["details"]["membership"], "join");
-    assert_eq!(user["entries"][4]["by"], alice.user_id);
+    assert_eq!(user["entries"][6]["details"]["membership"], "join");
+    assert_eq!(user["entries"][5]["by"], alice.user_id);
 
     // Projection status for admins: every projection ready, none behind the head. The
     // search index does not gate reads (SPEC §3); a search waits for it to catch up.

@@ -1314,9 +1314,11 @@ async fn late_joiner_pagination_reads_do_not_grow_with_members() {
             ["message 23", "message 22", "message 21", "message 20"]
         );
     }
-    // Four events, two lookups each: at most one trie level deeper per lookup.
+    // Four events, three lookups each (history visibility before, membership after,
+    // and the viewer's membership for `unsigned.membership`: the late joiner's events
+    // predate their member row): at most one trie level deeper per lookup.
     assert!(
-        measure[1] <= measure[0] + 8,
+        measure[1] <= measure[0] + 12,
         "late joiner's page reads grew with member count (3 vs 303 entries): {measure:?}"
     );
 }

@@ -695,6 +695,14 @@ async fn cross_signing_keys_and_signatures_are_checked_and_served() {
     )
     .await
     .ok();
+    let b0 = bob.sync("").await["next_batch"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let a0 = alice.sync("").await["next_batch"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     let signed_master = busk.sign(&bob.user_id, master_obj.clone());
     let up = bob
         .post(
@@ -712,6 +720,16 @@ async fn cross_signing_keys_and_signatures_are_checked_and_served() {
         .await
         .ok();
     assert!(by_bob["master_keys"][&alice.user_id]["signatures"][&bob.user_id].is_object());
+    // The signer hears that the *signed* user's keys changed (Element X waits for it
+    // to finish a verification); the signed user, who cannot see the signature, does
+    // not, and they share no room.
+    let b1 = bob.sync(&format!("since={b0}")).await;
+    assert_eq!(
+        b1["device_lists"],
+        json!({ "changed": [alice.user_id], "left": [] })
+    );
+    let a1 = alice.sync(&format!("since={a0}")).await;
+    assert_eq!(a1["device_lists"], json!({ "changed": [], "left": [] }));
     let by_alice = alice
         .post(
             &format!("{V3}/keys/query"),

@@ -429,6 +429,15 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
             404,
             NF,
         ),
+        // The legacy room snapshot (api/src/legacy.rs).
+        row(
+            M::GET,
+            "/_matrix/client/v3/rooms/{room_id}/initialSync",
+            "/initialSync".into(),
+            None,
+            403,
+            F,
+        ),
         // Anyone may report a room (spec); the answer is 200 `{}` whether or not the
         // room exists, so it reveals nothing.
         row(
@@ -483,6 +492,7 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
         ("upgrade.rs", include_str!("../api/src/upgrade.rs")),
         ("reports.rs", include_str!("../api/src/reports.rs")),
         ("relations.rs", include_str!("../api/src/relations.rs")),
+        ("legacy.rs", include_str!("../api/src/legacy.rs")),
     ] {
         let (count, routes) = room_routes(source);
         let distinct: BTreeSet<&String> = routes.iter().map(|(_, t)| t).collect();
@@ -495,7 +505,7 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
     }
     assert_eq!(
         served.len(),
-        34,
+        35,
         "room routes served (update the table when adding one): {served:?}"
     );
     for (method, template) in &served {
@@ -572,6 +582,29 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
         );
         for s in secrets {
             assert!(!resp.text.contains(s), "sync {query} leaked {s}");
+        }
+    }
+    // The legacy endpoints show nothing of the room: not its event by id, not its
+    // stream (peeking needs a world-readable room), not in the initial sync.
+    eve.get(&format!("/_matrix/client/v3/events/{x}"))
+        .await
+        .expect_err(404, NF);
+    eve.get(&format!("/_matrix/client/v3/events?room_id={r}&timeout=0"))
+        .await
+        .expect_err(403, F);
+    for path in [
+        "/_matrix/client/v3/events?from=t0&timeout=0",
+        "/_matrix/client/v3/initialSync?archived=true",
+    ] {
+        let resp = eve.get(path).await;
+        assert_eq!(resp.status, 200, "{}", resp.text);
+        assert!(
+            !resp.text.contains(&room),
+            "{path} names the room: {}",
+            resp.text
+        );
+        for s in secrets {
+            assert!(!resp.text.contains(s), "{path} leaked {s}");
         }
     }
     // /search finds nothing of the room, even when the filter names it.

@@ -674,9 +674,9 @@ async fn huge_limits_are_clamped_and_bad_tokens_are_400() {
     );
 
     for path in [
-        format!("/_matrix/client/v3/rooms/{r}/messages?from=x1"),
-        format!("/_matrix/client/v3/rooms/{r}/messages?to=t-1"),
-        format!("/_matrix/client/v3/rooms/{r}/messages?limit=-5"),
+        format!("/_matrix/client/v3/rooms/{r}/messages?dir=b&from=x1"),
+        format!("/_matrix/client/v3/rooms/{r}/messages?dir=b&to=t-1"),
+        format!("/_matrix/client/v3/rooms/{r}/messages?dir=b&limit=-5"),
         format!(
             "/_matrix/client/v3/rooms/{r}/context/{}?limit=ten",
             enc(&root)

@@ -145,7 +145,7 @@ async fn restricted_rooms_admit_members_of_the_allowed_room() {
     alice.invite(&room, &carol.user_id).await;
     carol.join(&room).await;
     let m = alice.get(&member_path(&room, &carol.user_id)).await.ok();
-    assert_eq!(m, json!({ "membership": "join" }));
+    assert_eq!(m, json!({ "membership": "join", "displayname": "carol" }));
     ts.stop().await;
 }
 

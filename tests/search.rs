@@ -436,8 +436,11 @@ async fn context_profiles_groups_and_state() {
     assert_eq!(common::ids(&ctx2["events_before"]), vec![e1.clone()]);
     assert_eq!(common::ids(&ctx2["events_after"]), vec![e3.clone()]);
     assert_eq!(ctx2["profile_info"][&bob.user_id]["displayname"], "Bobby");
-    // Alice never set a display name: her member event has none.
-    assert_eq!(ctx2["profile_info"][&alice.user_id], json!({}));
+    // Alice never changed her display name: it is the localpart set at registration.
+    assert_eq!(
+        ctx2["profile_info"][&alice.user_id],
+        json!({ "displayname": "alice" })
+    );
     assert!(ctx2["start"].is_string() && ctx2["end"].is_string());
     assert_eq!(
         v["groups"]["room_id"][&room],

@@ -76,9 +76,14 @@ pub(crate) fn routes() -> Router<AppState> {
 async fn versions() -> Json<Value> {
     // MSC4186 (Simplified Sliding Sync) is served on its unstable path. MSC2666's
     // `.stable` flag tells clients (matrix-js-sdk) that `GET /v1/mutual_rooms` is served.
+    // `org.matrix.e2e_cross_signing` (MSC1756): Element Web reads it to decide whether
+    // the server supports cross-signing at all (without it every message carries a
+    // red "not verified by its owner" shield); the unstable upload path it probes is
+    // served beside the v3 one (`cross_signing.rs`).
     Json(json!({
         "versions": SPEC_VERSIONS,
         "unstable_features": {
+            "org.matrix.e2e_cross_signing": true,
             "org.matrix.simplified_msc3575": true,
             "uk.half-shot.msc2666.query_mutual_rooms.stable": true,
         },
@@ -134,7 +139,12 @@ async fn registration_token_validity(
 async fn capabilities(_r: Requester) -> Json<Value> {
     let available: serde_json::Map<String, Value> = spindle_core::room_version::SUPPORTED
         .iter()
-        .map(|v| (v.to_string(), json!("stable")))
+        .filter_map(|v| {
+            Some((
+                v.to_string(),
+                json!(spindle_core::room_version::stability(v)?),
+            ))
+        })
         .collect();
     Json(json!({
         "capabilities": {
@@ -422,6 +432,21 @@ async fn register(
     )
     .await?;
     s.rate_limits.registration.record(&addr_key);
+    // The display name starts as the localpart, as Synapse sets it: clients show "The
+    // user has no displayname" errors otherwise. A fact of its own, so the audit trail
+    // says who set it (the server, at registration).
+    s.submit_and_wait(
+        &user_id,
+        None,
+        CommandBody::Fact {
+            fact: Fact::ProfileSet {
+                user_id: user_id.clone(),
+                displayname: Some(Some(localpart.clone())),
+                avatar_url: None,
+            },
+        },
+    )
+    .await?;
     if body.get("inhibit_login").and_then(|v| v.as_bool()) == Some(true) {
         return Ok(
             Json(json!({ "user_id": user_id, "home_server": s.server_name() })).into_response(),

@@ -26,6 +26,11 @@ pub(crate) fn routes() -> Router<AppState> {
             "/_matrix/client/v3/keys/device_signing/upload",
             post(device_signing_upload),
         )
+        // MSC1756's unstable path, still probed by Element Web.
+        .route(
+            "/_matrix/client/unstable/keys/device_signing/upload",
+            post(device_signing_upload),
+        )
         .route(
             "/_matrix/client/v3/keys/signatures/upload",
             post(signatures_upload),

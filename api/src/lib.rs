@@ -17,7 +17,9 @@ pub mod extract;
 pub mod hashing;
 pub mod key_backup;
 pub mod keys;
+pub mod legacy;
 pub mod media;
+pub mod metrics;
 pub mod mutual_rooms;
 pub mod openid;
 pub mod presence;
@@ -145,6 +147,8 @@ pub struct AppState {
     pub hashing: hashing::HashPool,
     /// Rate limiters (token buckets per user, address, room).
     pub rate_limits: Arc<ratelimit::RateLimits>,
+    /// Prometheus metrics (served on `[metrics] bind` when enabled).
+    pub metrics: Arc<metrics::Metrics>,
 }
 
 impl AppState {
@@ -177,6 +181,7 @@ impl AppState {
         let hashing = hashing::HashPool::start(&config.hashing);
         let last_seen = devices::LastSeen::new(config.keep_client_addresses);
         AppState {
+            metrics: Arc::new(metrics::Metrics::new()),
             rate_limits,
             hashing,
             blobs,
@@ -311,6 +316,7 @@ pub fn router(state: AppState) -> Router {
         .merge(read::routes())
         .merge(search::routes())
         .merge(sync::routes())
+        .merge(legacy::routes())
         .merge(sliding::routes())
         .merge(push::routes())
         .merge(relations::routes())

@@ -106,6 +106,9 @@ pub fn render_unbundled(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &s
             json!(txn.strip_prefix("redact/").unwrap_or(txn)),
         );
     }
+    if let Some((user, _)) = viewer {
+        unsigned.insert("membership".into(), json!(membership_at_event(s, ev, user)));
+    }
     if let Some(sk) = &ev.pdu.state_key
         && let Some((before, _)) = s.projections.state.roots_at(ev.pdu.event_id.as_str())
         && let Some(prev_id) = s
@@ -130,6 +133,38 @@ pub fn render_unbundled(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &s
         return out;
     }
     ev.pdu.to_client_event(Some(Value::Object(unsigned)))
+}
+
+/// The viewer's membership in the room at `ev` (spec v1.11 `unsigned.membership`,
+/// MSC4115): the state after the event, so the viewer's own join says `join`; `leave`
+/// when the viewer has no member event then (as Synapse). Element X uses it to
+/// explain messages it cannot decrypt. Reads: the viewer's membership row, which
+/// answers every event after the viewer's latest member event (the common case: a
+/// member reading their rooms); for older events, the event's roots, one state point
+/// lookup and one member event.
+fn membership_at_event(s: &AppState, ev: &EventRecord, user: &str) -> String {
+    if let Some(m) = s.projections.membership.get(ev.pdu.room_id.as_str(), user)
+        && m.position <= ev.position
+    {
+        return m.membership;
+    }
+    let of = |content: Value| {
+        content
+            .get("membership")
+            .and_then(|m| m.as_str())
+            .map(str::to_owned)
+    };
+    if ev.pdu.kind.to_string() == "m.room.member"
+        && ev.pdu.state_key.as_deref() == Some(user)
+        && let Some(m) = of(ev.pdu.content_value())
+    {
+        return m;
+    }
+    s.projections
+        .state
+        .roots_at(ev.pdu.event_id.as_str())
+        .and_then(|(_, after)| crate::visibility::membership_at(s, after, user))
+        .unwrap_or_else(|| "leave".into())
 }
 
 /// The state root a user may read: current for members and world-readable peekers,
@@ -168,6 +203,7 @@ async fn get_state(
         .membership
         .as_ref()
         .is_some_and(|m| m.membership == "invite" || m.membership == "knock")
+        && !crate::visibility::world_readable(&s, &room_id)
     {
         return Err(MatrixError::forbidden("You are not joined to this room"));
     }
@@ -197,6 +233,7 @@ async fn state_event(
         .membership
         .as_ref()
         .is_some_and(|m| m.membership == "invite" || m.membership == "knock")
+        && !crate::visibility::world_readable(&s, &room_id)
     {
         return Err(MatrixError::forbidden("You are not joined to this room"));
     }
@@ -267,7 +304,10 @@ async fn messages(
     q: Query,
 ) -> ApiResult<Json<Value>> {
     let access = room_access(&s, &r.user_id, &room_id)?;
-    let dir = q.get("dir").unwrap_or("b");
+    // `dir` is required (spec; Synapse answers 400 without it too).
+    let dir = q
+        .get("dir")
+        .ok_or_else(|| MatrixError::missing_param("dir is required (b or f)"))?;
     if dir != "b" && dir != "f" {
         return Err(MatrixError::invalid_param("dir must be b or f"));
     }
@@ -476,6 +516,7 @@ async fn members(
         .membership
         .as_ref()
         .is_some_and(|m| m.membership == "invite" || m.membership == "knock")
+        && !crate::visibility::world_readable(&s, &room_id)
     {
         return Err(MatrixError::forbidden("You are not joined to this room"));
     }
@@ -528,8 +569,10 @@ async fn joined_members(
     r: Requester,
     Path(room_id): Path<String>,
 ) -> ApiResult<Json<Value>> {
+    // Members, and anyone for a world-readable room (as `/state`; Synapse does the
+    // same, and Element X's room preview depends on it).
     let access = room_access(&s, &r.user_id, &room_id)?;
-    if !access.joined() {
+    if !access.joined() && !crate::visibility::world_readable(&s, &room_id) {
         return Err(MatrixError::forbidden("You are not joined to this room"));
     }
     let mut joined = serde_json::Map::new();

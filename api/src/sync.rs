@@ -954,6 +954,7 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
         }
         if timeout > 0 && !full_state {
             let deadline = tokio::time::Instant::now() + Duration::from_millis(timeout);
+            let _waiting = crate::metrics::LongPollGuard::new(&s);
             let mut applied_rx = s.projections.runtime.subscribe();
             let mut typing_rx = s.typing.subscribe();
             // The joined rooms are read once; a membership change ends the wait anyway.

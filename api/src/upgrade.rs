@@ -139,7 +139,7 @@ async fn upgrade(
         }
     }
     let v12 = spindle_core::room_version::room_id_from_create(&new_version);
-    if new_version == "10" {
+    if spindle_core::room_version::create_has_creator_field(&new_version) {
         create["creator"] = json!(r.user_id);
     }
     let mut events = vec![ev("m.room.create", "", create)];

@@ -68,6 +68,15 @@ fn history_visibility_at(s: &AppState, root: spindle_core::trie::Root) -> String
         .unwrap_or_else(|| "shared".into())
 }
 
+/// Whether the room's current `m.room.history_visibility` is `world_readable` (two point
+/// reads).
+pub fn world_readable(s: &AppState, room_id: &str) -> bool {
+    s.projections
+        .state
+        .current_root(room_id)
+        .is_some_and(|root| history_visibility_at(s, root) == "world_readable")
+}
+
 /// May `user_id` read this room at all? Errors with 403 `M_FORBIDDEN` (also for rooms
 /// that do not exist, so existence does not leak).
 pub fn room_access(s: &AppState, user_id: &str, room_id: &str) -> ApiResult<Access> {

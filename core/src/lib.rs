@@ -2,8 +2,8 @@
 //!
 //! - [`canonical`]: canonical JSON (spec appendix "Canonical JSON"), via ruma.
 //! - [`keys`]: the server's ed25519 signing key and JSON signing/verification.
-//! - [`pdu`]: building a PDU (content hash, signature, reference-hash event id) for
-//!   room versions 10, 11 and 12, and parsing stored PDUs.
+//! - [`pdu`]: building a PDU (content hash, signature, event id) for room versions 1
+//!   to 12, and parsing PDUs of every version.
 //! - [`room_version`]: which room versions we serve and their rules.
 //! - [`trie`]: the content-addressed state trie (a HAMT addressed by blake3).
 //! - [`e2ee`]: signature checks on device and cross-signing keys.

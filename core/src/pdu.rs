@@ -1,15 +1,19 @@
 //! PDUs: building, hashing, signing and parsing (spec: server-server API "PDUs",
-//! "Calculating the reference hash for an event", room versions 10/11/12).
+//! "Calculating the reference hash for an event", room versions 1 to 12).
 //!
 //! A [`Pdu`] is always backed by the exact canonical JSON bytes that were signed; the
-//! parsed fields are a convenience view. The event id is not part of the JSON (room
-//! versions 3+): it is `$` + the unpadded URL-safe base64 of the reference hash.
+//! parsed fields are a convenience view. From room version 3 the event id is not part
+//! of the JSON: it is `$` + the unpadded base64 of the reference hash (standard
+//! alphabet in v3, URL-safe from v4). In versions 1 and 2 the id is `$opaque:server`,
+//! carried in the JSON as `event_id`, and `prev_events`/`auth_events` pair each id
+//! with the referenced event's reference hash (`[["$id:server", {"sha256": "..."}]]`).
 
 use std::sync::Arc;
 
+use base64::Engine as _;
 use ruma::{
-    CanonicalJsonObject, CanonicalJsonValue, MilliSecondsSinceUnixEpoch, OwnedEventId, OwnedRoomId,
-    OwnedUserId, RoomId, UInt, UserId, events::TimelineEventType,
+    CanonicalJsonObject, CanonicalJsonValue, EventId, MilliSecondsSinceUnixEpoch, OwnedEventId,
+    OwnedRoomId, OwnedUserId, RoomId, UInt, UserId, events::TimelineEventType,
     room_version_rules::RoomVersionRules,
 };
 use serde_json::value::RawValue;
@@ -63,7 +67,7 @@ pub struct PduTemplate {
 /// A signed PDU, with its id, room id and a parsed view of its fields.
 #[derive(Debug, Clone)]
 pub struct Pdu {
-    /// `$` + reference hash.
+    /// `$` + reference hash (v3+), or the `event_id` of the JSON (v1/v2).
     pub event_id: OwnedEventId,
     /// The room (for a v12 create event: derived from its own reference hash).
     pub room_id: OwnedRoomId,
@@ -109,20 +113,53 @@ fn reference_id(
 impl PduTemplate {
     /// Hashes, signs and ids the event (spec: "Signing events" and "Calculating the
     /// reference hash"). Errors if the version is unsupported, the content is not a
-    /// canonical JSON object, or the result exceeds [`MAX_PDU_BYTES`].
+    /// canonical JSON object, or the result exceeds [`MAX_PDU_BYTES`]. For room
+    /// versions 1 and 2, whose references carry hashes, use
+    /// [`PduTemplate::build_with_references`]; this errors there if the event
+    /// references any other event.
     pub fn build(self, key: &ServerKey) -> Result<Pdu, PduError> {
+        self.build_with_references(key, &|_| None)
+    }
+
+    /// [`PduTemplate::build`], with `reference_hash` answering the reference hash
+    /// ([`Pdu::reference_hash`]) of each event in `prev_events` and `auth_events`. Only
+    /// room versions 1 and 2 ask (spec: room version 1 "Event format"); a missing
+    /// answer there is [`PduError::Invalid`].
+    ///
+    /// A v1/v2 event id is `$` + 24 characters of URL-safe base64 of the blake3 hash of
+    /// the event before signing, `:` + the signing server's name: unique (the event
+    /// names its room, predecessor and timestamp) and deterministic, with no
+    /// randomness in `core`.
+    pub fn build_with_references(
+        self,
+        key: &ServerKey,
+        reference_hash: &dyn Fn(&EventId) -> Option<String>,
+    ) -> Result<Pdu, PduError> {
         let rules = rules(&self.room_version)?;
+        let with_hashes = room_version::references_carry_hashes(&rules);
         let content = match canonical::to_object(self.content.clone()) {
             Ok(c) => c,
             Err(e) => return Err(PduError::Invalid(format!("content: {e}"))),
         };
         let mut obj = CanonicalJsonObject::new();
-        let ids = |v: &[OwnedEventId]| {
-            CanonicalJsonValue::Array(
-                v.iter()
-                    .map(|e| CanonicalJsonValue::String(e.to_string()))
-                    .collect(),
-            )
+        let ids = |v: &[OwnedEventId]| -> Result<CanonicalJsonValue, PduError> {
+            v.iter()
+                .map(|e| {
+                    let id = CanonicalJsonValue::String(e.to_string());
+                    if !with_hashes {
+                        return Ok(id);
+                    }
+                    let hash = reference_hash(e)
+                        .ok_or_else(|| PduError::Invalid(format!("no reference hash for {e}")))?;
+                    let mut h = CanonicalJsonObject::new();
+                    h.insert("sha256".into(), CanonicalJsonValue::String(hash));
+                    Ok(CanonicalJsonValue::Array(vec![
+                        id,
+                        CanonicalJsonValue::Object(h),
+                    ]))
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(CanonicalJsonValue::Array)
         };
         let mut content = content;
         if let Some(redacts) = &self.redacts {
@@ -138,7 +175,7 @@ impl PduTemplate {
                 );
             }
         }
-        obj.insert("auth_events".into(), ids(&self.auth_events));
+        obj.insert("auth_events".into(), ids(&self.auth_events)?);
         obj.insert("content".into(), CanonicalJsonValue::Object(content));
         obj.insert(
             "depth".into(),
@@ -156,7 +193,7 @@ impl PduTemplate {
                     .into(),
             ),
         );
-        obj.insert("prev_events".into(), ids(&self.prev_events));
+        obj.insert("prev_events".into(), ids(&self.prev_events)?);
         if let Some(room_id) = &self.room_id {
             obj.insert(
                 "room_id".into(),
@@ -171,6 +208,19 @@ impl PduTemplate {
             obj.insert("state_key".into(), CanonicalJsonValue::String(sk.clone()));
         }
         obj.insert("type".into(), CanonicalJsonValue::String(self.kind.clone()));
+        let json_event_id = if room_version::event_id_in_json(&rules) {
+            let digest = blake3::hash(&canonical::to_bytes(&obj));
+            let opaque = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(digest.as_bytes());
+            let id = OwnedEventId::try_from(format!("${}:{}", &opaque[..24], key.server_name()))
+                .map_err(|e| PduError::Invalid(e.to_string()))?;
+            obj.insert(
+                "event_id".into(),
+                CanonicalJsonValue::String(id.to_string()),
+            );
+            Some(id)
+        } else {
+            None
+        };
 
         ruma::signatures::hash_and_sign_event(
             key.server_name(),
@@ -188,13 +238,25 @@ impl PduTemplate {
         if json.len() > MAX_PDU_BYTES {
             return Err(PduError::TooLarge(json.len()));
         }
-        let hash = reference_id(&obj, &rules)?;
-        let event_id = OwnedEventId::try_from(format!("${hash}"))
-            .map_err(|e| PduError::Invalid(e.to_string()))?;
-        let room_id = match self.room_id {
-            Some(r) => r,
-            None => OwnedRoomId::try_from(format!("!{hash}"))
-                .map_err(|e| PduError::Invalid(e.to_string()))?,
+        let (event_id, room_id) = match (json_event_id, self.room_id) {
+            (Some(id), Some(room)) => (id, room),
+            (Some(_), None) => {
+                return Err(PduError::Invalid(format!(
+                    "room version {} needs a room id",
+                    self.room_version
+                )));
+            }
+            (None, room) => {
+                let hash = reference_id(&obj, &rules)?;
+                let event_id = OwnedEventId::try_from(format!("${hash}"))
+                    .map_err(|e| PduError::Invalid(e.to_string()))?;
+                let room_id = match room {
+                    Some(r) => r,
+                    None => OwnedRoomId::try_from(format!("!{hash}"))
+                        .map_err(|e| PduError::Invalid(e.to_string()))?,
+                };
+                (event_id, room_id)
+            }
         };
         Pdu::parse(&json, &self.room_version, Some(event_id), Some(room_id))
     }
@@ -212,22 +274,39 @@ fn string_field(obj: &CanonicalJsonObject, name: &str) -> Result<String, PduErro
         .ok_or_else(|| PduError::Invalid(format!("field `{name}` is not a string")))
 }
 
-fn id_list(obj: &CanonicalJsonObject, name: &str) -> Result<Vec<OwnedEventId>, PduError> {
+/// The ids of `prev_events` or `auth_events`: plain ids (v3+), or `[id, {"sha256":
+/// hash}]` pairs when `with_hashes` (v1/v2; the hashes are not checked here).
+fn id_list(
+    obj: &CanonicalJsonObject,
+    name: &str,
+    with_hashes: bool,
+) -> Result<Vec<OwnedEventId>, PduError> {
     field(obj, name)?
         .as_array()
         .ok_or_else(|| PduError::Invalid(format!("field `{name}` is not an array")))?
         .iter()
         .map(|v| {
-            v.as_str()
-                .and_then(|s| OwnedEventId::try_from(s).ok())
-                .ok_or_else(|| PduError::Invalid(format!("bad event id in `{name}`")))
+            let id = if with_hashes {
+                match v.as_array() {
+                    Some([id, CanonicalJsonValue::Object(_)]) => id.as_str(),
+                    _ => None,
+                }
+            } else {
+                v.as_str()
+            };
+            id.and_then(|s| OwnedEventId::try_from(s).ok())
+                .ok_or_else(|| PduError::Invalid(format!("bad event reference in `{name}`")))
         })
         .collect()
 }
 
 impl Pdu {
-    /// Parses stored canonical JSON. `event_id` is recomputed from the reference hash
-    /// when not given; `room_id` must be given for v12 create events (the JSON has none).
+    /// Parses canonical JSON of any supported room version (stored, or received over
+    /// federation). The event id: in v1/v2 the JSON's `event_id` (required; a given
+    /// `event_id` that differs is [`PduError::Invalid`]); from v3, `event_id` when given,
+    /// else recomputed from the reference hash. `room_id` must be given for v12 create
+    /// events (the JSON has none). Errors: [`PduError::UnsupportedRoomVersion`], or
+    /// [`PduError::Invalid`] naming the missing or mistyped field.
     pub fn parse(
         json: &[u8],
         room_version: &str,
@@ -236,16 +315,24 @@ impl Pdu {
     ) -> Result<Pdu, PduError> {
         let rules = rules(room_version)?;
         let obj = canonical::from_bytes(json).map_err(|e| PduError::Invalid(e.to_string()))?;
-        let hash = match &event_id {
-            Some(_) => None,
-            None => Some(reference_id(&obj, &rules)?),
+        let event_id = if room_version::event_id_in_json(&rules) {
+            let in_json = OwnedEventId::try_from(string_field(&obj, "event_id")?)
+                .map_err(|e| PduError::Invalid(format!("event_id: {e}")))?;
+            if event_id.as_ref().is_some_and(|given| *given != in_json) {
+                return Err(PduError::Invalid(format!(
+                    "event_id {in_json} is not the expected {}",
+                    event_id.expect("checked")
+                )));
+            }
+            in_json
+        } else {
+            match event_id {
+                Some(id) => id,
+                None => OwnedEventId::try_from(format!("${}", reference_id(&obj, &rules)?))
+                    .map_err(|e| PduError::Invalid(e.to_string()))?,
+            }
         };
-        let event_id = match (event_id, &hash) {
-            (Some(id), _) => id,
-            (None, Some(h)) => OwnedEventId::try_from(format!("${h}"))
-                .map_err(|e| PduError::Invalid(e.to_string()))?,
-            (None, None) => unreachable!(),
-        };
+        let with_hashes = room_version::references_carry_hashes(&rules);
         let room_id_in_json = obj.contains_key("room_id");
         let room_id = match obj.get("room_id").and_then(|v| v.as_str()) {
             Some(r) => OwnedRoomId::try_from(r).map_err(|e| PduError::Invalid(e.to_string()))?,
@@ -293,8 +380,8 @@ impl Pdu {
             content,
             origin_server_ts: MilliSecondsSinceUnixEpoch(ts),
             depth,
-            prev_events: id_list(&obj, "prev_events")?,
-            auth_events: id_list(&obj, "auth_events")?,
+            prev_events: id_list(&obj, "prev_events", with_hashes)?,
+            auth_events: id_list(&obj, "auth_events", with_hashes)?,
             redacts,
             room_version: room_version.to_owned(),
             json: json.into(),
@@ -342,6 +429,17 @@ impl Pdu {
         let event_id = OwnedEventId::try_from(format!("${hash}"))
             .map_err(|e| PduError::Invalid(e.to_string()))?;
         Pdu::parse(&json, room_version, Some(event_id), None)
+    }
+
+    /// The reference hash of the event (spec: server-server API "Calculating the
+    /// reference hash for an event"), unpadded base64 in the version's alphabet: the
+    /// event id of v3+ events without its `$`, and what v1/v2 references pair with an
+    /// event id. Errors only if the stored JSON is not a PDU of its version.
+    pub fn reference_hash(&self) -> Result<String, PduError> {
+        let rules = rules(&self.room_version)?;
+        let obj =
+            canonical::from_bytes(&self.json).map_err(|e| PduError::Invalid(e.to_string()))?;
+        reference_id(&obj, &rules)
     }
 
     /// The content as a `serde_json::Value`.
@@ -411,7 +509,8 @@ impl Pdu {
         ev
     }
 
-    /// The PDU as sent over federation (the signed JSON, which has no event id).
+    /// The PDU as sent over federation: the signed JSON (with no event id from v3, with
+    /// its `event_id` in v1/v2).
     pub fn federation_json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.json).unwrap_or(serde_json::Value::Null)
     }
@@ -506,6 +605,86 @@ mod tests {
         let pdu = template("12", None).build(&key).unwrap();
         assert_eq!(&pdu.room_id.as_str()[1..], &pdu.event_id.as_str()[1..]);
         assert!(!String::from_utf8_lossy(&pdu.json).contains("room_id"));
+    }
+
+    #[test]
+    fn v1_and_v2_ids_name_the_server_and_references_carry_hashes() {
+        let key = ServerKey::generate("example.org");
+        for version in ["1", "2"] {
+            let create = template(version, Some("!abc:example.org"))
+                .build(&key)
+                .unwrap();
+            let id = create.event_id.as_str();
+            assert!(id.starts_with('$') && id.ends_with(":example.org"), "{id}");
+            assert_eq!(id.len(), 1 + 24 + ":example.org".len());
+            let json = create.federation_json();
+            assert_eq!(json["event_id"], id);
+            // Parsing takes the id from the JSON; a different expected id is refused.
+            let reparsed = Pdu::parse(&create.json, version, None, None).unwrap();
+            assert_eq!(reparsed.event_id, create.event_id);
+            let other = OwnedEventId::try_from("$other:example.org").unwrap();
+            assert!(matches!(
+                Pdu::parse(&create.json, version, Some(other), None),
+                Err(PduError::Invalid(_))
+            ));
+            let mut t = template(version, Some("!abc:example.org"));
+            t.kind = "m.room.member".into();
+            t.state_key = Some("@alice:example.org".into());
+            t.content = serde_json::json!({"membership": "join"});
+            t.prev_events = vec![create.event_id.clone()];
+            t.auth_events = vec![create.event_id.clone()];
+            t.depth = 2;
+            // Without the referenced event's hash the event cannot be written.
+            assert!(matches!(t.clone().build(&key), Err(PduError::Invalid(_))));
+            let create_hash = create.reference_hash().unwrap();
+            let join = t
+                .build_with_references(&key, &|e| {
+                    (e == create.event_id).then(|| create_hash.clone())
+                })
+                .unwrap();
+            let json = join.federation_json();
+            assert_eq!(
+                json["prev_events"],
+                serde_json::json!([[id, {"sha256": create_hash}]])
+            );
+            assert_eq!(json["auth_events"], json["prev_events"]);
+            let reparsed = Pdu::parse(&join.json, version, None, None).unwrap();
+            assert_eq!(reparsed.prev_events, vec![create.event_id.clone()]);
+            assert_eq!(reparsed.auth_events, vec![create.event_id.clone()]);
+            let obj = canonical::from_bytes(&join.json).unwrap();
+            let verified = ruma::signatures::verify_event(
+                &key.public_key_map(),
+                &obj,
+                &room_version::rules(version).unwrap(),
+            )
+            .unwrap();
+            assert_eq!(verified, ruma::signatures::Verified::All);
+        }
+    }
+
+    #[test]
+    fn v3_ids_use_standard_base64_and_v4_url_safe() {
+        let key = ServerKey::generate("example.org");
+        for version in ["3", "4", "5", "6", "7", "8", "9", "10", "11"] {
+            let pdu = template(version, Some("!abc:example.org"))
+                .build(&key)
+                .unwrap();
+            let hash = pdu.reference_hash().unwrap();
+            assert_eq!(pdu.event_id.as_str(), format!("${hash}"));
+            assert_eq!(pdu.event_id.as_str().len(), 44);
+            assert!(pdu.federation_json().get("event_id").is_none());
+            // The same bytes hash to the same digest; only the alphabet differs.
+            let std = base64::engine::general_purpose::STANDARD_NO_PAD;
+            let url = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+            let raw = if version == "3" {
+                std.decode(&hash).unwrap()
+            } else {
+                url.decode(&hash).unwrap()
+            };
+            assert_eq!(raw.len(), 32, "{version}");
+            let reparsed = Pdu::parse(&pdu.json, version, None, None).unwrap();
+            assert_eq!(reparsed.event_id, pdu.event_id);
+        }
     }
 
     #[test]

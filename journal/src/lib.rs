@@ -213,6 +213,10 @@ struct RoomAggregate {
     extremities: Vec<(OwnedEventId, u64)>,
     /// Highest depth seen in the room.
     max_depth: u64,
+    /// Whether the version's references carry hashes (v1/v2).
+    hashed_refs: bool,
+    /// The head's reference hash, kept only when `hashed_refs`; `None` elsewhere.
+    head_hash: Option<String>,
     auth_state: HashMap<(String, String), Arc<Pdu>>,
     /// Every auth-relevant state event the room ever had, by id: a remote PDU's
     /// `auth_events` may name a power levels or member event that is no longer current.
@@ -240,6 +244,9 @@ impl RoomAggregate {
             head: None,
             extremities: Vec::new(),
             max_depth: 0,
+            hashed_refs: room_version::rules(version)
+                .is_some_and(|r| room_version::references_carry_hashes(&r)),
+            head_hash: None,
             auth_state: HashMap::new(),
             auth_history: HashMap::new(),
             known: HashSet::new(),
@@ -296,6 +303,9 @@ impl RoomAggregate {
             .retain(|(id, _)| !pdu.prev_events.contains(id));
         self.extremities.push((pdu.event_id.clone(), pdu.depth));
         self.max_depth = self.max_depth.max(pdu.depth);
+        if self.hashed_refs {
+            self.head_hash = pdu.reference_hash().ok();
+        }
         if let Some(sk) = &pdu.state_key {
             let kind = pdu.kind.to_string();
             if AUTH_TYPES.contains(&kind.as_str()) {
@@ -1006,11 +1016,16 @@ impl Journal {
         )
         .map_err(JournalError::BadJson)?;
         let mut auth_events = Vec::new();
+        // v1/v2 references carry the referenced events' hashes (point lookups only).
+        let mut auth_hashes = HashMap::new();
         for (t, k) in &auth_types {
             if let Some(p) = agg.auth_state.get(&(t.clone(), k.clone()))
                 && !auth_events.contains(&p.event_id)
             {
                 auth_events.push(p.event_id.clone());
+                if agg.hashed_refs {
+                    auth_hashes.insert(p.event_id.clone(), p.reference_hash()?);
+                }
             }
         }
         let (prev_events, depth) = agg.next_prev_events();
@@ -1034,7 +1049,13 @@ impl Journal {
             depth,
             origin_server_ts: ts,
         }
-        .build(&self.inner.key)?;
+        .build_with_references(&self.inner.key, &|id| {
+            // Only v1/v2 ask: the head, or an auth event.
+            match &agg.head {
+                Some((head, _)) if head.as_str() == id.as_str() => agg.head_hash.clone(),
+                _ => auth_hashes.get(id).cloned(),
+            }
+        })?;
         // The auth events, plus the create event: from room version 12 it is not among
         // the auth events but the rules still fetch it (by the room id).
         let create = agg

@@ -112,12 +112,14 @@ fn check_remote(
     keys: &VerifyKeys,
     expect_event_id: Option<&str>,
 ) -> Result<Checked, CheckError> {
-    let rules = room_version::rules(&agg.version).ok_or_else(|| {
-        (
-            None,
-            JournalError::UnsupportedRoomVersion(agg.version.clone()),
-        )
-    })?;
+    let rules = room_version::rules(&agg.version)
+        .filter(|_| room_version::federates(&agg.version))
+        .ok_or_else(|| {
+            (
+                None,
+                JournalError::UnsupportedRoomVersion(agg.version.clone()),
+            )
+        })?;
     let mut obj = canonical::to_object(pdu.clone()).map_err(|e| {
         (
             None,
@@ -292,6 +294,11 @@ fn verify_pdu(
 ) -> Result<Pdu, String> {
     let rules =
         room_version::rules(version).ok_or(format!("unsupported room version {version}"))?;
+    if !room_version::federates(version) {
+        return Err(format!(
+            "rooms of version {version} do not federate with this server yet"
+        ));
+    }
     let mut obj =
         canonical::to_object(pdu.clone()).map_err(|e| format!("PDU is not canonical JSON: {e}"))?;
     obj.remove("unsigned");

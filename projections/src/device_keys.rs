@@ -3,13 +3,17 @@
 //! and the device-list change logs that `/sync` (`device_lists`) and `/keys/changes`
 //! read.
 //!
-//! A user's device list *changes* when a device's keys are uploaded or changed, when a
-//! device with keys is renamed or deleted. Everyone who shares a room with the user
-//! must hear of it, so a change is logged once per room the user is joined to (this
+//! A user's device list *changes* when a device is added, renamed or deleted, when a
+//! device's keys are uploaded or changed, and when the user's cross-signing keys or a
+//! signature by the user on their own keys arrives. Everyone who shares a room with
+//! the user must hear of it, so a change is logged once per room the user is joined to (this
 //! projection keeps joined memberships itself, from member events): a syncing user
 //! then scans only the logs of their own rooms from their token, never other users'
 //! traffic (BRIEF §3.9). Joins and leaves are logged the same way, because a user who
-//! newly shares a room is `changed` and one who shares none any more is `left`.
+//! newly shares a room is `changed` and one who shares none any more is `left`. A
+//! signature on *another* user's key is news only to the signer (as Synapse does: the
+//! signer's devices learn that the signed user's keys now carry their signature), so
+//! it goes to the signer's own log, naming the signed users.
 //!
 //! Tables:
 //! - `keys`: user, 0x00, device -> the device's signed `DeviceKeys` JSON
@@ -57,6 +61,8 @@ pub enum RoomLogKind {
     Join,
     /// The user left the room (or was kicked or banned).
     Leave,
+    /// The user signed other users' keys ([`UserLogEntry::users`]); only in `user_log`.
+    Signed,
 }
 
 /// One row of `room_log`: `[user, kind]`.
@@ -72,6 +78,10 @@ pub struct UserLogEntry {
     /// The room joined or left.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub room: Option<String>,
+    /// Other users whose keys this user signed (`Keys` or `Signed` entries): they are
+    /// `changed` for this user only.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub users: Vec<String>,
 }
 
 /// Device list changes seen by one user in a window (spec: `device_lists` in `/sync`,
@@ -284,6 +294,7 @@ impl DeviceKeys {
                 let Ok(e) = serde_json::from_slice::<UserLogEntry>(&v) else {
                     continue;
                 };
+                changed.extend(e.users);
                 match (e.kind, e.room) {
                     (RoomLogKind::Keys, _) => own_keys_changed = true,
                     (RoomLogKind::Join, Some(room)) => changed.extend(self.members(&room)),
@@ -308,6 +319,7 @@ impl DeviceKeys {
                     RoomLogKind::Leave => {
                         candidates_left.insert(user);
                     }
+                    RoomLogKind::Signed => {}
                 }
             }
         }
@@ -334,12 +346,25 @@ impl DeviceKeys {
     /// Logs a device list change of `user_id` in its own log and in every room it is
     /// joined to.
     fn log_keys_change(&self, ctx: &mut ApplyCtx, user_id: &str, position: u64) {
+        self.log_keys_change_signing(ctx, user_id, Vec::new(), position);
+    }
+
+    /// [`Self::log_keys_change`], with the other users whose keys `user_id` signed in
+    /// the same record (one own-log entry per position holds both).
+    fn log_keys_change_signing(
+        &self,
+        ctx: &mut ApplyCtx,
+        user_id: &str,
+        signed: Vec<String>,
+        position: u64,
+    ) {
         self.log_user(
             ctx,
             user_id,
             UserLogEntry {
                 kind: RoomLogKind::Keys,
                 room: None,
+                users: signed,
             },
             position,
         );
@@ -429,6 +454,7 @@ impl DeviceKeys {
                     UserLogEntry {
                         kind: RoomLogKind::Join,
                         room: Some(room),
+                        users: Vec::new(),
                     },
                     position,
                 );
@@ -448,6 +474,7 @@ impl DeviceKeys {
                     UserLogEntry {
                         kind: RoomLogKind::Leave,
                         room: Some(room),
+                        users: Vec::new(),
                     },
                     position,
                 );
@@ -564,13 +591,10 @@ impl Projection for DeviceKeys {
                     }
                 }
             }
-            // The display name is part of what /keys/query shows.
-            Fact::DeviceRenamed {
-                user_id, device_id, ..
-            } if ctx
-                .get(&self.keys, &key::join(&[&user_id, &device_id]))
-                .is_some() =>
-            {
+            // A new device, and a new display name (part of what /keys/query shows),
+            // change the device list whether or not the device has keys yet (as
+            // Synapse: clients re-query and see the device appear).
+            Fact::DeviceCreated { user_id, .. } | Fact::DeviceRenamed { user_id, .. } => {
                 self.log_keys_change(ctx, &user_id, position);
             }
             Fact::CrossSigningKeysUploaded {
@@ -591,23 +615,40 @@ impl Projection for DeviceKeys {
                 self.log_keys_change(ctx, &user_id, position);
             }
             Fact::SignaturesUploaded { signatures } => {
-                let mut signers = BTreeSet::new();
+                // signer -> (signed their own keys, other users they signed)
+                let mut signers: BTreeMap<String, (bool, BTreeSet<String>)> = BTreeMap::new();
                 for sig in signatures {
                     ctx.put(
                         &self.signatures,
                         key::join(&[&sig.user_id, &sig.key_id, &sig.signer, &sig.signer_key_id]),
                         sig.signature.into_bytes(),
                     );
-                    signers.insert(sig.signer);
+                    let entry = signers.entry(sig.signer.clone()).or_default();
+                    if sig.user_id == sig.signer {
+                        entry.0 = true;
+                    } else {
+                        entry.1.insert(sig.user_id);
+                    }
                 }
-                for signer in signers {
-                    self.log_keys_change(ctx, &signer, position);
+                for (signer, (own, others)) in signers {
+                    let others: Vec<String> = others.into_iter().collect();
+                    if own {
+                        self.log_keys_change_signing(ctx, &signer, others, position);
+                    } else {
+                        self.log_user(
+                            ctx,
+                            &signer,
+                            UserLogEntry {
+                                kind: RoomLogKind::Signed,
+                                room: None,
+                                users: others,
+                            },
+                            position,
+                        );
+                    }
                 }
             }
             Fact::DeviceDeleted { user_id, device_id } => {
-                let had_keys = ctx
-                    .get(&self.keys, &key::join(&[&user_id, &device_id]))
-                    .is_some();
                 ctx.delete(&self.keys, key::join(&[&user_id, &device_id]));
                 let prefix = key::prefix(&[&user_id, &device_id]);
                 for t in [&self.otks, &self.otk_counts, &self.fallback] {
@@ -615,9 +656,7 @@ impl Projection for DeviceKeys {
                         ctx.delete(t, k);
                     }
                 }
-                if had_keys {
-                    self.log_keys_change(ctx, &user_id, position);
-                }
+                self.log_keys_change(ctx, &user_id, position);
             }
             _ => {}
         }
