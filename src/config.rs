@@ -747,7 +747,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 108);
+        assert_eq!(want.len(), 109);
     }
 
     #[test]

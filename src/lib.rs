@@ -88,8 +88,14 @@ impl Server {
                     config.data_dir.display()
                 )
             })?;
-        let journal =
-            Journal::open(Arc::new(store), key.clone()).map_err(|e| anyhow!(e.to_string()))?;
+        let journal = Journal::open_with(
+            Arc::new(store),
+            key.clone(),
+            spindle_journal::JournalOptions {
+                fork_window: config.federation.fork_window,
+            },
+        )
+        .map_err(|e| anyhow!(e.to_string()))?;
         let projections = Projections::start_with(
             &config.data_dir.join("projections"),
             journal.clone(),

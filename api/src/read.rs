@@ -322,7 +322,16 @@ async fn messages(
     }
     let applied = s.projections.runtime.applied();
     let cap = access.cap.min(applied);
+    // A `b<seq>` token points into backfilled history (older than every live event).
+    let from_backfill = match q.get("from").and_then(|t| t.strip_prefix('b')) {
+        Some(seq) => Some(
+            seq.parse::<u64>()
+                .map_err(|_| MatrixError::invalid_param("Invalid from token"))?,
+        ),
+        None => None,
+    };
     let from = match q.get("from") {
+        Some(_) if from_backfill.is_some() => 0,
         Some(t) => {
             let pos = parse_token(t)?;
             if pos > s.journal.durable_head() {
@@ -337,85 +346,200 @@ async fn messages(
     let mut chunk = Vec::new();
     let mut end = None;
     let page = (limit * 2).max(20);
+    let keep = |ev: EventRecord, chunk: &mut Vec<EventRecord>| {
+        if filter.matches(&ev.pdu) && can_see(&s, &r.user_id, &access, &ev) {
+            chunk.push(ev);
+        }
+    };
     if dir == "b" {
         let floor = to.map(|t| t.saturating_add(1)).unwrap_or(0);
+        let mut live_done = from_backfill.is_some();
         let mut before = from.min(cap).saturating_add(1);
-        loop {
+        while !live_done {
             let rows = s
                 .projections
                 .timeline
                 .range_backward(&room_id, before, floor, page);
             let exhausted = rows.len() < page;
-            let mut stopped_early = false;
             for (pos, id) in &rows {
                 before = *pos;
-                if let Some(ev) = s.projections.timeline.event(id)
-                    && filter.matches(&ev.pdu)
-                    && can_see(&s, &r.user_id, &access, &ev)
-                {
-                    chunk.push(ev);
+                if let Some(ev) = s.projections.timeline.event(id) {
+                    keep(ev, &mut chunk);
                 }
                 if chunk.len() >= limit {
-                    stopped_early = true;
                     break;
                 }
             }
-            if stopped_early {
+            if chunk.len() >= limit {
                 // Only hand out `end` if something older exists (spec: omitted at the start).
                 let more = !s
                     .projections
                     .timeline
                     .range_backward(&room_id, before, floor, 1)
                     .is_empty();
-                end = more.then(|| token(before - 1));
-                break;
+                end = if more {
+                    Some(token(before - 1))
+                } else if to.is_none() && backfill_may_continue(&s, &room_id, 0) {
+                    Some("b0".to_owned())
+                } else {
+                    None
+                };
+                return respond(&s, &r, &room_id, &access, &q, from, filter.lazy_load_members, chunk, end);
             }
             if exhausted || rows.is_empty() {
-                break;
+                live_done = true;
+            }
+        }
+        // Older than every live event: backfilled history, fetched over federation
+        // when the index runs out (spec: server-server "Backfill").
+        if to.is_none() {
+            let mut seq = from_backfill.unwrap_or(0);
+            let mut fetches = 0;
+            loop {
+                let rows = s.projections.timeline.range_backfill_older(&room_id, seq, page);
+                for (n, id) in &rows {
+                    seq = *n;
+                    if let Some(ev) = s.projections.timeline.event(id) {
+                        keep(ev, &mut chunk);
+                    }
+                    if chunk.len() >= limit {
+                        break;
+                    }
+                }
+                if chunk.len() >= limit {
+                    end = backfill_may_continue(&s, &room_id, seq).then(|| format!("b{seq}"));
+                    break;
+                }
+                if rows.len() == page {
+                    continue;
+                }
+                if fetches >= 3 || !access.joined() || !fetch_history(&s, &room_id, limit).await {
+                    break;
+                }
+                fetches += 1;
             }
         }
     } else {
-        let upto = to.unwrap_or(u64::MAX).min(cap);
         let mut after = from;
-        loop {
-            let rows = s
-                .projections
-                .timeline
-                .range_forward(&room_id, after, upto, page);
-            let exhausted = rows.len() < page;
-            for (pos, id) in &rows {
-                after = *pos;
-                if let Some(ev) = s.projections.timeline.event(id)
-                    && filter.matches(&ev.pdu)
-                    && can_see(&s, &r.user_id, &access, &ev)
-                {
-                    chunk.push(ev);
+        if let Some(seq) = from_backfill {
+            // Forward out of backfilled history, then into the live timeline.
+            let mut seq = seq;
+            loop {
+                let rows = s.projections.timeline.range_backfill_newer(&room_id, seq, page);
+                for (n, id) in &rows {
+                    seq = *n;
+                    if let Some(ev) = s.projections.timeline.event(id) {
+                        keep(ev, &mut chunk);
+                    }
+                    if chunk.len() >= limit {
+                        break;
+                    }
                 }
                 if chunk.len() >= limit {
+                    end = Some(format!("b{seq}"));
+                    break;
+                }
+                if rows.len() < page {
                     break;
                 }
             }
-            if chunk.len() >= limit || exhausted || rows.is_empty() {
-                break;
+        }
+        if end.is_none() {
+            let upto = to.unwrap_or(u64::MAX).min(cap);
+            loop {
+                let rows = s
+                    .projections
+                    .timeline
+                    .range_forward(&room_id, after, upto, page);
+                let exhausted = rows.len() < page;
+                for (pos, id) in &rows {
+                    after = *pos;
+                    if let Some(ev) = s.projections.timeline.event(id) {
+                        keep(ev, &mut chunk);
+                    }
+                    if chunk.len() >= limit {
+                        break;
+                    }
+                }
+                if chunk.len() >= limit || exhausted || rows.is_empty() {
+                    break;
+                }
+            }
+            if !chunk.is_empty() {
+                end = Some(token(after));
             }
         }
-        if !chunk.is_empty() {
-            end = Some(token(after));
+    }
+    respond(&s, &r, &room_id, &access, &q, from, filter.lazy_load_members, chunk, end)
+}
+
+/// Whether paging back past backfill sequence `seq` may find more: older rows in the
+/// index, or a federated room whose oldest event here is not its create event.
+fn backfill_may_continue(s: &AppState, room_id: &str, seq: u64) -> bool {
+    if !s.projections.timeline.range_backfill_older(room_id, seq, 1).is_empty() {
+        return true;
+    }
+    s.federation.is_some()
+        && s
+            .projections
+            .timeline
+            .oldest_event(room_id)
+            .and_then(|id| s.projections.timeline.event(&id))
+            .is_some_and(|ev| ev.pdu.kind.to_string() != "m.room.create")
+}
+
+/// Asks the room's other servers for older history (10 s at most); whether any
+/// arrived.
+async fn fetch_history(s: &AppState, room_id: &str, limit: usize) -> bool {
+    let Some(fed) = &s.federation else {
+        return false;
+    };
+    let want = limit.clamp(20, spindle_federation::backfill::MAX_BACKFILL);
+    match tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        spindle_federation::backfill::backfill(fed, room_id, want),
+    )
+    .await
+    {
+        Ok(Ok(n)) => n > 0,
+        Ok(Err(e)) => {
+            tracing::info!(room = room_id, error = ?e, "backfill over federation failed");
+            false
+        }
+        Err(_) => {
+            tracing::info!(room = room_id, "backfill over federation timed out");
+            false
         }
     }
+}
+
+/// The `/messages` answer: `start`, `chunk`, `end` when there is more, and the
+/// lazy-loaded members of the chunk's senders.
+#[allow(clippy::too_many_arguments)]
+fn respond(
+    s: &AppState,
+    r: &Requester,
+    room_id: &str,
+    access: &Access,
+    q: &Query,
+    from: u64,
+    lazy_load_members: bool,
+    chunk: Vec<EventRecord>,
+    end: Option<String>,
+) -> ApiResult<Json<Value>> {
     let mut state = Vec::new();
-    if filter.lazy_load_members
-        && let Some(root) = readable_root(&s, &room_id, &access)
+    if lazy_load_members
+        && let Some(root) = readable_root(s, room_id, access)
     {
         let senders: Vec<String> = chunk.iter().map(|e| e.pdu.sender.to_string()).collect();
-        state = lazy_members(&s, root, &senders)
+        state = lazy_members(s, root, &senders)
             .iter()
-            .map(|e| render(&s, e, viewer(&r)))
+            .map(|e| render(s, e, viewer(r)))
             .collect();
     }
     let mut out = json!({
         "start": q.get("from").map(str::to_owned).unwrap_or_else(|| token(from)),
-        "chunk": chunk.iter().map(|e| render(&s, e, viewer(&r))).collect::<Vec<_>>(),
+        "chunk": chunk.iter().map(|e| render(s, e, viewer(r))).collect::<Vec<_>>(),
     });
     if let Some(e) = end {
         out["end"] = json!(e);

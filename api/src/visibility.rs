@@ -172,6 +172,9 @@ pub fn can_see(s: &AppState, user_id: &str, access: &Access, ev: &EventRecord) -
     if ev.position > access.cap {
         return false;
     }
+    if ev.backfill.is_some() {
+        return backfilled_visible(s, user_id, access, ev);
+    }
     // Fast path: joined now, and already joined when the event was sent.
     if let Some(m) = &access.membership
         && m.membership == "join"
@@ -210,6 +213,26 @@ pub fn can_see(s: &AppState, user_id: &str, access: &Access, ev: &EventRecord) -
                 && (access.joined()
                     || (access.was_joined && access.left_at.is_some_and(|l| ev.position <= l)))
         }
+    }
+}
+
+/// Visibility of backfilled history (older than this server's first event in the
+/// room). The state at such an event is not held here (it is not fetched with the
+/// events), so the room's *current* history visibility decides: `world_readable`
+/// shows it to anyone, `shared` to members joined now or who were joined before they
+/// left, `invited` and `joined` to nobody (it is before anyone here joined), except a
+/// user's own membership events.
+fn backfilled_visible(s: &AppState, user_id: &str, access: &Access, ev: &EventRecord) -> bool {
+    if ev.pdu.kind.to_string() == "m.room.member" && ev.pdu.state_key.as_deref() == Some(user_id) {
+        return true;
+    }
+    let Some(root) = s.projections.state.current_root(ev.pdu.room_id.as_str()) else {
+        return false;
+    };
+    match history_visibility_at(s, root).as_str() {
+        "world_readable" => true,
+        "shared" => access.joined() || access.was_joined,
+        _ => false,
     }
 }
 

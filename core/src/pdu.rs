@@ -96,6 +96,21 @@ pub struct Pdu {
     room_id_in_json: bool,
 }
 
+/// The event id of a PDU as another server sent it (v3+: `$` + its reference hash,
+/// computed without `unsigned`). `None` for an unsupported version or a PDU that is not
+/// canonical JSON. Room versions 1 and 2 carry their id in the PDU (`event_id`).
+pub fn event_id_of(pdu: &serde_json::Value, version: &str) -> Option<String> {
+    let rules = room_version::rules(version)?;
+    if room_version::references_carry_hashes(&rules) {
+        return pdu.get("event_id").and_then(|e| e.as_str()).map(str::to_owned);
+    }
+    let mut obj = canonical::to_object(pdu.clone()).ok()?;
+    obj.remove("unsigned");
+    ruma::signatures::reference_hash(&obj, &rules)
+        .ok()
+        .map(|h| format!("${h}"))
+}
+
 fn rules(version: &str) -> Result<RoomVersionRules, PduError> {
     room_version::rules(version).ok_or_else(|| PduError::UnsupportedRoomVersion(version.to_owned()))
 }

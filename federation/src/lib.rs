@@ -23,6 +23,7 @@
 //! commands to the journal.
 
 pub mod auth;
+pub mod backfill;
 pub mod client;
 pub mod error;
 pub mod invites;
@@ -84,6 +85,10 @@ pub struct FederationConfig {
     pub retry_initial_ms: u64,
     /// Longest retry delay for a failing destination, ms.
     pub retry_max_ms: u64,
+    /// Events of a federated room whose state the journal's fork window remembers: a
+    /// remote event forking from further back is resolved against the current state
+    /// (SPEC §4b "Forks"). Memory: one persistent-map path per event and room.
+    pub fork_window: usize,
 }
 
 impl Default for FederationConfig {
@@ -105,6 +110,7 @@ impl Default for FederationConfig {
             request_timeout_ms: 30_000,
             retry_initial_ms: 1_000,
             retry_max_ms: 3_600_000,
+            fork_window: spindle_journal::fork::DEFAULT_FORK_WINDOW,
         }
     }
 }

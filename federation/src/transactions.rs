@@ -84,15 +84,7 @@ pub async fn verify_keys_for(st: &FedState, pdu: &serde_json::Value) -> VerifyKe
     out
 }
 
-/// The event id a PDU would have in its room (for answering per PDU), if computable.
-fn event_id_of(pdu: &serde_json::Value, version: &str) -> Option<String> {
-    let rules = spindle_core::room_version::rules(version)?;
-    let mut obj = spindle_core::canonical::to_object(pdu.clone()).ok()?;
-    obj.remove("unsigned");
-    ruma::signatures::reference_hash(&obj, &rules)
-        .ok()
-        .map(|h| format!("${h}"))
-}
+use spindle_core::pdu::event_id_of;
 
 /// Ingests one PDU from `origin`; fills a gap of missing `prev_events` once.
 pub async fn ingest(

@@ -151,7 +151,7 @@ pub fn deep_check(
     server_name: &str,
     keys: &ruma::signatures::PublicKeyMap,
 ) -> Result<(), String> {
-    if !rec.is_event() && !rec.is_outlier() {
+    if !rec.carries_pdu() {
         return serde_json::from_slice::<crate::Fact>(rec.payload())
             .map(|_| ())
             .map_err(|e| format!("fact payload: {e}"));

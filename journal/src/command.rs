@@ -60,11 +60,6 @@ pub enum CommandBody {
     /// none is left, and appends one [`Fact::OneTimeKeysClaimed`]. Requests for devices
     /// with no key of the algorithm get nothing.
     ClaimOneTimeKeys { requests: Vec<KeyClaimRequest> },
-    /// Append a PDU another server built and signed (spec: server-server API, "Checks
-    /// performed on receipt of a PDU"). The principal is the origin server; `keys` are
-    /// the verify keys (server -> key id -> unpadded base64) the federation layer
-    /// fetched for the servers that must have signed it; `event_id`, when the request
-    /// named one (`send_join`), must match the PDU's reference hash.
     /// Join a room another server hosts (spec: server-server API, "Joining Rooms",
     /// joining server side): `join` is our user's join event, already signed and
     /// accepted by the resident server through `send_join`; `state` and `auth_chain`
@@ -95,12 +90,35 @@ pub enum CommandBody {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         invite_room_state: Option<serde_json::Value>,
     },
+    /// Append a PDU another server built and signed (spec: server-server API, "Checks
+    /// performed on receipt of a PDU"). The principal is the origin server; `keys` are
+    /// the verify keys (server -> key id -> unpadded base64) the federation layer
+    /// fetched for the servers that must have signed it; `event_id`, when the request
+    /// named one (`send_join`), must match the PDU's reference hash.
     RemotePdu {
         room_id: String,
         pdu: serde_json::Value,
         keys: crate::remote::VerifyKeys,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         event_id: Option<String>,
+    },
+    /// History from before this server's first event in a room, fetched with
+    /// `/backfill` (spec: server-server API, "Backfilling and retrieving missing
+    /// events"), newest first. Each PDU is verified (event id, signatures, content
+    /// hash, room) and authorized against its own `auth_events`; one the room already
+    /// has in its timeline is skipped, one it holds only as an outlier (state imported
+    /// on join) joins the timeline now. Accepted PDUs become [`crate::RecordKind::Backfilled`]
+    /// records in the order given; refused ones a `RemotePduRejected` fact each.
+    ///
+    /// `auth_events` are auth events the PDUs name that the room does not hold (old
+    /// member events, typically), fetched by the federation layer: verified and used to
+    /// authorize the batch, not appended.
+    Backfill {
+        room_id: String,
+        pdus: Vec<serde_json::Value>,
+        #[serde(default)]
+        auth_events: Vec<serde_json::Value>,
+        keys: crate::remote::VerifyKeys,
     },
 }
 

@@ -15,6 +15,7 @@ pub mod blobs;
 pub mod chain;
 pub mod command;
 pub mod consumer;
+pub mod fork;
 pub mod migrate;
 pub mod record;
 pub mod remote;
@@ -201,8 +202,8 @@ const AUTH_TYPES: [&str; 5] = [
 /// forward extremity.
 pub const MAX_PREV_EVENTS: usize = 10;
 
-/// The journal's per-room write model: forward extremities and auth-relevant state.
-/// Restored from the room's own records at start-up.
+/// The journal's per-room write model: forward extremities, the current state and what
+/// authorizing events needs. Restored from the room's own records at start-up.
 struct RoomAggregate {
     version: String,
     /// The last event appended and its depth.
@@ -217,18 +218,29 @@ struct RoomAggregate {
     hashed_refs: bool,
     /// The head's reference hash, kept only when `hashed_refs`; `None` elsewhere.
     head_hash: Option<String>,
-    auth_state: HashMap<(String, String), Arc<Pdu>>,
+    /// The current state, every slot: what auth rules read and what state resolution
+    /// starts from. The resolution of the states after the forward extremities (one
+    /// extremity: the state after it).
+    state: fork::StateMap,
     /// Every auth-relevant state event the room ever had, by id: a remote PDU's
     /// `auth_events` may name a power levels or member event that is no longer current.
     auth_history: HashMap<OwnedEventId, Arc<Pdu>>,
     /// 64-bit digests of every event id in the room: remote duplicates are recognised
     /// and `prev_events` checked without reading the log (8 bytes per event).
     known: HashSet<u64>,
+    /// Digests of the ids in [`RoomAggregate::known`] held only as outliers (imported
+    /// state, not yet in the timeline): backfill may still bring them into it.
+    outliers: HashSet<u64>,
     /// (user, device, txn id) -> (event id, position) for idempotent sends.
     txns: HashMap<(String, String, String), (OwnedEventId, u64)>,
     /// Server name -> number of its users joined now: whom the federation sender
     /// delivers the room's events to, without reading a member list.
     joined_servers: std::collections::BTreeMap<String, u32>,
+    /// The fork window ([`fork`]): kept only while another server has a user joined
+    /// (a local-only room is a chain and needs none).
+    window: Option<fork::ForkWindow>,
+    /// Size of [`RoomAggregate::window`] when one is opened.
+    window_cap: usize,
 }
 
 /// The digest [`RoomAggregate::known`] keeps of an event id.
@@ -237,8 +249,15 @@ fn id_digest(event_id: &str) -> u64 {
     u64::from_le_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
 }
 
+fn is_join(p: Option<&Arc<Pdu>>) -> bool {
+    p.is_some_and(|p| {
+        p.kind.to_string() == "m.room.member"
+            && p.content_value().get("membership").and_then(|m| m.as_str()) == Some("join")
+    })
+}
+
 impl RoomAggregate {
-    fn new(version: &str) -> Self {
+    fn new(version: &str, window_cap: usize) -> Self {
         Self {
             version: version.to_owned(),
             head: None,
@@ -247,58 +266,127 @@ impl RoomAggregate {
             hashed_refs: room_version::rules(version)
                 .is_some_and(|r| room_version::references_carry_hashes(&r)),
             head_hash: None,
-            auth_state: HashMap::new(),
+            state: fork::StateMap::new(),
             auth_history: HashMap::new(),
             known: HashSet::new(),
+            outliers: HashSet::new(),
             txns: HashMap::new(),
             joined_servers: std::collections::BTreeMap::new(),
+            window: None,
+            window_cap,
         }
     }
 
-    /// Keeps [`RoomAggregate::joined_servers`] right across a member event.
-    fn count_membership(&mut self, pdu: &Pdu) {
-        let (Some(user), true) = (&pdu.state_key, pdu.kind.to_string() == "m.room.member") else {
+    /// Makes `pdu` the current value of its state slot, keeping
+    /// [`RoomAggregate::joined_servers`] and the auth history right.
+    fn set_state(&mut self, pdu: Arc<Pdu>) {
+        let Some(sk) = pdu.state_key.clone() else {
             return;
         };
-        let joined = |p: Option<&Arc<Pdu>>| {
-            p.is_some_and(|p| {
-                p.content_value().get("membership").and_then(|m| m.as_str()) == Some("join")
-            })
-        };
-        let before = joined(
-            self.auth_state
-                .get(&("m.room.member".to_owned(), user.clone())),
-        );
-        let after = pdu
-            .content_value()
-            .get("membership")
-            .and_then(|m| m.as_str())
-            == Some("join");
-        let Some((_, server)) = user.split_once(':') else {
-            return;
-        };
-        match (before, after) {
-            (false, true) => *self.joined_servers.entry(server.to_owned()).or_insert(0) += 1,
-            (true, false) => {
-                if let Some(n) = self.joined_servers.get_mut(server) {
-                    *n -= 1;
-                    if *n == 0 {
-                        self.joined_servers.remove(server);
+        let kind = pdu.kind.to_string();
+        if kind == "m.room.member"
+            && let Some((_, server)) = sk.split_once(':')
+        {
+            let slot = (kind.clone(), sk.clone());
+            match (is_join(self.state.get(&slot)), is_join(Some(&pdu))) {
+                (false, true) => *self.joined_servers.entry(server.to_owned()).or_insert(0) += 1,
+                (true, false) => {
+                    if let Some(n) = self.joined_servers.get_mut(server) {
+                        *n -= 1;
+                        if *n == 0 {
+                            self.joined_servers.remove(server);
+                        }
                     }
                 }
+                _ => {}
             }
-            _ => {}
         }
+        if AUTH_TYPES.contains(&kind.as_str()) {
+            self.auth_history.insert(pdu.event_id.clone(), pdu.clone());
+        }
+        self.state.insert((kind, sk), pdu);
     }
 
     fn knows(&self, event_id: &str) -> bool {
         self.known.contains(&id_digest(event_id))
     }
 
-    fn apply(&mut self, pdu: Arc<Pdu>) {
-        self.count_membership(&pdu);
+    /// Whether an event with these `prev_events` extends the room without forking it:
+    /// it names exactly the forward extremities.
+    fn extends_extremities(&self, prev_events: &[OwnedEventId]) -> bool {
+        self.extremities.is_empty()
+            || (prev_events.len() == self.extremities.len()
+                && self
+                    .extremities
+                    .iter()
+                    .all(|(id, _)| prev_events.contains(id)))
+    }
+
+    /// Every event resolution may need: the auth history plus the events of `states`.
+    fn pool(&self, states: &[&fork::StateMap]) -> fork::Pool {
+        let mut pool = self.auth_history.clone();
+        for s in states {
+            for p in s.values() {
+                pool.entry(p.event_id.clone()).or_insert_with(|| p.clone());
+            }
+        }
+        pool
+    }
+
+    /// The room state before an event with these `prev_events` ([`fork`] module docs):
+    /// the current state unless the event forks the room.
+    fn state_before(&self, prev_events: &[OwnedEventId], stats: &JournalStats) -> fork::StateMap {
+        if self.extends_extremities(prev_events) {
+            return self.state.clone();
+        }
+        let Some(window) = &self.window else {
+            return self.state.clone();
+        };
+        let found: Vec<&fork::StateMap> = prev_events
+            .iter()
+            .filter_map(|p| window.state_after(p))
+            .collect();
+        if found.len() < prev_events.len() {
+            stats.forks_beyond_window.fetch_add(1, Ordering::Relaxed);
+        }
+        if found.is_empty() {
+            return self.state.clone();
+        }
+        self.resolve(&found, stats)
+            .unwrap_or_else(|| found[0].clone())
+    }
+
+    fn resolve(&self, states: &[&fork::StateMap], stats: &JournalStats) -> Option<fork::StateMap> {
+        let pool = self.pool(states);
+        match fork::resolve(&self.version, states, self.window.as_ref(), &pool) {
+            Ok((s, case)) => {
+                let counter = match case {
+                    fork::ForkCase::Linear => &stats.forks_linear,
+                    fork::ForkCase::Merged => &stats.forks_merged,
+                    fork::ForkCase::Resolved => &stats.forks_resolved,
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+                Some(s)
+            }
+            Err(e) => {
+                tracing::warn!(room_version = %self.version, error = %e, "state resolution failed; keeping the log order");
+                stats.forks_failed.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// Appends a room event to the write model with the state before it (from
+    /// [`RoomAggregate::state_before`]). Returns the state events that resolution made
+    /// current again after it (besides the event itself): each becomes a
+    /// [`RecordKind::StateResolved`] record right after the event's, so the projections,
+    /// which apply records in log order, end on the same current state.
+    fn apply_with(&mut self, pdu: Arc<Pdu>, before: fork::StateMap, stats: &JournalStats) -> Vec<Arc<Pdu>> {
+        let extends = self.extends_extremities(&pdu.prev_events);
         self.head = Some((pdu.event_id.clone(), pdu.depth));
-        self.known.insert(id_digest(pdu.event_id.as_str()));
+        let digest = id_digest(pdu.event_id.as_str());
+        self.known.insert(digest);
+        self.outliers.remove(&digest);
         self.extremities
             .retain(|(id, _)| !pdu.prev_events.contains(id));
         self.extremities.push((pdu.event_id.clone(), pdu.depth));
@@ -306,27 +394,86 @@ impl RoomAggregate {
         if self.hashed_refs {
             self.head_hash = pdu.reference_hash().ok();
         }
-        if let Some(sk) = &pdu.state_key {
-            let kind = pdu.kind.to_string();
-            if AUTH_TYPES.contains(&kind.as_str()) {
-                self.auth_history.insert(pdu.event_id.clone(), pdu.clone());
-                self.auth_state.insert((kind, sk.clone()), pdu);
+        if self.window.is_none() && self.joined_servers.len() > 1 {
+            self.window = Some(fork::ForkWindow::new(self.window_cap));
+        }
+        let mut reasserted = Vec::new();
+        match self.window.as_mut() {
+            None => self.set_state(pdu),
+            Some(window) => {
+                window.push(&pdu, &before);
+                if extends {
+                    self.set_state(pdu);
+                } else {
+                    // The current state is the resolution of the states after the
+                    // extremities; projections apply the event itself in log order, then
+                    // whatever resolution put back.
+                    let window = self.window.as_ref().expect("window");
+                    let states: Vec<&fork::StateMap> = self
+                        .extremities
+                        .iter()
+                        .filter_map(|(id, _)| window.state_after(id))
+                        .collect();
+                    let resolved = self.resolve(&states, stats);
+                    self.set_state(pdu);
+                    if let Some(resolved) = resolved {
+                        let mut changes: Vec<Arc<Pdu>> = resolved
+                            .iter()
+                            .filter(|(slot, p)| {
+                                self.state.get(*slot).is_none_or(|c| c.event_id != p.event_id)
+                            })
+                            .map(|(_, p)| p.clone())
+                            .collect();
+                        changes.sort_by(|a, b| a.event_id.cmp(&b.event_id));
+                        for p in changes {
+                            self.set_state(p.clone());
+                            reasserted.push(p);
+                        }
+                    }
+                }
             }
         }
+        if self.joined_servers.len() <= 1 {
+            self.window = None;
+        }
+        reasserted
     }
 
-    /// An outlier (imported state or auth event): known and, if auth-relevant, part
-    /// of the auth state; never a forward extremity.
+    /// [`RoomAggregate::apply_with`] with the state before computed here: how records
+    /// replay at start-up and how local events (which never fork) are applied.
+    fn apply(&mut self, pdu: Arc<Pdu>, stats: &JournalStats) -> Vec<Arc<Pdu>> {
+        let before = self.state_before(&pdu.prev_events, stats);
+        self.apply_with(pdu, before, stats)
+    }
+
+    /// An outlier (imported state or auth event): known and, if a state event, part of
+    /// the current state; never a forward extremity.
     fn apply_outlier(&mut self, pdu: Arc<Pdu>) {
-        self.count_membership(&pdu);
-        self.known.insert(id_digest(pdu.event_id.as_str()));
+        let digest = id_digest(pdu.event_id.as_str());
+        if self.known.insert(digest) {
+            self.outliers.insert(digest);
+        }
         self.max_depth = self.max_depth.max(pdu.depth);
-        if let Some(sk) = &pdu.state_key {
-            let kind = pdu.kind.to_string();
-            if AUTH_TYPES.contains(&kind.as_str()) {
-                self.auth_history.insert(pdu.event_id.clone(), pdu.clone());
-                self.auth_state.insert((kind, sk.clone()), pdu);
-            }
+        self.set_state(pdu);
+    }
+
+    /// Whether the room's timeline holds the event (not only as an outlier).
+    fn in_timeline(&self, event_id: &str) -> bool {
+        let digest = id_digest(event_id);
+        self.known.contains(&digest) && !self.outliers.contains(&digest)
+    }
+
+    /// Backfilled history: in the timeline from now on; no state, extremity or depth
+    /// changes (it is older than everything here). Auth events join the auth history
+    /// (older events may name them).
+    fn apply_backfilled(&mut self, pdu: Arc<Pdu>) {
+        let digest = id_digest(pdu.event_id.as_str());
+        self.known.insert(digest);
+        self.outliers.remove(&digest);
+        if let Some(_sk) = &pdu.state_key
+            && AUTH_TYPES.contains(&pdu.kind.to_string().as_str())
+        {
+            self.auth_history.insert(pdu.event_id.clone(), pdu);
         }
     }
 
@@ -359,6 +506,19 @@ pub struct JournalStats {
     pub records_read: AtomicU64,
     /// records handed to the appender (positioned, not yet necessarily durable).
     pub enqueued: AtomicU64,
+    /// Fork-case counters ([`fork`]): resolutions whose states were equal after all,
+    /// settled by the window merge, run through state resolution v2, and failed (the
+    /// log order kept).
+    pub forks_linear: AtomicU64,
+    /// See [`JournalStats::forks_linear`].
+    pub forks_merged: AtomicU64,
+    /// See [`JournalStats::forks_linear`].
+    pub forks_resolved: AtomicU64,
+    /// See [`JournalStats::forks_linear`].
+    pub forks_failed: AtomicU64,
+    /// Remote events naming a `prev_event` older than the fork window (its state taken
+    /// as the current state).
+    pub forks_beyond_window: AtomicU64,
 }
 
 /// The journal handle (cheap to clone).
@@ -393,6 +553,24 @@ struct Inner {
     enqueue: parking_lot::Mutex<(u64, std::sync::mpsc::Sender<Pending>)>,
     durable: watch::Receiver<u64>,
     stats: Arc<JournalStats>,
+    /// Size of each federated room's fork window ([`JournalOptions::fork_window`]).
+    fork_window: usize,
+}
+
+/// Options of [`Journal::open_with`].
+#[derive(Debug, Clone)]
+pub struct JournalOptions {
+    /// Events of a federated room whose state the fork window remembers (config
+    /// `federation.fork_window`; default [`fork::DEFAULT_FORK_WINDOW`]).
+    pub fork_window: usize,
+}
+
+impl Default for JournalOptions {
+    fn default() -> Self {
+        JournalOptions {
+            fork_window: fork::DEFAULT_FORK_WINDOW,
+        }
+    }
 }
 
 fn now_ms() -> u64 {
@@ -423,6 +601,17 @@ impl Journal {
         store: Arc<dyn JournalStore>,
         key: Arc<ServerKey>,
     ) -> Result<Journal, JournalError> {
+        Self::open_with(store, key, JournalOptions::default())
+    }
+
+    /// [`Journal::open`] with options (the fork window's size).
+    pub fn open_with(
+        store: Arc<dyn JournalStore>,
+        key: Arc<ServerKey>,
+        options: JournalOptions,
+    ) -> Result<Journal, JournalError> {
+        let cap = options.fork_window;
+        let stats = Arc::new(JournalStats::default());
         let mut rooms: HashMap<OwnedRoomId, RoomAggregate> = HashMap::new();
         let mut users = HashSet::new();
         let mut aliases = HashMap::new();
@@ -436,20 +625,32 @@ impl Journal {
                 let pdu = rec.room_pdu().ok_or("unreadable outlier PDU")?;
                 rooms
                     .entry(pdu.room_id.clone())
-                    .or_insert_with(|| RoomAggregate::new(&pdu.room_version))
+                    .or_insert_with(|| RoomAggregate::new(&pdu.room_version, cap))
                     .apply_outlier(Arc::new(pdu));
+            } else if rec.is_backfilled() {
+                let pdu = rec.any_pdu().ok_or("unreadable backfilled PDU")?;
+                if let Some(agg) = rooms.get_mut(&pdu.room_id) {
+                    agg.apply_backfilled(Arc::new(pdu));
+                }
+            } else if rec.is_state_resolved() {
+                // Replaying the event before it already resolved the same way; the
+                // record is the truth if a resolver upgrade would now decide otherwise.
+                let pdu = rec.room_pdu().ok_or("unreadable resolved state PDU")?;
+                if let Some(agg) = rooms.get_mut(&pdu.room_id) {
+                    agg.set_state(Arc::new(pdu));
+                }
             } else if rec.is_event() {
                 let pdu = rec.pdu().ok_or("unreadable PDU")?;
                 let agg = rooms
                     .entry(pdu.room_id.clone())
-                    .or_insert_with(|| RoomAggregate::new(&pdu.room_version));
+                    .or_insert_with(|| RoomAggregate::new(&pdu.room_version, cap));
                 if let (Some(txn), Some(dev)) = (rec.txn_id(), rec.device_id()) {
                     agg.txns.insert(
                         (rec.principal().to_owned(), dev.to_owned(), txn.to_owned()),
                         (pdu.event_id.clone(), rec.position()),
                     );
                 }
-                agg.apply(Arc::new(pdu));
+                agg.apply(Arc::new(pdu), &stats);
             } else {
                 match rec.fact() {
                     Some(Fact::AccountRegistered { user_id, .. }) => {
@@ -499,7 +700,6 @@ impl Journal {
         let head = chain_head.position;
         let (durable_tx, durable_rx) = watch::channel(head);
         let (tx, rx) = std::sync::mpsc::channel::<Pending>();
-        let stats = Arc::new(JournalStats::default());
         {
             let store = store.clone();
             let stats = stats.clone();
@@ -528,6 +728,7 @@ impl Journal {
                 enqueue: parking_lot::Mutex::new((head, tx)),
                 durable: durable_rx,
                 stats,
+                fork_window: cap,
             }),
         })
     }
@@ -635,6 +836,12 @@ impl Journal {
                 )
                 .await?
             }
+            CommandBody::Backfill {
+                room_id,
+                pdus,
+                auth_events,
+                keys,
+            } => self.backfill(&cmd, room_id, pdus, auth_events, keys).await?,
             CommandBody::RemotePdu {
                 room_id,
                 pdu,
@@ -1019,7 +1226,7 @@ impl Journal {
         // v1/v2 references carry the referenced events' hashes (point lookups only).
         let mut auth_hashes = HashMap::new();
         for (t, k) in &auth_types {
-            if let Some(p) = agg.auth_state.get(&(t.clone(), k.clone()))
+            if let Some(p) = agg.state.get(&(t.clone(), k.clone()))
                 && !auth_events.contains(&p.event_id)
             {
                 auth_events.push(p.event_id.clone());
@@ -1059,17 +1266,17 @@ impl Journal {
         // The auth events, plus the create event: from room version 12 it is not among
         // the auth events but the rules still fetch it (by the room id).
         let create = agg
-            .auth_state
+            .state
             .get(&("m.room.create".to_owned(), String::new()));
-        let auth_map: HashMap<OwnedEventId, &Pdu> = agg
-            .auth_state
-            .values()
-            .filter(|p| pdu.auth_events.contains(&p.event_id))
+        let auth_map: HashMap<OwnedEventId, &Pdu> = pdu
+            .auth_events
+            .iter()
+            .filter_map(|id| agg.auth_history.get(id))
             .chain(create)
             .map(|p| (p.event_id.clone(), &**p))
             .collect();
         spindle_core::auth::authorize(&rules, &pdu, &auth_map, |t, k| {
-            agg.auth_state
+            agg.state
                 .get(&(t.to_owned(), k.to_owned()))
                 .map(|p| &**p)
         })
@@ -1127,7 +1334,7 @@ impl Journal {
 
     /// The target's current membership in the aggregate (`"none"` without a member event).
     fn membership_of(agg: &RoomAggregate, user_id: &str) -> String {
-        agg.auth_state
+        agg.state
             .get(&("m.room.member".to_owned(), user_id.to_owned()))
             .and_then(|p| {
                 p.content_value()
@@ -1180,7 +1387,7 @@ impl Journal {
                 .unwrap_or("");
             if pre.unchanged_ok && current == wanted {
                 let existing = agg
-                    .auth_state
+                    .state
                     .get(&("m.room.member".to_owned(), target.to_owned()))
                     .map(|p| p.event_id.clone());
                 return Ok(Outcome {
@@ -1218,7 +1425,8 @@ impl Journal {
             agg.txns.insert(k, (pdu.event_id.clone(), position));
         }
         let event_id = pdu.event_id.clone();
-        agg.apply(Arc::new(pdu));
+        // A local event names every extremity: it never forks, nothing is resolved.
+        agg.apply(Arc::new(pdu), &self.inner.stats);
         Ok(Outcome {
             position,
             room_id: Some(room),
@@ -1243,7 +1451,7 @@ impl Journal {
                 "the first event of a room must be m.room.create".into(),
             ));
         }
-        let mut agg = RoomAggregate::new(version);
+        let mut agg = RoomAggregate::new(version, self.inner.fork_window);
         let server = self.inner.key.server_name().to_owned();
         let mut room_id = if room_version::room_id_from_create(version) {
             None
@@ -1266,7 +1474,7 @@ impl Journal {
                 room_id = Some(pdu.room_id.clone());
             }
             let pdu = Arc::new(pdu);
-            agg.apply(pdu.clone());
+            agg.apply(pdu.clone(), &self.inner.stats);
             pdus.push(pdu);
         }
         let room_id = room_id.expect("create event gives the room id");

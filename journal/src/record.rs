@@ -38,6 +38,16 @@ pub enum RecordKind {
     /// server-server API, "outliers"). It counts for the room's state and
     /// memberships, but is not in the room's timeline. `payload` is the signed PDU.
     Outlier,
+    /// A state event of the room, already appended, that state resolution made current
+    /// again after a fork ([`crate::fork`]): the projections of room state apply it as
+    /// the slot's value; it is not a new event and not in the timeline. `payload` is
+    /// the signed PDU (as its first record has it).
+    StateResolved,
+    /// A room event from before this server's first event in the room, fetched with
+    /// `/backfill`: timeline history older than everything else of the room here. It
+    /// changes no current state (state projections ignore it). `payload` is the signed
+    /// PDU.
+    Backfilled,
 }
 
 /// One journal record, exactly as stored (key: the global position, big-endian u64).
@@ -157,10 +167,40 @@ impl StoredRecord {
         matches!(self.view().kind, ArchivedRecordKind::Outlier)
     }
 
-    /// The PDU of an event or an outlier record (projections of room state use it;
-    /// timeline-only projections keep to [`StoredRecord::pdu`]).
+    /// Whether this re-asserts a state event after state resolution
+    /// ([`RecordKind::StateResolved`]).
+    pub fn is_state_resolved(&self) -> bool {
+        matches!(self.view().kind, ArchivedRecordKind::StateResolved)
+    }
+
+    /// Whether this is backfilled history ([`RecordKind::Backfilled`]).
+    pub fn is_backfilled(&self) -> bool {
+        matches!(self.view().kind, ArchivedRecordKind::Backfilled)
+    }
+
+    /// Whether the payload is a PDU (every kind but a fact).
+    pub fn carries_pdu(&self) -> bool {
+        self.applies_to_state() || self.is_backfilled()
+    }
+
+    /// The PDU of any record that carries one ([`StoredRecord::carries_pdu`]).
+    pub fn any_pdu(&self) -> Option<spindle_core::pdu::Pdu> {
+        if !self.carries_pdu() {
+            return None;
+        }
+        self.parse_pdu()
+    }
+
+    /// Whether projections of room state (current state, memberships, directory,
+    /// summaries) apply this record: an event, an outlier, or resolved state.
+    pub fn applies_to_state(&self) -> bool {
+        self.is_event() || self.is_outlier() || self.is_state_resolved()
+    }
+
+    /// The PDU of an event, outlier or resolved-state record (projections of room state
+    /// use it; timeline-only projections keep to [`StoredRecord::pdu`]).
     pub fn room_pdu(&self) -> Option<spindle_core::pdu::Pdu> {
-        if !(self.is_event() || self.is_outlier()) {
+        if !self.applies_to_state() {
             return None;
         }
         self.parse_pdu()

@@ -58,18 +58,31 @@ impl Journal {
             .cloned()
             .ok_or_else(|| JournalError::UnknownRoom(room_id.to_owned()))?;
         let mut agg = agg.lock().await;
-        match check_remote(&agg, &room, pdu, keys, expect_event_id) {
+        match check_remote(&agg, &room, pdu, keys, expect_event_id, &self.inner.stats) {
             Ok(Checked::Known(event_id)) => Ok(Outcome {
                 position: self.durable_head(),
                 room_id: Some(room),
                 event_ids: vec![event_id],
                 ..Outcome::default()
             }),
-            Ok(Checked::Accept(pdu)) => {
-                let rec = self.event_record(cmd, &pdu, None);
-                let position = self.enqueue(vec![rec]);
+            Ok(Checked::Accept(pdu, before)) => {
+                let pdu = Arc::new(pdu);
                 let event_id = pdu.event_id.clone();
-                agg.apply(Arc::new(pdu));
+                let reasserted = agg.apply_with(pdu.clone(), before, &self.inner.stats);
+                let mut records = vec![self.event_record(cmd, &pdu, None)];
+                for p in &reasserted {
+                    let mut rec = self.event_record(cmd, p, None);
+                    rec.kind = RecordKind::StateResolved;
+                    records.push(rec);
+                }
+                if !reasserted.is_empty() {
+                    tracing::info!(
+                        room = %room, event = %event_id,
+                        resolved = ?reasserted.iter().map(|p| p.event_id.as_str()).collect::<Vec<_>>(),
+                        "a fork resolved to state other than the log order's"
+                    );
+                }
+                let position = self.enqueue(records);
                 Ok(Outcome {
                     position,
                     room_id: Some(room),
@@ -99,8 +112,8 @@ impl Journal {
 enum Checked {
     /// The room already has it.
     Known(OwnedEventId),
-    /// Passed every check: append it.
-    Accept(Pdu),
+    /// Passed every check: append it. With the room state before it.
+    Accept(Pdu, crate::fork::StateMap),
 }
 
 type CheckError = (Option<String>, JournalError);
@@ -111,6 +124,7 @@ fn check_remote(
     pdu: &serde_json::Value,
     keys: &VerifyKeys,
     expect_event_id: Option<&str>,
+    stats: &crate::JournalStats,
 ) -> Result<Checked, CheckError> {
     let rules = room_version::rules(&agg.version)
         .filter(|_| room_version::federates(&agg.version))
@@ -173,7 +187,9 @@ fn check_remote(
         ))));
     }
     // Auth rules: state-independent against the named auth events, state-dependent
-    // against the room's current state.
+    // against the room state before the event (the current state unless it forks the
+    // room: then the resolution of the states after its `prev_events`, see `fork`).
+    let before = agg.state_before(&parsed.prev_events, stats);
     let mut auth_map: HashMap<OwnedEventId, &Pdu> = HashMap::new();
     for id in &parsed.auth_events {
         match agg.auth_history.get(id) {
@@ -187,19 +203,14 @@ fn check_remote(
             }
         }
     }
-    if let Some(create) = agg
-        .auth_state
-        .get(&("m.room.create".to_owned(), String::new()))
-    {
+    if let Some(create) = before.get(&("m.room.create".to_owned(), String::new())) {
         auth_map.insert(create.event_id.clone(), &**create);
     }
     spindle_core::auth::authorize(&rules, &parsed, &auth_map, |t, k| {
-        agg.auth_state
-            .get(&(t.to_owned(), k.to_owned()))
-            .map(|p| &**p)
+        before.get(&(t.to_owned(), k.to_owned())).map(|p| &**p)
     })
     .map_err(|e| fail(reject(format!("auth rules: {e}"))))?;
-    Ok(Checked::Accept(parsed))
+    Ok(Checked::Accept(parsed, before))
 }
 
 impl Journal {
@@ -260,7 +271,7 @@ impl Journal {
                 .map_err(JournalError::BadJson)?;
         let mut auth_events: Vec<String> = Vec::new();
         for (t, k) in &types {
-            if let Some(p) = agg.auth_state.get(&(t.clone(), k.clone()))
+            if let Some(p) = agg.state.get(&(t.clone(), k.clone()))
                 && !auth_events.contains(&p.event_id.to_string())
             {
                 auth_events.push(p.event_id.to_string());
@@ -437,7 +448,7 @@ impl Journal {
             let mut rooms = self.inner.rooms.lock();
             rooms
                 .entry(room.clone())
-                .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(RoomAggregate::new(version))))
+                .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(RoomAggregate::new(version, self.inner.fork_window))))
                 .clone()
         };
         let mut agg = agg_arc.lock().await;
@@ -448,7 +459,7 @@ impl Journal {
             )));
         }
         let create = create.or_else(|| {
-            agg.auth_state
+            agg.state
                 .get(&("m.room.create".to_owned(), String::new()))
                 .cloned()
         });
@@ -498,7 +509,7 @@ impl Journal {
         }
         let position = self.enqueue(records);
         let event_id = join.event_id.clone();
-        agg.apply(Arc::new(join));
+        agg.apply(Arc::new(join), &self.inner.stats);
         Ok(Outcome {
             position,
             room_id: Some(room),
@@ -561,7 +572,7 @@ impl Journal {
             let mut rooms = self.inner.rooms.lock();
             rooms
                 .entry(room.clone())
-                .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(RoomAggregate::new(version))))
+                .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(RoomAggregate::new(version, self.inner.fork_window))))
                 .clone()
         };
         let mut agg = agg_arc.lock().await;
@@ -582,6 +593,117 @@ impl Journal {
             position,
             room_id: Some(room),
             event_ids: vec![event_id],
+            ..Outcome::default()
+        })
+    }
+}
+
+impl Journal {
+    /// [`crate::CommandBody::Backfill`]: see its docs. Returns the ids appended, in
+    /// the order given (newest first).
+    pub(crate) async fn backfill(
+        &self,
+        cmd: &SignedCommand,
+        room_id: &str,
+        pdus: &[serde_json::Value],
+        auth_events: &[serde_json::Value],
+        keys: &VerifyKeys,
+    ) -> Result<Outcome, JournalError> {
+        if pdus.len() > 1000 || auth_events.len() > 1000 {
+            return Err(JournalError::TooLarge(
+                "a backfill batch holds at most 1000 PDUs and 1000 auth events".into(),
+            ));
+        }
+        let room = OwnedRoomId::try_from(room_id)
+            .map_err(|_| JournalError::UnknownRoom(room_id.to_owned()))?;
+        let agg = self
+            .inner
+            .rooms
+            .lock()
+            .get(&room)
+            .cloned()
+            .ok_or_else(|| JournalError::UnknownRoom(room_id.to_owned()))?;
+        let mut agg = agg.lock().await;
+        let version = agg.version.clone();
+        let create = agg
+            .state
+            .get(&("m.room.create".to_owned(), String::new()))
+            .cloned();
+        // Everything the batch may cite as an auth event: the room's auth history, the
+        // fetched auth events and the batch itself (older events of it authorize newer).
+        let mut pool: HashMap<OwnedEventId, Arc<Pdu>> = agg.auth_history.clone();
+        for v in auth_events {
+            match verify_pdu(v, &version, &room, keys) {
+                Ok(p) => {
+                    pool.entry(p.event_id.clone()).or_insert_with(|| Arc::new(p));
+                }
+                Err(e) => tracing::info!(%room, error = %e, "a fetched auth event failed verification"),
+            }
+        }
+        let mut batch: Vec<Result<Arc<Pdu>, (Option<String>, String)>> = Vec::with_capacity(pdus.len());
+        for v in pdus {
+            // Already in the timeline (a retry, or the event the request started from):
+            // nothing to verify.
+            if spindle_core::pdu::event_id_of(v, &version).is_some_and(|id| agg.in_timeline(&id)) {
+                continue;
+            }
+            match verify_pdu(v, &version, &room, keys) {
+                Ok(p) => {
+                    let p = Arc::new(p);
+                    pool.entry(p.event_id.clone()).or_insert_with(|| p.clone());
+                    batch.push(Ok(p));
+                }
+                Err(e) => batch.push(Err((v.get("event_id").and_then(|i| i.as_str()).map(str::to_owned), e))),
+            }
+        }
+        let mut records = Vec::new();
+        let mut appended: Vec<Arc<Pdu>> = Vec::new();
+        let mut seen: std::collections::HashSet<OwnedEventId> = std::collections::HashSet::new();
+        for item in batch {
+            let (event_id, reason) = match item {
+                Ok(p) => {
+                    if agg.in_timeline(p.event_id.as_str()) || !seen.insert(p.event_id.clone()) {
+                        continue;
+                    }
+                    match authorize_by_auth_events(&version, &p, &pool, create.as_ref()) {
+                        Ok(()) => {
+                            let mut rec = self.event_record(cmd, &p, None);
+                            rec.kind = RecordKind::Backfilled;
+                            records.push(rec);
+                            appended.push(p);
+                            continue;
+                        }
+                        Err(e) => (Some(p.event_id.to_string()), e),
+                    }
+                }
+                Err(e) => e,
+            };
+            let fact = Fact::RemotePduRejected {
+                origin: cmd.envelope.principal.clone(),
+                room_id: room_id.to_owned(),
+                event_id: event_id.unwrap_or_default(),
+                reason: format!("backfill: {reason}"),
+            };
+            let payload =
+                serde_json::to_vec(&fact).map_err(|e| JournalError::BadJson(e.to_string()))?;
+            records.push(self.base_record(cmd, RecordKind::Fact, payload));
+        }
+        if records.is_empty() {
+            return Ok(Outcome {
+                position: self.durable_head(),
+                room_id: Some(room),
+                ..Outcome::default()
+            });
+        }
+        let position = self.enqueue(records);
+        let event_ids = appended.iter().map(|p| p.event_id.clone()).collect();
+        for p in appended {
+            agg.apply_backfilled(p);
+        }
+        Ok(Outcome {
+            position,
+            room_id: Some(room),
+            event_ids,
             ..Outcome::default()
         })
     }

@@ -93,6 +93,7 @@ async fn world() -> World {
 
 impl World {
     /// A PDU built and signed by remote.org.
+    #[allow(clippy::too_many_arguments)]
     fn remote_pdu(
         &self,
         sender: &str,
@@ -102,6 +103,22 @@ impl World {
         prev: &str,
         auth: Vec<&str>,
         depth: u64,
+    ) -> serde_json::Value {
+        self.remote_pdu_at(sender, kind, state_key, content, prev, auth, depth, 1_700_000_000_500)
+    }
+
+    /// [`World::remote_pdu`] with its `origin_server_ts`.
+    #[allow(clippy::too_many_arguments)]
+    fn remote_pdu_at(
+        &self,
+        sender: &str,
+        kind: &str,
+        state_key: Option<&str>,
+        content: serde_json::Value,
+        prev: &str,
+        auth: Vec<&str>,
+        depth: u64,
+        origin_server_ts: u64,
     ) -> serde_json::Value {
         PduTemplate {
             room_version: "11".into(),
@@ -114,7 +131,7 @@ impl World {
             prev_events: vec![prev.try_into().unwrap()],
             auth_events: auth.into_iter().map(|a| a.try_into().unwrap()).collect(),
             depth,
-            origin_server_ts: 1_700_000_000_500,
+            origin_server_ts,
         }
         .build(&self.remote)
         .unwrap()
@@ -433,4 +450,181 @@ async fn a_local_room_is_a_chain_until_a_remote_event_forks_it() {
             );
         }
     }
+}
+
+impl World {
+    /// Alice (local) sends a state event; returns its id.
+    async fn alice_state(&self, kind: &str, key: &str, content: serde_json::Value) -> String {
+        self.journal
+            .submit(signed(
+                &self.key,
+                ALICE,
+                CommandBody::SendEvent {
+                    room_id: self.room.clone(),
+                    event: state(kind, key, content),
+                    txn_id: None,
+                    precondition: None,
+                },
+            ))
+            .await
+            .unwrap()
+            .event_ids[0]
+            .to_string()
+    }
+
+    /// (kind, event id) of every record after `after`.
+    fn records_after(&self, after: u64) -> Vec<(&'static str, String)> {
+        self.journal
+            .read_after(after, 1000)
+            .unwrap()
+            .iter()
+            .filter_map(|r| {
+                let kind = if r.is_state_resolved() {
+                    "resolved"
+                } else if r.is_event() {
+                    "event"
+                } else {
+                    return None;
+                };
+                Some((kind, r.event_id()?.to_owned()))
+            })
+            .collect()
+    }
+}
+
+/// Alice (here) and bob (remote.org) set the topic at once, both after the same power
+/// levels event: state resolution v2 orders the two by timestamp, so the later one is
+/// the topic on both servers whatever order they arrived in. `winner_is_local`: alice's
+/// is later, so bob's, appended after it, must not stay current.
+async fn concurrent_topics(winner_is_local: bool) {
+    let w = world().await;
+    let join = w.bob_join().await;
+    let power = w
+        .alice_state(
+            "m.room.power_levels",
+            "",
+            json!({ "users": { ALICE: 100, BOB: 50 }, "events_default": 0, "state_default": 50 }),
+        )
+        .await;
+    let alice_topic = w.alice_state("m.room.topic", "", json!({ "topic": "alice's" })).await;
+    let at = w.journal.durable_head();
+    // Alice's events carry the command's `issued_at`, 1_700_000_000_000.
+    let bob_ts = if winner_is_local { 1_699_999_999_000 } else { 1_700_000_001_000 };
+    let bob_topic = w.remote_pdu_at(
+        BOB,
+        "m.room.topic",
+        Some(""),
+        json!({ "topic": "bob's" }),
+        &power,
+        vec![&w.create, &power, &join],
+        7,
+        bob_ts,
+    );
+    let bob_topic = w.ingest(bob_topic, keys_of(&w.remote)).await.unwrap();
+    let stats = w.journal.stats();
+    assert_eq!(stats.forks_resolved.load(std::sync::atomic::Ordering::Relaxed), 1);
+    let mut want = vec![("event", bob_topic.clone())];
+    if winner_is_local {
+        want.push(("resolved", alice_topic.clone()));
+    }
+    assert_eq!(w.records_after(at), want);
+    // The next local event names both extremities and the room is one again.
+    let after = w.journal.durable_head();
+    let name = w.alice_state("m.room.name", "", json!({ "name": "merged" })).await;
+    let rec = w
+        .journal
+        .read_after(after, 10)
+        .unwrap()
+        .into_iter()
+        .find(|r| r.event_id() == Some(name.as_str()))
+        .unwrap();
+    let mut prevs: Vec<String> = rec.pdu().unwrap().prev_events.iter().map(|p| p.to_string()).collect();
+    prevs.sort();
+    let mut both = vec![alice_topic, bob_topic];
+    both.sort();
+    assert_eq!(prevs, both);
+}
+
+#[tokio::test]
+async fn concurrent_topics_resolve_to_the_later_one_when_it_arrived_first() {
+    concurrent_topics(true).await;
+}
+
+#[tokio::test]
+async fn concurrent_topics_resolve_to_the_later_one_when_it_arrived_last() {
+    concurrent_topics(false).await;
+}
+
+#[tokio::test]
+async fn backfill_appends_verified_history_once_and_records_what_it_refused() {
+    let w = world().await;
+    let join = w.bob_join().await;
+    let old = w.remote_pdu(
+        BOB,
+        "m.room.message",
+        None,
+        json!({ "body": "older" }),
+        &join,
+        vec![&w.create, &w.power, &join],
+        3,
+    );
+    let old_id = spindle_core::pdu::event_id_of(&old, "11").unwrap();
+    // Signed by a key nobody vouches for: refused.
+    let forged = PduTemplate {
+        room_version: "11".into(),
+        room_id: Some(w.room.as_str().try_into().unwrap()),
+        sender: BOB.try_into().unwrap(),
+        kind: "m.room.message".into(),
+        state_key: None,
+        content: json!({ "body": "forged" }),
+        redacts: None,
+        prev_events: vec![join.as_str().try_into().unwrap()],
+        auth_events: vec![w.create.as_str().try_into().unwrap()],
+        depth: 2,
+        origin_server_ts: 1,
+    }
+    .build(&ServerKey::generate("remote.org"))
+    .unwrap()
+    .federation_json();
+    let create = w
+        .journal
+        .read_after(0, 1)
+        .unwrap()
+        .remove(0)
+        .pdu()
+        .unwrap()
+        .federation_json();
+    let backfill = |pdus: Vec<serde_json::Value>| {
+        signed(
+            &w.key,
+            "remote.org",
+            CommandBody::Backfill {
+                room_id: w.room.clone(),
+                pdus,
+                auth_events: vec![],
+                keys: keys_of(&w.remote),
+            },
+        )
+    };
+    let at = w.journal.durable_head();
+    let out = w
+        .journal
+        .submit(backfill(vec![old.clone(), forged, create.clone()]))
+        .await
+        .unwrap();
+    assert_eq!(
+        out.event_ids.iter().map(|e| e.to_string()).collect::<Vec<_>>(),
+        vec![old_id.clone()]
+    );
+    let recs = w.journal.read_after(at, 10).unwrap();
+    assert_eq!(recs.len(), 2, "one backfilled event and one refusal");
+    assert!(recs[0].is_backfilled());
+    assert_eq!(recs[0].event_id(), Some(old_id.as_str()));
+    assert!(matches!(recs[1].fact(), Some(Fact::RemotePduRejected { ref reason, .. }) if reason.starts_with("backfill:")));
+    // Backfill changes neither the head nor the forward extremities.
+    assert_eq!(w.head_event().await, join);
+    // Asked again: nothing new.
+    let again = w.journal.submit(backfill(vec![old, create])).await.unwrap();
+    assert!(again.event_ids.is_empty());
+    assert_eq!(w.journal.read_after(at, 10).unwrap().len(), 2);
 }

@@ -121,8 +121,8 @@ impl Projection for RoomSummary {
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
-        // Outliers (state imported on a remote join) count for room state too.
-        if !record.is_event() && !record.is_outlier() {
+        // Outliers (state imported on a remote join) and resolved state count too.
+        if !record.applies_to_state() {
             return Ok(());
         }
         let pdu = record.room_pdu().ok_or("unreadable PDU")?;

@@ -274,8 +274,8 @@ impl Projection for State {
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
-        // Outliers (state imported on a remote join) count for room state too.
-        if !record.is_event() && !record.is_outlier() {
+        // Outliers (state imported on a remote join) and resolved state count too.
+        if !record.applies_to_state() {
             return Ok(());
         }
         let pdu = record.room_pdu().ok_or("unreadable PDU")?;
@@ -323,11 +323,15 @@ impl Projection for State {
         roots.extend_from_slice(&after.0);
         roots.extend_from_slice(&others_before.0);
         roots.extend_from_slice(&others_after.0);
-        ctx.put(
-            &self.event_roots,
-            pdu.event_id.to_string().into_bytes(),
-            roots,
-        );
+        // A resolved-state record puts an older event back: that event keeps the roots
+        // of its own place in the log.
+        if !record.is_state_resolved() {
+            ctx.put(
+                &self.event_roots,
+                pdu.event_id.to_string().into_bytes(),
+                roots,
+            );
+        }
         ctx.put(
             &self.current_others,
             room.clone().into_bytes(),

@@ -10,6 +10,11 @@
 //! - `rooms`: room id -> last position (also kept in memory: "did anything happen")
 //! - `bumps`: room id -> position of the last event whose type is one of
 //!   [`BUMP_EVENT_TYPES`] (also kept in memory: the room-list sort and `bump_stamp`)
+//! - `backfill`: room id, 0x00, backfill sequence BE -> event id: history fetched with
+//!   `/backfill`, older than the room's first event in `room_events`. Sequence 1 is
+//!   the newest backfilled event, each one after it older (the order the journal's
+//!   `Backfilled` records came in, newest first).
+//! - `backfill_seq`: room id -> the last backfill sequence used
 
 use std::{collections::HashMap, sync::Arc};
 
@@ -51,6 +56,9 @@ pub struct StoredEvent {
     pub device_id: Option<String>,
     /// Client transaction id (local sends).
     pub txn_id: Option<String>,
+    /// For backfilled history: its place in the `backfill` index (1: newest).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backfill: Option<u64>,
 }
 
 impl StoredEvent {
@@ -77,6 +85,10 @@ pub struct EventRecord {
     pub device_id: Option<String>,
     /// Client txn id.
     pub txn_id: Option<String>,
+    /// For backfilled history (older than the room's first live event here): its
+    /// backfill sequence, 1 the newest. Its `position` is when it was fetched, not
+    /// where it sits in the room's order.
+    pub backfill: Option<u64>,
 }
 
 /// The timeline projection.
@@ -86,6 +98,8 @@ pub struct Timeline {
     redactions: Table,
     rooms: Table,
     bumps: Table,
+    backfill: Table,
+    backfill_seq: Table,
     recency: Arc<RwLock<HashMap<String, u64>>>,
     bumped: Arc<RwLock<HashMap<String, u64>>>,
 }
@@ -99,6 +113,8 @@ impl Timeline {
             redactions: db.table("timeline", "redactions")?,
             rooms: db.table("timeline", "rooms")?,
             bumps: db.table("timeline", "bumps")?,
+            backfill: db.table("timeline", "backfill")?,
+            backfill_seq: db.table("timeline", "backfill_seq")?,
             recency: Arc::default(),
             bumped: Arc::default(),
         })
@@ -114,6 +130,7 @@ impl Timeline {
             pdu: Arc::new(pdu),
             device_id: stored.device_id,
             txn_id: stored.txn_id,
+            backfill: stored.backfill,
         })
     }
 
@@ -147,6 +164,36 @@ impl Timeline {
         let start = key::with_pos(&[room_id], from);
         let end = key::with_pos(&[room_id], before);
         self.decode(self.room_events.scan_range(&start, &end, true, limit))
+    }
+
+    /// Backfilled event ids of a room with sequence after `after_seq`, going back in
+    /// time (ascending sequence), at most `limit`.
+    pub fn range_backfill_older(&self, room_id: &str, after_seq: u64, limit: usize) -> Vec<(u64, String)> {
+        let start = key::with_pos(&[room_id], after_seq.saturating_add(1));
+        let end = key::with_pos(&[room_id], u64::MAX);
+        self.decode(self.backfill.scan_range(&start, &end, false, limit))
+    }
+
+    /// Backfilled event ids of a room with sequence below `before_seq`, going forward
+    /// in time (descending sequence), at most `limit`.
+    pub fn range_backfill_newer(&self, room_id: &str, before_seq: u64, limit: usize) -> Vec<(u64, String)> {
+        if before_seq <= 1 {
+            return vec![];
+        }
+        let start = key::with_pos(&[room_id], 1);
+        let end = key::with_pos(&[room_id], before_seq);
+        self.decode(self.backfill.scan_range(&start, &end, true, limit))
+    }
+
+    /// The oldest event of the room's timeline here: the last backfilled one, else the
+    /// first live one (where `/backfill` continues from). Two point reads at most.
+    pub fn oldest_event(&self, room_id: &str) -> Option<String> {
+        let start = key::with_pos(&[room_id], 1);
+        let end = key::with_pos(&[room_id], u64::MAX);
+        if let Some((_, id)) = self.decode(self.backfill.scan_range(&start, &end, true, 1)).pop() {
+            return Some(id);
+        }
+        self.range_forward(room_id, 0, u64::MAX, 1).pop().map(|(_, id)| id)
     }
 
     fn decode(&self, rows: Vec<(Vec<u8>, Vec<u8>)>) -> Vec<(u64, String)> {
@@ -205,6 +252,8 @@ impl Projection for Timeline {
             self.redactions.clone(),
             self.rooms.clone(),
             self.bumps.clone(),
+            self.backfill.clone(),
+            self.backfill_seq.clone(),
         ]
     }
 
@@ -214,6 +263,9 @@ impl Projection for Timeline {
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
+        if record.is_backfilled() {
+            return self.apply_backfilled(ctx, record);
+        }
         if !record.is_event() && !record.is_outlier() {
             return Ok(());
         }
@@ -227,6 +279,7 @@ impl Projection for Timeline {
             pdu: String::from_utf8_lossy(&pdu.json).into_owned(),
             device_id: record.device_id().map(str::to_owned),
             txn_id: record.txn_id().map(str::to_owned),
+            backfill: None,
         };
         ctx.put(
             &self.events,
@@ -272,6 +325,47 @@ impl Projection for Timeline {
             }
             recency.write().insert(room, pos);
         });
+        Ok(())
+    }
+}
+
+impl Timeline {
+    /// A backfilled event: stored by id and put after the room's oldest backfilled one
+    /// in the `backfill` index; the live index, recency and bumps stay as they are.
+    fn apply_backfilled(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
+        let pdu = record.any_pdu().ok_or("unreadable backfilled PDU")?;
+        let room = pdu.room_id.to_string();
+        let seq = ctx
+            .get(&self.backfill_seq, room.as_bytes())
+            .filter(|v| v.len() == 8)
+            .map(|v| u64::from_be_bytes(v[..8].try_into().expect("8")))
+            .unwrap_or(0)
+            + 1;
+        let event_id = pdu.event_id.to_string();
+        let stored = StoredEvent {
+            position: record.position(),
+            room_version: pdu.room_version.clone(),
+            room_id: room.clone(),
+            pdu: String::from_utf8_lossy(&pdu.json).into_owned(),
+            device_id: None,
+            txn_id: None,
+            backfill: Some(seq),
+        };
+        ctx.put(
+            &self.events,
+            event_id.clone().into_bytes(),
+            serde_json::to_vec(&stored).map_err(|e| e.to_string())?,
+        );
+        ctx.put(&self.backfill, key::with_pos(&[&room], seq), event_id.into_bytes());
+        ctx.put(&self.backfill_seq, room.into_bytes(), seq.to_be_bytes().to_vec());
+        if pdu.kind.to_string() == "m.room.redaction"
+            && let Some(target) = &pdu.redacts
+        {
+            let k = target.to_string().into_bytes();
+            if ctx.get(&self.redactions, &k).is_none() {
+                ctx.put(&self.redactions, k, pdu.event_id.to_string().into_bytes());
+            }
+        }
         Ok(())
     }
 }

@@ -168,6 +168,10 @@ pub fn export(
                     "event"
                 } else if r.is_outlier() {
                     "outlier"
+                } else if r.is_state_resolved() {
+                    "state_resolved"
+                } else if r.is_backfilled() {
+                    "backfilled"
                 } else {
                     "fact"
                 },
@@ -230,6 +234,8 @@ pub fn read_export(input: impl BufRead) -> anyhow::Result<(ExportHeader, Vec<Enc
             "event" => RecordKind::Event,
             "fact" => RecordKind::Fact,
             "outlier" => RecordKind::Outlier,
+            "state_resolved" => RecordKind::StateResolved,
+            "backfilled" => RecordKind::Backfilled,
             other => bail!("{}: unknown kind {other:?}", at()),
         };
         let rec = Record {

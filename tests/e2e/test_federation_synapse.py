@@ -7,10 +7,13 @@ creates `.venv-synapse` with matrix-synapse pinned). Without it the module is sk
 with the reason printed, never passed silently.
 
 Covered here: a Synapse user joins a Spindle room by alias (query/directory, make_join,
-send_join), 60 messages each way arrive with the same event ids on both sides, a power
+send_join), a Spindle user joins a Synapse room with 100 earlier messages and pages back
+to m.room.create (backfill), 60 messages each way arrive with the same event ids on both sides, a power
 level given to the remote user lets them change the topic, kick and ban of the remote
 user hold on both sides, Synapse stopped while Spindle sends 5 messages has them all
-after it restarts, and a remote leave.
+after it restarts, both servers sending at once converge on the same events and state,
+both setting the topic at once converge on one topic (state resolution), and a remote
+leave.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ class Client:
         """Every timeline event, oldest first (pages backwards from the end)."""
         out: list[dict] = []
         token = None
-        for _ in range(50):
+        for _ in range(limit // 100 + 10):
             path = f"/_matrix/client/v3/rooms/{q(room_id)}/messages?dir=b&limit=100"
             if token:
                 path += f"&from={q(token)}"
@@ -349,7 +352,8 @@ def test_spindle_user_joins_a_synapse_room_by_alias_and_both_sides_agree(world):
         "preset": "public_chat", "room_alias_name": "syn", "name": "Hosted on Synapse",
         "topic": "a Synapse room",
     })["room_id"]
-    before = [bob.send(room, f"before alice {i}") for i in range(5)]
+    # 100 messages before alice joins (the public_chat preset's visibility: shared).
+    before = [bob.send(room, f"before alice {i}") for i in range(100)]
     alias = f"#syn:{synapse.server_name}"
     joined = alice.call("POST", f"/_matrix/client/v3/join/{q(alias)}", {})
     assert joined["room_id"] == room
@@ -360,10 +364,18 @@ def test_spindle_user_joins_a_synapse_room_by_alias_and_both_sides_agree(world):
     assert alice.membership(room, bob.user_id) == "join"
     members = alice.call("GET", f"/_matrix/client/v3/rooms/{q(room)}/joined_members")["joined"]
     assert sorted(members) == sorted([alice.user_id, bob.user_id])
-    timeline = alice.messages(room)
+    # Paging back past the join backfills the room's history from Synapse, down to
+    # m.room.create: the same events in the same order as Synapse's own timeline.
+    timeline = alice.messages(room, limit=1000)
     join = [e for e in timeline if e["type"] == "m.room.member" and e["state_key"] == alice.user_id]
     assert len(join) == 1
-    assert not set(before) & set(ids(timeline)), "history before the join is not backfilled yet"
+    assert timeline[0]["type"] == "m.room.create"
+    assert [e for e in ids(timeline) if e in set(before)] == before
+    theirs = bob.messages(room, limit=1000)
+    assert [e["event_id"] for e in timeline] == [e["event_id"] for e in theirs]
+    # Backfilled events render like live ones (content and sender as sent).
+    first = next(e for e in timeline if e["event_id"] == before[0])
+    assert (first["sender"], first["content"]["body"]) == (bob.user_id, "before alice 0")
     sent_a = [alice.send(room, f"spindle into synapse's room {i}") for i in range(10)]
     sent_b = [bob.send(room, f"synapse into its own room {i}") for i in range(10)]
     wait_until("alice's messages on Synapse", lambda: set(sent_a) <= set(ids(bob.messages(room))))
@@ -406,6 +418,38 @@ def test_concurrent_sends_from_both_servers_converge(world):
     wait_until("the same current state on both sides", lambda: state_ids(alice, room) == state_ids(bob, room))
     assert [e for e in ids(bob.messages(room)) if e in set(sent["a"])] == sent["a"]
     assert [e for e in ids(alice.messages(room)) if e in set(sent["b"])] == sent["b"]
+    # Then both set the topic at the same moment (bob has the power for it since the
+    # power levels test): a fork on one state slot. State resolution v2 on both sides
+    # picks the same one of the two, with no further event needed.
+    topics: dict[str, str] = {}
+    start_topics = threading.Barrier(2)
+
+    def set_topic(who: str, client: Client):
+        start_topics.wait()
+        topics[who] = client.state(room, "m.room.topic", "", {"topic": f"set by {who} at once"})["event_id"]
+
+    threads = [threading.Thread(target=set_topic, args=("a", alice)), threading.Thread(target=set_topic, args=("b", bob))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(topics) == 2
+
+    def topic_events(client: Client) -> set[str]:
+        return {e["event_id"] for e in client.messages(room) if e["type"] == "m.room.topic"}
+
+    wait_until("both topic events on both sides",
+               lambda: set(topics.values()) <= topic_events(alice) and set(topics.values()) <= topic_events(bob))
+
+    def converged():
+        a = alice.state(room, "m.room.topic", expect=None).get("topic")
+        b = bob.state(room, "m.room.topic", expect=None).get("topic")
+        return a == b and a in {"set by a at once", "set by b at once"} and a
+
+    winner = wait_until("one topic on both sides", converged)
+    # And the whole state agrees, event id for event id.
+    wait_until("the same state after the topic fork", lambda: state_ids(alice, room) == state_ids(bob, room))
+    print(f"concurrent topics: {topics}; both sides chose {winner!r}")
 
 
 def sync_rooms(client: Client, section: str) -> dict:
