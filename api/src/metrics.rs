@@ -48,6 +48,7 @@ pub struct Metrics {
     journal_head: Gauge,
     journal_appended: Gauge,
     journal_fsyncs: Gauge,
+    forks: Family<Labels, Gauge>,
     projection_checkpoint: Family<Labels, Gauge>,
     projection_lag: Family<Labels, Gauge>,
     hashing_queue_depth: Gauge,
@@ -111,6 +112,12 @@ impl Metrics {
             "journal_fsyncs",
             "fsyncs of the journal since start; appended/fsyncs is the mean group-commit batch",
         );
+        let forks = Family::<Labels, Gauge>::default();
+        registry.register(
+            "journal_forks",
+            "Remote events that forked a federated room since start, by how the fork was settled (linear, merged, resolved, failed, beyond_window; a counter)",
+            forks.clone(),
+        );
         let projection_checkpoint = Family::<Labels, Gauge>::default();
         registry.register(
             "projection_checkpoint_position",
@@ -163,6 +170,7 @@ impl Metrics {
             journal_head,
             journal_appended,
             journal_fsyncs,
+            forks,
             projection_checkpoint,
             projection_lag,
             hashing_queue_depth,
@@ -200,6 +208,17 @@ impl Metrics {
             .set(stats.appended.load(Ordering::Relaxed) as i64);
         self.journal_fsyncs
             .set(stats.fsyncs.load(Ordering::Relaxed) as i64);
+        for (case, n) in [
+            ("linear", &stats.forks_linear),
+            ("merged", &stats.forks_merged),
+            ("resolved", &stats.forks_resolved),
+            ("failed", &stats.forks_failed),
+            ("beyond_window", &stats.forks_beyond_window),
+        ] {
+            self.forks
+                .get_or_create(&vec![("case", case.to_owned())])
+                .set(n.load(Ordering::Relaxed) as i64);
+        }
         for p in s.projections.runtime.status() {
             let labels = vec![("projection", p.name.to_owned())];
             self.projection_checkpoint

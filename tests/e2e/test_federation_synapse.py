@@ -226,7 +226,7 @@ class Synapse:
 def servers(spindle_bin, tmp_path_factory):
     root = tmp_path_factory.mktemp("federation")
     cert, key = make_cert(root)
-    sp_fed, sp_client = free_loopback_port(), free_loopback_port()
+    sp_fed, sp_client, sp_metrics = free_loopback_port(), free_loopback_port(), free_loopback_port()
     spindle = SpindleServer(spindle_bin, root / "spindle", sp_client)
     spindle.server_name = f"localhost:{sp_fed}"
     spindle.extra_config = (
@@ -238,7 +238,11 @@ def servers(spindle_bin, tmp_path_factory):
         'ip_range_allowlist = ["127.0.0.0/8", "::1/128"]\n'
         "retry_initial_ms = 200\n"
         "retry_max_ms = 2000\n"
+        "\n[metrics]\n"
+        "enabled = true\n"
+        f'bind = "127.0.0.1:{sp_metrics}"\n'
     )
+    spindle.metrics_url = f"http://127.0.0.1:{sp_metrics}/metrics"
     spindle.write_config()
     _SERVERS.append(spindle)
     (root / "synapse").mkdir()
@@ -449,7 +453,9 @@ def test_concurrent_sends_from_both_servers_converge(world):
     winner = wait_until("one topic on both sides", converged)
     # And the whole state agrees, event id for event id.
     wait_until("the same state after the topic fork", lambda: state_ids(alice, room) == state_ids(bob, room))
-    print(f"concurrent topics: {topics}; both sides chose {winner!r}")
+    with _OPENER.open(world["spindle"].metrics_url, timeout=10) as resp:
+        forks = [l for l in resp.read().decode().splitlines() if l.startswith("spindle_journal_forks")]
+    print(f"concurrent topics: {topics}; both sides chose {winner!r}; on Spindle: {forks}")
 
 
 def sync_rooms(client: Client, section: str) -> dict:
