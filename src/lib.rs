@@ -187,6 +187,15 @@ impl Server {
             config.federation.clone(),
         )
         .map_err(|e| anyhow!("federation: {e}"))?;
+        // `[rate_limits.federation_origin]`: the api crate keeps the limiters; the
+        // federation crate counts each authenticated request against its origin.
+        let limits = state.rate_limits.clone();
+        let fed = fed.with_origin_limit(std::sync::Arc::new(move |origin: &str| {
+            limits
+                .check_federation_origin(origin)
+                .err()
+                .map(|r| r.retry_after_ms)
+        }));
         let fed_routes = if config.federation.enabled {
             spindle_federation::router(fed.clone())
         } else {

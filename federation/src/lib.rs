@@ -22,8 +22,10 @@
 //! Invariant: `federation` never imports `api`; both read projections and submit
 //! commands to the journal.
 
+pub mod acl;
 pub mod auth;
 pub mod client;
+pub mod directory;
 pub mod error;
 pub mod invites;
 pub mod joins;
@@ -32,6 +34,7 @@ pub mod outbound;
 pub mod queries;
 pub mod reads;
 pub mod sender;
+pub mod spaces;
 pub mod transactions;
 
 use std::{path::PathBuf, sync::Arc};
@@ -126,7 +129,15 @@ pub struct FedState {
     pub config: Arc<FederationConfig>,
     /// `/send` responses by (origin, txn id), for retried transactions.
     pub txns: Arc<parking_lot::Mutex<transactions::TxnCache>>,
+    /// The per-origin rate limit of inbound requests (`[rate_limits.federation_origin]`,
+    /// kept by the api crate's limiters): called once per authenticated request with
+    /// the origin; `Some(retry_after_ms)` refuses it with 429 `M_LIMIT_EXCEEDED`.
+    /// `None`: no limit.
+    pub origin_limit: Option<OriginLimit>,
 }
+
+/// See [`FedState::origin_limit`].
+pub type OriginLimit = Arc<dyn Fn(&str) -> Option<u64> + Send + Sync>;
 
 impl FedState {
     /// Builds the state. Errors on bad trust settings (unreadable CA file, bad CIDR).
@@ -150,7 +161,15 @@ impl FedState {
             keys,
             config: Arc::new(config),
             txns: Arc::default(),
+            origin_limit: None,
         })
+    }
+
+    /// The same state with the per-origin rate limit `limit` (see
+    /// [`FedState::origin_limit`]).
+    pub fn with_origin_limit(mut self, limit: OriginLimit) -> FedState {
+        self.origin_limit = Some(limit);
+        self
     }
 
     /// Our server name.
@@ -302,6 +321,14 @@ pub fn router(st: FedState) -> Router {
         .route(
             "/_matrix/federation/v1/get_missing_events/{room_id}",
             post(reads::get_missing_events),
+        )
+        .route(
+            "/_matrix/federation/v1/publicRooms",
+            get(directory::public_rooms_get).post(directory::public_rooms_post),
+        )
+        .route(
+            "/_matrix/federation/v1/hierarchy/{room_id}",
+            get(spaces::hierarchy),
         );
     if !well_known.is_empty() {
         r = r.route(
@@ -310,7 +337,9 @@ pub fn router(st: FedState) -> Router {
         );
     }
     // Unknown paths fall through to the Client-Server router's `M_UNRECOGNIZED`.
-    r.route_layer(axum::middleware::from_fn_with_state(
+    // Layers run outside-in: the ACL guard sees the projections caught up.
+    r.route_layer(axum::middleware::from_fn_with_state(st.clone(), acl::guard))
+    .route_layer(axum::middleware::from_fn_with_state(
         st.clone(),
         read_your_writes,
     ))

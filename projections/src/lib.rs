@@ -28,6 +28,7 @@
 pub mod accounts;
 pub mod audit;
 pub mod device_keys;
+pub mod discovery;
 pub mod directory;
 pub mod key_backup;
 pub mod media;
