@@ -58,7 +58,9 @@ fn free_port() -> u16 {
 fn make_cert(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
     let (cert, key) = (dir.join("tls.crt"), dir.join("tls.key"));
     let status = std::process::Command::new("openssl")
-        .args(["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2"])
+        .args([
+            "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+        ])
         .arg("-keyout")
         .arg(&key)
         .arg("-out")
@@ -248,13 +250,22 @@ async fn public_rooms_are_served_over_federation_with_filters_and_pages() {
     n.pin(&remote);
     let alice = n.register("alice").await;
     let general = n
-        .create_room(&alice, json!({ "preset": "public_chat", "name": "General chat" }))
+        .create_room(
+            &alice,
+            json!({ "preset": "public_chat", "name": "General chat" }),
+        )
         .await;
     let rust = n
-        .create_room(&alice, json!({ "preset": "public_chat", "name": "Rust corner", "topic": "crabs" }))
+        .create_room(
+            &alice,
+            json!({ "preset": "public_chat", "name": "Rust corner", "topic": "crabs" }),
+        )
         .await;
     let hidden = n
-        .create_room(&alice, json!({ "preset": "public_chat", "name": "Unlisted" }))
+        .create_room(
+            &alice,
+            json!({ "preset": "public_chat", "name": "Unlisted" }),
+        )
         .await;
     n.publish(&alice, &general).await;
     n.publish(&alice, &rust).await;
@@ -262,7 +273,12 @@ async fn public_rooms_are_served_over_federation_with_filters_and_pages() {
     listed.sort();
     // GET: both published rooms (same size: by room id), not the unlisted one.
     let (status, v) = n
-        .fed(&remote, reqwest::Method::GET, "/_matrix/federation/v1/publicRooms", None)
+        .fed(
+            &remote,
+            reqwest::Method::GET,
+            "/_matrix/federation/v1/publicRooms",
+            None,
+        )
         .await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(room_ids(&v["chunk"]), listed);
@@ -281,7 +297,12 @@ async fn public_rooms_are_served_over_federation_with_filters_and_pages() {
     assert_eq!(rust_chunk["join_rule"], "public");
     // Pages of one.
     let (status, v) = n
-        .fed(&remote, reqwest::Method::GET, "/_matrix/federation/v1/publicRooms?limit=1", None)
+        .fed(
+            &remote,
+            reqwest::Method::GET,
+            "/_matrix/federation/v1/publicRooms?limit=1",
+            None,
+        )
         .await;
     assert_eq!(status, 200);
     assert_eq!(room_ids(&v["chunk"]), vec![listed[0].clone()]);
@@ -310,9 +331,17 @@ async fn public_rooms_are_served_over_federation_with_filters_and_pages() {
     assert_eq!(room_ids(&v["chunk"]), vec![rust.clone()]);
     // Bad input: Matrix errors, never a 500.
     let (status, v) = n
-        .fed(&remote, reqwest::Method::GET, "/_matrix/federation/v1/publicRooms?since=zz", None)
+        .fed(
+            &remote,
+            reqwest::Method::GET,
+            "/_matrix/federation/v1/publicRooms?since=zz",
+            None,
+        )
         .await;
-    assert_eq!((status, v["errcode"].as_str()), (400, Some("M_INVALID_PARAM")));
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (400, Some("M_INVALID_PARAM"))
+    );
     let (status, v) = n
         .fed(
             &remote,
@@ -324,9 +353,17 @@ async fn public_rooms_are_served_over_federation_with_filters_and_pages() {
     assert_eq!((status, v["errcode"].as_str()), (400, Some("M_BAD_JSON")));
     // Unsigned: 401.
     let (status, v) = n
-        .client(reqwest::Method::GET, "/_matrix/federation/v1/publicRooms", None, None)
+        .client(
+            reqwest::Method::GET,
+            "/_matrix/federation/v1/publicRooms",
+            None,
+            None,
+        )
         .await;
-    assert_eq!((status, v["errcode"].as_str()), (401, Some("M_UNAUTHORIZED")));
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (401, Some("M_UNAUTHORIZED"))
+    );
 }
 
 #[tokio::test]
@@ -345,7 +382,10 @@ async fn the_hierarchy_shows_a_server_only_the_rooms_it_may_preview() {
         .create_room(&alice, json!({ "preset": "public_chat", "name": "Lobby" }))
         .await;
     let secret = n
-        .create_room(&alice, json!({ "preset": "private_chat", "name": "Secret" }))
+        .create_room(
+            &alice,
+            json!({ "preset": "private_chat", "name": "Secret" }),
+        )
         .await;
     let private_space = n
         .create_room(&alice, json!({ "preset": "private_chat" }))
@@ -358,8 +398,14 @@ async fn the_hierarchy_shows_a_server_only_the_rooms_it_may_preview() {
         json!({ "via": [OURS], "suggested": true }),
     )
     .await;
-    n.put_state(&alice, &space, "m.space.child", &secret, json!({ "via": [OURS] }))
-        .await;
+    n.put_state(
+        &alice,
+        &space,
+        "m.space.child",
+        &secret,
+        json!({ "via": [OURS] }),
+    )
+    .await;
     // A child this server knows nothing of is left out; a child without via does not count.
     n.put_state(
         &alice,
@@ -393,7 +439,12 @@ async fn the_hierarchy_shows_a_server_only_the_rooms_it_may_preview() {
     assert_eq!(v["inaccessible_children"], json!([secret]));
     // suggested_only: only the lobby's child event.
     let (status, v) = n
-        .fed(&remote, reqwest::Method::GET, &format!("{path}?suggested_only=true"), None)
+        .fed(
+            &remote,
+            reqwest::Method::GET,
+            &format!("{path}?suggested_only=true"),
+            None,
+        )
         .await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["room"]["children_state"].as_array().unwrap().len(), 1);
@@ -401,9 +452,17 @@ async fn the_hierarchy_shows_a_server_only_the_rooms_it_may_preview() {
     assert_eq!(room_ids(&v["children"]), vec![lobby.clone()]);
     assert_eq!(v["inaccessible_children"], json!([]));
     let (status, v) = n
-        .fed(&remote, reqwest::Method::GET, &format!("{path}?suggested_only=maybe"), None)
+        .fed(
+            &remote,
+            reqwest::Method::GET,
+            &format!("{path}?suggested_only=maybe"),
+            None,
+        )
         .await;
-    assert_eq!((status, v["errcode"].as_str()), (400, Some("M_INVALID_PARAM")));
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (400, Some("M_INVALID_PARAM"))
+    );
     // A private room, and one that does not exist: 404 alike.
     for room in [secret.as_str(), "!nope:localhost:8008"] {
         let (status, v) = n
@@ -414,7 +473,11 @@ async fn the_hierarchy_shows_a_server_only_the_rooms_it_may_preview() {
                 None,
             )
             .await;
-        assert_eq!((status, v["errcode"].as_str()), (404, Some("M_NOT_FOUND")), "{room}");
+        assert_eq!(
+            (status, v["errcode"].as_str()),
+            (404, Some("M_NOT_FOUND")),
+            "{room}"
+        );
     }
 }
 
@@ -461,7 +524,11 @@ async fn a_server_denied_by_the_room_acl_is_refused_reads_and_pdus() {
     for (method, path, body) in [
         (reqwest::Method::GET, make_join.clone(), None),
         (reqwest::Method::GET, hierarchy.clone(), None),
-        (reqwest::Method::GET, format!("/_matrix/federation/v1/event/{e}"), None),
+        (
+            reqwest::Method::GET,
+            format!("/_matrix/federation/v1/event/{e}"),
+            None,
+        ),
         (
             reqwest::Method::GET,
             format!("/_matrix/federation/v1/state_ids/{r}?event_id={e}"),
@@ -474,7 +541,10 @@ async fn a_server_denied_by_the_room_acl_is_refused_reads_and_pdus() {
         ),
         (
             reqwest::Method::GET,
-            format!("/_matrix/federation/v1/make_leave/{r}/{}", enc("@bob:remote.test")),
+            format!(
+                "/_matrix/federation/v1/make_leave/{r}/{}",
+                enc("@bob:remote.test")
+            ),
             None,
         ),
         (
@@ -545,7 +615,11 @@ async fn inbound_requests_are_rate_limited_per_authenticated_origin() {
         assert_eq!(status, 200, "{v}");
     }
     let (status, v) = n.fed(&remote, reqwest::Method::GET, path, None).await;
-    assert_eq!((status, v["errcode"].as_str()), (429, Some("M_LIMIT_EXCEEDED")), "{v}");
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (429, Some("M_LIMIT_EXCEEDED")),
+        "{v}"
+    );
     assert!(v["retry_after_ms"].as_u64().unwrap() > 0);
     // Requests that fail authentication, even naming the same origin, are not counted
     // against another origin; a second origin has its own allowance.
@@ -567,7 +641,10 @@ async fn public_rooms_of_another_server_are_asked_of_it() {
     let alice = a.register("alice").await;
     let bob = b.register("bob").await;
     let room = b
-        .create_room(&bob, json!({ "preset": "public_chat", "name": "Bob's lounge", "topic": "tea" }))
+        .create_room(
+            &bob,
+            json!({ "preset": "public_chat", "name": "Bob's lounge", "topic": "tea" }),
+        )
         .await;
     b.publish(&bob, &room).await;
     let other = b
@@ -609,5 +686,9 @@ async fn public_rooms_of_another_server_are_asked_of_it() {
             None,
         )
         .await;
-    assert_eq!((status, v["errcode"].as_str()), (502, Some("M_UNKNOWN")), "{v}");
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (502, Some("M_UNKNOWN")),
+        "{v}"
+    );
 }

@@ -19,10 +19,10 @@ use crate::{
     extract::{JsonObject, Query, Requester, opt_str},
 };
 
+use spindle_projections::discovery;
 pub use spindle_projections::discovery::{
     PUBLIC_ROOMS_DEFAULT_LIMIT, PUBLIC_ROOMS_MAX_LIMIT, PUBLISHED_ROOMS_MAX,
 };
-use spindle_projections::discovery;
 /// Default and largest `limit` of `/user_directory/search`.
 pub const USER_SEARCH_DEFAULT_LIMIT: usize = 10;
 /// Largest `limit` of `/user_directory/search`.

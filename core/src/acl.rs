@@ -144,10 +144,19 @@ mod tests {
         assert!(!server_allowed(Some(&acl), "[::1]:8448"));
         // IP literals are allowed unless `allow_ip_literals` is false.
         assert!(server_allowed(Some(&json!({ "allow": ["*"] })), "1.2.3.4"));
-        assert!(server_allowed(Some(&json!({ "allow": ["*"], "allow_ip_literals": "no" })), "[::1]"));
+        assert!(server_allowed(
+            Some(&json!({ "allow": ["*"], "allow_ip_literals": "no" })),
+            "[::1]"
+        ));
         // No allow list: nobody, not even the sender's server.
         assert!(!server_allowed(Some(&json!({ "deny": [] })), "good.org"));
-        assert!(server_allowed(Some(&json!({ "allow": ["GOOD.org"] })), "good.org:443"));
-        assert!(!server_allowed(Some(&json!({ "allow": ["good.org"] })), "other.org"));
+        assert!(server_allowed(
+            Some(&json!({ "allow": ["GOOD.org"] })),
+            "good.org:443"
+        ));
+        assert!(!server_allowed(
+            Some(&json!({ "allow": ["good.org"] })),
+            "other.org"
+        ));
     }
 }

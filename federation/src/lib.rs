@@ -30,6 +30,7 @@ pub mod error;
 pub mod invites;
 pub mod joins;
 pub mod keys;
+pub mod media;
 pub mod outbound;
 pub mod queries;
 pub mod reads;
@@ -339,13 +340,13 @@ pub fn router(st: FedState) -> Router {
     // Unknown paths fall through to the Client-Server router's `M_UNRECOGNIZED`.
     // Layers run outside-in: the ACL guard sees the projections caught up.
     r.route_layer(axum::middleware::from_fn_with_state(st.clone(), acl::guard))
-    .route_layer(axum::middleware::from_fn_with_state(
-        st.clone(),
-        read_your_writes,
-    ))
-    .with_state(st.clone())
-    .layer(axum::extract::DefaultBodyLimit::max(
-        auth::MAX_FEDERATION_BODY_BYTES,
-    ))
-    .merge(key_routes(st))
+        .route_layer(axum::middleware::from_fn_with_state(
+            st.clone(),
+            read_your_writes,
+        ))
+        .with_state(st.clone())
+        .layer(axum::extract::DefaultBodyLimit::max(
+            auth::MAX_FEDERATION_BODY_BYTES,
+        ))
+        .merge(key_routes(st))
 }

@@ -54,7 +54,9 @@ pub fn multipart_mixed(media: &MediaPart) -> (String, Vec<u8>) {
     body.extend_from_slice(
         format!("--{boundary}\r\nContent-Type: application/json\r\n\r\n{{}}\r\n").as_bytes(),
     );
-    body.extend_from_slice(format!("--{boundary}\r\nContent-Type: {}\r\n", media.content_type).as_bytes());
+    body.extend_from_slice(
+        format!("--{boundary}\r\nContent-Type: {}\r\n", media.content_type).as_bytes(),
+    );
     if let Some(d) = &media.content_disposition {
         body.extend_from_slice(format!("Content-Disposition: {d}\r\n").as_bytes());
     }
@@ -115,7 +117,9 @@ pub fn parse_multipart(content_type: &str, body: &[u8]) -> Option<Vec<Part>> {
         }
         let next = find(body, format!("\r\n{delim}").as_bytes(), pos)
             .map(|i| (i, i + 2 + delim.len()))
-            .or_else(|| find(body, format!("\n{delim}").as_bytes(), pos).map(|i| (i, i + 1 + delim.len())))?;
+            .or_else(|| {
+                find(body, format!("\n{delim}").as_bytes(), pos).map(|i| (i, i + 1 + delim.len()))
+            })?;
         let part = &body[pos..next.0];
         let (head, content) = match find(part, b"\r\n\r\n", 0) {
             Some(i) => (&part[..i], &part[i + 4..]),
@@ -144,7 +148,10 @@ fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
         .map(|(_, v)| v.as_str())
 }
 
-fn reqwest_header(h: &reqwest::header::HeaderMap, name: reqwest::header::HeaderName) -> Option<String> {
+fn reqwest_header(
+    h: &reqwest::header::HeaderMap,
+    name: reqwest::header::HeaderName,
+) -> Option<String> {
     h.get(name).and_then(|v| v.to_str().ok()).map(str::to_owned)
 }
 
@@ -185,12 +192,16 @@ pub async fn fetch_remote_media(
         .await;
     let (headers, body) = match answer {
         Ok(a) => a,
-        Err(e) if unrecognized(&e) => return fetch_legacy(st, server, media_id, thumbnail, max_bytes).await,
+        Err(e) if unrecognized(&e) => {
+            return fetch_legacy(st, server, media_id, thumbnail, max_bytes).await;
+        }
         Err(e) => return Err(fetch_error(e)),
     };
     let content_type = reqwest_header(&headers, reqwest::header::CONTENT_TYPE).unwrap_or_default();
     let parts = parse_multipart(&content_type, &body).ok_or_else(|| {
-        MediaFetchError::Failed(format!("{server} answered media that is not multipart/mixed"))
+        MediaFetchError::Failed(format!(
+            "{server} answered media that is not multipart/mixed"
+        ))
     })?;
     let [_, (part_headers, bytes)] = <[Part; 2]>::try_from(parts).map_err(|p| {
         MediaFetchError::Failed(format!("{server} answered {} parts, not 2", p.len()))
@@ -269,7 +280,10 @@ mod tests {
         let parts = parse_multipart(&ct, &body).unwrap();
         assert_eq!(parts.len(), 2);
         assert_eq!(parts[0].1, b"{}");
-        assert_eq!(header(&parts[0].0, "content-type"), Some("application/json"));
+        assert_eq!(
+            header(&parts[0].0, "content-type"),
+            Some("application/json")
+        );
         assert_eq!(header(&parts[1].0, "content-type"), Some("image/png"));
         assert_eq!(
             header(&parts[1].0, "content-disposition"),
@@ -283,7 +297,10 @@ mod tests {
             body,
         )
         .unwrap();
-        assert_eq!(header(&parts[1].0, "location"), Some("https://cdn.example.org/a"));
+        assert_eq!(
+            header(&parts[1].0, "location"),
+            Some("https://cdn.example.org/a")
+        );
         assert_eq!(parts[1].1, b"");
         assert!(parse_multipart("application/json", body).is_none());
         assert!(parse_multipart("multipart/mixed; boundary=x", b"garbage").is_none());

@@ -180,10 +180,7 @@ pub fn public_rooms(p: &Projections, q: &PublicRoomsQuery) -> Value {
 
 /// Parses the `filter` object of `POST /publicRooms` into `q` (`generic_search_term`,
 /// `room_types`). `Err` is a message for 400 `M_BAD_JSON`.
-pub fn parse_filter(
-    filter: Option<&Value>,
-    q: &mut PublicRoomsQuery,
-) -> Result<(), &'static str> {
+pub fn parse_filter(filter: Option<&Value>, q: &mut PublicRoomsQuery) -> Result<(), &'static str> {
     let filter = match filter {
         None | Some(Value::Null) => return Ok(()),
         Some(Value::Object(f)) => f,
@@ -224,7 +221,11 @@ fn child_order(content: &Value) -> Option<String> {
 /// `(child room id, stripped event with origin_server_ts)`. With `suggested_only`,
 /// only children whose content has `suggested: true`. One scan of the room's
 /// `m.space.child` entries.
-pub fn space_children(p: &Projections, room_id: &str, suggested_only: bool) -> Vec<(String, Value)> {
+pub fn space_children(
+    p: &Projections,
+    room_id: &str,
+    suggested_only: bool,
+) -> Vec<(String, Value)> {
     let Some(root) = p.state.current_root(room_id) else {
         return vec![];
     };
@@ -272,11 +273,7 @@ pub fn space_children(p: &Projections, room_id: &str, suggested_only: bool) -> V
 /// `allow` list names. Membership of the asker is the caller's part of the rule (a
 /// user's own membership on the Client-Server side, a server's joined members on the
 /// Server-Server side).
-pub fn previewable(
-    p: &Projections,
-    room_id: &str,
-    in_allowed_room: impl Fn(&str) -> bool,
-) -> bool {
+pub fn previewable(p: &Projections, room_id: &str, in_allowed_room: impl Fn(&str) -> bool) -> bool {
     if current_state_content(p, room_id, "m.room.history_visibility", "")
         .and_then(|c| c.get("history_visibility").cloned())
         == Some(json!("world_readable"))

@@ -28,8 +28,8 @@
 pub mod accounts;
 pub mod audit;
 pub mod device_keys;
-pub mod discovery;
 pub mod directory;
+pub mod discovery;
 pub mod key_backup;
 pub mod media;
 pub mod membership;
