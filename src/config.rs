@@ -433,6 +433,10 @@ pub struct Media {
     /// Serve the legacy unauthenticated `/_matrix/media/v3` download and thumbnail
     /// endpoints (the spec lets servers freeze them).
     pub legacy_unauthenticated: bool,
+    /// Bytes of media fetched from other servers kept in memory (files and
+    /// thumbnails; oldest evicted first; `0`: nothing is cached). One remote file may
+    /// be at most `max_upload_bytes` (larger: 502 `M_TOO_LARGE`).
+    pub remote_cache_bytes: usize,
 }
 
 impl Default for Media {
@@ -442,6 +446,7 @@ impl Default for Media {
             url_preview: false,
             url_preview_allow_private: false,
             legacy_unauthenticated: true,
+            remote_cache_bytes: 64 * 1024 * 1024,
         }
     }
 }
@@ -747,7 +752,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 108);
+        assert_eq!(want.len(), 109);
     }
 
     #[test]

@@ -158,6 +158,7 @@ impl Server {
                 url_preview: config.media.url_preview,
                 url_preview_allow_private: config.media.url_preview_allow_private,
                 legacy_unauthenticated: config.media.legacy_unauthenticated,
+                remote_cache_bytes: config.media.remote_cache_bytes,
             },
             voip: spindle_api::voip::VoipConfig {
                 turn_uris: config.voip.turn_uris.clone(),

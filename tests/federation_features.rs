@@ -692,3 +692,196 @@ async fn public_rooms_of_another_server_are_asked_of_it() {
         "{v}"
     );
 }
+
+fn png() -> Vec<u8> {
+    let img = image::RgbImage::from_fn(64, 48, |x, y| {
+        image::Rgb([(x * 4) as u8, (y * 5) as u8, 128])
+    });
+    let mut out = std::io::Cursor::new(Vec::new());
+    img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+    out.into_inner()
+}
+
+impl Node {
+    async fn upload(&self, token: &str, bytes: Vec<u8>, content_type: &str, name: &str) -> String {
+        let resp = self
+            .http
+            .post(format!(
+                "{}/_matrix/media/v3/upload?filename={}",
+                self.base,
+                enc(name)
+            ))
+            .bearer_auth(token)
+            .header("content-type", content_type)
+            .body(bytes)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        let v: Value = resp.json().await.unwrap();
+        let uri = v["content_uri"].as_str().unwrap();
+        uri.rsplit('/').next().unwrap().to_owned()
+    }
+
+    /// A raw GET with a token: (status, headers, body bytes).
+    async fn get_raw(&self, path: &str, token: &str) -> (u16, reqwest::header::HeaderMap, Vec<u8>) {
+        let resp = self
+            .http
+            .get(format!("{}{}", self.base, path))
+            .bearer_auth(token)
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        (status, headers, resp.bytes().await.unwrap().to_vec())
+    }
+}
+
+#[tokio::test]
+async fn remote_media_is_fetched_over_federation_as_multipart_and_cached() {
+    let a = Node::federating(|c| c.media.max_upload_bytes = 200_000).await;
+    let b = Node::federating(|_| {}).await;
+    let alice = a.register("alice").await;
+    let bob = b.register("bob").await;
+    let text = b"hello from the other server".to_vec();
+    let doc = b
+        .upload(&bob, text.clone(), "text/plain", "note ü.txt")
+        .await;
+    let picture = b.upload(&bob, png(), "image/png", "pic.png").await;
+    // Served to another server as multipart/mixed: a JSON part, then the media.
+    let remote = ServerKey::generate(REMOTE);
+    b.pin(&remote);
+    let path = format!("/_matrix/federation/v1/media/download/{doc}");
+    let auth = x_matrix(&remote, "GET", &path, &b.name, None);
+    let resp = b
+        .http
+        .get(format!("{}{path}", b.base))
+        .header("Authorization", auth)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let ct = resp.headers()["content-type"].to_str().unwrap().to_owned();
+    let body = resp.bytes().await.unwrap();
+    let parts = spindle_federation::media::parse_multipart(&ct, &body).unwrap();
+    assert_eq!(parts.len(), 2);
+    assert_eq!(parts[0].1, b"{}");
+    assert_eq!(parts[1].1, text);
+    // Unsigned, and unknown media: Matrix errors.
+    let (status, v) = b.client(reqwest::Method::GET, &path, None, None).await;
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (401, Some("M_UNAUTHORIZED"))
+    );
+    let (status, v) = b
+        .fed(
+            &remote,
+            reqwest::Method::GET,
+            "/_matrix/federation/v1/media/download/nope",
+            None,
+        )
+        .await;
+    assert_eq!((status, v["errcode"].as_str()), (404, Some("M_NOT_FOUND")));
+    // A user of A downloads B's media through A: same bytes, B's file name.
+    let url = format!("/_matrix/client/v1/media/download/{}/{doc}", enc(&b.name));
+    let (status, headers, got) = a.get_raw(&url, &alice).await;
+    assert_eq!(status, 200);
+    assert_eq!(got, text);
+    assert_eq!(headers["content-type"], "text/plain");
+    assert_eq!(
+        headers["content-disposition"],
+        "inline; filename=\"note _.txt\"; filename*=utf-8''note%20%C3%BC.txt"
+    );
+    assert_eq!(a.server.state.remote_media.len(), 1);
+    // The second download is served from A's cache: B is not asked (it is gone).
+    let (status, _, again) = {
+        let b_name = b.name.clone();
+        drop(b);
+        let r = a.get_raw(&url, &alice).await;
+        // Thumbnails and other files of the stopped server are no longer reachable.
+        let (status, _, _) = a
+            .get_raw(
+                &format!(
+                    "/_matrix/client/v1/media/download/{}/{picture}",
+                    enc(&b_name)
+                ),
+                &alice,
+            )
+            .await;
+        assert_eq!(status, 502);
+        r
+    };
+    assert_eq!((status, again), (200, text));
+}
+
+#[tokio::test]
+async fn remote_thumbnails_and_the_spec_errors_for_remote_media() {
+    let a = Node::federating(|c| c.media.max_upload_bytes = 200_000).await;
+    let b = Node::federating(|_| {}).await;
+    let alice = a.register("alice").await;
+    let bob = b.register("bob").await;
+    let picture = b.upload(&bob, png(), "image/png", "pic.png").await;
+    let big = b
+        .upload(
+            &bob,
+            vec![7u8; 300_000],
+            "application/octet-stream",
+            "big.bin",
+        )
+        .await;
+    let server = enc(&b.name);
+    let (status, headers, thumb) = a
+        .get_raw(
+            &format!("/_matrix/client/v1/media/thumbnail/{server}/{picture}?width=16&height=16&method=scale"),
+            &alice,
+        )
+        .await;
+    assert_eq!(status, 200);
+    assert_eq!(headers["content-type"], "image/png");
+    let img = image::load_from_memory(&thumb).unwrap();
+    assert_eq!((img.width(), img.height()), (16, 12));
+    // Larger than A's limit: 502 M_TOO_LARGE; unknown on B: 404 M_NOT_FOUND.
+    let (status, v) = a
+        .client(
+            reqwest::Method::GET,
+            &format!("/_matrix/client/v1/media/download/{server}/{big}"),
+            Some(&alice),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (502, Some("M_TOO_LARGE")),
+        "{v}"
+    );
+    let (status, v) = a
+        .client(
+            reqwest::Method::GET,
+            &format!("/_matrix/client/v1/media/download/{server}/doesNotExist"),
+            Some(&alice),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (404, Some("M_NOT_FOUND")),
+        "{v}"
+    );
+    // The legacy endpoint with allow_remote=false never asks another server.
+    let (status, v) = a
+        .client(
+            reqwest::Method::GET,
+            &format!("/_matrix/media/v3/download/{server}/{picture}?allow_remote=false"),
+            None,
+            None,
+        )
+        .await;
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (404, Some("M_NOT_FOUND")),
+        "{v}"
+    );
+    // The thumbnail and nothing else is cached (the failures are not).
+    assert_eq!(a.server.state.remote_media.len(), 1);
+}

@@ -27,6 +27,7 @@ pub mod push;
 pub mod ratelimit;
 pub mod read;
 pub mod relations;
+pub mod remote_media;
 pub mod reports;
 pub mod rooms;
 pub mod search;
@@ -113,6 +114,8 @@ pub struct MediaConfig {
     /// Serve the legacy unauthenticated `/_matrix/media/v3` download, thumbnail,
     /// config and preview endpoints.
     pub legacy_unauthenticated: bool,
+    /// Bytes of remote media kept in memory ([`remote_media::RemoteMediaCache`]).
+    pub remote_cache_bytes: usize,
 }
 
 /// Everything a handler needs.
@@ -141,6 +144,8 @@ pub struct AppState {
     pub presence: presence::Presence,
     /// Media blobs (content-addressed files).
     pub blobs: Arc<spindle_journal::blobs::BlobStore>,
+    /// Media fetched from other servers, in memory (bounded).
+    pub remote_media: Arc<remote_media::RemoteMediaCache>,
     /// Federation (remote joins, aliases, profiles); `None` when it is disabled.
     pub federation: Option<spindle_federation::FedState>,
     /// The bounded password-hashing pool (every argon2 hash and check runs there).
@@ -184,6 +189,9 @@ impl AppState {
             metrics: Arc::new(metrics::Metrics::new()),
             rate_limits,
             hashing,
+            remote_media: Arc::new(remote_media::RemoteMediaCache::new(
+                config.media.remote_cache_bytes,
+            )),
             blobs,
             journal,
             projections,
