@@ -10,7 +10,7 @@
 //! `openssl` command.
 
 use serde_json::{Value, json};
-use spindle_core::keys::ServerKey;
+use spindle_core::{keys::ServerKey, pdu::Pdu};
 
 const REMOTE: &str = "remote.test";
 const OURS: &str = "localhost:8008";
@@ -884,4 +884,273 @@ async fn remote_thumbnails_and_the_spec_errors_for_remote_media() {
     );
     // The thumbnail and nothing else is cached (the failures are not).
     assert_eq!(a.server.state.remote_media.len(), 1);
+}
+
+#[tokio::test]
+async fn knocks_go_through_make_knock_and_send_knock_both_ways() {
+    let a = Node::federating(|_| {}).await;
+    let b = Node::federating(|_| {}).await;
+    let alice = a.register("alice").await;
+    let bob = b.register("bob").await;
+    let room = b
+        .create_room(
+            &bob,
+            json!({ "preset": "private_chat", "name": "Knock here" }),
+        )
+        .await;
+    b.put_state(
+        &bob,
+        &room,
+        "m.room.join_rules",
+        "",
+        json!({ "join_rule": "knock" }),
+    )
+    .await;
+    let alice_id = format!("@alice:{}", a.name);
+    let (status, v) = a
+        .client(
+            reqwest::Method::POST,
+            &format!(
+                "/_matrix/client/v3/knock/{}?via={}",
+                enc(&room),
+                enc(&b.name)
+            ),
+            Some(&alice),
+            Some(json!({ "reason": "let me in" })),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["room_id"], room.as_str());
+    // The resident server appended the knock through its journal.
+    let head = b.server.journal.durable_head();
+    assert!(
+        b.server
+            .projections
+            .runtime
+            .wait_for(head, std::time::Duration::from_secs(10))
+            .await
+    );
+    let m = b
+        .server
+        .projections
+        .membership
+        .get(&room, &alice_id)
+        .unwrap();
+    assert_eq!(m.membership, "knock");
+    let knock = b.server.projections.timeline.event(&m.event_id).unwrap();
+    assert_eq!(knock.pdu.content_value()["reason"], "let me in");
+    // The knocker's server lists the room under rooms.knock with the remote state.
+    let (status, v) = a
+        .client(
+            reqwest::Method::GET,
+            "/_matrix/client/v3/sync",
+            Some(&alice),
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let events = v["rooms"]["knock"][&room]["knock_state"]["events"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no knock in {v}"));
+    let name = events.iter().find(|e| e["type"] == "m.room.name").unwrap();
+    assert_eq!(name["content"]["name"], "Knock here");
+    assert!(events.iter().any(|e| e["type"] == "m.room.create"));
+    let own = events.last().unwrap();
+    assert_eq!(
+        (own["type"].as_str(), own["state_key"].as_str()),
+        (Some("m.room.member"), Some(alice_id.as_str()))
+    );
+    assert_eq!(own["content"]["membership"], "knock");
+    // Knocking on a room whose join rule does not take knocks: the remote's 403.
+    let open = b
+        .create_room(&bob, json!({ "preset": "public_chat" }))
+        .await;
+    let (status, v) = a
+        .client(
+            reqwest::Method::POST,
+            &format!(
+                "/_matrix/client/v3/knock/{}?via={}",
+                enc(&open),
+                enc(&b.name)
+            ),
+            Some(&alice),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (403, Some("M_FORBIDDEN")),
+        "{v}"
+    );
+}
+
+#[tokio::test]
+async fn make_knock_and_send_knock_refuse_what_the_spec_refuses() {
+    let n = Node::plain(|_| {}).await;
+    let remote = ServerKey::generate(REMOTE);
+    n.pin(&remote);
+    let alice = n.register("alice").await;
+    let knockable = n
+        .create_room(&alice, json!({ "preset": "private_chat" }))
+        .await;
+    n.put_state(
+        &alice,
+        &knockable,
+        "m.room.join_rules",
+        "",
+        json!({ "join_rule": "knock" }),
+    )
+    .await;
+    let public = n
+        .create_room(&alice, json!({ "preset": "public_chat" }))
+        .await;
+    let old = n
+        .create_room(
+            &alice,
+            json!({ "preset": "private_chat", "room_version": "6" }),
+        )
+        .await;
+    let bob = "@bob:remote.test";
+    let mk = |room: &str, vers: &str| {
+        format!(
+            "/_matrix/federation/v1/make_knock/{}/{}?{vers}",
+            enc(room),
+            enc(bob)
+        )
+    };
+    let (status, v) = n
+        .fed(
+            &remote,
+            reqwest::Method::GET,
+            &mk(&knockable, "ver=10&ver=11"),
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["room_version"], "10");
+    assert_eq!(v["event"]["content"]["membership"], "knock");
+    assert_eq!(v["event"]["state_key"], bob);
+    let (status, v) = n
+        .fed(
+            &remote,
+            reqwest::Method::GET,
+            &mk(&knockable, "ver=11"),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (status, v["errcode"].as_str(), v["room_version"].as_str()),
+        (400, Some("M_INCOMPATIBLE_ROOM_VERSION"), Some("10"))
+    );
+    let (status, v) = n
+        .fed(
+            &remote,
+            reqwest::Method::GET,
+            &mk(&old, "ver=6&ver=10"),
+            None,
+        )
+        .await;
+    assert_eq!(
+        (status, v["errcode"].as_str(), v["room_version"].as_str()),
+        (400, Some("M_INCOMPATIBLE_ROOM_VERSION"), Some("6"))
+    );
+    let (status, v) = n
+        .fed(&remote, reqwest::Method::GET, &mk(&public, "ver=10"), None)
+        .await;
+    assert_eq!((status, v["errcode"].as_str()), (403, Some("M_FORBIDDEN")));
+    let (status, v) = n
+        .fed(
+            &remote,
+            reqwest::Method::GET,
+            &mk("!nope:localhost:8008", "ver=10"),
+            None,
+        )
+        .await;
+    assert_eq!((status, v["errcode"].as_str()), (404, Some("M_NOT_FOUND")));
+    // Someone else's user: 403.
+    let (status, v) = n
+        .fed(
+            &remote,
+            reqwest::Method::GET,
+            &format!(
+                "/_matrix/federation/v1/make_knock/{}/{}?ver=10",
+                enc(&knockable),
+                enc("@x:elsewhere.test")
+            ),
+            None,
+        )
+        .await;
+    assert_eq!((status, v["errcode"].as_str()), (403, Some("M_FORBIDDEN")));
+    // send_knock: a signed knock is appended and answered with the room's state.
+    let (_, made) = n
+        .fed(
+            &remote,
+            reqwest::Method::GET,
+            &mk(&knockable, "ver=10"),
+            None,
+        )
+        .await;
+    let pdu = Pdu::sign_template(made["event"].clone(), "10", &remote, 1_700_000_000_000).unwrap();
+    let path = format!(
+        "/_matrix/federation/v1/send_knock/{}/{}",
+        enc(&knockable),
+        enc(pdu.event_id.as_str())
+    );
+    let (status, v) = n
+        .fed(
+            &remote,
+            reqwest::Method::PUT,
+            &path,
+            Some(pdu.federation_json()),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let types: Vec<&str> = v["knock_room_state"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(types, vec!["m.room.create", "m.room.join_rules"]);
+    assert!(v["knock_room_state"][0]["signatures"].is_object());
+    assert_eq!(
+        n.server
+            .projections
+            .membership
+            .get(&knockable, bob)
+            .unwrap()
+            .membership,
+        "knock"
+    );
+    // A join sent to send_knock is not a knock.
+    let (_, made) = n
+        .fed(
+            &remote,
+            reqwest::Method::GET,
+            &format!(
+                "/_matrix/federation/v1/make_join/{}/{}?ver=10",
+                enc(&public),
+                enc("@carol:remote.test")
+            ),
+            None,
+        )
+        .await;
+    let join = Pdu::sign_template(made["event"].clone(), "10", &remote, 1_700_000_000_000).unwrap();
+    let (status, v) = n
+        .fed(
+            &remote,
+            reqwest::Method::PUT,
+            &format!(
+                "/_matrix/federation/v1/send_knock/{}/{}",
+                enc(&public),
+                enc(join.event_id.as_str())
+            ),
+            Some(join.federation_json()),
+        )
+        .await;
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (400, Some("M_BAD_JSON")),
+        "{v}"
+    );
 }

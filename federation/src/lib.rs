@@ -30,6 +30,7 @@ pub mod error;
 pub mod invites;
 pub mod joins;
 pub mod keys;
+pub mod knocks;
 pub mod media;
 pub mod outbound;
 pub mod queries;
@@ -322,6 +323,14 @@ pub fn router(st: FedState) -> Router {
         .route(
             "/_matrix/federation/v1/get_missing_events/{room_id}",
             post(reads::get_missing_events),
+        )
+        .route(
+            "/_matrix/federation/v1/make_knock/{room_id}/{user_id}",
+            get(knocks::make_knock),
+        )
+        .route(
+            "/_matrix/federation/v1/send_knock/{room_id}/{event_id}",
+            put(knocks::send_knock),
         )
         .route(
             "/_matrix/federation/v1/publicRooms",
