@@ -386,6 +386,9 @@ pub struct Registration {
     pub allow_open_registration_on_public_bind: bool,
     /// Registration tokens accepted with `m.login.registration_token`.
     pub tokens: Vec<String>,
+    /// Shared secret for `/_synapse/admin/v1/register` (HMAC-SHA1, as Synapse's
+    /// `registration_shared_secret`); empty (default): that endpoint is off.
+    pub shared_secret: String,
 }
 
 /// Limits on what clients may send or ask for.
@@ -517,6 +520,7 @@ impl Default for Registration {
             mode: "auto".into(),
             allow_open_registration_on_public_bind: false,
             tokens: Vec::new(),
+            shared_secret: String::new(),
         }
     }
 }

@@ -148,6 +148,7 @@ impl Server {
             max_sync_timeout_ms: config.limits.max_sync_timeout_ms,
             request_body_idle_timeout_ms: config.limits.request_body_idle_timeout_ms,
             admins: config.admins.clone(),
+            registration_shared_secret: config.registration.shared_secret.clone(),
             refreshable_access_token_lifetime_ms: config
                 .sessions
                 .refreshable_access_token_lifetime_ms,

@@ -33,6 +33,7 @@ pub mod rooms;
 pub mod search;
 pub mod sliding;
 pub mod spaces;
+pub mod synapse_admin;
 pub mod sync;
 pub mod thirdparty;
 pub mod to_device;
@@ -78,6 +79,8 @@ pub struct ApiConfig {
     /// Server admins by configuration (user ids); `spindle admin promote` adds more
     /// through the journal.
     pub admins: Vec<String>,
+    /// Shared secret of `/_synapse/admin/v1/register`; empty: that endpoint is off.
+    pub registration_shared_secret: String,
     /// Lifetime of an access token issued with a refresh token, ms.
     pub refreshable_access_token_lifetime_ms: u64,
     /// Serve presence (`presence.enabled`).
@@ -314,6 +317,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .merge(account::routes())
         .merge(admin::routes())
+        .merge(synapse_admin::routes())
         .merge(devices::routes())
         .merge(presence::routes())
         .merge(directory::routes())

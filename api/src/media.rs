@@ -340,6 +340,8 @@ async fn load(
         .projections
         .media
         .get(media_id)
+        // Quarantined media (Synapse admin API) is not served, as in Synapse.
+        .filter(|m| m.quarantined_by.is_none())
         .ok_or_else(|| MatrixError::not_found("Unknown media"))?;
     let Some(hash) = record.content_hash.clone() else {
         return Err(MatrixError::new(

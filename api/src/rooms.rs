@@ -401,7 +401,7 @@ fn event_id_json(o: &Outcome) -> Json<Value> {
     Json(json!({ "event_id": o.event_ids.last().map(|e| e.to_string()) }))
 }
 
-async fn create_room(
+pub(crate) async fn create_room(
     State(s): State<AppState>,
     r: Requester,
     JsonObject(body): JsonObject,
@@ -684,6 +684,11 @@ async fn join(
     let current = s.projections.membership.get(room_id, &r.user_id);
     if current.as_ref().is_some_and(|m| m.membership == "join") {
         return Ok(Json(json!({ "room_id": room_id })));
+    }
+    if s.projections.server_admin.is_blocked(room_id) {
+        return Err(MatrixError::forbidden(
+            "This room has been blocked on this server",
+        ));
     }
     check_user(s, &s.rate_limits.joins, &r.user_id)?;
     // A room this server is not in (or no longer in: nobody here is joined) is joined
