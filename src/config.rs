@@ -756,7 +756,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 109);
+        assert_eq!(want.len(), 110);
     }
 
     #[test]
