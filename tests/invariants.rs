@@ -682,7 +682,10 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
         include_str!("../api/src/synapse_admin.rs"),
         &["/_synapse/admin/"],
     );
-    assert_eq!(count, 22, "Synapse admin routes in api/src/synapse_admin.rs");
+    assert_eq!(
+        count, 22,
+        "Synapse admin routes in api/src/synapse_admin.rs"
+    );
     assert_eq!(admin_routes.len(), 26, "(method, route) pairs");
     let public = [
         "/_synapse/admin/v1/server_version",
