@@ -386,6 +386,9 @@ pub struct Registration {
     pub allow_open_registration_on_public_bind: bool,
     /// Registration tokens accepted with `m.login.registration_token`.
     pub tokens: Vec<String>,
+    /// Shared secret for `/_synapse/admin/v1/register` (HMAC-SHA1, as Synapse's
+    /// `registration_shared_secret`); empty (default): that endpoint is off.
+    pub shared_secret: String,
 }
 
 /// Limits on what clients may send or ask for.
@@ -433,6 +436,10 @@ pub struct Media {
     /// Serve the legacy unauthenticated `/_matrix/media/v3` download and thumbnail
     /// endpoints (the spec lets servers freeze them).
     pub legacy_unauthenticated: bool,
+    /// Bytes of media fetched from other servers kept in memory (files and
+    /// thumbnails; oldest evicted first; `0`: nothing is cached). One remote file may
+    /// be at most `max_upload_bytes` (larger: 502 `M_TOO_LARGE`).
+    pub remote_cache_bytes: usize,
 }
 
 impl Default for Media {
@@ -442,6 +449,7 @@ impl Default for Media {
             url_preview: false,
             url_preview_allow_private: false,
             legacy_unauthenticated: true,
+            remote_cache_bytes: 64 * 1024 * 1024,
         }
     }
 }
@@ -512,6 +520,7 @@ impl Default for Registration {
             mode: "auto".into(),
             allow_open_registration_on_public_bind: false,
             tokens: Vec::new(),
+            shared_secret: String::new(),
         }
     }
 }
@@ -747,7 +756,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 109);
+        assert_eq!(want.len(), 111);
     }
 
     #[test]

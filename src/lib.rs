@@ -154,6 +154,7 @@ impl Server {
             max_sync_timeout_ms: config.limits.max_sync_timeout_ms,
             request_body_idle_timeout_ms: config.limits.request_body_idle_timeout_ms,
             admins: config.admins.clone(),
+            registration_shared_secret: config.registration.shared_secret.clone(),
             refreshable_access_token_lifetime_ms: config
                 .sessions
                 .refreshable_access_token_lifetime_ms,
@@ -164,6 +165,7 @@ impl Server {
                 url_preview: config.media.url_preview,
                 url_preview_allow_private: config.media.url_preview_allow_private,
                 legacy_unauthenticated: config.media.legacy_unauthenticated,
+                remote_cache_bytes: config.media.remote_cache_bytes,
             },
             voip: spindle_api::voip::VoipConfig {
                 turn_uris: config.voip.turn_uris.clone(),
@@ -193,6 +195,15 @@ impl Server {
             config.federation.clone(),
         )
         .map_err(|e| anyhow!("federation: {e}"))?;
+        // `[rate_limits.federation_origin]`: the api crate keeps the limiters; the
+        // federation crate counts each authenticated request against its origin.
+        let limits = state.rate_limits.clone();
+        let fed = fed.with_origin_limit(std::sync::Arc::new(move |origin: &str| {
+            limits
+                .check_federation_origin(origin)
+                .err()
+                .map(|r| r.retry_after_ms)
+        }));
         let fed_routes = if config.federation.enabled {
             spindle_federation::router(fed.clone())
         } else {

@@ -37,8 +37,14 @@ const ROOMS_V1: &str = "/_matrix/client/v1/rooms/{room_id}";
 
 /// Every (method, template) of a `/rooms/{room_id}/...` route in an api source file.
 fn room_routes(source: &str) -> (usize, Vec<(Method, String)>) {
+    routes_under(source, &[ROOMS, ROOMS_V1])
+}
+
+/// Every (method, template) of a route under one of `prefixes` in an api source file,
+/// and how many `.route(` calls name such a path.
+fn routes_under(source: &str, prefixes: &[&str]) -> (usize, Vec<(Method, String)>) {
     // rustfmt may put the path on the line after `.route(`, so whitespace is skipped.
-    let needles = [format!("\"{ROOMS}"), format!("\"{ROOMS_V1}")];
+    let needles: Vec<String> = prefixes.iter().map(|p| format!("\"{p}")).collect();
     let count = source
         .split(".route(")
         .skip(1)
@@ -51,7 +57,7 @@ fn room_routes(source: &str) -> (usize, Vec<(Method, String)>) {
         };
         let Some(end) = rest.find('"') else { continue };
         let template = &rest[..end];
-        if !template.starts_with(ROOMS) && !template.starts_with(ROOMS_V1) {
+        if !prefixes.iter().any(|p| template.starts_with(p)) {
             continue;
         }
         // The last route's chunk runs to the end of the file: stop at the end of the
@@ -667,6 +673,50 @@ async fn non_member_is_refused_on_every_room_route_and_nothing_leaks() {
             assert!(!resp.text.contains(s), "{path} leaked {s}");
         }
         assert!(!resp.text.contains(&secret), "{path} leaked the event id");
+    }
+    // The Synapse admin API (api/src/synapse_admin.rs), every route read from its
+    // source: 403 for a non-admin (the two public routes aside: the version, and
+    // shared-secret registration, off here), and nothing of the
+    // room or of alice's account in the answer, whatever eve sends.
+    let (count, admin_routes) = routes_under(
+        include_str!("../api/src/synapse_admin.rs"),
+        &["/_synapse/admin/"],
+    );
+    assert_eq!(
+        count, 22,
+        "Synapse admin routes in api/src/synapse_admin.rs"
+    );
+    assert_eq!(admin_routes.len(), 26, "(method, route) pairs");
+    let public = [
+        "/_synapse/admin/v1/server_version",
+        "/_synapse/admin/v1/register",
+    ];
+    for (method, template) in admin_routes {
+        let path = template
+            .replace("{room_id}", &r)
+            .replace("{user_id}", &a)
+            .replace("{delete_id}", "x")
+            .replace("{report_id}", "1")
+            .replace("{server_name}", common::SERVER_NAME)
+            .replace("{media_id}", "m");
+        let body = json!({ "admin": true, "new_password": "pw", "password": "pw",
+                           "erase": true, "block": true });
+        let resp = eve.request(method.clone(), &path, Some(&body)).await;
+        if !public.contains(&template.as_str()) {
+            assert_eq!(
+                (resp.status, resp.errcode()),
+                (403, Some(F)),
+                "{method} {path} as a non-admin: {}",
+                resp.text
+            );
+        }
+        for s in secrets {
+            assert!(!resp.text.contains(s), "{method} {path} leaked {s}");
+        }
+        assert!(
+            !resp.text.contains(&secret),
+            "{method} {path} leaked the event id"
+        );
     }
     // Nothing eve sent changed the room.
     assert_eq!(alice.all_event_ids(&room).await, before_ids);

@@ -169,7 +169,7 @@ fn valid_localpart(l: &str) -> bool {
 
 /// Checks a requested localpart: characters, and the spec's 255-byte limit on the
 /// whole user id. Errors are 400 `M_INVALID_USERNAME`.
-fn check_localpart(s: &AppState, local: &str) -> ApiResult<()> {
+pub(crate) fn check_localpart(s: &AppState, local: &str) -> ApiResult<()> {
     if !valid_localpart(local) {
         return Err(MatrixError::new(
             StatusCode::BAD_REQUEST,
@@ -236,9 +236,9 @@ pub(crate) async fn verify_password(
 }
 
 /// A new session's credentials.
-struct Session {
-    device_id: String,
-    access_token: String,
+pub(crate) struct Session {
+    pub(crate) device_id: String,
+    pub(crate) access_token: String,
     /// With `refresh_token: true`: the refresh token and the access token's lifetime.
     refresh: Option<(String, u64)>,
 }
@@ -267,7 +267,7 @@ fn wants_refresh(body: &serde_json::Map<String, Value>) -> ApiResult<bool> {
 /// Issues a device (if new) and an access token (refreshable, with a refresh token,
 /// when asked for).
 /// The device is seen at once, from the login's own address and user agent.
-async fn start_session(
+pub(crate) async fn start_session(
     s: &AppState,
     user_id: &str,
     device_id: Option<String>,

@@ -90,7 +90,7 @@ async fn rebuild_projection(
 /// `[devices] keep_client_addresses` is on; see `devices` for how they are kept). For server
 /// admins and for the user themself; anyone else gets 403 `M_FORBIDDEN`, whether or not
 /// the user exists; an admin asking about an unknown user gets 404 `M_NOT_FOUND`.
-async fn whois(
+pub(crate) async fn whois(
     State(s): State<AppState>,
     r: Requester,
     Path(user_id): Path<String>,
@@ -185,7 +185,7 @@ pub fn is_admin(s: &AppState, user_id: &str) -> bool {
     s.config.admins.iter().any(|a| a == user_id) || s.projections.audit.is_admin(user_id)
 }
 
-fn require_admin(s: &AppState, r: &Requester) -> ApiResult<()> {
+pub(crate) fn require_admin(s: &AppState, r: &Requester) -> ApiResult<()> {
     if is_admin(s, &r.user_id) {
         Ok(())
     } else {

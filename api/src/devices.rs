@@ -435,22 +435,27 @@ pub(crate) async fn user_interactive_auth(
 /// Deletes devices (and, with them, their tokens), waiting until the last deletion is
 /// applied so the answer holds when it leaves.
 async fn delete_devices_of(s: &AppState, r: &Requester, device_ids: &[String]) -> ApiResult<()> {
+    delete_devices_as(s, &r.user_id, device_ids, (&r.user_id, Some(&r.device_id))).await
+}
+
+/// Deletes `user_id`'s devices (with their tokens), asked for by `by` (principal,
+/// device): the user themself, or a server admin.
+pub(crate) async fn delete_devices_as(
+    s: &AppState,
+    user_id: &str,
+    device_ids: &[String],
+    by: (&str, Option<&str>),
+) -> ApiResult<()> {
     let mut last = None;
     for device_id in device_ids {
-        if s.projections
-            .accounts
-            .device(&r.user_id, device_id)
-            .is_none()
-        {
+        if s.projections.accounts.device(user_id, device_id).is_none() {
             continue;
         }
         let fact = Fact::DeviceDeleted {
-            user_id: r.user_id.clone(),
+            user_id: user_id.to_owned(),
             device_id: device_id.clone(),
         };
-        let o = s
-            .submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
-            .await?;
+        let o = s.submit(by.0, by.1, CommandBody::Fact { fact }).await?;
         last = Some(o.position);
     }
     if let Some(p) = last {
@@ -573,43 +578,62 @@ async fn deactivate(
     if let Some(challenge) = user_interactive_auth(&s, &r, &body).await? {
         return Ok(challenge);
     }
+    deactivate_account(&s, &r.user_id, erase, (&r.user_id, Some(&r.device_id))).await?;
+    Ok(Json(json!({ "id_server_unbind_result": "no-support" })).into_response())
+}
+
+/// Deactivates `user_id` as asked for by `by` (principal, device: the user themself
+/// or a server admin): journals `AccountDeactivated`, makes the user leave every room
+/// they are joined to, invited to or knocking on (a leave of their own, as Synapse
+/// does), then deletes every device with its tokens.
+pub(crate) async fn deactivate_account(
+    s: &AppState,
+    user_id: &str,
+    erase: bool,
+    by: (&str, Option<&str>),
+) -> ApiResult<()> {
     let fact = Fact::AccountDeactivated {
-        user_id: r.user_id.clone(),
+        user_id: user_id.to_owned(),
         erase,
     };
-    s.submit_and_wait(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
+    s.submit_and_wait(by.0, by.1, CommandBody::Fact { fact })
         .await?;
-    for (room_id, m) in s.projections.membership.rooms_of(&r.user_id) {
+    for (room_id, m) in s.projections.membership.rooms_of(user_id) {
         if !matches!(m.membership.as_str(), "join" | "invite" | "knock") {
             continue;
         }
-        let body = CommandBody::SendEvent {
-            room_id: room_id.clone(),
-            event: spindle_journal::EventSpec {
-                kind: "m.room.member".into(),
-                state_key: Some(r.user_id.clone()),
-                content: json!({ "membership": "leave" }),
-                redacts: None,
-            },
-            txn_id: None,
-            precondition: Some(spindle_journal::MembershipPrecondition {
-                allowed: ["join", "invite", "knock"].map(String::from).to_vec(),
-                unchanged_ok: true,
-            }),
-        };
-        if let Err(e) = s.submit(&r.user_id, Some(&r.device_id), body).await {
+        if let Err(e) = leave_as(s, user_id, &room_id).await {
             tracing::warn!(room = %room_id, error = %e.error, "deactivation: leaving a room failed");
         }
     }
     let devices: Vec<String> = s
         .projections
         .accounts
-        .devices(&r.user_id)
+        .devices(user_id)
         .into_iter()
         .map(|(id, _)| id)
         .collect();
-    delete_devices_of(&s, &r, &devices).await?;
-    Ok(Json(json!({ "id_server_unbind_result": "no-support" })).into_response())
+    delete_devices_as(s, user_id, &devices, by).await
+}
+
+/// `user_id` leaves (or rejects an invite to, or withdraws a knock on) `room_id`: a
+/// member event of their own, no device. Succeeds without an event if they already left.
+pub(crate) async fn leave_as(s: &AppState, user_id: &str, room_id: &str) -> ApiResult<()> {
+    let body = CommandBody::SendEvent {
+        room_id: room_id.to_owned(),
+        event: spindle_journal::EventSpec {
+            kind: "m.room.member".into(),
+            state_key: Some(user_id.to_owned()),
+            content: json!({ "membership": "leave" }),
+            redacts: None,
+        },
+        txn_id: None,
+        precondition: Some(spindle_journal::MembershipPrecondition {
+            allowed: ["join", "invite", "knock"].map(String::from).to_vec(),
+            unchanged_ok: true,
+        }),
+    };
+    s.submit(user_id, None, body).await.map(|_| ())
 }
 
 /// `GET /account/3pid`: third-party identifiers are not supported, so always empty.

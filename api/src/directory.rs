@@ -17,15 +17,12 @@ use spindle_journal::{CommandBody, Fact};
 use crate::{
     ApiResult, AppState, MatrixError,
     extract::{JsonObject, Query, Requester, opt_str},
-    visibility::state_content,
 };
 
-/// Default page size of `/publicRooms` when the client gives no `limit`.
-pub const PUBLIC_ROOMS_DEFAULT_LIMIT: usize = 100;
-/// Largest page of `/publicRooms`.
-pub const PUBLIC_ROOMS_MAX_LIMIT: usize = 500;
-/// Most published rooms one `/publicRooms` request considers.
-pub const PUBLISHED_ROOMS_MAX: usize = 10_000;
+use spindle_projections::discovery;
+pub use spindle_projections::discovery::{
+    PUBLIC_ROOMS_DEFAULT_LIMIT, PUBLIC_ROOMS_MAX_LIMIT, PUBLISHED_ROOMS_MAX,
+};
 /// Default and largest `limit` of `/user_directory/search`.
 pub const USER_SEARCH_DEFAULT_LIMIT: usize = 10;
 /// Largest `limit` of `/user_directory/search`.
@@ -135,166 +132,68 @@ async fn set_visibility(
     Ok(Json(json!({})))
 }
 
-/// A room's summary as the directory and the space hierarchy show it (spec:
-/// `PublishedRoomsChunk` / `RoomSummary` fields), from its current state: point
-/// lookups only.
+/// A room's summary as the directory and the space hierarchy show it (the rule is
+/// shared with federation: [`spindle_projections::discovery::room_chunk`]).
 pub(crate) fn room_chunk(s: &AppState, room_id: &str) -> Option<Value> {
-    let root = s.projections.state.current_root(room_id)?;
-    let get = |kind: &str| state_content(s, root, kind, "");
-    let mut c = json!({
-        "room_id": room_id,
-        "num_joined_members": s.projections.directory.joined_count(room_id),
-        "world_readable": get("m.room.history_visibility")
-            .and_then(|v| v.get("history_visibility").cloned())
-            == Some(json!("world_readable")),
-        "guest_can_join": get("m.room.guest_access")
-            .and_then(|v| v.get("guest_access").cloned())
-            == Some(json!("can_join")),
-    });
-    let text = |v: Option<Value>, field: &str| {
-        v.and_then(|v| v.get(field).and_then(|x| x.as_str()).map(str::to_owned))
-            .filter(|x| !x.is_empty())
-    };
-    if let Some(n) = text(get("m.room.name"), "name") {
-        c["name"] = json!(n);
-    }
-    if let Some(t) = text(get("m.room.topic"), "topic") {
-        c["topic"] = json!(t);
-    }
-    if let Some(a) = text(get("m.room.avatar"), "url") {
-        c["avatar_url"] = json!(a);
-    }
-    if let Some(a) = text(get("m.room.canonical_alias"), "alias") {
-        c["canonical_alias"] = json!(a);
-    }
-    if let Some(j) = text(get("m.room.join_rules"), "join_rule") {
-        c["join_rule"] = json!(j);
-    }
-    if let Some(t) = text(get("m.room.create"), "type") {
-        c["room_type"] = json!(t);
-    }
-    Some(c)
+    discovery::room_chunk(&s.projections, room_id)
 }
 
-/// A `/publicRooms` pagination token: `p<offset>`. Malformed: 400 `M_INVALID_PARAM`.
 fn parse_since(since: Option<&str>) -> ApiResult<usize> {
-    match since {
-        None => Ok(0),
-        Some(t) => t
-            .strip_prefix('p')
-            .and_then(|n| n.parse().ok())
-            .ok_or_else(|| MatrixError::invalid_param(format!("Invalid since token {t:?}"))),
-    }
+    discovery::parse_since(since).map_err(MatrixError::invalid_param)
 }
 
-struct DirectoryQuery {
-    limit: usize,
-    offset: usize,
-    search: Option<String>,
-    /// `filter.room_types`: `None` entries select rooms without a type.
-    room_types: Option<Vec<Option<String>>>,
+/// The other server a `/publicRooms?server=` asks about, `None` for ours.
+fn remote_server<'a>(s: &AppState, server: Option<&'a str>) -> Option<&'a str> {
+    server.filter(|other| *other != s.server_name())
 }
 
-fn public_rooms(s: &AppState, q: DirectoryQuery) -> Value {
-    let published = s.projections.directory.published(PUBLISHED_ROOMS_MAX);
-    let total = published.len();
-    // Largest rooms first, then by room id: a stable order for pagination.
-    let mut ordered: Vec<(u64, String)> = published
-        .into_iter()
-        .map(|r| (s.projections.directory.joined_count(&r), r))
-        .collect();
-    ordered.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-    let filtering = q.search.is_some() || q.room_types.is_some();
-    let needle = q.search.as_ref().map(|t| t.to_lowercase());
-    let matches = |c: &Value| {
-        let type_ok = q.room_types.as_ref().is_none_or(|types| {
-            let t = c.get("room_type").and_then(|v| v.as_str());
-            types.iter().any(|want| want.as_deref() == t)
-        });
-        let text_ok = needle.as_ref().is_none_or(|n| {
-            ["name", "topic", "canonical_alias", "room_id"]
-                .iter()
-                .any(|f| {
-                    c.get(*f)
-                        .and_then(|v| v.as_str())
-                        .is_some_and(|v| v.to_lowercase().contains(n.as_str()))
-                })
-        });
-        type_ok && text_ok
+/// Asks `server` for its public room directory over federation (spec: server-server
+/// "Public Room Directory"); with federation off, 404 `M_NOT_FOUND`. The remote's
+/// refusal is passed on; an unreachable server is 502.
+async fn remote_public_rooms(
+    s: &AppState,
+    server: &str,
+    body: Option<Value>,
+    limit: Option<u64>,
+    since: Option<String>,
+) -> ApiResult<Json<Value>> {
+    let Some(fed) = &s.federation else {
+        return Err(MatrixError::not_found(
+            "Other servers' directories need federation, which is disabled here",
+        ));
     };
-    let mut chunk = Vec::new();
-    let mut seen = 0usize;
-    let mut more = false;
-    for (_, room) in &ordered {
-        // Without a filter the page is sliced before any state is read.
-        if !filtering && seen < q.offset {
-            seen += 1;
-            continue;
-        }
-        let Some(c) = room_chunk(s, room) else {
-            continue;
-        };
-        if !matches(&c) {
-            continue;
-        }
-        if seen < q.offset {
-            seen += 1;
-            continue;
-        }
-        if chunk.len() == q.limit {
-            more = true;
-            break;
-        }
-        seen += 1;
-        chunk.push(c);
-    }
-    let mut out = json!({ "chunk": chunk, "total_room_count_estimate": total });
-    if more {
-        out["next_batch"] = json!(format!("p{}", q.offset + q.limit));
-    }
-    if q.offset > 0 {
-        out["prev_batch"] = json!(format!("p{}", q.offset.saturating_sub(q.limit)));
-    }
-    out
+    spindle_federation::directory::remote_public_rooms(fed, server, body, limit, since)
+        .await
+        .map(Json)
+        .map_err(crate::error::from_federation)
 }
 
-fn check_server(s: &AppState, server: Option<&str>) -> ApiResult<()> {
-    match server {
-        Some(other) if other != s.server_name() => Err(MatrixError::not_found(
-            "Other servers' directories need federation, which is not served yet",
-        )),
-        _ => Ok(()),
-    }
-}
-
-fn clamp_limit(limit: Option<u64>) -> usize {
-    limit
-        .map(|l| (l as usize).min(PUBLIC_ROOMS_MAX_LIMIT))
-        .unwrap_or(PUBLIC_ROOMS_DEFAULT_LIMIT)
-}
-
-/// `GET /publicRooms` (no token needed): `limit`, `since`, `server`.
+/// `GET /publicRooms` (no token needed): `limit`, `since`, `server` (another server's
+/// directory is asked of that server over federation).
 async fn public_rooms_get(State(s): State<AppState>, q: Query) -> ApiResult<Json<Value>> {
-    check_server(&s, q.get("server"))?;
+    let limit = q.u64("limit")?;
+    if let Some(server) = remote_server(&s, q.get("server")) {
+        let since = q.get("since").map(str::to_owned);
+        return remote_public_rooms(&s, server, None, limit, since).await;
+    }
     s.wait_for_acknowledged().await?;
-    let query = DirectoryQuery {
-        limit: clamp_limit(q.u64("limit")?),
+    let query = discovery::PublicRoomsQuery {
+        limit: discovery::clamp_limit(limit),
         offset: parse_since(q.get("since"))?,
-        search: None,
-        room_types: None,
+        ..Default::default()
     };
-    Ok(Json(public_rooms(&s, query)))
+    Ok(Json(discovery::public_rooms(&s.projections, &query)))
 }
 
 /// `POST /publicRooms`: adds `filter.generic_search_term` (case-insensitive substring
-/// of name, topic, canonical alias or room id) and `filter.room_types`.
+/// of name, topic, canonical alias or room id) and `filter.room_types`; `server` as
+/// for GET (the body is passed on to that server).
 async fn public_rooms_post(
     State(s): State<AppState>,
     _r: Requester,
     q: Query,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
-    check_server(&s, q.get("server"))?;
     let limit = match body.get("limit") {
         None | Some(Value::Null) => None,
         Some(v) => Some(
@@ -302,38 +201,16 @@ async fn public_rooms_post(
                 .ok_or_else(|| MatrixError::bad_json("limit must be a non-negative integer"))?,
         ),
     };
-    let filter = match body.get("filter") {
-        None | Some(Value::Null) => serde_json::Map::new(),
-        Some(Value::Object(f)) => f.clone(),
-        Some(_) => return Err(MatrixError::bad_json("filter must be an object")),
-    };
-    let search = opt_str(&filter, "generic_search_term")?.filter(|t| !t.is_empty());
-    let room_types = match filter.get("room_types") {
-        None | Some(Value::Null) => None,
-        Some(Value::Array(a)) => Some(
-            a.iter()
-                .map(|v| match v {
-                    Value::Null => Ok(None),
-                    Value::String(t) => Ok(Some(t.clone())),
-                    _ => Err(MatrixError::bad_json(
-                        "room_types must be a list of strings or nulls",
-                    )),
-                })
-                .collect::<ApiResult<Vec<_>>>()?,
-        ),
-        Some(_) => {
-            return Err(MatrixError::bad_json(
-                "room_types must be a list of strings or nulls",
-            ));
-        }
-    };
-    let query = DirectoryQuery {
-        limit: clamp_limit(limit),
+    let mut query = discovery::PublicRoomsQuery {
+        limit: discovery::clamp_limit(limit),
         offset: parse_since(opt_str(&body, "since")?.as_deref())?,
-        search,
-        room_types,
+        ..Default::default()
     };
-    Ok(Json(public_rooms(&s, query)))
+    discovery::parse_filter(body.get("filter"), &mut query).map_err(MatrixError::bad_json)?;
+    if let Some(server) = remote_server(&s, q.get("server")) {
+        return remote_public_rooms(&s, server, Some(Value::Object(body)), limit, None).await;
+    }
+    Ok(Json(discovery::public_rooms(&s.projections, &query)))
 }
 
 /// `POST /user_directory/search`: users who share a joined room with the searcher,

@@ -27,11 +27,13 @@ pub mod push;
 pub mod ratelimit;
 pub mod read;
 pub mod relations;
+pub mod remote_media;
 pub mod reports;
 pub mod rooms;
 pub mod search;
 pub mod sliding;
 pub mod spaces;
+pub mod synapse_admin;
 pub mod sync;
 pub mod thirdparty;
 pub mod to_device;
@@ -77,6 +79,8 @@ pub struct ApiConfig {
     /// Server admins by configuration (user ids); `spindle admin promote` adds more
     /// through the journal.
     pub admins: Vec<String>,
+    /// Shared secret of `/_synapse/admin/v1/register`; empty: that endpoint is off.
+    pub registration_shared_secret: String,
     /// Lifetime of an access token issued with a refresh token, ms.
     pub refreshable_access_token_lifetime_ms: u64,
     /// Serve presence (`presence.enabled`).
@@ -113,6 +117,8 @@ pub struct MediaConfig {
     /// Serve the legacy unauthenticated `/_matrix/media/v3` download, thumbnail,
     /// config and preview endpoints.
     pub legacy_unauthenticated: bool,
+    /// Bytes of remote media kept in memory ([`remote_media::RemoteMediaCache`]).
+    pub remote_cache_bytes: usize,
 }
 
 /// Everything a handler needs.
@@ -141,6 +147,8 @@ pub struct AppState {
     pub presence: presence::Presence,
     /// Media blobs (content-addressed files).
     pub blobs: Arc<spindle_journal::blobs::BlobStore>,
+    /// Media fetched from other servers, in memory (bounded).
+    pub remote_media: Arc<remote_media::RemoteMediaCache>,
     /// Federation (remote joins, aliases, profiles); `None` when it is disabled.
     pub federation: Option<spindle_federation::FedState>,
     /// The bounded password-hashing pool (every argon2 hash and check runs there).
@@ -184,6 +192,9 @@ impl AppState {
             metrics: Arc::new(metrics::Metrics::new()),
             rate_limits,
             hashing,
+            remote_media: Arc::new(remote_media::RemoteMediaCache::new(
+                config.media.remote_cache_bytes,
+            )),
             blobs,
             journal,
             projections,
@@ -306,6 +317,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .merge(account::routes())
         .merge(admin::routes())
+        .merge(synapse_admin::routes())
         .merge(devices::routes())
         .merge(presence::routes())
         .merge(directory::routes())

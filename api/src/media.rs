@@ -92,6 +92,14 @@ pub(crate) fn routes(max_upload_bytes: usize, url_preview: bool) -> Router<AppSt
             "/_matrix/client/v1/media/thumbnail/{server}/{media_id}",
             get(thumbnail),
         )
+        .route(
+            "/_matrix/federation/v1/media/download/{media_id}",
+            get(crate::remote_media::federation_download),
+        )
+        .route(
+            "/_matrix/federation/v1/media/thumbnail/{media_id}",
+            get(crate::remote_media::federation_thumbnail),
+        )
         .route("/_matrix/media/v3/config", get(legacy_config))
         .route(
             "/_matrix/media/v3/download/{server}/{media_id}",
@@ -129,7 +137,7 @@ fn random_media_id() -> String {
 }
 
 /// Media ids are `[A-Za-z0-9_-]+` (spec: "Matrix Content (mxc://) URIs").
-fn valid_media_id(id: &str) -> bool {
+pub(crate) fn valid_media_id(id: &str) -> bool {
     !id.is_empty()
         && id.len() <= 255
         && id
@@ -325,15 +333,15 @@ async fn load(
     media_id: &str,
 ) -> ApiResult<(spindle_projections::media::MediaRecord, Vec<u8>)> {
     if server != s.server_name() {
-        // No federation yet: remote media cannot be fetched.
-        return Err(MatrixError::not_found(
-            "Remote media is not available (no federation)",
-        ));
+        // Remote media is fetched by the callers (`remote_media::fetch`).
+        return Err(MatrixError::not_found("Unknown media"));
     }
     let record = s
         .projections
         .media
         .get(media_id)
+        // Quarantined media (Synapse admin API) is not served, as in Synapse.
+        .filter(|m| m.quarantined_by.is_none())
         .ok_or_else(|| MatrixError::not_found("Unknown media"))?;
     let Some(hash) = record.content_hash.clone() else {
         return Err(MatrixError::new(
@@ -418,23 +426,68 @@ fn media_response(bytes: Vec<u8>, content_type: &str, disposition: String) -> Re
     resp
 }
 
+/// One of our media files with its type and disposition (what the federation
+/// download answers).
+pub(crate) async fn local_file(
+    s: &AppState,
+    media_id: &str,
+) -> ApiResult<spindle_federation::media::MediaPart> {
+    let (record, bytes) = load(s, s.server_name(), media_id).await?;
+    let content_type = record
+        .content_type
+        .clone()
+        .unwrap_or_else(|| "application/octet-stream".into());
+    Ok(spindle_federation::media::MediaPart {
+        content_disposition: Some(disposition(&content_type, record.filename.as_deref())),
+        content_type,
+        bytes,
+    })
+}
+
+/// Whether `server` is another server (its media is fetched over federation).
+fn is_remote(s: &AppState, server: &str) -> bool {
+    server != s.server_name()
+}
+
 async fn serve_download(
     s: &AppState,
     server: &str,
     media_id: &str,
     name: Option<&str>,
+    allow_remote: bool,
 ) -> ApiResult<Response> {
-    let (record, bytes) = load(s, server, media_id).await?;
-    let content_type = record
-        .content_type
-        .clone()
-        .unwrap_or_else(|| "application/octet-stream".into());
-    let name = name.or(record.filename.as_deref());
-    Ok(media_response(
-        bytes,
-        &content_type,
-        disposition(&content_type, name),
-    ))
+    if is_remote(s, server) {
+        if !allow_remote {
+            return Err(MatrixError::not_found("Unknown media (allow_remote=false)"));
+        }
+        let part = crate::remote_media::fetch(s, server, media_id, None).await?;
+        // The remote's file name, but our own inline/attachment decision.
+        let remote_name = part
+            .content_disposition
+            .as_deref()
+            .and_then(crate::remote_media::filename_of);
+        let name = name.map(str::to_owned).or(remote_name);
+        return Ok(media_response(
+            part.bytes.clone(),
+            &part.content_type,
+            disposition(&part.content_type, name.as_deref()),
+        ));
+    }
+    let part = local_file(s, media_id).await?;
+    let record_name = name.is_none();
+    let content_type = part.content_type.clone();
+    let disp = if record_name {
+        part.content_disposition
+            .clone()
+            .unwrap_or_else(|| disposition(&content_type, None))
+    } else {
+        disposition(&content_type, name)
+    };
+    Ok(media_response(part.bytes, &content_type, disp))
+}
+
+fn allow_remote(q: &Query) -> bool {
+    q.get("allow_remote") != Some("false")
 }
 
 /// `GET /_matrix/client/v1/media/download/{serverName}/{mediaId}`.
@@ -443,7 +496,7 @@ async fn download(
     _r: Requester,
     Path((server, media_id)): Path<(String, String)>,
 ) -> ApiResult<Response> {
-    serve_download(&s, &server, &media_id, None).await
+    serve_download(&s, &server, &media_id, None, true).await
 }
 
 /// `GET /_matrix/client/v1/media/download/{serverName}/{mediaId}/{fileName}`.
@@ -452,27 +505,29 @@ async fn download_named(
     _r: Requester,
     Path((server, media_id, filename)): Path<(String, String, String)>,
 ) -> ApiResult<Response> {
-    serve_download(&s, &server, &media_id, Some(&filename)).await
+    serve_download(&s, &server, &media_id, Some(&filename), true).await
 }
 
 async fn legacy_download(
     State(s): State<AppState>,
+    q: Query,
     Path((server, media_id)): Path<(String, String)>,
 ) -> ApiResult<Response> {
     legacy_enabled(&s)?;
-    serve_download(&s, &server, &media_id, None).await
+    serve_download(&s, &server, &media_id, None, allow_remote(&q)).await
 }
 
 async fn legacy_download_named(
     State(s): State<AppState>,
+    q: Query,
     Path((server, media_id, filename)): Path<(String, String, String)>,
 ) -> ApiResult<Response> {
     legacy_enabled(&s)?;
-    serve_download(&s, &server, &media_id, Some(&filename)).await
+    serve_download(&s, &server, &media_id, Some(&filename), allow_remote(&q)).await
 }
 
 /// Thumbnail parameters: width, height (clamped to [`MAX_THUMBNAIL_SIDE`]), method.
-fn thumbnail_params(q: &Query) -> ApiResult<(u32, u32, bool)> {
+pub(crate) fn thumbnail_params(q: &Query) -> ApiResult<(u32, u32, bool)> {
     let side = |name: &str| -> ApiResult<u32> {
         let v = q
             .get(name)
@@ -548,27 +603,28 @@ fn make_thumbnail(
     Ok((out.into_inner(), mime))
 }
 
-async fn serve_thumbnail(
+/// A thumbnail of one of our media files (cached on disk by content hash, size and
+/// method).
+pub(crate) async fn local_thumbnail(
     s: &AppState,
-    server: &str,
     media_id: &str,
-    q: &Query,
-) -> ApiResult<Response> {
-    let (width, height, crop) = thumbnail_params(q)?;
-    let (record, bytes) = load(s, server, media_id).await?;
+    (width, height, crop): (u32, u32, bool),
+) -> ApiResult<spindle_federation::media::MediaPart> {
+    let (record, bytes) = load(s, s.server_name(), media_id).await?;
     let hash = record.content_hash.clone().unwrap_or_default();
     let method = if crop { "crop" } else { "scale" };
     let cache: PathBuf = s.blobs.dir().join("thumbnails");
     let stem = format!("{hash}-{width}x{height}-{method}");
+    let part = |bytes: Vec<u8>, mime: &str, ext: &str| spindle_federation::media::MediaPart {
+        content_type: mime.to_owned(),
+        content_disposition: Some(format!("inline; filename=\"thumbnail.{ext}\"")),
+        bytes,
+    };
     // Cached by content hash and size: equal uploads share thumbnails.
     for (ext, mime) in [("png", "image/png"), ("jpg", "image/jpeg")] {
         let path = cache.join(format!("{stem}.{ext}"));
         if let Ok(data) = tokio::fs::read(&path).await {
-            return Ok(media_response(
-                data,
-                mime,
-                format!("inline; filename=\"thumbnail.{ext}\""),
-            ));
+            return Ok(part(data, mime, ext));
         }
     }
     let (data, mime) =
@@ -586,11 +642,39 @@ async fn serve_thumbnail(
         std::fs::rename(&tmp, &path)
     })
     .await;
-    Ok(media_response(
-        data,
-        mime,
-        format!("inline; filename=\"thumbnail.{ext}\""),
-    ))
+    Ok(part(data, mime, ext))
+}
+
+async fn serve_thumbnail(
+    s: &AppState,
+    server: &str,
+    media_id: &str,
+    q: &Query,
+) -> ApiResult<Response> {
+    let params = thumbnail_params(q)?;
+    let part = if is_remote(s, server) {
+        if !allow_remote(q) {
+            return Err(MatrixError::not_found("Unknown media (allow_remote=false)"));
+        }
+        let remote = crate::remote_media::fetch(s, server, media_id, Some(params)).await?;
+        if !remote.content_type.starts_with("image/") {
+            return Err(MatrixError::new(
+                StatusCode::BAD_GATEWAY,
+                "M_UNKNOWN",
+                "The remote server answered a thumbnail that is not an image",
+            ));
+        }
+        remote.as_ref().clone()
+    } else {
+        local_thumbnail(s, media_id, params).await?
+    };
+    let disp = disposition(&part.content_type, Some("thumbnail"));
+    let disp = part
+        .content_disposition
+        .clone()
+        .filter(|_| !is_remote(s, server))
+        .unwrap_or(disp);
+    Ok(media_response(part.bytes, &part.content_type, disp))
 }
 
 /// `GET /_matrix/client/v1/media/thumbnail/{serverName}/{mediaId}?width&height&method`.

@@ -401,7 +401,7 @@ fn event_id_json(o: &Outcome) -> Json<Value> {
     Json(json!({ "event_id": o.event_ids.last().map(|e| e.to_string()) }))
 }
 
-async fn create_room(
+pub(crate) async fn create_room(
     State(s): State<AppState>,
     r: Requester,
     JsonObject(body): JsonObject,
@@ -685,6 +685,11 @@ async fn join(
     if current.as_ref().is_some_and(|m| m.membership == "join") {
         return Ok(Json(json!({ "room_id": room_id })));
     }
+    if s.projections.server_admin.is_blocked(room_id) {
+        return Err(MatrixError::forbidden(
+            "This room has been blocked on this server",
+        ));
+    }
     check_user(s, &s.rate_limits.joins, &r.user_id)?;
     // A room this server is not in (or no longer in: nobody here is joined) is joined
     // through a server that is (spec: server-server API, "Joining Rooms").
@@ -844,30 +849,82 @@ fn restricted_join_authoriser(
         }))
 }
 
-/// `POST /knock/{roomIdOrAlias}` (spec: "Knocking on rooms"): asks to join a room
-/// whose join rule is `knock` or `knock_restricted`. Answers `{room_id}`. A room that
-/// is not known here is 404 (remote rooms need federation); a join rule that does not
-/// allow knocking is 403; knocking while joined or invited is 403.
+/// `POST /knock/{roomIdOrAlias}?via=&server_name=` (spec: "Knocking on rooms"): asks
+/// to join a room whose join rule is `knock` or `knock_restricted`. Answers
+/// `{room_id}`. A room this server is not in is knocked on over federation through
+/// `via`, the alias's servers or the room id's server (`make_knock`/`send_knock`);
+/// unknown with no server to ask: 404. A join rule that does not allow knocking is
+/// 403; knocking while joined or invited is 403.
 async fn knock(
     State(s): State<AppState>,
     r: Requester,
     Path(target): Path<String>,
+    q: crate::extract::Query,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
+    let mut via: Vec<String> = q
+        .all("via")
+        .into_iter()
+        .chain(q.all("server_name"))
+        .map(str::to_owned)
+        .collect();
+    let local_suffix = format!(":{}", s.server_name());
     let room_id = if target.starts_with('#') {
-        s.projections
-            .aliases
-            .resolve(&target)
-            .ok_or_else(|| MatrixError::not_found("Room alias not found"))?
-            .room_id
+        ruma::RoomAliasId::parse(&target)
+            .map_err(|_| MatrixError::invalid_param("Invalid room alias"))?;
+        match &s.federation {
+            Some(fed) if !target.ends_with(&local_suffix) => {
+                let (room_id, servers) = spindle_federation::outbound::resolve_alias(fed, &target)
+                    .await
+                    .map_err(crate::error::from_federation)?;
+                via.extend(servers);
+                room_id
+            }
+            _ => {
+                s.projections
+                    .aliases
+                    .resolve(&target)
+                    .ok_or_else(|| MatrixError::not_found("Room alias not found"))?
+                    .room_id
+            }
+        }
     } else {
         valid_room_id(&target)?;
         target
     };
-    if s.projections.state.room(&room_id).is_none() {
-        return Err(MatrixError::not_found(
-            "No known servers for this room (federation is not served yet)",
-        ));
+    let reason = opt_str(&body, "reason")?;
+    let known = s.projections.state.room(&room_id).is_some();
+    if !known || !crate::visibility::server_is_joined(&s, &room_id).await {
+        if let Some((_, origin)) = room_id.split_once(':')
+            && !via.iter().any(|v| v == origin)
+        {
+            via.push(origin.to_owned());
+        }
+        via.retain(|srv| srv != s.server_name());
+        match (&s.federation, via.is_empty()) {
+            (Some(fed), false) => {
+                if let Some(m) = s.projections.membership.get(&room_id, &r.user_id)
+                    && (m.membership == "join" || m.membership == "invite")
+                {
+                    return Err(MatrixError::forbidden(format!(
+                        "You are already {} in this room",
+                        if m.membership == "join" {
+                            "joined"
+                        } else {
+                            "invited"
+                        }
+                    )));
+                }
+                spindle_federation::knocks::knock_remote(fed, &r.user_id, &room_id, &via, reason)
+                    .await
+                    .map_err(crate::error::from_federation)?;
+                return Ok(Json(json!({ "room_id": room_id })));
+            }
+            _ if !known => {
+                return Err(MatrixError::not_found("No known servers for this room"));
+            }
+            _ => {}
+        }
     }
     if let Some(m) = s.projections.membership.get(&room_id, &r.user_id)
         && (m.membership == "join" || m.membership == "invite")
@@ -881,7 +938,6 @@ async fn knock(
             }
         )));
     }
-    let reason = opt_str(&body, "reason")?;
     membership(&s, &r, &room_id, &r.user_id.clone(), "knock", reason).await?;
     Ok(Json(json!({ "room_id": room_id })))
 }

@@ -20,10 +20,11 @@ use axum::{
 };
 use serde_json::{Value, json};
 
+use spindle_projections::discovery;
+
 use crate::{
     ApiResult, AppState, MatrixError,
     extract::{Query, Requester},
-    visibility::state_content,
 };
 
 /// Default `limit` (rooms per page).
@@ -47,92 +48,27 @@ pub(crate) fn routes() -> Router<AppState> {
         )
 }
 
-/// Whether `user_id` may see `room_id` in a hierarchy (see the module docs).
+/// Whether `user_id` may see `room_id` in a hierarchy (see the module docs; the
+/// membership-free part is [`discovery::previewable`], shared with federation).
 fn may_see(s: &AppState, user_id: &str, room_id: &str) -> bool {
-    let Some(root) = s.projections.state.current_root(room_id) else {
+    if s.projections.state.current_root(room_id).is_none() {
         return false;
-    };
+    }
     match s.projections.membership.get(room_id, user_id) {
         Some(m) if m.membership == "join" || m.membership == "invite" => return true,
         Some(m) if m.membership == "ban" => return false,
         _ => {}
     }
-    if state_content(s, root, "m.room.history_visibility", "")
-        .and_then(|c| c.get("history_visibility").cloned())
-        == Some(json!("world_readable"))
-    {
-        return true;
-    }
-    let rules = state_content(s, root, "m.room.join_rules", "").unwrap_or(json!({}));
-    match rules.get("join_rule").and_then(|v| v.as_str()) {
-        Some("public" | "knock" | "knock_restricted") => true,
-        Some("restricted") => rules
-            .get("allow")
-            .and_then(|a| a.as_array())
-            .into_iter()
-            .flatten()
-            .filter_map(|a| a.get("room_id").and_then(|r| r.as_str()))
-            .any(|allowed| {
-                s.projections
-                    .membership
-                    .get(allowed, user_id)
-                    .is_some_and(|m| m.membership == "join")
-            }),
-        _ => false,
-    }
+    discovery::previewable(&s.projections, room_id, |allowed| {
+        s.projections
+            .membership
+            .get(allowed, user_id)
+            .is_some_and(|m| m.membership == "join")
+    })
 }
 
-/// A child's `order` if valid (spec: at most 50 printable ASCII characters).
-fn child_order(content: &Value) -> Option<String> {
-    content
-        .get("order")
-        .and_then(|o| o.as_str())
-        .filter(|o| o.len() <= 50 && o.chars().all(|c| ('\x20'..='\x7e').contains(&c)))
-        .map(str::to_owned)
-}
-
-/// The room's `m.space.child` events with a non-empty `via`, in the spec's order
-/// (`order` first, lexicographically; then `origin_server_ts`; then room id), as
-/// stripped events with `origin_server_ts`.
 fn children(s: &AppState, room_id: &str, suggested_only: bool) -> Vec<(String, Value)> {
-    let Some(root) = s.projections.state.current_root(room_id) else {
-        return vec![];
-    };
-    let mut out = Vec::new();
-    for (child, id) in s.projections.state.entries_of_type(root, "m.space.child") {
-        let Some(ev) = s.projections.timeline.event(&id) else {
-            continue;
-        };
-        let content = ev.pdu.content_value();
-        let via_ok = content
-            .get("via")
-            .and_then(|v| v.as_array())
-            .is_some_and(|v| !v.is_empty());
-        if !via_ok {
-            continue;
-        }
-        if suggested_only && content.get("suggested") != Some(&json!(true)) {
-            continue;
-        }
-        let ts = u64::from(ev.pdu.origin_server_ts.0);
-        out.push((
-            (child_order(&content), ts, child.clone()),
-            json!({
-                "type": "m.space.child",
-                "state_key": child,
-                "content": content,
-                "sender": ev.pdu.sender,
-                "origin_server_ts": ts,
-            }),
-        ));
-    }
-    // Rooms with an `order` come first (None sorts first in Option's order, so flip it).
-    out.sort_by(|a, b| {
-        let ka = (a.0.0.is_none(), &a.0.0, a.0.1, &a.0.2);
-        let kb = (b.0.0.is_none(), &b.0.0, b.0.1, &b.0.2);
-        ka.cmp(&kb)
-    });
-    out.into_iter().map(|((_, _, c), ev)| (c, ev)).collect()
+    discovery::space_children(&s.projections, room_id, suggested_only)
 }
 
 /// `GET /_matrix/client/v1/rooms/{roomId}/hierarchy`: `suggested_only`, `limit`
@@ -273,25 +209,7 @@ async fn room_summary(
         return Err(not_found());
     }
     let mut summary = crate::directory::room_chunk(&s, &room_id).ok_or_else(not_found)?;
-    if let Some(meta) = s.projections.state.room(&room_id) {
-        summary["room_version"] = json!(meta.room_version);
-    }
-    if let Some(root) = s.projections.state.current_root(&room_id) {
-        if let Some(alg) = state_content(&s, root, "m.room.encryption", "")
-            .and_then(|c| c.get("algorithm").cloned())
-        {
-            summary["encryption"] = alg;
-        }
-        let allowed: Vec<Value> = state_content(&s, root, "m.room.join_rules", "")
-            .and_then(|c| c.get("allow").and_then(|a| a.as_array()).cloned())
-            .unwrap_or_default()
-            .into_iter()
-            .filter_map(|a| a.get("room_id").cloned())
-            .collect();
-        if !allowed.is_empty() {
-            summary["allowed_room_ids"] = Value::Array(allowed);
-        }
-    }
+    discovery::add_summary_details(&s.projections, &room_id, &mut summary);
     if user.is_some() {
         summary["membership"] = json!(membership.unwrap_or_else(|| "leave".into()));
     }

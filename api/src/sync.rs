@@ -679,9 +679,27 @@ impl Ctx<'_> {
     /// A room the user knocked on (spec: `KnockedRoom`): the stripped state a knocker
     /// may see (the same as an invitee's) and their own knock.
     fn knocked_room(&self, m: &Membership) -> Option<Value> {
+        let own = self.s.projections.timeline.event(&m.event_id)?;
+        // A knock on a room on another server carries the state its server answered
+        // (kept in `unsigned` of our outlier copy, as a remote invite's).
+        if let Some(remote) = own
+            .pdu
+            .federation_json()
+            .get("unsigned")
+            .and_then(|u| u.get("invite_room_state"))
+            .and_then(|v| v.as_array())
+        {
+            let mut events: Vec<Value> = remote
+                .iter()
+                .filter(|e| e.get("type").is_some() && e.get("state_key").is_some())
+                .take(64)
+                .cloned()
+                .collect();
+            events.push(stripped(&own.pdu));
+            return Some(json!({ "knock_state": { "events": events } }));
+        }
         let (_, root) = self.s.projections.state.roots_at(&m.event_id)?;
         let mut events = self.stripped_room_state(root);
-        let own = self.s.projections.timeline.event(&m.event_id)?;
         events.push(stripped(&own.pdu));
         Some(json!({ "knock_state": { "events": events } }))
     }

@@ -9,6 +9,7 @@
 //! - [`e2ee`]: signature checks on device and cross-signing keys.
 //! - [`auth`]: authorization of an event against room state, delegated to ruma-state-res.
 
+pub mod acl;
 pub mod auth;
 pub mod canonical;
 pub mod e2ee;

@@ -164,6 +164,13 @@ impl FromRequest<FedState> for Signed {
         );
         ruma::signatures::verify_json(&map, &obj)
             .map_err(|e| FedError::unauthorized(format!("request signature: {e}")))?;
+        // Counted only once the signature proves the origin: nobody can spend
+        // another server's allowance.
+        if let Some(limit) = &st.origin_limit
+            && let Some(retry_after_ms) = limit(&header.origin)
+        {
+            return Err(FedError::limit_exceeded(retry_after_ms));
+        }
         Ok(Signed {
             origin: header.origin,
             body,

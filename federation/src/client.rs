@@ -47,6 +47,9 @@ pub enum ClientError {
     /// The response was not the JSON expected.
     #[error("bad response from {0}: {1}")]
     BadResponse(String, String),
+    /// The response body is larger than the caller's limit.
+    #[error("{0} answered more than {1} bytes")]
+    TooLarge(String, usize),
 }
 
 /// The default outbound denylist: every range that is not the public internet.
@@ -359,6 +362,45 @@ impl FederationClient {
             .map_err(|e| ClientError::BadResponse(destination.into(), e.to_string()))
     }
 
+    /// Sends a signed request and returns the answer's headers and body as bytes, at
+    /// most `max_bytes` of them ([`ClientError::TooLarge`] beyond; the body is read in
+    /// chunks and abandoned at the limit). An error status is [`ClientError::Status`].
+    pub async fn request_bytes(
+        &self,
+        method: reqwest::Method,
+        destination: &str,
+        path_and_query: &str,
+        max_bytes: usize,
+    ) -> Result<(reqwest::header::HeaderMap, Vec<u8>), ClientError> {
+        let resolved = self.resolve(destination).await?;
+        let auth = self.authorization(method.as_str(), path_and_query, destination, None);
+        let url = format!("{}{}", resolved.base_url, path_and_query);
+        let resp = self
+            .http
+            .request(method, &url)
+            .header(reqwest::header::AUTHORIZATION, auth)
+            .send()
+            .await
+            .map_err(|e| ClientError::Transport(destination.into(), error_chain(&e)))?;
+        read_limited(destination, resp, max_bytes).await
+    }
+
+    /// An unauthenticated GET of any URL (a `Location` a remote server redirects media
+    /// to), through the same denylist, at most `max_bytes`.
+    pub async fn get_url_bytes(
+        &self,
+        url: &str,
+        max_bytes: usize,
+    ) -> Result<(reqwest::header::HeaderMap, Vec<u8>), ClientError> {
+        let resp = self
+            .http
+            .get(url)
+            .send()
+            .await
+            .map_err(|e| ClientError::Transport(url.into(), error_chain(&e)))?;
+        read_limited(url, resp, max_bytes).await
+    }
+
     /// An unauthenticated GET (the key server).
     pub async fn get_unsigned(
         &self,
@@ -385,6 +427,44 @@ impl FederationClient {
             .await
             .map_err(|e| ClientError::BadResponse(destination.into(), e.to_string()))
     }
+}
+
+/// Reads a response of at most `max_bytes` (error statuses become
+/// [`ClientError::Status`]).
+async fn read_limited(
+    destination: &str,
+    mut resp: reqwest::Response,
+    max_bytes: usize,
+) -> Result<(reqwest::header::HeaderMap, Vec<u8>), ClientError> {
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    if status.is_success() && resp.content_length().is_some_and(|n| n > max_bytes as u64) {
+        return Err(ClientError::TooLarge(destination.into(), max_bytes));
+    }
+    let limit = if status.is_success() { max_bytes } else { 500 };
+    let mut body = Vec::new();
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .map_err(|e| ClientError::Transport(destination.into(), error_chain(&e)))?
+    {
+        if body.len() + chunk.len() > limit {
+            if status.is_success() {
+                return Err(ClientError::TooLarge(destination.into(), max_bytes));
+            }
+            body.extend_from_slice(&chunk[..limit - body.len()]);
+            break;
+        }
+        body.extend_from_slice(&chunk);
+    }
+    if !status.is_success() {
+        return Err(ClientError::Status {
+            server: destination.into(),
+            status: status.as_u16(),
+            body: String::from_utf8_lossy(&body).into_owned(),
+        });
+    }
+    Ok((headers, body))
 }
 
 fn error_chain(e: &dyn std::error::Error) -> String {

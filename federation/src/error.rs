@@ -19,6 +19,8 @@ pub struct FedError {
     pub error: String,
     /// The room version, for `M_INCOMPATIBLE_ROOM_VERSION` (spec: `make_join`).
     pub room_version: Option<String>,
+    /// How long to wait before retrying, ms (`M_LIMIT_EXCEEDED`).
+    pub retry_after_ms: Option<u64>,
 }
 
 impl FedError {
@@ -29,6 +31,7 @@ impl FedError {
             errcode,
             error: error.into(),
             room_version: None,
+            retry_after_ms: None,
         }
     }
     /// Adds the `room_version` field (`M_INCOMPATIBLE_ROOM_VERSION`).
@@ -56,6 +59,16 @@ impl FedError {
     pub fn invalid_param(error: impl Into<String>) -> FedError {
         FedError::new(StatusCode::BAD_REQUEST, "M_INVALID_PARAM", error)
     }
+    /// 429 `M_LIMIT_EXCEEDED` with `retry_after_ms`.
+    pub fn limit_exceeded(retry_after_ms: u64) -> FedError {
+        let mut e = FedError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "M_LIMIT_EXCEEDED",
+            "Too many requests from your server",
+        );
+        e.retry_after_ms = Some(retry_after_ms);
+        e
+    }
     /// 500 `M_UNKNOWN` (storage failures only; never for remote input).
     pub fn internal(error: impl Into<String>) -> FedError {
         FedError::new(StatusCode::INTERNAL_SERVER_ERROR, "M_UNKNOWN", error)
@@ -67,6 +80,9 @@ impl IntoResponse for FedError {
         let mut body = serde_json::json!({ "errcode": self.errcode, "error": self.error });
         if let Some(v) = self.room_version {
             body["room_version"] = v.into();
+        }
+        if let Some(ms) = self.retry_after_ms {
+            body["retry_after_ms"] = ms.into();
         }
         (self.status, Json(body)).into_response()
     }

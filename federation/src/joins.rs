@@ -75,7 +75,7 @@ pub(crate) async fn make_leave(
     ))
 }
 
-async fn template(
+pub(crate) async fn template(
     st: &FedState,
     origin: &str,
     room_id: &str,
@@ -98,7 +98,7 @@ async fn template(
 
 /// Submits a membership PDU from a `send_*` request; checks it is the membership the
 /// endpoint is for and that its sender belongs to the origin.
-async fn submit_membership(
+pub(crate) async fn submit_membership(
     st: &FedState,
     signed: &Signed,
     room_id: &str,

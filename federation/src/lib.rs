@@ -22,17 +22,22 @@
 //! Invariant: `federation` never imports `api`; both read projections and submit
 //! commands to the journal.
 
+pub mod acl;
 pub mod auth;
 pub mod backfill;
 pub mod client;
+pub mod directory;
 pub mod error;
 pub mod invites;
 pub mod joins;
 pub mod keys;
+pub mod knocks;
+pub mod media;
 pub mod outbound;
 pub mod queries;
 pub mod reads;
 pub mod sender;
+pub mod spaces;
 pub mod transactions;
 
 use std::{path::PathBuf, sync::Arc};
@@ -132,7 +137,15 @@ pub struct FedState {
     pub config: Arc<FederationConfig>,
     /// `/send` responses by (origin, txn id), for retried transactions.
     pub txns: Arc<parking_lot::Mutex<transactions::TxnCache>>,
+    /// The per-origin rate limit of inbound requests (`[rate_limits.federation_origin]`,
+    /// kept by the api crate's limiters): called once per authenticated request with
+    /// the origin; `Some(retry_after_ms)` refuses it with 429 `M_LIMIT_EXCEEDED`.
+    /// `None`: no limit.
+    pub origin_limit: Option<OriginLimit>,
 }
+
+/// See [`FedState::origin_limit`].
+pub type OriginLimit = Arc<dyn Fn(&str) -> Option<u64> + Send + Sync>;
 
 impl FedState {
     /// Builds the state. Errors on bad trust settings (unreadable CA file, bad CIDR).
@@ -156,7 +169,15 @@ impl FedState {
             keys,
             config: Arc::new(config),
             txns: Arc::default(),
+            origin_limit: None,
         })
+    }
+
+    /// The same state with the per-origin rate limit `limit` (see
+    /// [`FedState::origin_limit`]).
+    pub fn with_origin_limit(mut self, limit: OriginLimit) -> FedState {
+        self.origin_limit = Some(limit);
+        self
     }
 
     /// Our server name.
@@ -308,6 +329,22 @@ pub fn router(st: FedState) -> Router {
         .route(
             "/_matrix/federation/v1/get_missing_events/{room_id}",
             post(reads::get_missing_events),
+        )
+        .route(
+            "/_matrix/federation/v1/make_knock/{room_id}/{user_id}",
+            get(knocks::make_knock),
+        )
+        .route(
+            "/_matrix/federation/v1/send_knock/{room_id}/{event_id}",
+            put(knocks::send_knock),
+        )
+        .route(
+            "/_matrix/federation/v1/publicRooms",
+            get(directory::public_rooms_get).post(directory::public_rooms_post),
+        )
+        .route(
+            "/_matrix/federation/v1/hierarchy/{room_id}",
+            get(spaces::hierarchy),
         );
     if !well_known.is_empty() {
         r = r.route(
@@ -316,13 +353,15 @@ pub fn router(st: FedState) -> Router {
         );
     }
     // Unknown paths fall through to the Client-Server router's `M_UNRECOGNIZED`.
-    r.route_layer(axum::middleware::from_fn_with_state(
-        st.clone(),
-        read_your_writes,
-    ))
-    .with_state(st.clone())
-    .layer(axum::extract::DefaultBodyLimit::max(
-        auth::MAX_FEDERATION_BODY_BYTES,
-    ))
-    .merge(key_routes(st))
+    // Layers run outside-in: the ACL guard sees the projections caught up.
+    r.route_layer(axum::middleware::from_fn_with_state(st.clone(), acl::guard))
+        .route_layer(axum::middleware::from_fn_with_state(
+            st.clone(),
+            read_your_writes,
+        ))
+        .with_state(st.clone())
+        .layer(axum::extract::DefaultBodyLimit::max(
+            auth::MAX_FEDERATION_BODY_BYTES,
+        ))
+        .merge(key_routes(st))
 }

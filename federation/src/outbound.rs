@@ -1,6 +1,7 @@
 //! What the Client-Server API asks of other servers: joining a room another server
 //! hosts (spec: server-server API, "Joining Rooms", joining server side), resolving a
-//! remote alias, a remote profile, and a remote server's public room list.
+//! remote alias and a remote profile (a remote server's public room list is
+//! [`crate::directory::remote_public_rooms`]).
 //!
 //! A remote join: `make_join` on each candidate server until one answers, sign the
 //! template with our key, `send_join` it, verify what comes back and hand it to the
@@ -104,23 +105,6 @@ pub async fn query_profile(
     }
     st.client
         .request(reqwest::Method::GET, server, &path, None)
-        .await
-        .map_err(remote_error)
-}
-
-/// A remote server's public room list (`GET /publicRooms` with `limit`, `since`).
-pub async fn public_rooms(
-    st: &FedState,
-    server: &str,
-    body: &serde_json::Value,
-) -> FedResult<serde_json::Value> {
-    st.client
-        .request(
-            reqwest::Method::POST,
-            server,
-            "/_matrix/federation/v1/publicRooms",
-            Some(body),
-        )
         .await
         .map_err(remote_error)
 }

@@ -100,6 +100,7 @@ pub async fn ingest(
     let Some(version) = st.journal.room_version(&room_id).await else {
         return Err(format!("{room_id} is not a room on this server"));
     };
+    crate::acl::check_room(st, &room_id, origin).map_err(|e| e.error)?;
     let event_id =
         event_id_of(pdu, &version).ok_or("the PDU is not valid JSON for its room version")?;
     let submit = |p: serde_json::Value| {

@@ -383,6 +383,38 @@ pub enum Fact {
     /// An account was made a server admin (`spindle admin promote`; principal: the
     /// server). Admins may use the admin API (`/_spindle/admin/v1`).
     AdminPromoted { user_id: String },
+    /// A server admin took admin rights away from an account (Synapse admin API `PUT
+    /// /_synapse/admin/v1/users/{userId}/admin` with `admin: false`). Only rights
+    /// given by [`Fact::AdminPromoted`] can be taken away: config `admins` stay.
+    AdminRevoked { user_id: String },
+    /// A server admin quarantined a media id of this server (Synapse admin API): it is
+    /// no longer served (404), its metadata stays.
+    MediaQuarantined {
+        media_id: String,
+        quarantined_by: String,
+    },
+    /// A server admin deleted a media id of this server (Synapse admin API): it is no
+    /// longer served or listed; the id is never reused. The blob is shared by content
+    /// hash, so its bytes stay until no media names them (`spindle verify-media`).
+    MediaDeleted { media_id: String },
+    /// A server admin deleted an event report; `report_id` is the position of its
+    /// [`Fact::ContentReported`] record.
+    ContentReportDeleted { report_id: u64 },
+    /// A server admin shut a room down (Synapse admin API `DELETE
+    /// /_synapse/admin/v2/rooms/{roomId}`), journaled once every local member had been
+    /// made to leave: what was done, for the delete status and the audit trail.
+    /// `delete_id` names the operation; `block` asked that local users never join again.
+    RoomShutDown {
+        room_id: String,
+        delete_id: String,
+        requester: String,
+        kicked_users: Vec<String>,
+        failed_to_kick_users: Vec<String>,
+        local_aliases: Vec<String>,
+        new_room_id: Option<String>,
+        block: bool,
+        purge: bool,
+    },
     /// The account's password changed (`POST /account/password`); `password_hash` is
     /// an argon2 PHC string.
     PasswordChanged {

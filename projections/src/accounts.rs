@@ -158,6 +158,21 @@ impl Accounts {
         serde_json::from_slice(&self.users.get(user_id.as_bytes())?).ok()
     }
 
+    /// Every account, ordered by user id (the server-admin user list; cost grows with
+    /// the number of accounts, which that list reports in full as `total`).
+    pub fn users(&self) -> Vec<(String, Account)> {
+        self.users
+            .scan_prefix(&[], usize::MAX)
+            .into_iter()
+            .filter_map(|(k, v)| {
+                Some((
+                    String::from_utf8_lossy(&k).into_owned(),
+                    serde_json::from_slice(&v).ok()?,
+                ))
+            })
+            .collect()
+    }
+
     /// Resolves a token hash (one point read).
     pub fn token(&self, token_hash: &str) -> Option<TokenOwner> {
         serde_json::from_slice(&self.tokens.get(token_hash.as_bytes())?).ok()

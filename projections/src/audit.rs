@@ -313,6 +313,9 @@ impl Audit {
                     record.position().to_be_bytes().to_vec(),
                 );
             }
+            Some(Fact::AdminRevoked { user_id }) => {
+                ctx.delete(&self.admins, user_id.into_bytes());
+            }
             _ => {}
         }
         let principal = record.principal();

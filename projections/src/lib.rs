@@ -24,11 +24,13 @@
 //! | [`push::Pushers`] | pushers |
 //! | [`relations::Relations`] | relations by parent, bundled aggregations, threads by activity |
 //! | [`search::Search`] | full-text index of room events (tantivy) for `/search` |
+//! | [`server_admin::ServerAdmin`] | account creation times, media per uploader, event reports, room shutdowns (the Synapse admin API) |
 
 pub mod accounts;
 pub mod audit;
 pub mod device_keys;
 pub mod directory;
+pub mod discovery;
 pub mod key_backup;
 pub mod media;
 pub mod membership;
@@ -39,6 +41,7 @@ pub mod render;
 pub mod room_summary;
 pub mod runtime;
 pub mod search;
+pub mod server_admin;
 pub mod state;
 pub mod store;
 pub mod timeline;
@@ -98,6 +101,8 @@ pub struct Projections {
     pub relations: Arc<relations::Relations>,
     /// Full-text index of room events.
     pub search: Arc<search::Search>,
+    /// What the server-admin API lists (creation times, media per user, reports).
+    pub server_admin: Arc<server_admin::ServerAdmin>,
     /// The runtime (checkpoints, waiting).
     pub runtime: Runtime,
     /// The database (counters).
@@ -130,6 +135,7 @@ fn open_by_name(name: &str, db: &ProjectionDb) -> Option<Result<Arc<dyn Projecti
         "push" => arc(push::Push::open(db)),
         "pushers" => arc(push::Pushers::open(db)),
         "relations" => arc(relations::Relations::open(db)),
+        "server_admin" => arc(server_admin::ServerAdmin::open(db)),
         // The search index lives in its own tantivy directory, not in generations of
         // fjall keyspaces: it is rebuilt offline (see `Projections::rebuild_online`).
         "search" => Err("search".into()),
@@ -199,6 +205,7 @@ impl Projections {
         let pushers = Arc::new(push::Pushers::open(&db)?);
         let relations = Arc::new(relations::Relations::open(&db)?);
         let search = Arc::new(search::Search::open(&db, dir, options.search)?);
+        let server_admin = Arc::new(server_admin::ServerAdmin::open(&db)?);
         let all: Vec<Arc<dyn Projection>> = vec![
             timeline.clone(),
             state.clone(),
@@ -220,6 +227,7 @@ impl Projections {
             pushers.clone(),
             relations.clone(),
             search.clone(),
+            server_admin.clone(),
         ];
         debug_assert!(
             all.iter().all(|p| open_by_name(p.name(), &db).is_some()),
@@ -247,6 +255,7 @@ impl Projections {
             pushers,
             relations,
             search,
+            server_admin,
             runtime,
             db,
         })

@@ -27,6 +27,9 @@ pub struct MediaRecord {
     pub size: u64,
     /// When the id was created, ms since the epoch (the record's append time).
     pub created_at: u64,
+    /// The admin who quarantined it (`MediaQuarantined`); quarantined media is not served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quarantined_by: Option<String>,
 }
 
 /// The media projection.
@@ -68,6 +71,7 @@ impl Projection for Media {
                     filename: None,
                     size: 0,
                     created_at: record.view().appended_at.to_native(),
+                    quarantined_by: None,
                 },
             ),
             Some(Fact::MediaUploaded {
@@ -92,8 +96,26 @@ impl Projection for Media {
                         filename,
                         size,
                         created_at,
+                        quarantined_by: None,
                     },
                 )
+            }
+            Some(Fact::MediaQuarantined {
+                media_id,
+                quarantined_by,
+            }) => {
+                let Some(mut m) = ctx
+                    .get(&self.media, media_id.as_bytes())
+                    .and_then(|v| serde_json::from_slice::<MediaRecord>(&v).ok())
+                else {
+                    return Ok(());
+                };
+                m.quarantined_by = Some(quarantined_by);
+                (media_id, m)
+            }
+            Some(Fact::MediaDeleted { media_id }) => {
+                ctx.delete(&self.media, media_id.into_bytes());
+                return Ok(());
             }
             _ => return Ok(()),
         };

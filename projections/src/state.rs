@@ -107,6 +107,21 @@ impl State {
         serde_json::from_slice(&self.rooms.get(room_id.as_bytes())?).ok()
     }
 
+    /// Every room, ordered by room id (the server-admin room list; cost grows with the
+    /// number of rooms, which that list reports in full as `total_rooms`).
+    pub fn rooms(&self) -> Vec<(String, RoomMeta)> {
+        self.rooms
+            .scan_prefix(&[], usize::MAX)
+            .into_iter()
+            .filter_map(|(k, v)| {
+                Some((
+                    String::from_utf8_lossy(&k).into_owned(),
+                    serde_json::from_slice(&v).ok()?,
+                ))
+            })
+            .collect()
+    }
+
     /// The room's current state root.
     pub fn current_root(&self, room_id: &str) -> Option<Root> {
         root_from(&self.current.get(room_id.as_bytes())?)
