@@ -165,6 +165,8 @@ class Synapse:
             "suppress_key_server_warning: true\n"
             "trusted_key_servers: []\n"
             "federation_verify_certificates: false\n"
+            "allow_public_rooms_over_federation: true\n"
+            "room_list_publication_rules: [{action: allow}]\n"
             "federation_ip_range_blacklist: []\n"
             "ip_range_blacklist: []\n"
             "enable_registration: true\n"
@@ -493,6 +495,30 @@ def test_invites_both_ways_accept_one_reject_one(world):
     alice.call("POST", f"/_matrix/client/v3/rooms/{q(other)}/leave", {})
     wait_until("the rejection on Synapse", lambda: bob.membership(other, alice.user_id) == "leave")
     assert other not in sync_rooms(alice, "invite")
+
+
+def test_public_room_directories_across_servers_both_ways(world):
+    alice, bob, spindle, synapse = world["alice"], world["bob"], world["spindle"], world["synapse"]
+    # A room Spindle lists: a Synapse user reads Spindle's directory through Synapse
+    # (Synapse asks Spindle's /_matrix/federation/v1/publicRooms).
+    ours = alice.call("POST", "/_matrix/client/v3/createRoom", {"preset": "public_chat", "name": "Listed on Spindle"})["room_id"]
+    alice.call("PUT", f"/_matrix/client/v3/directory/list/room/{q(ours)}", {"visibility": "public"})
+    seen = bob.call("GET", f"/_matrix/client/v3/publicRooms?server={q(spindle.server_name)}&limit=50")
+    chunk = {c["room_id"]: c for c in seen["chunk"]}
+    assert chunk[ours]["name"] == "Listed on Spindle"
+    assert chunk[ours]["num_joined_members"] == 1
+    found = bob.call("POST", f"/_matrix/client/v3/publicRooms?server={q(spindle.server_name)}",
+                     {"limit": 10, "filter": {"generic_search_term": "listed on spindle"}})
+    assert [c["room_id"] for c in found["chunk"]] == [ours]
+    # A room Synapse lists: a Spindle user reads Synapse's directory through Spindle.
+    theirs = bob.call("POST", "/_matrix/client/v3/createRoom", {
+        "preset": "public_chat", "name": "Listed on Synapse", "visibility": "public",
+    })["room_id"]
+    out = alice.call("GET", f"/_matrix/client/v3/publicRooms?server={q(synapse.server_name)}&limit=50")
+    assert "Listed on Synapse" in [c.get("name") for c in out["chunk"] if c["room_id"] == theirs]
+    out = alice.call("POST", f"/_matrix/client/v3/publicRooms?server={q(synapse.server_name)}",
+                     {"limit": 10, "filter": {"generic_search_term": "Listed on Synapse"}})
+    assert [c["room_id"] for c in out["chunk"]] == [theirs]
 
 
 def test_remote_leave_reaches_spindle(world):
