@@ -314,6 +314,20 @@ async fn messages(
     let limit = q.u64("limit")?.unwrap_or(10).min(MAX_PAGE as u64) as usize;
     let filter = parse_filter(&q)?;
     if limit == 0 {
+        // The token is still checked: a malformed one is an error whatever the limit.
+        if let Some(t) = q.get("from") {
+            match t.strip_prefix('b') {
+                Some(seq) => {
+                    seq.parse::<u64>()
+                        .map_err(|_| MatrixError::invalid_param("Invalid from token"))?;
+                }
+                None => {
+                    if parse_token(t)? > s.journal.durable_head() {
+                        return Err(MatrixError::invalid_param("from token is from the future"));
+                    }
+                }
+            }
+        }
         let start = q
             .get("from")
             .map(str::to_owned)
@@ -422,8 +436,9 @@ async fn messages(
     } else {
         let mut after = from;
         if let Some(seq) = from_backfill {
-            // Forward out of backfilled history, then into the live timeline.
-            let mut seq = seq;
+            // Forward out of backfilled history, then into the live timeline. `b<N>` sits
+            // between sequences N+1 (older) and N (newer): forward starts at N.
+            let mut seq = seq.saturating_add(1);
             loop {
                 let rows = s.projections.timeline.range_backfill_newer(&room_id, seq, page);
                 for (n, id) in &rows {
@@ -436,7 +451,7 @@ async fn messages(
                     }
                 }
                 if chunk.len() >= limit {
-                    end = Some(format!("b{seq}"));
+                    end = Some(format!("b{}", seq - 1));
                     break;
                 }
                 if rows.len() < page {

@@ -379,6 +379,15 @@ def test_spindle_user_joins_a_synapse_room_by_alias_and_both_sides_agree(world):
     assert [e for e in ids(timeline) if e in set(before)] == before
     theirs = bob.messages(room, limit=1000)
     assert [e["event_id"] for e in timeline] == [e["event_id"] for e in theirs]
+    # Forward from a backfill token gives the events right after it, none skipped.
+    all_ids = [e["event_id"] for e in timeline]
+    page = alice.call("GET", f"/_matrix/client/v3/rooms/{q(room)}/messages?dir=b&limit=50")
+    assert page["end"].startswith("b")
+    forward = alice.call("GET", f"/_matrix/client/v3/rooms/{q(room)}/messages?dir=f&limit=5&from={q(page['end'])}")
+    i = all_ids.index(page["chunk"][-1]["event_id"])
+    assert [e["event_id"] for e in forward["chunk"]] == all_ids[i:i + 5]
+    back = alice.call("GET", f"/_matrix/client/v3/rooms/{q(room)}/messages?dir=b&limit=3&from={q(forward['end'])}")
+    assert [e["event_id"] for e in back["chunk"]] == list(reversed(all_ids[i + 2:i + 5]))
     # Backfilled events render like live ones (content and sender as sent).
     first = next(e for e in timeline if e["event_id"] == before[0])
     assert (first["sender"], first["content"]["body"]) == (bob.user_id, "before alice 0")
