@@ -492,7 +492,7 @@ impl PushSender {
             match outcome {
                 Outcome::Delivered(rejected) => {
                     self.stats.delivered.fetch_add(1, Ordering::Relaxed);
-                    if rejected.iter().any(|k| *k == d.pushkey) {
+                    if rejected.contains(&d.pushkey) {
                         self.remove_pusher(&d).await;
                     }
                 }

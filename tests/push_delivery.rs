@@ -457,3 +457,69 @@ async fn a_gateway_on_loopback_is_refused_unless_allowed() {
     assert!(gw.seen.lock().is_empty());
     ts.stop().await;
 }
+
+/// The "Measure": a ring (one message) in a room of N pushered members, time
+/// from the sender's `PUT` returning to the first and the last phone's notification at
+/// one gateway, p50/p99 over 20 rings. Not a test (no assertion on time); run with
+/// `cargo test --test push_delivery ring_latency -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn ring_latency_by_room_size() {
+    let (gw, url) = Gateway::start().await;
+    let ts = TestServer::start_with(|c| {
+        c.push.ip_range_allowlist = vec!["127.0.0.1/32".into()];
+        c.password_hashing.m_cost_kib = 64;
+        c.password_hashing.t_cost = 1;
+    })
+    .await;
+    let alice = ts.register("alice").await;
+    let mut members = 0;
+    let room = alice.create_room(json!({ "preset": "public_chat" })).await;
+    for n in [10usize, 100, 1000] {
+        while members < n {
+            let c = ts.register(&format!("m{members}")).await;
+            set_pusher(&c, &url, &format!("key-{members}"), json!({})).await;
+            c.join(&room).await;
+            members += 1;
+        }
+        // Let the joins' notifications drain before timing.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let mut first = Vec::new();
+        let mut last = Vec::new();
+        for _ in 0..20 {
+            let ev = send(
+                &alice,
+                &room,
+                json!({ "msgtype": "m.text", "body": "ring" }),
+            )
+            .await;
+            let t0 = std::time::Instant::now();
+            let mut t_first = None;
+            loop {
+                let notified = gw.notify.notified();
+                let got = gw.for_event(&ev).len();
+                if got > 0 && t_first.is_none() {
+                    t_first = Some(t0.elapsed());
+                }
+                if got >= n {
+                    break;
+                }
+                let _ = tokio::time::timeout(Duration::from_secs(30), notified).await;
+            }
+            first.push(t_first.unwrap().as_secs_f64() * 1000.0);
+            last.push(t0.elapsed().as_secs_f64() * 1000.0);
+        }
+        let pct = |v: &mut Vec<f64>, p: f64| {
+            v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            v[((v.len() as f64 - 1.0) * p).round() as usize]
+        };
+        println!(
+            "ring n={n}: first p50 {:.1} ms p99 {:.1} ms; last p50 {:.1} ms p99 {:.1} ms",
+            pct(&mut first, 0.5),
+            pct(&mut first, 0.99),
+            pct(&mut last, 0.5),
+            pct(&mut last, 0.99)
+        );
+    }
+    ts.stop().await;
+}
