@@ -447,3 +447,90 @@ async fn a_pending_delay_survives_a_restart_and_fires_after_it() {
     assert!(list(&alice).await.is_empty());
     p.kill();
 }
+
+/// The "Measure" for delayed events: firing lateness (the sent event's
+/// `origin_server_ts` minus its deadline) p50/p99/max with 10, 100 and 1,000 delays
+/// due within the same two seconds; the time of one `restart` with that many live
+/// delays; store rows an idle tick reads with 100, 1,000 and 10,000 pending. Not a
+/// test; `cargo test --test delayed_events measure -- --ignored --nocapture`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn measure_lateness_restart_and_idle_tick() {
+    let ts = TestServer::start_with(|c| {
+        c.delayed_events.max_event_delay_duration_ms = 86_400_000;
+        c.delayed_events.max_scheduled_per_user = 20_000;
+    })
+    .await;
+    let alice = ts.register("alice").await;
+    let room = alice.create_room(json!({})).await;
+    let pct = |v: &mut Vec<u64>, p: f64| {
+        v.sort();
+        v[((v.len() as f64 - 1.0) * p).round() as usize]
+    };
+    for n in [10u64, 100, 1000] {
+        // n delays due over 2 s, scheduled ahead of time so scheduling does not overlap.
+        let lead = 5_000 + n * 5;
+        let mut ids = Vec::new();
+        let t0 = spindle_api::now_ms();
+        for i in 0..n {
+            let due_in = lead + i * 2_000 / n;
+            let elapsed = spindle_api::now_ms() - t0;
+            ids.push(
+                schedule_message(
+                    &alice,
+                    &room,
+                    &format!("n{n}-{i}"),
+                    due_in.saturating_sub(elapsed).max(1),
+                )
+                .await,
+            );
+        }
+        // One restart with n live delays.
+        let t = std::time::Instant::now();
+        alice
+            .post(&format!("{DE}/{}/restart", ids[0]), &json!({}))
+            .await
+            .ok();
+        let restart_ms = t.elapsed().as_secs_f64() * 1000.0;
+        let mut late = Vec::new();
+        for id in &ids {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            loop {
+                let d = alice.get(&format!("{DE}/{id}")).await.ok();
+                if let Some(ev) = d["event_id"].as_str() {
+                    let due = d["running_since"].as_u64().unwrap() + d["delay"].as_u64().unwrap();
+                    let room_ev = alice.event(&room, ev).await.ok();
+                    late.push(room_ev["origin_server_ts"].as_u64().unwrap() - due);
+                    break;
+                }
+                assert!(tokio::time::Instant::now() < deadline);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        let max = *late.iter().max().unwrap();
+        println!(
+            "delays n={n}: lateness p50 {} ms p99 {} ms max {max} ms; restart with {n} live: {restart_ms:.1} ms",
+            pct(&mut late, 0.5),
+            pct(&mut late, 0.99),
+        );
+    }
+    let stats = ts.server.projections.db.stats().clone();
+    let mut pending = 0;
+    for n in [100, 1000, 10_000] {
+        while pending < n {
+            schedule_message(&alice, &room, "far", 80_000_000).await;
+            pending += 1;
+        }
+        let before = stats.total();
+        let t = std::time::Instant::now();
+        for k in 0..1000 {
+            spindle_api::delayed::tick(&ts.server.state, spindle_api::now_ms() + k).await;
+        }
+        println!(
+            "idle tick with {n} pending: {} store rows read over 1000 ticks, {:.2} µs per tick",
+            stats.total() - before,
+            t.elapsed().as_secs_f64() * 1e6 / 1000.0
+        );
+    }
+    ts.stop().await;
+}

@@ -65,6 +65,8 @@ impl Gateway {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
             let notified = self.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
             if let Some(v) = self.seen.lock().iter().find(|v| pred(v)) {
                 return v.clone();
             }
@@ -497,6 +499,8 @@ async fn ring_latency_by_room_size() {
             let mut t_first = None;
             loop {
                 let notified = gw.notify.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
                 let got = gw.for_event(&ev).len();
                 if got > 0 && t_first.is_none() {
                     t_first = Some(t0.elapsed());

@@ -291,37 +291,51 @@ async fn fire(s: &AppState, d: &DelayedEvent, by_action: bool) -> ApiResult<()> 
 }
 
 /// One tick: fires every delayed event due at `now_ms` (at most [`FIRE_BATCH`]), then
-/// refreshes the earliest deadline. Returns how many were fired. Reads no store row
-/// when nothing is due.
+/// refreshes the earliest deadline (also when nothing turned out to be due: the
+/// earliest one was cancelled or restarted). Returns how many were fired. Reads no
+/// store row before the earliest deadline.
 pub async fn tick(s: &AppState, now_ms: u64) -> usize {
-    let due = s.projections.delayed.due(now_ms, FIRE_BATCH);
-    if due.is_empty() {
+    let heap = &s.projections.delayed;
+    if now_ms < heap.next_due() {
         return 0;
     }
-    for d in &due {
-        if let Err(e) = fire(s, d, false).await {
-            tracing::warn!(delay_id = %d.delay_id, error = %e.error, "delayed event outcome not journaled; retrying next tick");
+    let mut fired = 0;
+    for d in heap.due(now_ms, FIRE_BATCH) {
+        match fire(s, &d, false).await {
+            Ok(()) => fired += 1,
+            Err(e) => {
+                tracing::warn!(delay_id = %d.delay_id, error = %e.error, "delayed event outcome not journaled; retrying")
+            }
         }
     }
-    s.projections.delayed.refresh_next_due();
-    due.len()
+    heap.refresh_next_due();
+    fired
 }
 
 /// Fires delayed events at their deadlines until `shutdown` turns true: sleeps until
-/// the earliest deadline (at most a second, or until a commit makes it earlier).
+/// the earliest deadline (at most a second, or until a commit makes it earlier; 100
+/// ms when a due one could not be finalised).
 pub async fn run_worker(s: AppState, mut shutdown: tokio::sync::watch::Receiver<bool>) {
     let changed = s.projections.delayed.changed();
     loop {
         if *shutdown.borrow() {
             return;
         }
+        // Registered before the tick reads the deadline, so a commit lowering it
+        // meanwhile is not missed.
         let notified = changed.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
         let now = crate::now_ms();
         if tick(&s, now).await > 0 {
             continue;
         }
         let next = s.projections.delayed.next_due();
-        let wait_ms = next.saturating_sub(now).clamp(1, 1_000);
+        let wait_ms = if next <= now {
+            100
+        } else {
+            (next - now).min(1_000)
+        };
         tokio::select! {
             _ = tokio::time::sleep(std::time::Duration::from_millis(wait_ms)) => {}
             _ = notified => {}
