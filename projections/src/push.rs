@@ -22,8 +22,11 @@
 //! - `notifications`: user, 0x00, position -> [`Notification`]
 //! - `highlights`: user, 0x00, position -> empty
 //! - `queue`: position (BE), user -> empty: the push queue, one row per notification
-//!   in position order, which the push-gateway consumer reads by position (it asks
-//!   the `pushers` projection whether the user has a pusher at delivery time)
+//!   of a user in `pushered`, in position order, which the push-gateway consumer reads
+//!   by position (it asks the `pushers` projection for the user's pushers at delivery)
+//! - `pushered`: user -> empty: users who ever set a pusher (an over-approximation the
+//!   consumer narrows; it keeps users without pushers, most users and every bot, out
+//!   of the queue, so their notifications cost the consumer nothing)
 //!
 //! A count is four seeks (BRIEF §4): the last running row at or before `upto` minus
 //! the last at or before the read position, never a walk over events.
@@ -101,6 +104,7 @@ pub struct Push {
     notifications: Table,
     highlights: Table,
     queue: Table,
+    pushered: Table,
     last_rules: LastChange,
     globs: GlobCache,
     compiled: Mutex<HashMap<String, Arc<CompiledRuleset>>>,
@@ -273,6 +277,7 @@ impl Push {
             notifications: t("notifications")?,
             highlights: t("highlights")?,
             queue: t("queue")?,
+            pushered: t("pushered")?,
             last_rules: LastChange::default(),
             globs: GlobCache::default(),
             compiled: Mutex::new(HashMap::new()),
@@ -624,7 +629,9 @@ impl Push {
                 if highlight {
                     ctx.put(&self.highlights, key::with_pos(&[user], pos), Vec::new());
                 }
-                ctx.put(&self.queue, queue_key(pos, user), Vec::new());
+                if ctx.get(&self.pushered, user.as_bytes()).is_some() {
+                    ctx.put(&self.queue, queue_key(pos, user), Vec::new());
+                }
             }
         }
 
@@ -698,6 +705,7 @@ impl Projection for Push {
             self.notifications.clone(),
             self.highlights.clone(),
             self.queue.clone(),
+            self.pushered.clone(),
         ]
     }
 
@@ -710,6 +718,9 @@ impl Projection for Push {
             return self.apply_event(ctx, record);
         }
         if let Some(fact) = record.fact() {
+            if let Fact::PusherSet { user_id, .. } = &fact {
+                ctx.put(&self.pushered, user_id.clone().into_bytes(), Vec::new());
+            }
             self.apply_fact(ctx, record, fact);
         }
         Ok(())
