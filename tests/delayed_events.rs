@@ -99,6 +99,23 @@ async fn wait_for_body(c: &Client, room: &str, body: &str) -> Value {
     }
 }
 
+/// Waits (at most 20 s) until the delay is finalised (its `DelayedEventSent` fact is
+/// appended just after the event), returns `GET .../{delay_id}`.
+async fn wait_finalised(c: &Client, id: &str) -> Value {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let d = c.get(&format!("{DE}/{id}")).await.ok();
+        if d.get("origin_server_ts").is_some() {
+            return d;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{id} never finalised: {d}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fires_at_its_deadline_and_not_before() {
     let ts = start().await;
@@ -131,9 +148,9 @@ async fn fires_at_its_deadline_and_not_before() {
         since + 1_500
     );
     assert_eq!(ev["sender"], alice.user_id);
-    assert!(list(&alice).await.is_empty());
-    let one = alice.get(&format!("{DE}/{id}")).await.ok();
+    let one = wait_finalised(&alice, &id).await;
     assert_eq!(one["event_id"], ev["event_id"]);
+    assert!(list(&alice).await.is_empty());
     assert!(one["origin_server_ts"].as_u64().unwrap() >= sent_at);
     // Exactly one event, and `send` on a sent delay is a successful no-op.
     alice
@@ -441,7 +458,7 @@ async fn a_pending_delay_survives_a_restart_and_fires_after_it() {
     let ev = wait_for_body(&alice, &room, "after restart").await;
     assert!(ev["origin_server_ts"].as_u64().unwrap() >= since + 3_000);
     assert_eq!(
-        alice.get(&format!("{DE}/{id}")).await.ok()["event_id"],
+        wait_finalised(&alice, &id).await["event_id"],
         ev["event_id"]
     );
     assert!(list(&alice).await.is_empty());
