@@ -54,6 +54,81 @@ pub struct Config {
     pub devices: Devices,
     /// Prometheus metrics on a listener of their own.
     pub metrics: Metrics,
+    /// Push delivery to push gateways (docs/push.md).
+    pub push: Push,
+    /// Delayed events (MSC4140, docs/push.md "Delayed events").
+    pub delayed_events: DelayedEvents,
+}
+
+/// Push delivery to push gateways (docs/push.md).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Push {
+    /// Deliver notifications to the HTTP pushers' gateways.
+    pub enabled: bool,
+    /// Timeout of one notify request, ms.
+    pub request_timeout_ms: u64,
+    /// First retry delay after a gateway failed, ms (doubles per failure).
+    pub retry_initial_ms: u64,
+    /// Longest retry delay, ms.
+    pub retry_max_ms: u64,
+    /// A notification not delivered this long after its event was appended is
+    /// dropped (ms; 2 h, about as long as Synapse retries one notification).
+    pub max_notification_age_ms: u64,
+    /// Notify requests in flight per gateway.
+    pub concurrent_requests_per_gateway: usize,
+    /// A worker stops adding events to a batch past this many notifications (every
+    /// notification of one event always goes in the same batch; nothing is dropped).
+    pub batch_notifications_max: usize,
+    /// `counts.unread` counts rooms with unread notifications (Synapse's default)
+    /// rather than notifications.
+    pub group_unread_count_by_room: bool,
+    /// Address ranges (CIDR) a push gateway may not be at (Synapse's
+    /// `ip_range_blacklist`); the default is the federation default.
+    pub ip_range_denylist: Vec<String>,
+    /// Ranges exempt from the denylist (Synapse's `ip_range_whitelist`), e.g.
+    /// `["127.0.0.1/32"]` for a gateway on loopback.
+    pub ip_range_allowlist: Vec<String>,
+}
+
+impl Default for Push {
+    fn default() -> Self {
+        Push {
+            enabled: true,
+            request_timeout_ms: 10_000,
+            retry_initial_ms: 1_000,
+            retry_max_ms: 600_000,
+            max_notification_age_ms: 7_200_000,
+            concurrent_requests_per_gateway: 16,
+            batch_notifications_max: 2_000,
+            group_unread_count_by_room: true,
+            ip_range_denylist: spindle_federation::client::DEFAULT_IP_RANGE_DENYLIST
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            ip_range_allowlist: Vec::new(),
+        }
+    }
+}
+
+/// Delayed events (MSC4140).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DelayedEvents {
+    /// Longest delay a client may ask for, ms; 0 turns delayed events off (Synapse's
+    /// `max_event_delay_duration`, off by default).
+    pub max_event_delay_duration_ms: u64,
+    /// Scheduled delayed events per user at most (beyond: 429 `M_LIMIT_EXCEEDED`).
+    pub max_scheduled_per_user: usize,
+}
+
+impl Default for DelayedEvents {
+    fn default() -> Self {
+        DelayedEvents {
+            max_event_delay_duration_ms: 0,
+            max_scheduled_per_user: 100,
+        }
+    }
 }
 
 /// Prometheus metrics (docs/metrics.md).
@@ -510,6 +585,8 @@ impl Default for Config {
             logging: Logging::default(),
             devices: Devices::default(),
             metrics: Metrics::default(),
+            push: Push::default(),
+            delayed_events: DelayedEvents::default(),
         }
     }
 }
@@ -598,6 +675,11 @@ impl Config {
         }
         spindle_federation::client::IpPolicy::new(&fed.ip_range_denylist, &fed.ip_range_allowlist)
             .map_err(|e| format!("federation: {e}"))?;
+        spindle_federation::client::IpPolicy::new(
+            &self.push.ip_range_denylist,
+            &self.push.ip_range_allowlist,
+        )
+        .map_err(|e| format!("push: {e}"))?;
         if self.search.writer_heap_bytes < spindle_projections::search::WRITER_HEAP_BYTES_MIN {
             return Err(format!(
                 "search.writer_heap_bytes must be at least {} (got {})",
@@ -736,7 +818,15 @@ mod tests {
         let example =
             std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/spindle.example.toml"))
                 .unwrap();
-        let parsed = Config::from_toml(&example).expect("the example config parses and validates");
+        let mut parsed =
+            Config::from_toml(&example).expect("the example config parses and validates");
+        // The one deliberate difference: the example turns delayed events on (as
+        // Synapse's sample config does); the default is off.
+        assert_eq!(
+            parsed.delayed_events.max_event_delay_duration_ms,
+            86_400_000
+        );
+        parsed.delayed_events.max_event_delay_duration_ms = 0;
         assert_eq!(parsed, Config::default(), "the example shows the defaults");
         let mut want = Vec::new();
         key_paths(
@@ -756,7 +846,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 111);
+        assert_eq!(want.len(), 125);
     }
 
     #[test]

@@ -3,6 +3,7 @@
 
 pub mod config;
 mod ops;
+pub mod push_gateway;
 
 use std::{net::SocketAddr, sync::Arc};
 
@@ -53,6 +54,8 @@ pub struct Server {
     pub federation_sender: Option<spindle_federation::sender::FederationSender>,
     /// The federation state (keys, client); tests pin peers' keys through it.
     pub federation: spindle_federation::FedState,
+    /// Push delivery to gateways (`None` with `[push] enabled = false`).
+    pub push_sender: Option<push_gateway::PushSender>,
 }
 
 impl Server {
@@ -179,13 +182,15 @@ impl Server {
             rate_limits: config.rate_limits.to_api(),
             trust_x_forwarded_for: config.reverse_proxy.trust_x_forwarded_for,
             keep_client_addresses: config.devices.keep_client_addresses,
+            max_event_delay_duration_ms: config.delayed_events.max_event_delay_duration_ms,
+            max_scheduled_delays_per_user: config.delayed_events.max_scheduled_per_user,
         };
         let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
         let state = spindle_api::AppState::new_with_clock(
             journal.clone(),
             projections.clone(),
             api_config,
-            shutdown_rx,
+            shutdown_rx.clone(),
             clock,
         );
         let fed = spindle_federation::FedState::new(
@@ -220,11 +225,29 @@ impl Server {
         } else {
             None
         };
+        let push_sender = if config.push.enabled {
+            Some(
+                push_gateway::PushSender::start(
+                    journal.clone(),
+                    projections.clone(),
+                    config.push.clone(),
+                    &config.data_dir.join("consumers"),
+                    shutdown_rx.clone(),
+                )
+                .map_err(|e| anyhow!("push: {e}"))?,
+            )
+        } else {
+            None
+        };
         let state = if config.federation.enabled {
             state.with_federation(fed.clone())
         } else {
             state
         };
+        tokio::spawn(spindle_api::delayed::run_worker(
+            state.clone(),
+            shutdown_rx.clone(),
+        ));
         let app = spindle_api::router(state.clone())
             .merge(ops::router(state.clone(), config.data_dir.clone()))
             .merge(fed_routes);
@@ -311,6 +334,7 @@ impl Server {
             tls,
             federation_sender: sender,
             federation: fed,
+            push_sender,
         })
     }
 

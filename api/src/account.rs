@@ -73,19 +73,21 @@ pub(crate) fn routes() -> Router<AppState> {
         )
 }
 
-async fn versions() -> Json<Value> {
+async fn versions(State(s): State<AppState>) -> Json<Value> {
     // MSC4186 (Simplified Sliding Sync) is served on its unstable path. MSC2666's
     // `.stable` flag tells clients (matrix-js-sdk) that `GET /v1/mutual_rooms` is served.
     // `org.matrix.e2e_cross_signing` (MSC1756): Element Web reads it to decide whether
     // the server supports cross-signing at all (without it every message carries a
     // red "not verified by its owner" shield); the unstable upload path it probes is
-    // served beside the v3 one (`cross_signing.rs`).
+    // served beside the v3 one (`cross_signing.rs`). `org.matrix.msc4140`: delayed
+    // events, when `delayed_events.max_event_delay_duration_ms` turns them on.
     Json(json!({
         "versions": SPEC_VERSIONS,
         "unstable_features": {
             "org.matrix.e2e_cross_signing": true,
             "org.matrix.simplified_msc3575": true,
             "uk.half-shot.msc2666.query_mutual_rooms.stable": true,
+            "org.matrix.msc4140": crate::delayed::enabled(&s),
         },
     }))
 }

@@ -10,6 +10,7 @@ pub mod access_log;
 pub mod account;
 pub mod admin;
 pub mod cross_signing;
+pub mod delayed;
 pub mod devices;
 pub mod directory;
 pub mod error;
@@ -101,6 +102,10 @@ pub struct ApiConfig {
     pub trust_x_forwarded_for: bool,
     /// Keep devices' `last_seen_ip` (in memory and in `DeviceSeen` facts).
     pub keep_client_addresses: bool,
+    /// Longest delay of a delayed event, ms; 0: delayed events off (MSC4140).
+    pub max_event_delay_duration_ms: u64,
+    /// Scheduled delayed events per user at most.
+    pub max_scheduled_delays_per_user: usize,
 }
 
 /// Content repository settings (`[media]` in the config).
@@ -331,6 +336,7 @@ pub fn router(state: AppState) -> Router {
         .merge(legacy::routes())
         .merge(sliding::routes())
         .merge(push::routes())
+        .merge(delayed::routes())
         .merge(relations::routes())
         .merge(typing::routes())
         .merge(keys::routes())

@@ -86,7 +86,7 @@ pub(crate) fn routes() -> Router<AppState> {
         )
 }
 
-fn valid_room_id(room_id: &str) -> ApiResult<()> {
+pub(crate) fn valid_room_id(room_id: &str) -> ApiResult<()> {
     ruma::RoomId::parse(room_id)
         .map(|_| ())
         .map_err(|_| MatrixError::invalid_param(format!("Invalid room id {room_id}")))
@@ -1171,6 +1171,7 @@ async fn send(
     State(s): State<AppState>,
     r: Requester,
     Path((room_id, event_type, txn_id)): Path<(String, String, String)>,
+    query: crate::extract::Query,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
     validate_txn(&txn_id)?;
@@ -1178,6 +1179,18 @@ async fn send(
         return Err(MatrixError::invalid_param("Invalid event type"));
     }
     check_user(&s, &s.rate_limits.message, &r.user_id)?;
+    if let Some(delay) = crate::delayed::delay_of(&s, &query)? {
+        return crate::delayed::schedule(
+            &s,
+            &r,
+            &room_id,
+            event_type,
+            None,
+            Value::Object(body),
+            delay,
+        )
+        .await;
+    }
     let mut redacts = None;
     if event_type == "m.room.redaction" {
         redacts = opt_str(&body, "redacts")?;
@@ -1204,12 +1217,28 @@ async fn put_state_inner(
     room_id: String,
     event_type: String,
     state_key: String,
+    query: crate::extract::Query,
     body: serde_json::Map<String, Value>,
 ) -> ApiResult<Json<Value>> {
     if event_type == "m.room.create" {
         return Err(MatrixError::forbidden("m.room.create cannot be sent"));
     }
     check_user(&s, &s.rate_limits.message, &r.user_id)?;
+    if let Some(delay) = crate::delayed::delay_of(&s, &query)? {
+        if event_type == "m.room.member" {
+            valid_user_id(&state_key)?;
+        }
+        return crate::delayed::schedule(
+            &s,
+            &r,
+            &room_id,
+            event_type,
+            Some(state_key),
+            Value::Object(body),
+            delay,
+        )
+        .await;
+    }
     if event_type == "m.room.member" {
         valid_user_id(&state_key)?;
     }
@@ -1279,18 +1308,20 @@ async fn put_state_empty_key(
     State(s): State<AppState>,
     r: Requester,
     Path((room_id, event_type)): Path<(String, String)>,
+    query: crate::extract::Query,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
-    put_state_inner(s, r, room_id, event_type, String::new(), body).await
+    put_state_inner(s, r, room_id, event_type, String::new(), query, body).await
 }
 
 async fn put_state(
     State(s): State<AppState>,
     r: Requester,
     Path((room_id, event_type, state_key)): Path<(String, String, String)>,
+    query: crate::extract::Query,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
-    put_state_inner(s, r, room_id, event_type, state_key, body).await
+    put_state_inner(s, r, room_id, event_type, state_key, query, body).await
 }
 
 /// The power level of `user_id` in the room's current state (spec: `m.room.power_levels`),

@@ -112,9 +112,15 @@ impl IpPolicy {
     }
 }
 
+/// A reqwest DNS resolver that drops the addresses `policy` denies (push gateways use
+/// it too: one policy mechanism for every outbound request).
+pub fn filtering_resolver(policy: Arc<IpPolicy>) -> Arc<FilteringResolver> {
+    Arc::new(FilteringResolver { policy })
+}
+
 /// A DNS resolver for reqwest that drops denied addresses (no DNS rebinding around
 /// the denylist).
-struct FilteringResolver {
+pub struct FilteringResolver {
     policy: Arc<IpPolicy>,
 }
 

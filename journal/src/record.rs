@@ -605,6 +605,37 @@ pub enum Fact {
         app_id: String,
         pushkey: String,
     },
+    /// A delayed event was scheduled (MSC4140: `?org.matrix.msc4140.delay=MS` on
+    /// `/send` or `/state`): it is sent as `user_id` (from `device_id`) at
+    /// `running_since + delay_ms` (ms since the epoch, the API's clock) unless
+    /// restarted, cancelled or sent first. `delay_id` is random and unique.
+    DelayedEventScheduled {
+        delay_id: String,
+        user_id: String,
+        device_id: Option<String>,
+        room_id: String,
+        event_type: String,
+        state_key: Option<String>,
+        content: serde_json::Value,
+        delay_ms: u64,
+        running_since: u64,
+    },
+    /// A scheduled delayed event's timer restarted at `running_since` (`restart`).
+    DelayedEventRestarted {
+        delay_id: String,
+        running_since: u64,
+    },
+    /// A scheduled delayed event was cancelled (`cancel`); it is never sent.
+    DelayedEventCancelled { delay_id: String, ts: u64 },
+    /// A delayed event was finalised by sending (at its deadline, or by `send`):
+    /// `event_id` of the event, or `error` (a standard error object) when sending it at
+    /// its deadline failed (MSC4140: not retried).
+    DelayedEventSent {
+        delay_id: String,
+        event_id: Option<String>,
+        error: Option<serde_json::Value>,
+        ts: u64,
+    },
     /// A user reported another user (spec: `POST /users/{userId}/report`), kept for
     /// the server admin. Recorded whether or not `user_id` has an account here, so
     /// neither the answer nor its timing tells the reporter.

@@ -20,14 +20,16 @@
 //! | [`to_device::ToDevice`] | to-device inboxes per device |
 //! | [`key_backup::KeyBackup`] | server-side key backup versions and room keys |
 //! | [`media::Media`] | media metadata (content hash, type, name) per media id |
-//! | [`push::Push`] | push rules, per-recipient evaluation, unread and highlight counts, notifications |
-//! | [`push::Pushers`] | pushers |
+//! | [`push::Push`] | push rules, per-recipient evaluation, unread and highlight counts, notifications, the push queue |
+//! | [`push::Pushers`] | pushers, by device (removed with it) |
+//! | [`delayed::DelayedEvents`] | the delayed-event heap (MSC4140), keyed by deadline |
 //! | [`relations::Relations`] | relations by parent, bundled aggregations, threads by activity |
 //! | [`search::Search`] | full-text index of room events (tantivy) for `/search` |
 //! | [`server_admin::ServerAdmin`] | account creation times, media per uploader, event reports, room shutdowns (the Synapse admin API) |
 
 pub mod accounts;
 pub mod audit;
+pub mod delayed;
 pub mod device_keys;
 pub mod directory;
 pub mod discovery;
@@ -97,6 +99,8 @@ pub struct Projections {
     pub push: Arc<push::Push>,
     /// Pushers.
     pub pushers: Arc<push::Pushers>,
+    /// The delayed-event heap (MSC4140).
+    pub delayed: Arc<delayed::DelayedEvents>,
     /// Relations, aggregations, threads.
     pub relations: Arc<relations::Relations>,
     /// Full-text index of room events.
@@ -134,6 +138,7 @@ fn open_by_name(name: &str, db: &ProjectionDb) -> Option<Result<Arc<dyn Projecti
         "media" => arc(media::Media::open(db)),
         "push" => arc(push::Push::open(db)),
         "pushers" => arc(push::Pushers::open(db)),
+        "delayed_events" => arc(delayed::DelayedEvents::open(db)),
         "relations" => arc(relations::Relations::open(db)),
         "server_admin" => arc(server_admin::ServerAdmin::open(db)),
         // The search index lives in its own tantivy directory, not in generations of
@@ -203,6 +208,7 @@ impl Projections {
         let media = Arc::new(media::Media::open(&db)?);
         let push = Arc::new(push::Push::open(&db)?);
         let pushers = Arc::new(push::Pushers::open(&db)?);
+        let delayed = Arc::new(delayed::DelayedEvents::open(&db)?);
         let relations = Arc::new(relations::Relations::open(&db)?);
         let search = Arc::new(search::Search::open(&db, dir, options.search)?);
         let server_admin = Arc::new(server_admin::ServerAdmin::open(&db)?);
@@ -225,6 +231,7 @@ impl Projections {
             media.clone(),
             push.clone(),
             pushers.clone(),
+            delayed.clone(),
             relations.clone(),
             search.clone(),
             server_admin.clone(),
@@ -253,6 +260,7 @@ impl Projections {
             media,
             push,
             pushers,
+            delayed,
             relations,
             search,
             server_admin,

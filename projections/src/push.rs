@@ -21,6 +21,12 @@
 //!   a scan from the read position, never over every thread)
 //! - `notifications`: user, 0x00, position -> [`Notification`]
 //! - `highlights`: user, 0x00, position -> empty
+//! - `queue`: position (BE), user -> empty: the push queue, one row per notification
+//!   of a user in `pushered`, in position order, which the push-gateway consumer reads
+//!   by position (it asks the `pushers` projection for the user's pushers at delivery)
+//! - `pushered`: user -> empty: users who ever set a pusher (an over-approximation the
+//!   consumer narrows; it keeps users without pushers, most users and every bot, out
+//!   of the queue, so their notifications cost the consumer nothing)
 //!
 //! A count is four seeks (BRIEF §4): the last running row at or before `upto` minus
 //! the last at or before the read position, never a walk over events.
@@ -97,9 +103,17 @@ pub struct Push {
     thread_recent: Table,
     notifications: Table,
     highlights: Table,
+    queue: Table,
+    pushered: Table,
     last_rules: LastChange,
     globs: GlobCache,
     compiled: Mutex<HashMap<String, Arc<CompiledRuleset>>>,
+}
+
+fn queue_key(pos: u64, user: &str) -> Vec<u8> {
+    let mut k = pos.to_be_bytes().to_vec();
+    k.extend_from_slice(user.as_bytes());
+    k
 }
 
 fn json<T: Serialize>(v: &T) -> Vec<u8> {
@@ -262,6 +276,8 @@ impl Push {
             thread_recent: t("thread_recent")?,
             notifications: t("notifications")?,
             highlights: t("highlights")?,
+            queue: t("queue")?,
+            pushered: t("pushered")?,
             last_rules: LastChange::default(),
             globs: GlobCache::default(),
             compiled: Mutex::new(HashMap::new()),
@@ -402,6 +418,21 @@ impl Push {
                 })
                 .collect()
         }
+    }
+
+    /// The notifications of the event at `position` (the push queue), one per
+    /// notified user, ordered by user id; at most `limit`.
+    pub fn queued_at(&self, position: u64, limit: usize) -> Vec<(String, Notification)> {
+        let prefix = position.to_be_bytes();
+        self.queue
+            .scan_prefix(&prefix, limit)
+            .into_iter()
+            .filter_map(|(k, _)| {
+                let user = String::from_utf8_lossy(&k[8..]).into_owned();
+                let v = self.notifications.get(&key::with_pos(&[&user], position))?;
+                Some((user, serde_json::from_slice(&v).ok()?))
+            })
+            .collect()
     }
 
     fn compiled(&self, ctx: &ApplyCtx, user_id: &str) -> Option<Arc<CompiledRuleset>> {
@@ -598,6 +629,9 @@ impl Push {
                 if highlight {
                     ctx.put(&self.highlights, key::with_pos(&[user], pos), Vec::new());
                 }
+                if ctx.get(&self.pushered, user.as_bytes()).is_some() {
+                    ctx.put(&self.queue, queue_key(pos, user), Vec::new());
+                }
             }
         }
 
@@ -670,6 +704,8 @@ impl Projection for Push {
             self.thread_recent.clone(),
             self.notifications.clone(),
             self.highlights.clone(),
+            self.queue.clone(),
+            self.pushered.clone(),
         ]
     }
 
@@ -682,6 +718,9 @@ impl Projection for Push {
             return self.apply_event(ctx, record);
         }
         if let Some(fact) = record.fact() {
+            if let Fact::PusherSet { user_id, .. } = &fact {
+                ctx.put(&self.pushered, user_id.clone().into_bytes(), Vec::new());
+            }
             self.apply_fact(ctx, record, fact);
         }
         Ok(())
@@ -690,11 +729,44 @@ impl Projection for Push {
 
 /// Pushers (spec: `GET /pushers`, `POST /pushers/set`). Tables: `pushers`: user, 0x00,
 /// app id, 0x00, pushkey -> `Pusher` JSON; `by_key`: app id, 0x00, pushkey, 0x00, user
-/// -> empty (to remove other users' pushers for the same key unless `append`).
-/// Stored only: delivery to a push gateway comes with the push queue.
+/// -> empty (to remove other users' pushers for the same key unless `append`); `meta`:
+/// user, 0x00, app id, 0x00, pushkey -> [`PusherMeta`] (the device that set it and
+/// when); `by_device`: user, 0x00, device, 0x00, app id, 0x00, pushkey -> empty.
+///
+/// A pusher belongs to the device (access token) that set it: `DeviceDeleted` (logout,
+/// device deletion, a password change with `logout_devices`, deactivation) removes the
+/// device's pushers, as Synapse removes pushers with their access token.
 pub struct Pushers {
     pushers: Table,
     by_key: Table,
+    meta: Table,
+    by_device: Table,
+}
+
+/// What is kept about a pusher beside the spec's object.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct PusherMeta {
+    /// The device whose access token set the pusher.
+    pub device_id: Option<String>,
+    /// When it was last set (the record's append time, ms).
+    pub ts: u64,
+}
+
+/// An HTTP pusher as the push-gateway consumer needs it.
+#[derive(Debug, Clone)]
+pub struct HttpPusher {
+    /// `app_id`.
+    pub app_id: String,
+    /// `pushkey`.
+    pub pushkey: String,
+    /// `data.url`: the gateway's notify URL.
+    pub url: String,
+    /// `data` without `url` (spec: the `data` sent to the gateway).
+    pub data: serde_json::Map<String, serde_json::Value>,
+    /// `data.format == "event_id_only"`.
+    pub event_id_only: bool,
+    /// When the pusher was last set, ms.
+    pub ts: u64,
 }
 
 impl Pushers {
@@ -703,6 +775,8 @@ impl Pushers {
         Ok(Pushers {
             pushers: db.table("pushers", "pushers")?,
             by_key: db.table("pushers", "by_key")?,
+            meta: db.table("pushers", "meta")?,
+            by_device: db.table("pushers", "by_device")?,
         })
     }
 
@@ -713,6 +787,55 @@ impl Pushers {
             .into_iter()
             .filter_map(|(_, v)| serde_json::from_slice(&v).ok())
             .collect()
+    }
+
+    /// A user's HTTP pushers with what delivery needs, ordered by (app id, pushkey).
+    pub fn http_of_user(&self, user_id: &str) -> Vec<HttpPusher> {
+        let prefix = key::prefix(&[user_id]);
+        self.pushers
+            .scan_prefix(&prefix, crate::push::PUSHERS_PER_USER_MAX)
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let p: serde_json::Value = serde_json::from_slice(&v).ok()?;
+                if p["kind"] != "http" {
+                    return None;
+                }
+                let mut data = p["data"].as_object().cloned().unwrap_or_default();
+                let url = data.remove("url")?.as_str()?.to_owned();
+                let ts = self
+                    .meta
+                    .get(&k)
+                    .and_then(|m| serde_json::from_slice::<PusherMeta>(&m).ok())
+                    .map(|m| m.ts)
+                    .unwrap_or(0);
+                Some(HttpPusher {
+                    app_id: p["app_id"].as_str()?.to_owned(),
+                    pushkey: p["pushkey"].as_str()?.to_owned(),
+                    event_id_only: data.get("format").and_then(|f| f.as_str())
+                        == Some("event_id_only"),
+                    url,
+                    data,
+                    ts,
+                })
+            })
+            .collect()
+    }
+
+    fn remove(&self, ctx: &ApplyCtx, user_id: &str, app_id: &str, pushkey: &str) {
+        let k = key::join(&[user_id, app_id, pushkey]);
+        if let Some(m) = ctx
+            .get(&self.meta, &k)
+            .and_then(|m| serde_json::from_slice::<PusherMeta>(&m).ok())
+            && let Some(device) = m.device_id
+        {
+            ctx.delete(
+                &self.by_device,
+                key::join(&[user_id, &device, app_id, pushkey]),
+            );
+        }
+        ctx.delete(&self.meta, k.clone());
+        ctx.delete(&self.by_key, key::join(&[app_id, pushkey, user_id]));
+        ctx.delete(&self.pushers, k);
     }
 }
 
@@ -725,7 +848,12 @@ impl Projection for Pushers {
     }
 
     fn tables(&self) -> Vec<Table> {
-        vec![self.pushers.clone(), self.by_key.clone()]
+        vec![
+            self.pushers.clone(),
+            self.by_key.clone(),
+            self.meta.clone(),
+            self.by_device.clone(),
+        ]
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
@@ -742,11 +870,28 @@ impl Projection for Pushers {
                     for (k, _) in ctx.scan_prefix(&self.by_key, &prefix) {
                         let other = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();
                         if other != user_id {
-                            ctx.delete(&self.by_key, k);
-                            ctx.delete(&self.pushers, key::join(&[&other, &app_id, &pushkey]));
+                            self.remove(ctx, &other, &app_id, &pushkey);
                         }
                     }
                 }
+                // A pusher set again (perhaps from another device) moves to that device.
+                self.remove(ctx, &user_id, &app_id, &pushkey);
+                let device_id = record.device_id().map(str::to_owned);
+                if let Some(device) = &device_id {
+                    ctx.put(
+                        &self.by_device,
+                        key::join(&[&user_id, device, &app_id, &pushkey]),
+                        Vec::new(),
+                    );
+                }
+                ctx.put(
+                    &self.meta,
+                    key::join(&[&user_id, &app_id, &pushkey]),
+                    json(&PusherMeta {
+                        device_id,
+                        ts: record.appended_at(),
+                    }),
+                );
                 ctx.put(
                     &self.by_key,
                     key::join(&[&app_id, &pushkey, &user_id]),
@@ -762,9 +907,15 @@ impl Projection for Pushers {
                 user_id,
                 app_id,
                 pushkey,
-            }) => {
-                ctx.delete(&self.by_key, key::join(&[&app_id, &pushkey, &user_id]));
-                ctx.delete(&self.pushers, key::join(&[&user_id, &app_id, &pushkey]));
+            }) => self.remove(ctx, &user_id, &app_id, &pushkey),
+            Some(Fact::DeviceDeleted { user_id, device_id }) => {
+                let prefix = key::prefix(&[&user_id, &device_id]);
+                for (k, _) in ctx.scan_prefix(&self.by_device, &prefix) {
+                    let rest = String::from_utf8_lossy(&k[prefix.len()..]).into_owned();
+                    if let Some((app_id, pushkey)) = rest.split_once('\0') {
+                        self.remove(ctx, &user_id, app_id, pushkey);
+                    }
+                }
             }
             _ => {}
         }
