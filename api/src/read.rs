@@ -398,7 +398,17 @@ async fn messages(
                 } else {
                     None
                 };
-                return respond(&s, &r, &room_id, &access, &q, from, filter.lazy_load_members, chunk, end);
+                return respond(
+                    &s,
+                    &r,
+                    &room_id,
+                    &access,
+                    &q,
+                    from,
+                    filter.lazy_load_members,
+                    chunk,
+                    end,
+                );
             }
             if exhausted || rows.is_empty() {
                 live_done = true;
@@ -410,7 +420,10 @@ async fn messages(
             let mut seq = from_backfill.unwrap_or(0);
             let mut fetches = 0;
             loop {
-                let rows = s.projections.timeline.range_backfill_older(&room_id, seq, page);
+                let rows = s
+                    .projections
+                    .timeline
+                    .range_backfill_older(&room_id, seq, page);
                 for (n, id) in &rows {
                     seq = *n;
                     if let Some(ev) = s.projections.timeline.event(id) {
@@ -440,7 +453,10 @@ async fn messages(
             // between sequences N+1 (older) and N (newer): forward starts at N.
             let mut seq = seq.saturating_add(1);
             loop {
-                let rows = s.projections.timeline.range_backfill_newer(&room_id, seq, page);
+                let rows = s
+                    .projections
+                    .timeline
+                    .range_backfill_newer(&room_id, seq, page);
                 for (n, id) in &rows {
                     seq = *n;
                     if let Some(ev) = s.projections.timeline.event(id) {
@@ -485,18 +501,32 @@ async fn messages(
             }
         }
     }
-    respond(&s, &r, &room_id, &access, &q, from, filter.lazy_load_members, chunk, end)
+    respond(
+        &s,
+        &r,
+        &room_id,
+        &access,
+        &q,
+        from,
+        filter.lazy_load_members,
+        chunk,
+        end,
+    )
 }
 
 /// Whether paging back past backfill sequence `seq` may find more: older rows in the
 /// index, or a federated room whose oldest event here is not its create event.
 fn backfill_may_continue(s: &AppState, room_id: &str, seq: u64) -> bool {
-    if !s.projections.timeline.range_backfill_older(room_id, seq, 1).is_empty() {
+    if !s
+        .projections
+        .timeline
+        .range_backfill_older(room_id, seq, 1)
+        .is_empty()
+    {
         return true;
     }
     s.federation.is_some()
-        && s
-            .projections
+        && s.projections
             .timeline
             .oldest_event(room_id)
             .and_then(|id| s.projections.timeline.event(&id))
@@ -543,9 +573,7 @@ fn respond(
     end: Option<String>,
 ) -> ApiResult<Json<Value>> {
     let mut state = Vec::new();
-    if lazy_load_members
-        && let Some(root) = readable_root(s, room_id, access)
-    {
+    if lazy_load_members && let Some(root) = readable_root(s, room_id, access) {
         let senders: Vec<String> = chunk.iter().map(|e| e.pdu.sender.to_string()).collect();
         state = lazy_members(s, root, &senders)
             .iter()

@@ -102,7 +102,10 @@ pub struct Pdu {
 pub fn event_id_of(pdu: &serde_json::Value, version: &str) -> Option<String> {
     let rules = room_version::rules(version)?;
     if room_version::references_carry_hashes(&rules) {
-        return pdu.get("event_id").and_then(|e| e.as_str()).map(str::to_owned);
+        return pdu
+            .get("event_id")
+            .and_then(|e| e.as_str())
+            .map(str::to_owned);
     }
     let mut obj = canonical::to_object(pdu.clone()).ok()?;
     obj.remove("unsigned");

@@ -13,7 +13,11 @@ use std::collections::HashSet;
 use spindle_core::pdu::event_id_of;
 use spindle_journal::{CommandBody, remote::VerifyKeys};
 
-use crate::{FedResult, FedState, error::FedError, transactions::{urlencode, verify_keys_for}};
+use crate::{
+    FedResult, FedState,
+    error::FedError,
+    transactions::{urlencode, verify_keys_for},
+};
 
 /// Most events asked for in one `/backfill` request.
 pub const MAX_BACKFILL: usize = 100;
@@ -56,7 +60,11 @@ pub async fn backfill(st: &FedState, room_id: &str, limit: usize) -> FedResult<u
             urlencode(room_id),
             urlencode(&oldest)
         );
-        let answer = match st.client.request(reqwest::Method::GET, server, &path, None).await {
+        let answer = match st
+            .client
+            .request(reqwest::Method::GET, server, &path, None)
+            .await
+        {
             Ok(a) => a,
             Err(e) => {
                 tracing::info!(%server, room = room_id, error = %e, "backfill failed");
@@ -77,12 +85,20 @@ pub async fn backfill(st: &FedState, room_id: &str, limit: usize) -> FedResult<u
                 .cmp(&key(a, "depth"))
                 .then_with(|| key(b, "origin_server_ts").cmp(&key(a, "origin_server_ts")))
         });
-        let ids: HashSet<String> = pdus.iter().filter_map(|p| event_id_of(p, &version)).collect();
+        let ids: HashSet<String> = pdus
+            .iter()
+            .filter_map(|p| event_id_of(p, &version))
+            .collect();
         // Auth events the batch names that are neither in it nor held here (old member
         // events, mostly): fetched one by one from the same server.
         let mut wanted: Vec<String> = Vec::new();
         for p in &pdus {
-            for a in p.get("auth_events").and_then(|a| a.as_array()).into_iter().flatten() {
+            for a in p
+                .get("auth_events")
+                .and_then(|a| a.as_array())
+                .into_iter()
+                .flatten()
+            {
                 if let Some(a) = a.as_str()
                     && !ids.contains(a)
                     && timeline.event(a).is_none()
@@ -95,13 +111,23 @@ pub async fn backfill(st: &FedState, room_id: &str, limit: usize) -> FedResult<u
         let mut auth_events = Vec::new();
         for id in wanted.iter().take(MAX_AUTH_FETCHES) {
             let path = format!("/_matrix/federation/v1/event/{}", urlencode(id));
-            match st.client.request(reqwest::Method::GET, server, &path, None).await {
+            match st
+                .client
+                .request(reqwest::Method::GET, server, &path, None)
+                .await
+            {
                 Ok(a) => {
-                    if let Some(p) = a.get("pdus").and_then(|p| p.as_array()).and_then(|p| p.first()) {
+                    if let Some(p) = a
+                        .get("pdus")
+                        .and_then(|p| p.as_array())
+                        .and_then(|p| p.first())
+                    {
                         auth_events.push(p.clone());
                     }
                 }
-                Err(e) => tracing::info!(%server, event = %id, error = %e, "fetching an auth event failed"),
+                Err(e) => {
+                    tracing::info!(%server, event = %id, error = %e, "fetching an auth event failed")
+                }
             }
         }
         let mut keys = VerifyKeys::new();

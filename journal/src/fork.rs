@@ -290,7 +290,10 @@ fn window_merge(
 }
 
 /// Every event reachable from `ids` through `auth_events` (the ids included).
-fn auth_closure<'a>(ids: impl IntoIterator<Item = &'a OwnedEventId>, pool: &Pool) -> HashSet<OwnedEventId> {
+fn auth_closure<'a>(
+    ids: impl IntoIterator<Item = &'a OwnedEventId>,
+    pool: &Pool,
+) -> HashSet<OwnedEventId> {
     let mut seen = HashSet::new();
     let mut stack: Vec<OwnedEventId> = ids.into_iter().cloned().collect();
     while let Some(id) = stack.pop() {
@@ -315,7 +318,12 @@ pub fn state_res_v2(version: &str, states: &[&StateMap], pool: &Pool) -> Result<
         .iter()
         .map(|s| {
             s.iter()
-                .map(|((t, k), p)| ((StateEventType::from(t.as_str()), k.clone()), p.event_id.clone()))
+                .map(|((t, k), p)| {
+                    (
+                        (StateEventType::from(t.as_str()), k.clone()),
+                        p.event_id.clone(),
+                    )
+                })
                 .collect()
         })
         .collect();
@@ -329,7 +337,11 @@ pub fn state_res_v2(version: &str, states: &[&StateMap], pool: &Pool) -> Result<
         .collect();
     let fetch = |id: &ruma::EventId| pool.get(id).cloned();
     let subgraph = |conflicted: &RumaStateMap<Vec<OwnedEventId>>| {
-        Some(conflicted_subgraph(conflicted.values().flatten(), pool).into_iter().collect())
+        Some(
+            conflicted_subgraph(conflicted.values().flatten(), pool)
+                .into_iter()
+                .collect(),
+        )
     };
     let resolved = ruma::state_res::resolve(
         &rules.authorization,

@@ -381,7 +381,12 @@ impl RoomAggregate {
     /// current again after it (besides the event itself): each becomes a
     /// [`RecordKind::StateResolved`] record right after the event's, so the projections,
     /// which apply records in log order, end on the same current state.
-    fn apply_with(&mut self, pdu: Arc<Pdu>, before: fork::StateMap, stats: &JournalStats) -> Vec<Arc<Pdu>> {
+    fn apply_with(
+        &mut self,
+        pdu: Arc<Pdu>,
+        before: fork::StateMap,
+        stats: &JournalStats,
+    ) -> Vec<Arc<Pdu>> {
         let extends = self.extends_extremities(&pdu.prev_events);
         self.head = Some((pdu.event_id.clone(), pdu.depth));
         let digest = id_digest(pdu.event_id.as_str());
@@ -420,7 +425,9 @@ impl RoomAggregate {
                         let mut changes: Vec<Arc<Pdu>> = resolved
                             .iter()
                             .filter(|(slot, p)| {
-                                self.state.get(*slot).is_none_or(|c| c.event_id != p.event_id)
+                                self.state
+                                    .get(*slot)
+                                    .is_none_or(|c| c.event_id != p.event_id)
                             })
                             .map(|(_, p)| p.clone())
                             .collect();
@@ -841,7 +848,10 @@ impl Journal {
                 pdus,
                 auth_events,
                 keys,
-            } => self.backfill(&cmd, room_id, pdus, auth_events, keys).await?,
+            } => {
+                self.backfill(&cmd, room_id, pdus, auth_events, keys)
+                    .await?
+            }
             CommandBody::RemotePdu {
                 room_id,
                 pdu,
@@ -1265,9 +1275,7 @@ impl Journal {
         })?;
         // The auth events, plus the create event: from room version 12 it is not among
         // the auth events but the rules still fetch it (by the room id).
-        let create = agg
-            .state
-            .get(&("m.room.create".to_owned(), String::new()));
+        let create = agg.state.get(&("m.room.create".to_owned(), String::new()));
         let auth_map: HashMap<OwnedEventId, &Pdu> = pdu
             .auth_events
             .iter()
@@ -1276,9 +1284,7 @@ impl Journal {
             .map(|p| (p.event_id.clone(), &**p))
             .collect();
         spindle_core::auth::authorize(&rules, &pdu, &auth_map, |t, k| {
-            agg.state
-                .get(&(t.to_owned(), k.to_owned()))
-                .map(|p| &**p)
+            agg.state.get(&(t.to_owned(), k.to_owned())).map(|p| &**p)
         })
         .map_err(JournalError::Forbidden)?;
         Ok(pdu)

@@ -448,7 +448,12 @@ impl Journal {
             let mut rooms = self.inner.rooms.lock();
             rooms
                 .entry(room.clone())
-                .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(RoomAggregate::new(version, self.inner.fork_window))))
+                .or_insert_with(|| {
+                    Arc::new(tokio::sync::Mutex::new(RoomAggregate::new(
+                        version,
+                        self.inner.fork_window,
+                    )))
+                })
                 .clone()
         };
         let mut agg = agg_arc.lock().await;
@@ -572,7 +577,12 @@ impl Journal {
             let mut rooms = self.inner.rooms.lock();
             rooms
                 .entry(room.clone())
-                .or_insert_with(|| Arc::new(tokio::sync::Mutex::new(RoomAggregate::new(version, self.inner.fork_window))))
+                .or_insert_with(|| {
+                    Arc::new(tokio::sync::Mutex::new(RoomAggregate::new(
+                        version,
+                        self.inner.fork_window,
+                    )))
+                })
                 .clone()
         };
         let mut agg = agg_arc.lock().await;
@@ -635,12 +645,16 @@ impl Journal {
         for v in auth_events {
             match verify_pdu(v, &version, &room, keys) {
                 Ok(p) => {
-                    pool.entry(p.event_id.clone()).or_insert_with(|| Arc::new(p));
+                    pool.entry(p.event_id.clone())
+                        .or_insert_with(|| Arc::new(p));
                 }
-                Err(e) => tracing::info!(%room, error = %e, "a fetched auth event failed verification"),
+                Err(e) => {
+                    tracing::info!(%room, error = %e, "a fetched auth event failed verification")
+                }
             }
         }
-        let mut batch: Vec<Result<Arc<Pdu>, (Option<String>, String)>> = Vec::with_capacity(pdus.len());
+        let mut batch: Vec<Result<Arc<Pdu>, (Option<String>, String)>> =
+            Vec::with_capacity(pdus.len());
         for v in pdus {
             // Already in the timeline (a retry, or the event the request started from):
             // nothing to verify.
@@ -653,7 +667,12 @@ impl Journal {
                     pool.entry(p.event_id.clone()).or_insert_with(|| p.clone());
                     batch.push(Ok(p));
                 }
-                Err(e) => batch.push(Err((v.get("event_id").and_then(|i| i.as_str()).map(str::to_owned), e))),
+                Err(e) => batch.push(Err((
+                    v.get("event_id")
+                        .and_then(|i| i.as_str())
+                        .map(str::to_owned),
+                    e,
+                ))),
             }
         }
         let mut records = Vec::new();

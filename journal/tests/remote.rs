@@ -104,7 +104,16 @@ impl World {
         auth: Vec<&str>,
         depth: u64,
     ) -> serde_json::Value {
-        self.remote_pdu_at(sender, kind, state_key, content, prev, auth, depth, 1_700_000_000_500)
+        self.remote_pdu_at(
+            sender,
+            kind,
+            state_key,
+            content,
+            prev,
+            auth,
+            depth,
+            1_700_000_000_500,
+        )
     }
 
     /// [`World::remote_pdu`] with its `origin_server_ts`.
@@ -506,10 +515,16 @@ async fn concurrent_topics(winner_is_local: bool) {
             json!({ "users": { ALICE: 100, BOB: 50 }, "events_default": 0, "state_default": 50 }),
         )
         .await;
-    let alice_topic = w.alice_state("m.room.topic", "", json!({ "topic": "alice's" })).await;
+    let alice_topic = w
+        .alice_state("m.room.topic", "", json!({ "topic": "alice's" }))
+        .await;
     let at = w.journal.durable_head();
     // Alice's events carry the command's `issued_at`, 1_700_000_000_000.
-    let bob_ts = if winner_is_local { 1_699_999_999_000 } else { 1_700_000_001_000 };
+    let bob_ts = if winner_is_local {
+        1_699_999_999_000
+    } else {
+        1_700_000_001_000
+    };
     let bob_topic = w.remote_pdu_at(
         BOB,
         "m.room.topic",
@@ -522,7 +537,12 @@ async fn concurrent_topics(winner_is_local: bool) {
     );
     let bob_topic = w.ingest(bob_topic, keys_of(&w.remote)).await.unwrap();
     let stats = w.journal.stats();
-    assert_eq!(stats.forks_resolved.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert_eq!(
+        stats
+            .forks_resolved
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
     let mut want = vec![("event", bob_topic.clone())];
     if winner_is_local {
         want.push(("resolved", alice_topic.clone()));
@@ -530,7 +550,9 @@ async fn concurrent_topics(winner_is_local: bool) {
     assert_eq!(w.records_after(at), want);
     // The next local event names both extremities and the room is one again.
     let after = w.journal.durable_head();
-    let name = w.alice_state("m.room.name", "", json!({ "name": "merged" })).await;
+    let name = w
+        .alice_state("m.room.name", "", json!({ "name": "merged" }))
+        .await;
     let rec = w
         .journal
         .read_after(after, 10)
@@ -538,7 +560,13 @@ async fn concurrent_topics(winner_is_local: bool) {
         .into_iter()
         .find(|r| r.event_id() == Some(name.as_str()))
         .unwrap();
-    let mut prevs: Vec<String> = rec.pdu().unwrap().prev_events.iter().map(|p| p.to_string()).collect();
+    let mut prevs: Vec<String> = rec
+        .pdu()
+        .unwrap()
+        .prev_events
+        .iter()
+        .map(|p| p.to_string())
+        .collect();
     prevs.sort();
     let mut both = vec![alice_topic, bob_topic];
     both.sort();
@@ -613,14 +641,19 @@ async fn backfill_appends_verified_history_once_and_records_what_it_refused() {
         .await
         .unwrap();
     assert_eq!(
-        out.event_ids.iter().map(|e| e.to_string()).collect::<Vec<_>>(),
+        out.event_ids
+            .iter()
+            .map(|e| e.to_string())
+            .collect::<Vec<_>>(),
         vec![old_id.clone()]
     );
     let recs = w.journal.read_after(at, 10).unwrap();
     assert_eq!(recs.len(), 2, "one backfilled event and one refusal");
     assert!(recs[0].is_backfilled());
     assert_eq!(recs[0].event_id(), Some(old_id.as_str()));
-    assert!(matches!(recs[1].fact(), Some(Fact::RemotePduRejected { ref reason, .. }) if reason.starts_with("backfill:")));
+    assert!(
+        matches!(recs[1].fact(), Some(Fact::RemotePduRejected { ref reason, .. }) if reason.starts_with("backfill:"))
+    );
     // Backfill changes neither the head nor the forward extremities.
     assert_eq!(w.head_event().await, join);
     // Asked again: nothing new.

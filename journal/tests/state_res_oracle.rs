@@ -10,7 +10,11 @@ use std::sync::Arc;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use ruma::{OwnedEventId, OwnedRoomId, OwnedUserId};
 use serde_json::{Value, json};
-use spindle_core::{keys::ServerKey, pdu::{Pdu, PduTemplate}, room_version};
+use spindle_core::{
+    keys::ServerKey,
+    pdu::{Pdu, PduTemplate},
+    room_version,
+};
 use spindle_journal::fork::{self, ForkCase, ForkWindow, Pool, StateMap};
 
 const ALICE: &str = "@alice:a.example";
@@ -40,7 +44,10 @@ impl Room {
         rng: &mut StdRng,
     ) -> Option<Arc<Pdu>> {
         let rules = room_version::rules(&self.version).unwrap();
-        let states: Vec<&StateMap> = prevs.iter().map(|p| self.window.state_after(p).unwrap()).collect();
+        let states: Vec<&StateMap> = prevs
+            .iter()
+            .map(|p| self.window.state_after(p).unwrap())
+            .collect();
         let before = if states.len() == 1 {
             states[0].clone()
         } else {
@@ -48,7 +55,8 @@ impl Room {
         };
         let sender_id = OwnedUserId::try_from(sender).unwrap();
         let raw = serde_json::value::to_raw_value(&content).unwrap();
-        let types = spindle_core::auth::auth_types(&rules, kind, &sender_id, state_key, &raw).unwrap();
+        let types =
+            spindle_core::auth::auth_types(&rules, kind, &sender_id, state_key, &raw).unwrap();
         let mut auth_events: Vec<OwnedEventId> = Vec::new();
         for (t, k) in types {
             if let Some(p) = before.get(&(t, k))
@@ -127,7 +135,11 @@ fn base(version: &str, rng: &mut StdRng) -> (Room, OwnedEventId) {
             sender: OwnedUserId::try_from(ALICE).unwrap(),
             kind: "m.room.create".into(),
             state_key: Some(String::new()),
-            content: if version == "12" { json!({}) } else { json!({ "creator": ALICE, "room_version": version }) },
+            content: if version == "12" {
+                json!({})
+            } else {
+                json!({ "creator": ALICE, "room_version": version })
+            },
             redacts: None,
             prev_events: vec![],
             auth_events: vec![],
@@ -149,7 +161,12 @@ fn base(version: &str, rng: &mut StdRng) -> (Room, OwnedEventId) {
         users = json!({ BOB: 50 });
     }
     let steps: Vec<(&str, &str, Option<&str>, Value)> = vec![
-        (ALICE, "m.room.member", Some(ALICE), json!({ "membership": "join" })),
+        (
+            ALICE,
+            "m.room.member",
+            Some(ALICE),
+            json!({ "membership": "join" }),
+        ),
         (
             ALICE,
             "m.room.power_levels",
@@ -157,11 +174,31 @@ fn base(version: &str, rng: &mut StdRng) -> (Room, OwnedEventId) {
             json!({ "users": users, "users_default": 0, "events_default": 0, "state_default": 50,
                     "ban": 50, "kick": 50, "redact": 50, "invite": 0 }),
         ),
-        (ALICE, "m.room.join_rules", Some(""), json!({ "join_rule": "public" })),
-        (ALICE, "m.room.history_visibility", Some(""), json!({ "history_visibility": "shared" })),
+        (
+            ALICE,
+            "m.room.join_rules",
+            Some(""),
+            json!({ "join_rule": "public" }),
+        ),
+        (
+            ALICE,
+            "m.room.history_visibility",
+            Some(""),
+            json!({ "history_visibility": "shared" }),
+        ),
         (ALICE, "m.room.topic", Some(""), json!({ "topic": "base" })),
-        (BOB, "m.room.member", Some(BOB), json!({ "membership": "join" })),
-        (CAROL, "m.room.member", Some(CAROL), json!({ "membership": "join" })),
+        (
+            BOB,
+            "m.room.member",
+            Some(BOB),
+            json!({ "membership": "join" }),
+        ),
+        (
+            CAROL,
+            "m.room.member",
+            Some(CAROL),
+            json!({ "membership": "join" }),
+        ),
     ];
     for (sender, kind, sk, content) in steps {
         head = room
@@ -183,25 +220,85 @@ enum Mix {
 }
 
 /// One side of a fork: `n` random events in a chain after `from`. Returns its head.
-fn side(room: &mut Room, from: &OwnedEventId, n: usize, tag: &str, mix: Mix, rng: &mut StdRng) -> OwnedEventId {
+fn side(
+    room: &mut Room,
+    from: &OwnedEventId,
+    n: usize,
+    tag: &str,
+    mix: Mix,
+    rng: &mut StdRng,
+) -> OwnedEventId {
     let mut head = from.clone();
     for i in 0..n {
         let newcomer = format!("@{tag}{i}:c.example");
         let pick = rng.random_range(0..if matches!(mix, Mix::WithPower) { 9 } else { 7 });
         let ev = match pick {
-            0 => room.event(&[head.clone()], CAROL, "m.room.message", None, json!({ "body": format!("{tag}{i}") }), rng),
+            0 => room.event(
+                &[head.clone()],
+                CAROL,
+                "m.room.message",
+                None,
+                json!({ "body": format!("{tag}{i}") }),
+                rng,
+            ),
             1 => {
                 let who = if rng.random_bool(0.5) { ALICE } else { BOB };
-                room.event(&[head.clone()], who, "m.room.topic", Some(""), json!({ "topic": format!("{tag}{i}") }), rng)
+                room.event(
+                    &[head.clone()],
+                    who,
+                    "m.room.topic",
+                    Some(""),
+                    json!({ "topic": format!("{tag}{i}") }),
+                    rng,
+                )
             }
-            2 => room.event(&[head.clone()], BOB, "m.room.name", Some(""), json!({ "name": format!("{tag}{i}") }), rng),
-            3 => room.event(&[head.clone()], &newcomer, "m.room.member", Some(&newcomer), json!({ "membership": "join" }), rng),
+            2 => room.event(
+                &[head.clone()],
+                BOB,
+                "m.room.name",
+                Some(""),
+                json!({ "name": format!("{tag}{i}") }),
+                rng,
+            ),
+            3 => room.event(
+                &[head.clone()],
+                &newcomer,
+                "m.room.member",
+                Some(&newcomer),
+                json!({ "membership": "join" }),
+                rng,
+            ),
             4 => {
-                let m = if rng.random_bool(0.5) { "leave" } else { "join" };
-                room.event(&[head.clone()], CAROL, "m.room.member", Some(CAROL), json!({ "membership": m }), rng)
+                let m = if rng.random_bool(0.5) {
+                    "leave"
+                } else {
+                    "join"
+                };
+                room.event(
+                    &[head.clone()],
+                    CAROL,
+                    "m.room.member",
+                    Some(CAROL),
+                    json!({ "membership": m }),
+                    rng,
+                )
             }
-            5 => room.event(&[head.clone()], CAROL, "m.room.avatar", Some(""), json!({ "url": "mxc://a/b" }), rng),
-            6 => room.event(&[head.clone()], ALICE, "org.example.slot", Some(tag), json!({ "v": i }), rng),
+            5 => room.event(
+                &[head.clone()],
+                CAROL,
+                "m.room.avatar",
+                Some(""),
+                json!({ "url": "mxc://a/b" }),
+                rng,
+            ),
+            6 => room.event(
+                &[head.clone()],
+                ALICE,
+                "org.example.slot",
+                Some(tag),
+                json!({ "v": i }),
+                rng,
+            ),
             7 => {
                 let level = rng.random_range(0..60);
                 let mut users = json!({ BOB: 50, CAROL: level });
@@ -218,7 +315,14 @@ fn side(room: &mut Room, from: &OwnedEventId, n: usize, tag: &str, mix: Mix, rng
                     rng,
                 )
             }
-            _ => room.event(&[head.clone()], BOB, "m.room.member", Some(CAROL), json!({ "membership": "ban" }), rng),
+            _ => room.event(
+                &[head.clone()],
+                BOB,
+                "m.room.member",
+                Some(CAROL),
+                json!({ "membership": "ban" }),
+                rng,
+            ),
         };
         if let Some(ev) = ev {
             head = ev.event_id.clone();
@@ -229,12 +333,22 @@ fn side(room: &mut Room, from: &OwnedEventId, n: usize, tag: &str, mix: Mix, rng
 
 type Resolver = fn(&str, &[&StateMap], &ForkWindow, &Pool) -> (StateMap, ForkCase);
 
-fn window_resolver(v: &str, states: &[&StateMap], w: &ForkWindow, pool: &Pool) -> (StateMap, ForkCase) {
+fn window_resolver(
+    v: &str,
+    states: &[&StateMap],
+    w: &ForkWindow,
+    pool: &Pool,
+) -> (StateMap, ForkCase) {
     fork::resolve(v, states, Some(w), pool).unwrap()
 }
 
 /// A wrong merge: every differing slot takes the first state's value.
-fn first_side_wins(_v: &str, states: &[&StateMap], _w: &ForkWindow, _pool: &Pool) -> (StateMap, ForkCase) {
+fn first_side_wins(
+    _v: &str,
+    states: &[&StateMap],
+    _w: &ForkWindow,
+    _pool: &Pool,
+) -> (StateMap, ForkCase) {
     let mut out = (*states[0]).clone();
     for s in &states[1..] {
         for (slot, p) in s.iter() {
@@ -247,19 +361,48 @@ fn first_side_wins(_v: &str, states: &[&StateMap], _w: &ForkWindow, _pool: &Pool
 }
 
 fn ids(s: &StateMap) -> std::collections::BTreeMap<(String, String), String> {
-    s.iter().map(|(k, p)| (k.clone(), p.event_id.to_string())).collect()
+    s.iter()
+        .map(|(k, p)| (k.clone(), p.event_id.to_string()))
+        .collect()
 }
 
 /// Resolves `forks` random forks both ways; returns (disagreements, merged, resolved).
-fn run(version: &str, forks: usize, seed: u64, mix: Mix, resolver: Resolver) -> (usize, usize, usize) {
+fn run(
+    version: &str,
+    forks: usize,
+    seed: u64,
+    mix: Mix,
+    resolver: Resolver,
+) -> (usize, usize, usize) {
     let mut rng = StdRng::seed_from_u64(seed);
     let (mut disagree, mut merged, mut resolved) = (0, 0, 0);
     for f in 0..forks {
         let (mut room, head) = base(version, &mut rng);
         // Some shared history after the base, then the fork.
-        let trunk = side(&mut room, &head, rng.random_range(0..4), &format!("t{f}x"), Mix::Ordinary, &mut rng);
-        let a = side(&mut room, &trunk, rng.random_range(1..8), "a", mix, &mut rng);
-        let b = side(&mut room, &trunk, rng.random_range(1..8), "b", mix, &mut rng);
+        let trunk = side(
+            &mut room,
+            &head,
+            rng.random_range(0..4),
+            &format!("t{f}x"),
+            Mix::Ordinary,
+            &mut rng,
+        );
+        let a = side(
+            &mut room,
+            &trunk,
+            rng.random_range(1..8),
+            "a",
+            mix,
+            &mut rng,
+        );
+        let b = side(
+            &mut room,
+            &trunk,
+            rng.random_range(1..8),
+            "b",
+            mix,
+            &mut rng,
+        );
         let (sa, sb) = (
             room.window.state_after(&a).unwrap().clone(),
             room.window.state_after(&b).unwrap().clone(),
@@ -276,7 +419,9 @@ fn run(version: &str, forks: usize, seed: u64, mix: Mix, resolver: Resolver) -> 
             disagree += 1;
         }
     }
-    eprintln!("v{version} seed {seed}: {forks} forks, {merged} merged by the window, {resolved} through state resolution, {disagree} disagreements");
+    eprintln!(
+        "v{version} seed {seed}: {forks} forks, {merged} merged by the window, {resolved} through state resolution, {disagree} disagreements"
+    );
     (disagree, merged, resolved)
 }
 
@@ -284,10 +429,19 @@ fn run(version: &str, forks: usize, seed: u64, mix: Mix, resolver: Resolver) -> 
 fn window_merge_agrees_with_state_resolution_v2_on_random_forks() {
     for version in ["10", "11", "12"] {
         let (disagree, merged, resolved) = run(version, 150, 7, Mix::Ordinary, window_resolver);
-        assert_eq!(disagree, 0, "v{version}: the window merge disagreed with ruma's resolve");
+        assert_eq!(
+            disagree, 0,
+            "v{version}: the window merge disagreed with ruma's resolve"
+        );
         // Both paths ran: the test is not vacuous.
-        assert!(merged >= 30, "v{version}: only {merged} forks took the window merge");
-        assert!(resolved >= 10, "v{version}: only {resolved} forks needed state resolution");
+        assert!(
+            merged >= 30,
+            "v{version}: only {merged} forks took the window merge"
+        );
+        assert!(
+            resolved >= 10,
+            "v{version}: only {resolved} forks needed state resolution"
+        );
     }
 }
 
@@ -295,13 +449,22 @@ fn window_merge_agrees_with_state_resolution_v2_on_random_forks() {
 fn forks_with_power_events_agree_too() {
     for version in ["10", "12"] {
         let (disagree, _merged, resolved) = run(version, 120, 11, Mix::WithPower, window_resolver);
-        assert_eq!(disagree, 0, "v{version}: disagreement on forks with power events");
-        assert!(resolved >= 30, "v{version}: only {resolved} forks needed state resolution");
+        assert_eq!(
+            disagree, 0,
+            "v{version}: disagreement on forks with power events"
+        );
+        assert!(
+            resolved >= 30,
+            "v{version}: only {resolved} forks needed state resolution"
+        );
     }
 }
 
 #[test]
 fn a_wrong_merge_is_caught_by_the_oracle() {
     let (disagree, _, _) = run("10", 150, 7, Mix::Ordinary, first_side_wins);
-    assert!(disagree >= 20, "the oracle found only {disagree} disagreements with a wrong merge");
+    assert!(
+        disagree >= 20,
+        "the oracle found only {disagree} disagreements with a wrong merge"
+    );
 }

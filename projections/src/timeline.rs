@@ -168,7 +168,12 @@ impl Timeline {
 
     /// Backfilled event ids of a room with sequence after `after_seq`, going back in
     /// time (ascending sequence), at most `limit`.
-    pub fn range_backfill_older(&self, room_id: &str, after_seq: u64, limit: usize) -> Vec<(u64, String)> {
+    pub fn range_backfill_older(
+        &self,
+        room_id: &str,
+        after_seq: u64,
+        limit: usize,
+    ) -> Vec<(u64, String)> {
         let start = key::with_pos(&[room_id], after_seq.saturating_add(1));
         let end = key::with_pos(&[room_id], u64::MAX);
         self.decode(self.backfill.scan_range(&start, &end, false, limit))
@@ -176,7 +181,12 @@ impl Timeline {
 
     /// Backfilled event ids of a room with sequence below `before_seq`, going forward
     /// in time (descending sequence), at most `limit`.
-    pub fn range_backfill_newer(&self, room_id: &str, before_seq: u64, limit: usize) -> Vec<(u64, String)> {
+    pub fn range_backfill_newer(
+        &self,
+        room_id: &str,
+        before_seq: u64,
+        limit: usize,
+    ) -> Vec<(u64, String)> {
         if before_seq <= 1 {
             return vec![];
         }
@@ -190,10 +200,15 @@ impl Timeline {
     pub fn oldest_event(&self, room_id: &str) -> Option<String> {
         let start = key::with_pos(&[room_id], 1);
         let end = key::with_pos(&[room_id], u64::MAX);
-        if let Some((_, id)) = self.decode(self.backfill.scan_range(&start, &end, true, 1)).pop() {
+        if let Some((_, id)) = self
+            .decode(self.backfill.scan_range(&start, &end, true, 1))
+            .pop()
+        {
             return Some(id);
         }
-        self.range_forward(room_id, 0, u64::MAX, 1).pop().map(|(_, id)| id)
+        self.range_forward(room_id, 0, u64::MAX, 1)
+            .pop()
+            .map(|(_, id)| id)
     }
 
     fn decode(&self, rows: Vec<(Vec<u8>, Vec<u8>)>) -> Vec<(u64, String)> {
@@ -356,8 +371,16 @@ impl Timeline {
             event_id.clone().into_bytes(),
             serde_json::to_vec(&stored).map_err(|e| e.to_string())?,
         );
-        ctx.put(&self.backfill, key::with_pos(&[&room], seq), event_id.into_bytes());
-        ctx.put(&self.backfill_seq, room.into_bytes(), seq.to_be_bytes().to_vec());
+        ctx.put(
+            &self.backfill,
+            key::with_pos(&[&room], seq),
+            event_id.into_bytes(),
+        );
+        ctx.put(
+            &self.backfill_seq,
+            room.into_bytes(),
+            seq.to_be_bytes().to_vec(),
+        );
         if pdu.kind.to_string() == "m.room.redaction"
             && let Some(target) = &pdu.redacts
         {
