@@ -58,6 +58,61 @@ pub struct Config {
     pub push: Push,
     /// Delayed events (MSC4140, docs/push.md "Delayed events").
     pub delayed_events: DelayedEvents,
+    /// Application services (bridges, bots; docs/appservices.md).
+    pub appservices: AppServicesConfig,
+}
+
+/// Application services (docs/appservices.md).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct AppServicesConfig {
+    /// Registration files in Synapse's YAML format (Synapse's
+    /// `app_service_config_files`), loaded at start; a bad file stops the server.
+    pub registration_files: Vec<PathBuf>,
+    /// Timeout of one request to an application service (transactions, user and
+    /// alias queries, pings), ms.
+    pub request_timeout_ms: u64,
+    /// First retry delay after a transaction failed, ms (doubles per failure).
+    pub retry_initial_ms: u64,
+    /// Longest retry delay, ms. Transactions are retried until they are delivered.
+    pub retry_max_ms: u64,
+    /// Most room events per transaction (and as many ephemeral and to-device entries;
+    /// Synapse's 100).
+    pub transaction_events_max: usize,
+    /// Address ranges (CIDR) an application service may not be at; the default is the
+    /// federation default.
+    pub ip_range_denylist: Vec<String>,
+    /// Ranges exempt from the denylist: a bridge on the same machine needs
+    /// `["127.0.0.1/32", "::1/128"]`.
+    pub ip_range_allowlist: Vec<String>,
+}
+
+impl Default for AppServicesConfig {
+    fn default() -> Self {
+        AppServicesConfig {
+            registration_files: Vec::new(),
+            request_timeout_ms: 30_000,
+            retry_initial_ms: 1_000,
+            retry_max_ms: 256_000,
+            transaction_events_max: 100,
+            ip_range_denylist: spindle_federation::client::DEFAULT_IP_RANGE_DENYLIST
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            ip_range_allowlist: Vec::new(),
+        }
+    }
+}
+
+impl AppServicesConfig {
+    /// The API's outbound settings.
+    pub fn to_api(&self) -> spindle_api::appservice::AppServiceSettings {
+        spindle_api::appservice::AppServiceSettings {
+            request_timeout_ms: self.request_timeout_ms,
+            ip_range_denylist: self.ip_range_denylist.clone(),
+            ip_range_allowlist: self.ip_range_allowlist.clone(),
+        }
+    }
 }
 
 /// Push delivery to push gateways (docs/push.md).
@@ -587,6 +642,7 @@ impl Default for Config {
             metrics: Metrics::default(),
             push: Push::default(),
             delayed_events: DelayedEvents::default(),
+            appservices: AppServicesConfig::default(),
         }
     }
 }
@@ -846,7 +902,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 125);
+        assert_eq!(want.len(), 133);
     }
 
     #[test]

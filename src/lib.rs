@@ -1,6 +1,7 @@
 //! The `spindle` homeserver: wires the journal, the projections, the Client-Server API
 //! and the federation key endpoint into one process.
 
+pub mod appservice;
 pub mod config;
 mod ops;
 pub mod push_gateway;
@@ -56,6 +57,8 @@ pub struct Server {
     pub federation: spindle_federation::FedState,
     /// Push delivery to gateways (`None` with `[push] enabled = false`).
     pub push_sender: Option<push_gateway::PushSender>,
+    /// Application service transactions (`None` without registrations).
+    pub appservice_sender: Option<appservice::AppServiceSender>,
 }
 
 impl Server {
@@ -79,6 +82,16 @@ impl Server {
         std::fs::create_dir_all(&config.data_dir)
             .with_context(|| format!("creating data directory {}", config.data_dir.display()))?;
         check_server_name(&config)?;
+        // Registration files first: a bad one stops the server before anything opens.
+        let appservices = Arc::new(
+            spindle_api::appservice::AppServices::load(
+                &config.appservices.registration_files,
+                &config.server_name,
+                &config.appservices.to_api(),
+            )
+            .map_err(|e| anyhow!(e))?,
+        );
+        appservice::check_urls(&appservices, &config.appservices).map_err(|e| anyhow!(e))?;
         let key = Arc::new(
             spindle_federation::load_or_create_key(&config.data_dir, &config.server_name)
                 .map_err(|e| anyhow!(e))?,
@@ -192,7 +205,26 @@ impl Server {
             api_config,
             shutdown_rx.clone(),
             clock,
-        );
+        )
+        .with_appservices(appservices.clone());
+        spindle_api::appservice::register_senders(&state)
+            .await
+            .map_err(|e| anyhow!("registering application service senders: {}", e.error))?;
+        let appservice_sender = if appservices.is_empty() {
+            None
+        } else {
+            Some(
+                appservice::AppServiceSender::start(
+                    journal.clone(),
+                    projections.clone(),
+                    appservices.clone(),
+                    config.appservices.clone(),
+                    &config.data_dir.join("consumers"),
+                    shutdown_rx.clone(),
+                )
+                .map_err(|e| anyhow!("appservices: {e}"))?,
+            )
+        };
         let fed = spindle_federation::FedState::new(
             key.clone(),
             journal.clone(),
@@ -335,6 +367,7 @@ impl Server {
             federation_sender: sender,
             federation: fed,
             push_sender,
+            appservice_sender,
         })
     }
 

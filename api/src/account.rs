@@ -329,6 +329,7 @@ pub(crate) async fn start_session(
 async fn register(
     State(s): State<AppState>,
     addr: ClientAddr,
+    appservice: AsToken,
     headers: axum::http::HeaderMap,
     q: Query,
     JsonObject(body): JsonObject,
@@ -343,6 +344,21 @@ async fn register(
             )));
         }
     }
+    let auth_type = body
+        .get("auth")
+        .and_then(|a| a.get("type"))
+        .and_then(|v| v.as_str());
+    if auth_type == Some("m.login.application_service")
+        || body.get("type").and_then(|v| v.as_str()) == Some("m.login.application_service")
+    {
+        return register_appservice_user(
+            &s,
+            appservice,
+            &body,
+            (addr, crate::extract::user_agent(&headers)),
+        )
+        .await;
+    }
     let flows = uia_flows(&s);
     if flows.is_empty() {
         return Err(MatrixError::forbidden("Registration is disabled"));
@@ -353,6 +369,7 @@ async fn register(
     if let Some(u) = &username {
         let local = u.to_lowercase();
         check_localpart(&s, &local)?;
+        crate::appservice::check_user_not_exclusive(&s, &full_user_id(&s, &local), None)?;
         if s.projections
             .accounts
             .user(&full_user_id(&s, &local))
@@ -388,10 +405,6 @@ async fn register(
         }
         (StatusCode::UNAUTHORIZED, Json(body))
     };
-    let auth_type = body
-        .get("auth")
-        .and_then(|a| a.get("type"))
-        .and_then(|v| v.as_str());
     let passed = match auth_type {
         Some("m.login.dummy") if s.config.registration_open => true,
         Some("m.login.registration_token") if !s.config.registration_tokens.is_empty() => {
@@ -422,33 +435,11 @@ async fn register(
         Some(p) => Some(hash_password(&s, p).await?),
         None => None,
     };
-    s.submit_and_wait(
-        &user_id,
-        None,
-        CommandBody::Fact {
-            fact: Fact::AccountRegistered {
-                user_id: user_id.clone(),
-                password_hash,
-            },
-        },
-    )
-    .await?;
-    s.rate_limits.registration.record(&addr_key);
     // The display name starts as the localpart, as Synapse sets it: clients show "The
     // user has no displayname" errors otherwise. A fact of its own, so the audit trail
     // says who set it (the server, at registration).
-    s.submit_and_wait(
-        &user_id,
-        None,
-        CommandBody::Fact {
-            fact: Fact::ProfileSet {
-                user_id: user_id.clone(),
-                displayname: Some(Some(localpart.clone())),
-                avatar_url: None,
-            },
-        },
-    )
-    .await?;
+    register_account(&s, &user_id, &localpart, password_hash).await?;
+    s.rate_limits.registration.record(&addr_key);
     if body.get("inhibit_login").and_then(|v| v.as_bool()) == Some(true) {
         return Ok(
             Json(json!({ "user_id": user_id, "home_server": s.server_name() })).into_response(),
@@ -474,6 +465,7 @@ async fn register_available(State(s): State<AppState>, q: Query) -> ApiResult<Js
         .ok_or_else(|| MatrixError::missing_param("username is required"))?
         .to_lowercase();
     check_localpart(&s, &username)?;
+    crate::appservice::check_user_not_exclusive(&s, &full_user_id(&s, &username), None)?;
     if s.projections
         .accounts
         .user(&full_user_id(&s, &username))
@@ -489,7 +481,142 @@ async fn register_available(State(s): State<AppState>, q: Query) -> ApiResult<Js
 }
 
 async fn login_flows() -> Json<Value> {
-    Json(json!({ "flows": [{ "type": "m.login.password" }] }))
+    Json(json!({ "flows": [
+        { "type": "m.login.password" },
+        { "type": "m.login.application_service" },
+    ] }))
+}
+
+/// The application service behind a request's `as_token`, if it has one (for the
+/// unauthenticated endpoints an application service also calls: `/register`,
+/// `/login`).
+pub(crate) struct AsToken(Option<std::sync::Arc<crate::appservice::AppService>>);
+
+impl axum::extract::FromRequestParts<AppState> for AsToken {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &AppState,
+    ) -> Result<Self, Self::Rejection> {
+        Ok(AsToken(crate::extract::appservice_of(parts, state)))
+    }
+}
+
+fn appservice_required(a: AsToken) -> ApiResult<std::sync::Arc<crate::appservice::AppService>> {
+    a.0.ok_or_else(|| {
+        MatrixError::new(
+            StatusCode::UNAUTHORIZED,
+            "M_MISSING_TOKEN",
+            "m.login.application_service needs the application service's as_token",
+        )
+    })
+}
+
+/// `POST /register` with `type: m.login.application_service` (spec: Application
+/// Service API, "Server admin style permissions"): the `as_token` registers
+/// `username` in one of its user namespaces (or its sender), whatever the server's
+/// registration policy and without rate limits. 401 `M_MISSING_TOKEN` without an
+/// `as_token`; 400 `M_EXCLUSIVE` outside its namespaces or in another application
+/// service's exclusive namespace; 400 `M_USER_IN_USE` for a taken id. With
+/// `inhibit_login` (or `io.element.msc4190` in its registration) no device or token.
+async fn register_appservice_user(
+    s: &AppState,
+    appservice: AsToken,
+    body: &serde_json::Map<String, Value>,
+    client: (ClientAddr, Option<&str>),
+) -> ApiResult<axum::response::Response> {
+    use axum::response::IntoResponse;
+    let a = appservice_required(appservice)?;
+    let username = opt_str(body, "username")?
+        .ok_or_else(|| MatrixError::missing_param("username is required"))?;
+    let user_id = if username.starts_with('@') {
+        username.clone()
+    } else {
+        let local = username.to_lowercase();
+        check_localpart(s, &local)?;
+        full_user_id(s, &local)
+    };
+    let localpart = user_id
+        .strip_prefix('@')
+        .and_then(|u| u.strip_suffix(&format!(":{}", s.server_name())))
+        .ok_or_else(|| {
+            MatrixError::new(
+                StatusCode::BAD_REQUEST,
+                "M_INVALID_USERNAME",
+                "User ID must be on this server",
+            )
+        })?
+        .to_owned();
+    check_localpart(s, &localpart)?;
+    if !a.is_interested_in_user(&user_id) {
+        return Err(MatrixError::new(
+            StatusCode::BAD_REQUEST,
+            "M_EXCLUSIVE",
+            "Invalid user localpart for this application service.",
+        ));
+    }
+    crate::appservice::check_user_not_exclusive(s, &user_id, Some(&a))?;
+    if s.projections.accounts.user(&user_id).is_some() {
+        return Err(MatrixError::new(
+            StatusCode::BAD_REQUEST,
+            "M_USER_IN_USE",
+            "User ID already taken.",
+        ));
+    }
+    register_account(s, &user_id, &localpart, None).await?;
+    let inhibit = body.get("inhibit_login").and_then(|v| v.as_bool()) == Some(true);
+    if inhibit || a.msc4190 {
+        return Ok(
+            Json(json!({ "user_id": user_id, "home_server": s.server_name() })).into_response(),
+        );
+    }
+    let session = start_session(
+        s,
+        &user_id,
+        opt_str(body, "device_id")?,
+        opt_str(body, "initial_device_display_name")?,
+        wants_refresh(body)?,
+        client,
+    )
+    .await?;
+    let mut out = json!({ "user_id": user_id, "home_server": s.server_name() });
+    session.write_into(&mut out);
+    Ok(Json(out).into_response())
+}
+
+/// Registers an account (an `AccountRegistered` fact) and gives it the localpart as
+/// display name (a `ProfileSet` fact, as Synapse does at registration).
+pub(crate) async fn register_account(
+    s: &AppState,
+    user_id: &str,
+    localpart: &str,
+    password_hash: Option<String>,
+) -> ApiResult<()> {
+    s.submit_and_wait(
+        user_id,
+        None,
+        CommandBody::Fact {
+            fact: Fact::AccountRegistered {
+                user_id: user_id.to_owned(),
+                password_hash,
+            },
+        },
+    )
+    .await?;
+    s.submit_and_wait(
+        user_id,
+        None,
+        CommandBody::Fact {
+            fact: Fact::ProfileSet {
+                user_id: user_id.to_owned(),
+                displayname: Some(Some(localpart.to_owned())),
+                avatar_url: None,
+            },
+        },
+    )
+    .await?;
+    Ok(())
 }
 
 /// `POST /login` (spec: "Login"), `m.login.password`. Rate limited (429
@@ -501,11 +628,21 @@ async fn login_flows() -> Json<Value> {
 async fn login(
     State(s): State<AppState>,
     addr: ClientAddr,
+    appservice: AsToken,
     headers: axum::http::HeaderMap,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
-    s.rate_limits.login_address.check(&addr.rate_key())?;
     let kind = opt_str(&body, "type")?.ok_or_else(|| MatrixError::bad_json("type is required"))?;
+    if kind == "m.login.application_service" {
+        return login_appservice(
+            &s,
+            appservice,
+            &body,
+            (addr, crate::extract::user_agent(&headers)),
+        )
+        .await;
+    }
+    s.rate_limits.login_address.check(&addr.rate_key())?;
     if kind != "m.login.password" {
         return Err(MatrixError::new(
             StatusCode::BAD_REQUEST,
@@ -558,6 +695,58 @@ async fn login(
         opt_str(&body, "initial_device_display_name")?,
         refreshable,
         (addr, crate::extract::user_agent(&headers)),
+    )
+    .await?;
+    let mut out = json!({
+        "user_id": user_id,
+        "home_server": s.server_name(),
+        "well_known": { "m.homeserver": { "base_url": s.config.public_base_url } },
+    });
+    session.write_into(&mut out);
+    Ok(Json(out))
+}
+
+/// `POST /login` with `type: m.login.application_service` (spec: "Appservice
+/// Login"): the `as_token` logs in as a user it is interested in (its sender or in a
+/// user namespace), which must exist. 401 `M_MISSING_TOKEN` without an `as_token`; 403
+/// `M_FORBIDDEN` for a user outside its namespaces or not registered.
+async fn login_appservice(
+    s: &AppState,
+    appservice: AsToken,
+    body: &serde_json::Map<String, Value>,
+    client: (ClientAddr, Option<&str>),
+) -> ApiResult<Json<Value>> {
+    let a = appservice_required(appservice)?;
+    let user = match body.get("identifier") {
+        Some(id) => id.get("user").and_then(|v| v.as_str()).map(str::to_owned),
+        None => opt_str(body, "user")?,
+    }
+    .ok_or_else(|| MatrixError::bad_json("identifier.user is required"))?;
+    let user_id = full_user_id(s, &user);
+    if !a.is_interested_in_user(&user_id) {
+        return Err(MatrixError::forbidden(
+            "An application service may only log in as users that it is interested in",
+        ));
+    }
+    let account = s
+        .projections
+        .accounts
+        .user(&user_id)
+        .ok_or_else(|| MatrixError::forbidden("Invalid username"))?;
+    if account.deactivated {
+        return Err(MatrixError::new(
+            StatusCode::FORBIDDEN,
+            "M_USER_DEACTIVATED",
+            "This account has been deactivated",
+        ));
+    }
+    let session = start_session(
+        s,
+        &user_id,
+        opt_str(body, "device_id")?,
+        opt_str(body, "initial_device_display_name")?,
+        wants_refresh(body)?,
+        client,
     )
     .await?;
     let mut out = json!({
@@ -652,6 +841,10 @@ async fn profile(State(s): State<AppState>, Path(user_id): Path<String>) -> ApiR
     s.wait_for_acknowledged().await?;
     if let Some(remote) = remote_profile(&s, &user_id, None).await? {
         return Ok(Json(remote));
+    }
+    if user_id.ends_with(&format!(":{}", s.server_name())) {
+        // An unknown user in an application service's namespace: ask it first.
+        crate::appservice::local_user_exists(&s, &user_id).await?;
     }
     Ok(Json(profile_json(&s, &user_id)?))
 }

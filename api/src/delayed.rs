@@ -251,6 +251,8 @@ async fn fire(s: &AppState, d: &DelayedEvent, by_action: bool) -> ApiResult<()> 
         user_id: d.user_id.clone(),
         device_id: d.device_id.clone().unwrap_or_default(),
         token_hash: String::new(),
+
+        appservice: None,
     };
     let redacts = (d.event_type == "m.room.redaction")
         .then(|| d.content["redacts"].as_str().map(str::to_owned))

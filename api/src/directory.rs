@@ -169,7 +169,9 @@ async fn remote_public_rooms(
 }
 
 /// `GET /publicRooms` (no token needed): `limit`, `since`, `server` (another server's
-/// directory is asked of that server over federation).
+/// directory is asked of that server over federation), `third_party_instance_id` (an
+/// application service's network list, `<appservice id>|<network id>`) and
+/// `include_all_networks`.
 async fn public_rooms_get(State(s): State<AppState>, q: Query) -> ApiResult<Json<Value>> {
     let limit = q.u64("limit")?;
     if let Some(server) = remote_server(&s, q.get("server")) {
@@ -180,6 +182,8 @@ async fn public_rooms_get(State(s): State<AppState>, q: Query) -> ApiResult<Json
     let query = discovery::PublicRoomsQuery {
         limit: discovery::clamp_limit(limit),
         offset: parse_since(q.get("since"))?,
+        third_party_instance_id: q.get("third_party_instance_id").map(str::to_owned),
+        include_all_networks: q.get("include_all_networks") == Some("true"),
         ..Default::default()
     };
     Ok(Json(discovery::public_rooms(&s.projections, &query)))
@@ -207,6 +211,16 @@ async fn public_rooms_post(
         ..Default::default()
     };
     discovery::parse_filter(body.get("filter"), &mut query).map_err(MatrixError::bad_json)?;
+    query.third_party_instance_id = opt_str(&body, "third_party_instance_id")?;
+    query.include_all_networks = match body.get("include_all_networks") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            return Err(MatrixError::bad_json(
+                "include_all_networks must be a boolean",
+            ));
+        }
+    };
     if let Some(server) = remote_server(&s, q.get("server")) {
         return remote_public_rooms(&s, server, Some(Value::Object(body)), limit, None).await;
     }

@@ -18,6 +18,83 @@ pub struct Requester {
     pub device_id: String,
     /// blake3 hex of the token (what the journal stores).
     pub token_hash: String,
+    /// The application service whose `as_token` authenticated the request (spec:
+    /// Application Service API, "Identity assertion"); `None` for a user's token.
+    pub appservice: Option<std::sync::Arc<crate::appservice::AppService>>,
+}
+
+impl Requester {
+    /// The device, unless the request is an application service's without one
+    /// (`device_id` masquerading not used): `device_id` is then empty.
+    pub fn device(&self) -> Option<&str> {
+        Some(self.device_id.as_str()).filter(|d| !d.is_empty())
+    }
+}
+
+/// The requester behind an application service's `as_token`: `user_id` (query) or
+/// the sender; `device_id` (query; also MSC3202's `org.matrix.msc3202.device_id`) or
+/// none. 403 `M_FORBIDDEN` for a user outside its namespaces or not registered yet;
+/// 400 `M_UNKNOWN_DEVICE` for a device the user does not have.
+fn appservice_requester(
+    parts: &Parts,
+    state: &AppState,
+    a: &std::sync::Arc<crate::appservice::AppService>,
+    hash: String,
+) -> Result<Requester, MatrixError> {
+    let query = parts.uri.query().map(url_query).unwrap_or_default();
+    let param = |name: &str| {
+        query
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    };
+    let user_id = param("user_id").unwrap_or_else(|| a.sender.clone());
+    if user_id != a.sender {
+        if !a.is_interested_in_user(&user_id) {
+            return Err(MatrixError::forbidden(format!(
+                "Application service cannot masquerade as this user ({user_id})"
+            )));
+        }
+        if state.projections.accounts.user(&user_id).is_none() {
+            return Err(MatrixError::forbidden(format!(
+                "Application service has not registered this user ({user_id})"
+            )));
+        }
+    }
+    let device_id = param("device_id")
+        .or_else(|| param("org.matrix.msc3202.device_id"))
+        .unwrap_or_default();
+    if !device_id.is_empty()
+        && state
+            .projections
+            .accounts
+            .device(&user_id, &device_id)
+            .is_none()
+    {
+        return Err(MatrixError::new(
+            StatusCode::BAD_REQUEST,
+            "M_UNKNOWN_DEVICE",
+            "Application service has not registered this device",
+        ));
+    }
+    if let Some(slot) = parts.extensions.get::<crate::access_log::RequestUser>() {
+        slot.set(&user_id);
+    }
+    Ok(Requester {
+        user_id,
+        device_id,
+        token_hash: hash,
+        appservice: Some(a.clone()),
+    })
+}
+
+/// The `as_token` of a request, if it carries an application service's token.
+pub fn appservice_of(
+    parts: &Parts,
+    state: &AppState,
+) -> Option<std::sync::Arc<crate::appservice::AppService>> {
+    let token = token_from(parts)?;
+    state.appservices.by_token(&token).cloned()
 }
 
 /// blake3 hex of an access token. Tokens themselves are never stored.
@@ -95,6 +172,9 @@ impl FromRequestParts<AppState> for Requester {
         // Read-your-writes: everything acknowledged before this request is visible to it
         // (including a token issued or revoked just before).
         state.wait_for_acknowledged().await?;
+        if let Some(a) = state.appservices.by_token(&token) {
+            return appservice_requester(parts, state, a, hash);
+        }
         let owner = state.projections.accounts.token(&hash).ok_or_else(|| {
             MatrixError::new(
                 StatusCode::UNAUTHORIZED,
@@ -128,6 +208,7 @@ impl FromRequestParts<AppState> for Requester {
             user_id: owner.user_id,
             device_id: owner.device_id,
             token_hash: hash,
+            appservice: None,
         })
     }
 }

@@ -9,6 +9,7 @@
 pub mod access_log;
 pub mod account;
 pub mod admin;
+pub mod appservice;
 pub mod cross_signing;
 pub mod delayed;
 pub mod devices;
@@ -162,6 +163,8 @@ pub struct AppState {
     pub rate_limits: Arc<ratelimit::RateLimits>,
     /// Prometheus metrics (served on `[metrics] bind` when enabled).
     pub metrics: Arc<metrics::Metrics>,
+    /// The registered application services (`[appservices] registration_files`).
+    pub appservices: Arc<appservice::AppServices>,
 }
 
 impl AppState {
@@ -212,7 +215,14 @@ impl AppState {
             last_seen,
             presence: presence::Presence::default(),
             federation: None,
+            appservices: Arc::new(appservice::AppServices::empty()),
         }
+    }
+
+    /// The same state with these application services registered.
+    pub fn with_appservices(mut self, appservices: Arc<appservice::AppServices>) -> AppState {
+        self.appservices = appservices;
+        self
     }
 
     /// The same state with federation on: remote joins, aliases and profiles go
@@ -322,6 +332,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .merge(account::routes())
         .merge(admin::routes())
+        .merge(appservice::routes())
         .merge(synapse_admin::routes())
         .merge(devices::routes())
         .merge(presence::routes())

@@ -19,8 +19,9 @@
 //! fresh addresses gains nothing over one address.
 //!
 //! Exemptions: with `exempt_admins`, server admins pass every per-user limit (they
-//! still pass through per-address limits before they are known). Application services
-//! are not served, so there is nothing to exempt for them yet.
+//! still pass through per-address limits before they are known). Application services'
+//! senders pass every per-user limit, and so do the users of an application service
+//! registered with `rate_limited: false` ([`crate::appservice::AppServices::rate_exempt`]).
 
 use std::{
     collections::HashMap,
@@ -410,10 +411,12 @@ impl RateLimits {
     }
 }
 
-/// Whether `user_id` passes per-user limits without counting (an admin, with
-/// `exempt_admins`).
+/// Whether `user_id` passes per-user limits without counting: an admin (with
+/// `exempt_admins`), an application service's sender, or a user of an application
+/// service registered with `rate_limited: false`.
 pub fn exempt(s: &crate::AppState, user_id: &str) -> bool {
-    s.rate_limits.config.exempt_admins && crate::admin::is_admin(s, user_id)
+    (s.rate_limits.config.exempt_admins && crate::admin::is_admin(s, user_id))
+        || s.appservices.rate_exempt(user_id)
 }
 
 /// Checks and counts a per-user limit, unless the user is exempt.

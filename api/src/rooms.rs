@@ -462,7 +462,7 @@ pub(crate) async fn create_room(
                 "Inviting {u} needs federation, which is not served yet"
             )));
         }
-        if s.projections.accounts.user(u).is_none() {
+        if !crate::appservice::local_user_exists(&s, u).await? {
             return Err(MatrixError::not_found(format!("Unknown user {u}")));
         }
     }
@@ -479,6 +479,7 @@ pub(crate) async fn create_room(
             {
                 return Err(MatrixError::invalid_param("Invalid room_alias_name"));
             }
+            crate::appservice::check_alias_allowed(&s, &r, &alias)?;
             if s.projections.aliases.resolve(&alias).is_some() {
                 return Err(MatrixError::new(
                     StatusCode::BAD_REQUEST,
@@ -880,13 +881,9 @@ async fn knock(
                 via.extend(servers);
                 room_id
             }
-            _ => {
-                s.projections
-                    .aliases
-                    .resolve(&target)
-                    .ok_or_else(|| MatrixError::not_found("Room alias not found"))?
-                    .room_id
-            }
+            _ => crate::appservice::resolve_local_alias(&s, &target)
+                .await?
+                .ok_or_else(|| MatrixError::not_found("Room alias not found"))?,
         }
     } else {
         valid_room_id(&target)?;
@@ -1005,7 +1002,8 @@ async fn invite(
 ) -> ApiResult<Json<Value>> {
     let (target, reason) = target_and_reason(&body)?;
     let local_suffix = format!(":{}", s.server_name());
-    if target.ends_with(&local_suffix) && s.projections.accounts.user(&target).is_none() {
+    if target.ends_with(&local_suffix) && !crate::appservice::local_user_exists(&s, &target).await?
+    {
         return Err(MatrixError::not_found("Unknown user"));
     }
     // Synapse's rc_invites: per sender, per room and per invitee; all three must have
@@ -1438,6 +1436,7 @@ async fn set_alias(
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
     valid_local_alias(&s, &alias)?;
+    crate::appservice::check_alias_allowed(&s, &r, &alias)?;
     let room_id = opt_str(&body, "room_id")?
         .ok_or_else(|| MatrixError::missing_param("room_id is required"))?;
     valid_room_id(&room_id)?;
@@ -1485,13 +1484,15 @@ async fn resolve_alias(
     // No access token here, so no Requester to wait for acknowledged writes: wait
     // explicitly (read-your-writes holds for unauthenticated reads too).
     s.wait_for_acknowledged().await?;
-    let t = s
-        .projections
-        .aliases
-        .resolve(&alias)
-        .ok_or_else(|| MatrixError::not_found("Room alias not found"))?;
+    let local = alias.ends_with(&format!(":{}", s.server_name()));
+    let room_id = if local {
+        crate::appservice::resolve_local_alias(&s, &alias).await?
+    } else {
+        s.projections.aliases.resolve(&alias).map(|t| t.room_id)
+    }
+    .ok_or_else(|| MatrixError::not_found("Room alias not found"))?;
     Ok(Json(
-        json!({ "room_id": t.room_id, "servers": [s.server_name()] }),
+        json!({ "room_id": room_id, "servers": [s.server_name()] }),
     ))
 }
 
@@ -1501,6 +1502,7 @@ async fn delete_alias(
     Path(alias): Path<String>,
 ) -> ApiResult<Json<Value>> {
     valid_local_alias(&s, &alias)?;
+    crate::appservice::check_alias_allowed(&s, &r, &alias)?;
     let t = s
         .projections
         .aliases

@@ -1420,6 +1420,8 @@ async fn create_notice_room(
         user_id: creator.to_owned(),
         device_id: String::new(),
         token_hash: String::new(),
+
+        appservice: None,
     };
     let body = json!({
         "preset": "public_chat",

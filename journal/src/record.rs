@@ -448,6 +448,15 @@ pub enum Fact {
     },
     /// A room's visibility in the public room directory (`public` or `private`).
     RoomVisibilitySet { room_id: String, visibility: String },
+    /// An application service listed (`public`) or unlisted (`private`) a room in its
+    /// published room directory for one third-party network (`PUT
+    /// /directory/list/appservice/{networkId}/{roomId}`).
+    AppserviceRoomListed {
+        appservice_id: String,
+        network_id: String,
+        room_id: String,
+        visibility: String,
+    },
     /// A user reported an event (`event_id`) or a whole room (`event_id: None`).
     ContentReported {
         reporter: String,

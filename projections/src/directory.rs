@@ -11,6 +11,8 @@
 //! - `members`: room, 0x00, user -> membership (to know a member event's transition)
 //! - `joined`: room id -> joined member count (u64 BE), maintained per member event so
 //!   a directory entry's `num_joined_members` is one point read
+//! - `network_published`: `<appservice id>|<network id>`, 0x00, room id -> empty, for
+//!   rooms an application service listed for one network (`AppserviceRoomListed`)
 //!
 //! [`EventTimes`] table:
 //! - `by_ts`: room, 0x00, origin_server_ts BE, position BE -> event id, so "the first
@@ -30,6 +32,7 @@ pub struct Directory {
     join_rules: Table,
     members: Table,
     joined: Table,
+    network_published: Table,
 }
 
 impl Directory {
@@ -41,6 +44,7 @@ impl Directory {
             join_rules: db.table("directory", "join_rules")?,
             members: db.table("directory", "members")?,
             joined: db.table("directory", "joined")?,
+            network_published: db.table("directory", "network_published")?,
         })
     }
 
@@ -55,6 +59,24 @@ impl Directory {
             .scan_prefix(b"", limit)
             .into_iter()
             .map(|(k, _)| String::from_utf8_lossy(&k).into_owned())
+            .collect()
+    }
+
+    /// Rooms an application service listed for a network, by third-party instance id
+    /// (`<appservice id>|<network id>`; `None`: every network), ordered by instance
+    /// then room id (at most `limit`).
+    pub fn network_published(&self, instance_id: Option<&str>, limit: usize) -> Vec<String> {
+        let prefix = match instance_id {
+            Some(i) => key::prefix(&[i]),
+            None => Vec::new(),
+        };
+        self.network_published
+            .scan_prefix(&prefix, limit)
+            .into_iter()
+            .filter_map(|(k, _)| {
+                let at = k.iter().position(|b| *b == 0)?;
+                Some(String::from_utf8_lossy(&k[at + 1..]).into_owned())
+            })
             .collect()
     }
 
@@ -98,6 +120,7 @@ impl Projection for Directory {
             self.join_rules.clone(),
             self.members.clone(),
             self.joined.clone(),
+            self.network_published.clone(),
         ]
     }
 
@@ -111,6 +134,22 @@ impl Projection for Directory {
                 ctx.put(&self.published, room_id.into_bytes(), Vec::new());
             } else {
                 ctx.delete(&self.published, room_id.into_bytes());
+            }
+            return Ok(());
+        }
+        if let Some(Fact::AppserviceRoomListed {
+            appservice_id,
+            network_id,
+            room_id,
+            visibility,
+        }) = record.fact()
+        {
+            let instance = format!("{appservice_id}|{network_id}");
+            let k = key::join(&[&instance, &room_id]);
+            if visibility == "public" {
+                ctx.put(&self.network_published, k, Vec::new());
+            } else {
+                ctx.delete(&self.network_published, k);
             }
             return Ok(());
         }

@@ -91,6 +91,11 @@ pub struct PublicRoomsQuery {
     pub search: Option<String>,
     /// `filter.room_types`: `None` entries select rooms without a type.
     pub room_types: Option<Vec<Option<String>>>,
+    /// `third_party_instance_id` (`<appservice id>|<network id>`): that network's
+    /// list, which an application service keeps, instead of the main one.
+    pub third_party_instance_id: Option<String>,
+    /// `include_all_networks`: the main list plus every network's.
+    pub include_all_networks: bool,
 }
 
 /// A `/publicRooms` pagination token: `p<offset>`. `Err` carries the bad token (the
@@ -117,7 +122,20 @@ pub fn clamp_limit(limit: Option<u64>) -> usize {
 /// next_batch?, prev_batch?}`, largest rooms first, then by room id (a stable order
 /// for pagination).
 pub fn public_rooms(p: &Projections, q: &PublicRoomsQuery) -> Value {
-    let published = p.directory.published(PUBLISHED_ROOMS_MAX);
+    let published = match (&q.third_party_instance_id, q.include_all_networks) {
+        (Some(instance), _) => p
+            .directory
+            .network_published(Some(instance), PUBLISHED_ROOMS_MAX),
+        (None, true) => {
+            let mut all = p.directory.published(PUBLISHED_ROOMS_MAX);
+            all.extend(p.directory.network_published(None, PUBLISHED_ROOMS_MAX));
+            all.sort();
+            all.dedup();
+            all.truncate(PUBLISHED_ROOMS_MAX);
+            all
+        }
+        (None, false) => p.directory.published(PUBLISHED_ROOMS_MAX),
+    };
     let total = published.len();
     let mut ordered: Vec<(u64, String)> = published
         .into_iter()

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -49,13 +51,56 @@ contacts = [{ role = "m.role.admin", matrix_id = "@admin:example.org", email_add
 """
 
 
+AS_TOKEN = "conformance-as-token"
+HS_TOKEN = "conformance-hs-token"
+
+
+class _AppService(BaseHTTPRequestHandler):
+    """The smallest application service: acknowledges transactions and pings."""
+
+    def log_message(self, *args):
+        pass
+
+    def _ok(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        self.rfile.read(n)
+        ok = self.headers.get("Authorization") == f"Bearer {HS_TOKEN}"
+        self.send_response(200 if ok else 403)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    do_PUT = _ok
+    do_POST = _ok
+
+
 @pytest.fixture(scope="module")
 def spindle(spindle):
-    """The module's server, restarted with EXTRA_CONFIG."""
-    spindle.extra_config = EXTRA_CONFIG
+    """The module's server, restarted with EXTRA_CONFIG and an application service."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _AppService)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    reg = spindle.root / "conformance-appservice.yaml"
+    reg.write_text(
+        "id: conformance\n"
+        f"url: http://127.0.0.1:{httpd.server_address[1]}\n"
+        f"as_token: {AS_TOKEN}\n"
+        f"hs_token: {HS_TOKEN}\n"
+        "sender_localpart: conformancebot\n"
+        "namespaces:\n"
+        "  users:\n"
+        "    - exclusive: true\n"
+        "      regex: '@conformance_.*'\n"
+    )
+    spindle.extra_config = EXTRA_CONFIG + (
+        "\n[appservices]\n"
+        f'registration_files = ["{reg}"]\n'
+        'ip_range_allowlist = ["127.0.0.1/32"]\n'
+    )
     spindle.write_config()
     spindle.restart()
-    return spindle
+    yield spindle
+    httpd.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -679,6 +724,29 @@ NO_SUCCESS_HERE = {
     "GET /_matrix/client/v3/thirdparty/location/{protocol}": "no bridges: every protocol is unknown (404)",
     "GET /_matrix/client/v3/thirdparty/user/{protocol}": "no bridges: every protocol is unknown (404)",
 }
+
+
+def test_application_services(anon, spindle):
+    bot = Client(anon.base_url, anon.recorder, AS_TOKEN)
+    name = unique("conformance_")
+    user = bot.post(
+        f"{C3}/register",
+        {"type": "m.login.application_service", "username": name, "inhibit_login": True},
+    )
+    assert user["user_id"] == f"@{name}:{spindle.server_name}"
+    login = bot.post(
+        f"{C3}/login",
+        {"type": "m.login.application_service", "identifier": {"type": "m.id.user", "user": name}},
+    )
+    assert login["user_id"] == user["user_id"]
+    pong = bot.post("/_matrix/client/v1/appservice/conformance/ping", {"transaction_id": "conf-1"})
+    assert isinstance(pong["duration_ms"], int)
+    room = bot.post(f"{C3}/createRoom", {"name": "bridged network room"})["room_id"]
+    bot.put(f"{C3}/directory/list/appservice/conformance-net/{seg(room)}", {"visibility": "public"})
+    listed = anon.get(f"{C3}/publicRooms", query={"third_party_instance_id": "conformance|conformance-net"})
+    assert [c["room_id"] for c in listed["chunk"]] == [room]
+    taken = anon.get(f"{C3}/register/available", query={"username": unique("conformance_")}, expect=400)
+    assert taken["errcode"] == "M_EXCLUSIVE"
 
 
 def test_every_served_endpoint_is_exercised(spec, recorder, served):

@@ -1,0 +1,435 @@
+//! Application service transactions: a journal consumer that pushes the events an
+//! application service is interested in to `PUT {url}/_matrix/app/v1/transactions/{txnId}`
+//! (spec v1.19: Application Service API, "Pushing events").
+//!
+//! It lives in the server crate because it reads the journal (the `api` crate may not).
+//! Shape, as the federation sender's and the push gateway's (`journal::consumer`):
+//!
+//! - **One worker per application service with a `url`**, each with its durable cursor
+//!   (a journal position, in `<data>/consumers/appservice.json`, named by the
+//!   registration's `id`). A new registration starts at the journal head it finds (as
+//!   Synapse: an application service gets what happens after it is registered).
+//! - A worker reads the journal after its cursor, waits until the projections have
+//!   applied what it read, and keeps what the application service is interested in:
+//!   room events (sent by, or a member event about, a user of its namespaces or its
+//!   sender; or in a room whose id or an alias matches its namespaces, or with a
+//!   joined member who matches), and with `receive_ephemeral` (or MSC2409's
+//!   `de.sorunome.msc2409.push_ephemeral`) the `m.read` receipts of those rooms and
+//!   the to-device messages to its users' devices. A transaction holds at most
+//!   `transaction_events_max` events (and as many ephemeral and to-device entries).
+//! - **At least once, in order, stable ids.** A transaction's id is the journal
+//!   positions it covers (`<first>-<last>`), so a retry carries the same id and the
+//!   same body; failures (anything but a 2xx answer) are retried with exponential
+//!   backoff from `retry_initial_ms` to `retry_max_ms`, for as long as it takes (an
+//!   application service is the server operator's own, as in Synapse). The cursor
+//!   moves past a transaction only once it is acknowledged; a restart of either side
+//!   repeats at most the transaction in flight (the application service deduplicates
+//!   by id).
+//!
+//! Interest in a room is cached per worker (room id -> bool) and recomputed after any
+//! member or alias change of the room: the cost of a room event is one map lookup, a
+//! member event pays one scan of the room's members.
+
+use std::{
+    collections::HashMap,
+    path::Path,
+    sync::{Arc, atomic::Ordering},
+    time::Duration,
+};
+
+use serde_json::{Value, json};
+use spindle_api::appservice::{APP_SERVICE_PREFIX, AppService, AppServices, urlencode};
+use spindle_journal::{Fact, Journal, StoredRecord, consumer::Cursors};
+use spindle_projections::Projections;
+
+use crate::config::AppServicesConfig;
+
+/// Records read from the journal per step.
+const READ_BATCH: usize = 256;
+
+/// How often a cursor that moved without a transaction is saved.
+const IDLE_SAVE_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Rooms whose interest a worker remembers before it starts over.
+const ROOM_CACHE_MAX: usize = 100_000;
+
+/// Counters (tests and metrics).
+#[derive(Debug, Default)]
+pub struct AppServiceStats {
+    /// Transactions the application services acknowledged.
+    pub transactions: std::sync::atomic::AtomicU64,
+    /// Room events in acknowledged transactions.
+    pub events: std::sync::atomic::AtomicU64,
+    /// Ephemeral and to-device entries in acknowledged transactions.
+    pub ephemeral: std::sync::atomic::AtomicU64,
+    /// Failed attempts (each retry counts).
+    pub failures: std::sync::atomic::AtomicU64,
+}
+
+/// One transaction's content.
+#[derive(Debug, Default)]
+struct Txn {
+    events: Vec<Value>,
+    ephemeral: Vec<Value>,
+    to_device: Vec<Value>,
+}
+
+impl Txn {
+    fn is_empty(&self) -> bool {
+        self.events.is_empty() && self.ephemeral.is_empty() && self.to_device.is_empty()
+    }
+
+    fn full(&self, max: usize) -> bool {
+        self.events.len() >= max || self.ephemeral.len() >= max || self.to_device.len() >= max
+    }
+
+    /// The body of `PUT /transactions/{txnId}`: `events`, plus the ephemeral and
+    /// to-device lists under the keys the registration asked for.
+    fn body(&self, a: &AppService) -> Value {
+        let mut body = json!({ "events": self.events });
+        if a.receive_ephemeral {
+            body["ephemeral"] = json!(self.ephemeral);
+            body["de.sorunome.msc2409.to_device"] = json!(self.to_device);
+        } else if a.receive_ephemeral_unstable {
+            body["de.sorunome.msc2409.ephemeral"] = json!(self.ephemeral);
+            body["de.sorunome.msc2409.to_device"] = json!(self.to_device);
+        }
+        body
+    }
+}
+
+/// The running transaction pusher.
+#[derive(Clone)]
+pub struct AppServiceSender {
+    journal: Journal,
+    projections: Projections,
+    services: Arc<AppServices>,
+    config: Arc<AppServicesConfig>,
+    cursors: Arc<parking_lot::Mutex<Cursors>>,
+    shutdown: tokio::sync::watch::Receiver<bool>,
+    wakes: Arc<parking_lot::Mutex<HashMap<String, tokio::sync::watch::Sender<()>>>>,
+    /// Counters.
+    pub stats: Arc<AppServiceStats>,
+}
+
+impl AppServiceSender {
+    /// Starts one worker per application service with a `url`. Errors on an unreadable
+    /// cursor file.
+    pub fn start(
+        journal: Journal,
+        projections: Projections,
+        services: Arc<AppServices>,
+        config: AppServicesConfig,
+        consumers_dir: &Path,
+        shutdown: tokio::sync::watch::Receiver<bool>,
+    ) -> Result<AppServiceSender, String> {
+        let cursors = Cursors::open(consumers_dir, "appservice")?;
+        let sender = AppServiceSender {
+            journal,
+            projections,
+            services,
+            config: Arc::new(config),
+            cursors: Arc::new(parking_lot::Mutex::new(cursors)),
+            shutdown,
+            wakes: Arc::default(),
+            stats: Arc::default(),
+        };
+        for a in sender.services.all().iter().filter(|a| a.url.is_some()) {
+            let stored = sender.cursors.lock().get(&a.id);
+            let cursor = match stored {
+                Some(c) => c,
+                None => {
+                    let head = sender.journal.durable_head();
+                    sender.cursors.lock().set(&a.id, head)?;
+                    head
+                }
+            };
+            let (tx, rx) = tokio::sync::watch::channel(());
+            sender.wakes.lock().insert(a.id.clone(), tx);
+            let s = sender.clone();
+            let a = a.clone();
+            sender.spawn(async move { s.run_worker(a, cursor, rx).await });
+        }
+        Ok(sender)
+    }
+
+    /// Runs `task` until the server stops.
+    fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        let mut shutdown = self.shutdown.clone();
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = task => {}
+                _ = shutdown.wait_for(|s| *s) => {}
+            }
+        });
+    }
+
+    /// Wakes every worker now (their backoff is cut short).
+    pub fn wake_all(&self) {
+        for tx in self.wakes.lock().values() {
+            let _ = tx.send(());
+        }
+    }
+
+    /// The saved cursor of an application service (tests).
+    pub fn cursor(&self, id: &str) -> Option<u64> {
+        self.cursors.lock().get(id)
+    }
+
+    /// Reads the journal after `after` once the projections have applied what it read.
+    async fn read(&self, after: u64) -> Option<Vec<StoredRecord>> {
+        loop {
+            match self.journal.next_after(after, READ_BATCH).await {
+                Ok(b) if b.is_empty() => return None,
+                Ok(b) => {
+                    let last = b.last().map(|r| r.position()).unwrap_or(after);
+                    // Interest is decided from memberships and aliases: they must
+                    // include these records.
+                    while !self
+                        .projections
+                        .runtime
+                        .wait_for(last, Duration::from_secs(10))
+                        .await
+                    {
+                        tracing::warn!(position = last, "appservice: projections are behind");
+                    }
+                    return Some(b);
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "appservice: journal read failed");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    }
+
+    async fn run_worker(
+        self,
+        a: Arc<AppService>,
+        mut cursor: u64,
+        mut wake: tokio::sync::watch::Receiver<()>,
+    ) {
+        let cfg = self.config.clone();
+        let max = cfg.transaction_events_max.max(1);
+        let mut rooms = RoomInterest::default();
+        let mut idle_saved = std::time::Instant::now();
+        loop {
+            let mut txn = Txn::default();
+            let mut covered = cursor;
+            'collect: loop {
+                let Some(batch) = self.read(covered).await else {
+                    return;
+                };
+                for rec in &batch {
+                    if txn.full(max) {
+                        break 'collect;
+                    }
+                    collect(&self.projections, &a, rec, &mut rooms, &mut txn);
+                    covered = rec.position();
+                }
+                if !txn.is_empty() {
+                    break;
+                }
+                cursor = covered;
+                if idle_saved.elapsed() >= IDLE_SAVE_INTERVAL {
+                    idle_saved = std::time::Instant::now();
+                    if let Err(e) = self.cursors.lock().set(&a.id, cursor) {
+                        tracing::warn!(error = %e, "appservice: cursor not saved");
+                    }
+                }
+            }
+            let txn_id = format!("{}-{}", cursor + 1, covered);
+            let body = txn.body(&a);
+            let path = format!("{APP_SERVICE_PREFIX}/transactions/{}", urlencode(&txn_id));
+            let mut backoff_ms = cfg.retry_initial_ms.max(1);
+            loop {
+                match self
+                    .services
+                    .request(&a, reqwest::Method::PUT, &path, Some(&body))
+                    .await
+                {
+                    Ok(_) => break,
+                    Err(e) => {
+                        self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(appservice = %a.id, txn_id = %txn_id, error = %e, retry_in_ms = backoff_ms, "appservice transaction failed");
+                        let _ =
+                            tokio::time::timeout(Duration::from_millis(backoff_ms), wake.changed())
+                                .await;
+                        backoff_ms = backoff_ms.saturating_mul(2).min(cfg.retry_max_ms.max(1));
+                    }
+                }
+            }
+            self.stats.transactions.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .events
+                .fetch_add(txn.events.len() as u64, Ordering::Relaxed);
+            self.stats.ephemeral.fetch_add(
+                (txn.ephemeral.len() + txn.to_device.len()) as u64,
+                Ordering::Relaxed,
+            );
+            cursor = covered;
+            if let Err(e) = self.cursors.lock().set(&a.id, cursor) {
+                tracing::warn!(error = %e, "appservice: cursor not saved");
+            }
+        }
+    }
+}
+
+/// Per-room interest of one application service, recomputed after member and alias
+/// changes.
+#[derive(Default)]
+struct RoomInterest {
+    rooms: HashMap<String, bool>,
+}
+
+impl RoomInterest {
+    fn forget(&mut self, room_id: &str) {
+        self.rooms.remove(room_id);
+    }
+
+    fn get(&mut self, p: &Projections, a: &AppService, room_id: &str) -> bool {
+        if let Some(v) = self.rooms.get(room_id) {
+            return *v;
+        }
+        if self.rooms.len() >= ROOM_CACHE_MAX {
+            self.rooms.clear();
+        }
+        let v = room_interests(p, a, room_id);
+        self.rooms.insert(room_id.to_owned(), v);
+        v
+    }
+}
+
+/// Whether the room's id or one of its aliases is in the application service's
+/// namespaces, or a joined member is one of its users (Synapse's
+/// `is_interested_in_room`).
+pub fn room_interests(p: &Projections, a: &AppService, room_id: &str) -> bool {
+    a.is_interested_in_room_id(room_id)
+        || p.aliases
+            .of_room(room_id)
+            .iter()
+            .any(|alias| a.is_interested_in_alias(alias))
+        || p.membership
+            .members(room_id)
+            .iter()
+            .any(|(u, m)| m.membership == "join" && a.is_interested_in_user(u))
+}
+
+/// Adds what `rec` holds for the application service to `txn`.
+fn collect(
+    p: &Projections,
+    a: &AppService,
+    rec: &StoredRecord,
+    rooms: &mut RoomInterest,
+    txn: &mut Txn,
+) {
+    if let Some(pdu) = rec.pdu() {
+        let room_id = pdu.room_id.to_string();
+        let kind = pdu.kind.to_string();
+        if kind == "m.room.member" || kind == "m.room.canonical_alias" {
+            rooms.forget(&room_id);
+        }
+        let about_user = a.is_interested_in_user(pdu.sender.as_str())
+            || (kind == "m.room.member"
+                && pdu
+                    .state_key
+                    .as_deref()
+                    .is_some_and(|k| a.is_interested_in_user(k)));
+        if about_user || rooms.get(p, a, &room_id) {
+            txn.events.push(pdu.to_client_event(None));
+        }
+        return;
+    }
+    match rec.fact() {
+        Some(Fact::AliasSet { room_id, .. }) => rooms.forget(&room_id),
+        Some(Fact::AliasDeleted { .. }) => rooms.rooms.clear(),
+        Some(Fact::ReceiptSet {
+            user_id,
+            room_id,
+            event_id,
+            receipt_type,
+            thread_id,
+            ts,
+        }) if a.wants_ephemeral() && receipt_type == "m.read" && rooms.get(p, a, &room_id) => {
+            let mut receipt = json!({ "ts": ts });
+            if let Some(t) = thread_id {
+                receipt["thread_id"] = json!(t);
+            }
+            txn.ephemeral.push(json!({
+                "type": "m.receipt",
+                "room_id": room_id,
+                "content": { event_id: { "m.read": { user_id: receipt } } },
+            }));
+        }
+        Some(Fact::ToDeviceSent {
+            sender,
+            event_type,
+            messages,
+            ..
+        }) if a.wants_ephemeral() => {
+            for (user, devices) in messages {
+                if !a.is_interested_in_user(&user) {
+                    continue;
+                }
+                for (device, content) in devices {
+                    let targets = if device == "*" {
+                        p.accounts
+                            .devices(&user)
+                            .into_iter()
+                            .map(|(d, _)| d)
+                            .collect()
+                    } else {
+                        vec![device]
+                    };
+                    for d in targets {
+                        txn.to_device.push(json!({
+                            "type": event_type,
+                            "sender": sender,
+                            "to_user_id": user,
+                            "to_device_id": d,
+                            "content": content,
+                        }));
+                    }
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// Refuses to start when an application service's `url` names an address literal (or
+/// `localhost`) that `[appservices] ip_range_denylist` denies and the allowlist does
+/// not exempt: its transactions would fail forever. Names the fix.
+pub fn check_urls(services: &AppServices, config: &AppServicesConfig) -> Result<(), String> {
+    let policy = spindle_federation::client::IpPolicy::new(
+        &config.ip_range_denylist,
+        &config.ip_range_allowlist,
+    )
+    .map_err(|e| format!("[appservices] ip ranges: {e}"))?;
+    for a in services.all() {
+        let Some(url) = &a.url else { continue };
+        let Some(host) = reqwest::Url::parse(url)
+            .ok()
+            .and_then(|u| u.host_str().map(|h| h.trim_matches(['[', ']']).to_owned()))
+        else {
+            continue;
+        };
+        let ips: Vec<std::net::IpAddr> = if host == "localhost" {
+            vec![
+                std::net::Ipv4Addr::LOCALHOST.into(),
+                std::net::Ipv6Addr::LOCALHOST.into(),
+            ]
+        } else {
+            host.parse().into_iter().collect()
+        };
+        if !ips.is_empty() && ips.iter().all(|ip| !policy.allows(*ip)) {
+            return Err(format!(
+                "application service {:?}: its url {url} is in [appservices] ip_range_denylist; \
+                 add its address to [appservices] ip_range_allowlist (for a bridge on this \
+                 machine: [\"127.0.0.1/32\", \"::1/128\"])",
+                a.id
+            ));
+        }
+    }
+    Ok(())
+}
