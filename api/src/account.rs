@@ -480,11 +480,14 @@ async fn register_available(State(s): State<AppState>, q: Query) -> ApiResult<Js
     Ok(Json(json!({ "available": true })))
 }
 
-async fn login_flows() -> Json<Value> {
-    Json(json!({ "flows": [
-        { "type": "m.login.password" },
-        { "type": "m.login.application_service" },
-    ] }))
+/// `GET /login`: `m.login.password`, and `m.login.application_service` when
+/// application services are registered.
+async fn login_flows(State(s): State<AppState>) -> Json<Value> {
+    let mut flows = vec![json!({ "type": "m.login.password" })];
+    if !s.appservices.is_empty() {
+        flows.push(json!({ "type": "m.login.application_service" }));
+    }
+    Json(json!({ "flows": flows }))
 }
 
 /// The application service behind a request's `as_token`, if it has one (for the
