@@ -1154,3 +1154,89 @@ async fn make_knock_and_send_knock_refuse_what_the_spec_refuses() {
         "{v}"
     );
 }
+
+struct OneSrv(String, u16);
+
+impl spindle_federation::client::SrvResolver for OneSrv {
+    fn lookup(
+        &self,
+        name: String,
+    ) -> std::pin::Pin<
+        Box<
+            dyn std::future::Future<Output = Vec<spindle_federation::client::SrvRecord>>
+                + Send
+                + '_,
+        >,
+    > {
+        let hit = name == format!("_matrix-fed._tcp.{}", self.0);
+        let port = self.1;
+        Box::pin(async move {
+            if hit {
+                vec![spindle_federation::client::SrvRecord {
+                    target: "localhost".into(),
+                    port,
+                    priority: 0,
+                    weight: 0,
+                }]
+            } else {
+                vec![]
+            }
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_server_name_without_a_port_is_reached_through_its_srv_record() {
+    // B is named `srv-b.test` (no port, no DNS) and listens for federation on port P;
+    // only the SRV record `_matrix-fed._tcp.srv-b.test -> localhost:P` says where.
+    let port = free_port();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = make_cert(dir.path());
+    let mut config = spindle::Config {
+        server_name: "srv-b.test".into(),
+        bind: "127.0.0.1:0".parse().unwrap(),
+        data_dir: dir.path().to_path_buf(),
+        rate_limits: spindle::config::RateLimits::lifted(),
+        ..Default::default()
+    };
+    config.federation.tls_bind = format!("127.0.0.1:{port}");
+    config.federation.tls_certificate_path = cert;
+    config.federation.tls_private_key_path = key;
+    let b = Node::start(config, dir, "srv-b.test".into()).await;
+    let bob = b.register("bob").await;
+    let room = b
+        .create_room(
+            &bob,
+            json!({ "preset": "public_chat", "name": "Found by SRV" }),
+        )
+        .await;
+    b.publish(&bob, &room).await;
+    let ours = std::sync::Arc::new(ServerKey::generate("srv-a.test"));
+    b.pin(&ours);
+    let fed_config = spindle_federation::FederationConfig {
+        dangerous_skip_tls_verification_for_tests: true,
+        ip_range_allowlist: vec!["127.0.0.0/8".into()],
+        ..Default::default()
+    };
+    let client = spindle_federation::FederationClient::with_srv_resolver(
+        ours,
+        &fed_config,
+        std::sync::Arc::new(OneSrv("srv-b.test".into(), port)),
+    )
+    .unwrap();
+    let resolved = client.resolve("srv-b.test").await.unwrap();
+    assert_eq!(resolved.base_url, format!("https://srv-b.test:{port}"));
+    assert_eq!(resolved.srv_target, Some(format!("localhost:{port}")));
+    // A signed request for `srv-b.test` reaches B through the SRV target.
+    let out = client
+        .request(
+            reqwest::Method::GET,
+            "srv-b.test",
+            "/_matrix/federation/v1/publicRooms",
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(room_ids(&out["chunk"]), vec![room]);
+    assert_eq!(out["chunk"][0]["name"], "Found by SRV");
+}

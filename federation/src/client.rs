@@ -2,10 +2,19 @@
 //! and X-Matrix request signing (spec: server-server API, "Resolving server names",
 //! "Request Authentication").
 //!
-//! Resolution follows the spec's order: an IP literal or an explicit port is used as
-//! is; otherwise `https://<host>/.well-known/matrix/server` (cached: 24 h on success,
-//! 1 h on failure) may delegate to another host; otherwise port 8448. SRV records are
-//! not consulted yet (see docs/federation.md).
+//! Resolution follows the spec's order ("Resolving server names", steps 1-6): an IP
+//! literal or an explicit port is used as is; otherwise
+//! `https://<host>/.well-known/matrix/server` (cached: 24 h on success, 1 h on failure)
+//! may delegate to another host (used as is when it is an IP literal or has a port);
+//! otherwise the SRV records `_matrix-fed._tcp.<host>`, then the deprecated
+//! `_matrix._tcp.<host>` (of the delegated host when there was a delegation) name the
+//! target and port; otherwise port 8448. With an SRV target the request still goes to
+//! `https://<host>:<port>` with `Host: <host>` and the certificate checked for `<host>`:
+//! only the address connected to is the target's (the DNS resolver maps `<host>` to
+//! it). SRV answers are cached for an hour (at most [`SRV_CACHE_MAX`] names); among
+//! the records the lowest priority wins, then the highest weight (no weighted random
+//! choice). A hostname used both as a server name without a port (with an SRV record)
+//! and with an explicit port connects to the SRV target in both cases.
 //!
 //! Every address a request is about to connect to is checked against the denylist
 //! (private, loopback, link-local and other special ranges by default, as Synapse's
@@ -112,23 +121,35 @@ impl IpPolicy {
     }
 }
 
+/// Hostnames whose connections go to an SRV target instead (hostname -> target).
+type SrvTargets = Arc<parking_lot::Mutex<HashMap<String, String>>>;
+
 /// A reqwest DNS resolver that drops the addresses `policy` denies (push gateways use
 /// it too: one policy mechanism for every outbound request).
 pub fn filtering_resolver(policy: Arc<IpPolicy>) -> Arc<FilteringResolver> {
-    Arc::new(FilteringResolver { policy })
+    Arc::new(FilteringResolver {
+        policy,
+        srv_targets: None,
+    })
 }
 
 /// A DNS resolver for reqwest that drops denied addresses (no DNS rebinding around
-/// the denylist).
+/// the denylist) and, for federation, connects hostnames with an SRV target to that
+/// target.
 pub struct FilteringResolver {
     policy: Arc<IpPolicy>,
+    srv_targets: Option<SrvTargets>,
 }
 
 impl reqwest::dns::Resolve for FilteringResolver {
     fn resolve(&self, name: reqwest::dns::Name) -> reqwest::dns::Resolving {
         let policy = self.policy.clone();
+        let target = self
+            .srv_targets
+            .as_ref()
+            .and_then(|m| m.lock().get(name.as_str()).cloned());
         Box::pin(async move {
-            let host = name.as_str().to_owned();
+            let host = target.unwrap_or_else(|| name.as_str().to_owned());
             let addrs: Vec<SocketAddr> = tokio::net::lookup_host((host.as_str(), 0))
                 .await?
                 .filter(|a| policy.allows(a.ip()))
@@ -147,7 +168,109 @@ impl reqwest::dns::Resolve for FilteringResolver {
 pub struct Resolved {
     /// `https://host:port` to connect to.
     pub base_url: String,
+    /// The `Host` header to send when it is not the URL's authority (an SRV target's
+    /// port is in the URL; the header names the host alone).
+    pub host_header: Option<String>,
+    /// The SRV target connected to, if an SRV record was used.
+    pub srv_target: Option<String>,
 }
+
+impl Resolved {
+    fn direct(base_url: String) -> Resolved {
+        Resolved {
+            base_url,
+            host_header: None,
+            srv_target: None,
+        }
+    }
+}
+
+/// One SRV record: target host, port, priority and weight (RFC 2782).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SrvRecord {
+    /// Target host (no trailing dot; `.` means "no service").
+    pub target: String,
+    /// Port.
+    pub port: u16,
+    /// Lower is preferred.
+    pub priority: u16,
+    /// Higher is preferred among equal priorities.
+    pub weight: u16,
+}
+
+/// Looks up SRV records by full name (e.g. `_matrix-fed._tcp.example.org`). The
+/// system resolver ([`SystemSrvResolver`]) is the default; tests inject their own.
+pub trait SrvResolver: Send + Sync {
+    /// The records of `name`; empty when there are none or the lookup failed.
+    fn lookup(
+        &self,
+        name: String,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Vec<SrvRecord>> + Send + '_>>;
+}
+
+/// SRV lookups with hickory-resolver and the system's DNS settings (`/etc/resolv.conf`);
+/// without readable settings no SRV record is ever found.
+pub struct SystemSrvResolver {
+    resolver: Option<hickory_resolver::TokioResolver>,
+}
+
+impl SystemSrvResolver {
+    /// Reads the system's DNS settings.
+    pub fn new() -> SystemSrvResolver {
+        let resolver = hickory_resolver::TokioResolver::builder_tokio()
+            .map(|b| b.build())
+            .map_err(|e| tracing::warn!(error = %e, "no DNS settings: SRV lookups are off"))
+            .ok();
+        SystemSrvResolver { resolver }
+    }
+}
+
+impl Default for SystemSrvResolver {
+    fn default() -> Self {
+        SystemSrvResolver::new()
+    }
+}
+
+impl SrvResolver for SystemSrvResolver {
+    fn lookup(
+        &self,
+        name: String,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Vec<SrvRecord>> + Send + '_>> {
+        Box::pin(async move {
+            let Some(r) = &self.resolver else {
+                return vec![];
+            };
+            match r.srv_lookup(name.as_str()).await {
+                Ok(found) => found
+                    .iter()
+                    .map(|srv| SrvRecord {
+                        target: srv.target().to_utf8().trim_end_matches('.').to_owned(),
+                        port: srv.port(),
+                        priority: srv.priority(),
+                        weight: srv.weight(),
+                    })
+                    .collect(),
+                Err(_) => vec![],
+            }
+        })
+    }
+}
+
+/// The record to use: lowest priority, then highest weight, then target and port (a
+/// stable choice); `None` when there is none or the best is `.` ("no service").
+pub fn pick_srv(records: &[SrvRecord]) -> Option<SrvRecord> {
+    let best = records.iter().min_by(|a, b| {
+        a.priority
+            .cmp(&b.priority)
+            .then(b.weight.cmp(&a.weight))
+            .then(a.target.cmp(&b.target))
+            .then(a.port.cmp(&b.port))
+    })?;
+    (!best.target.is_empty() && best.target != ".").then(|| best.clone())
+}
+
+/// Most SRV answers kept in memory (one per remote host).
+pub const SRV_CACHE_MAX: usize = 10_000;
 
 /// Splits `host[:port]` (IPv6 literals in brackets).
 fn split_host_port(name: &str) -> (String, Option<u16>) {
@@ -173,10 +296,16 @@ fn is_ip_literal(host: &str) -> bool {
 /// The outbound federation client (cheap to clone).
 #[derive(Clone)]
 pub struct FederationClient {
+    /// Requests to resolved servers (hostnames with an SRV target connect to it).
     http: reqwest::Client,
+    /// Well-known fetches (a hostname's own addresses, never an SRV target).
+    plain: reqwest::Client,
     key: Arc<ServerKey>,
     policy: Arc<IpPolicy>,
     well_known: Arc<parking_lot::Mutex<HashMap<String, (Option<String>, Instant)>>>,
+    srv: Arc<dyn SrvResolver>,
+    srv_cache: Arc<parking_lot::Mutex<HashMap<String, (Option<SrvRecord>, Instant)>>>,
+    srv_targets: SrvTargets,
 }
 
 /// Most well-known results kept in memory (one per remote server name).
@@ -186,40 +315,62 @@ impl FederationClient {
     /// Builds the client from the federation settings. Errors on an unreadable CA
     /// file or a bad CIDR.
     pub fn new(key: Arc<ServerKey>, config: &FederationConfig) -> Result<FederationClient, String> {
+        Self::with_srv_resolver(key, config, Arc::new(SystemSrvResolver::new()))
+    }
+
+    /// [`FederationClient::new`] with SRV lookups done by `srv` (tests).
+    pub fn with_srv_resolver(
+        key: Arc<ServerKey>,
+        config: &FederationConfig,
+        srv: Arc<dyn SrvResolver>,
+    ) -> Result<FederationClient, String> {
         let policy = Arc::new(IpPolicy::new(
             &config.ip_range_denylist,
             &config.ip_range_allowlist,
         )?);
-        let mut builder = reqwest::Client::builder()
-            .use_rustls_tls()
-            .dns_resolver(Arc::new(FilteringResolver {
-                policy: policy.clone(),
-            }))
-            .timeout(Duration::from_millis(config.request_timeout_ms))
-            .connect_timeout(Duration::from_secs(10))
-            .redirect(reqwest::redirect::Policy::none())
-            .user_agent(concat!("Spindle/", env!("CARGO_PKG_VERSION")));
+        let srv_targets: SrvTargets = Arc::default();
+        let mut roots = Vec::new();
         for path in &config.trusted_ca_files {
             let pem = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
-            for cert in reqwest::Certificate::from_pem_bundle(&pem)
-                .map_err(|e| format!("{}: {e}", path.display()))?
-            {
-                builder = builder.add_root_certificate(cert);
-            }
+            roots.extend(
+                reqwest::Certificate::from_pem_bundle(&pem)
+                    .map_err(|e| format!("{}: {e}", path.display()))?,
+            );
         }
         if config.dangerous_skip_tls_verification_for_tests {
             tracing::warn!(
                 "federation.dangerous_skip_tls_verification_for_tests is on: outbound \
                  federation accepts any certificate. Never use this outside tests."
             );
-            builder = builder.danger_accept_invalid_certs(true);
         }
-        let http = builder.build().map_err(|e| e.to_string())?;
+        let build = |targets: Option<SrvTargets>| -> Result<reqwest::Client, String> {
+            let mut builder = reqwest::Client::builder()
+                .use_rustls_tls()
+                .dns_resolver(Arc::new(FilteringResolver {
+                    policy: policy.clone(),
+                    srv_targets: targets,
+                }))
+                .timeout(Duration::from_millis(config.request_timeout_ms))
+                .connect_timeout(Duration::from_secs(10))
+                .redirect(reqwest::redirect::Policy::none())
+                .user_agent(concat!("Spindle/", env!("CARGO_PKG_VERSION")));
+            for cert in &roots {
+                builder = builder.add_root_certificate(cert.clone());
+            }
+            if config.dangerous_skip_tls_verification_for_tests {
+                builder = builder.danger_accept_invalid_certs(true);
+            }
+            builder.build().map_err(|e| e.to_string())
+        };
         Ok(FederationClient {
-            http,
+            http: build(Some(srv_targets.clone()))?,
+            plain: build(None)?,
             key,
             policy,
             well_known: Arc::default(),
+            srv,
+            srv_cache: Arc::default(),
+            srv_targets,
         })
     }
 
@@ -229,7 +380,7 @@ impl FederationClient {
     }
 
     /// Resolves a server name to the base URL to connect to (spec: "Resolving server
-    /// names", steps 1-3 and 6; SRV steps are not taken).
+    /// names", every step; see the module docs).
     pub async fn resolve(&self, server_name: &str) -> Result<Resolved, ClientError> {
         let (host, port) = split_host_port(server_name);
         if is_ip_literal(&host) {
@@ -244,24 +395,71 @@ impl FederationClient {
                     "address in federation.ip_range_denylist".into(),
                 ));
             }
-            return Ok(Resolved {
-                base_url: format!("https://{host}:{}", port.unwrap_or(8448)),
-            });
+            return Ok(Resolved::direct(format!(
+                "https://{host}:{}",
+                port.unwrap_or(8448)
+            )));
         }
         if let Some(port) = port {
-            return Ok(Resolved {
-                base_url: format!("https://{host}:{port}"),
-            });
+            return Ok(Resolved::direct(format!("https://{host}:{port}")));
         }
         if let Some(delegated) = self.well_known(&host).await {
             let (dhost, dport) = split_host_port(&delegated);
-            return Ok(Resolved {
-                base_url: format!("https://{dhost}:{}", dport.unwrap_or(8448)),
-            });
+            if is_ip_literal(&dhost) || dport.is_some() {
+                return Ok(Resolved::direct(format!(
+                    "https://{dhost}:{}",
+                    dport.unwrap_or(8448)
+                )));
+            }
+            return Ok(self.via_srv(&dhost).await);
         }
-        Ok(Resolved {
-            base_url: format!("https://{host}:8448"),
-        })
+        Ok(self.via_srv(&host).await)
+    }
+
+    /// Steps 3.3-3.5 and 4-6: the host's SRV target, else port 8448.
+    async fn via_srv(&self, host: &str) -> Resolved {
+        match self.srv_of(host).await {
+            Some(rec) => {
+                self.srv_targets
+                    .lock()
+                    .insert(host.to_owned(), rec.target.clone());
+                Resolved {
+                    base_url: format!("https://{host}:{}", rec.port),
+                    host_header: Some(host.to_owned()),
+                    srv_target: Some(format!("{}:{}", rec.target, rec.port)),
+                }
+            }
+            None => {
+                self.srv_targets.lock().remove(host);
+                Resolved::direct(format!("https://{host}:8448"))
+            }
+        }
+    }
+
+    /// `_matrix-fed._tcp.<host>`, then `_matrix._tcp.<host>` (cached for an hour).
+    async fn srv_of(&self, host: &str) -> Option<SrvRecord> {
+        if let Some((v, until)) = self.srv_cache.lock().get(host)
+            && *until > Instant::now()
+        {
+            return v.clone();
+        }
+        let mut found = pick_srv(&self.srv.lookup(format!("_matrix-fed._tcp.{host}")).await);
+        if found.is_none() {
+            found = pick_srv(&self.srv.lookup(format!("_matrix._tcp.{host}")).await);
+        }
+        let mut cache = self.srv_cache.lock();
+        if cache.len() >= SRV_CACHE_MAX {
+            let now = Instant::now();
+            cache.retain(|_, (_, until)| *until > now);
+            if cache.len() >= SRV_CACHE_MAX {
+                cache.clear();
+            }
+        }
+        cache.insert(
+            host.to_owned(),
+            (found.clone(), Instant::now() + Duration::from_secs(3600)),
+        );
+        found
     }
 
     async fn well_known(&self, host: &str) -> Option<String> {
@@ -272,7 +470,7 @@ impl FederationClient {
         }
         let url = format!("https://{host}/.well-known/matrix/server");
         let found = async {
-            let resp = self.http.get(&url).send().await.ok()?;
+            let resp = self.plain.get(&url).send().await.ok()?;
             if !resp.status().is_success() {
                 return None;
             }
@@ -343,6 +541,9 @@ impl FederationClient {
             .http
             .request(method, &url)
             .header(reqwest::header::AUTHORIZATION, auth);
+        if let Some(h) = &resolved.host_header {
+            req = req.header(reqwest::header::HOST, h);
+        }
         if let Some(b) = body {
             req = req.json(b);
         }
@@ -381,10 +582,14 @@ impl FederationClient {
         let resolved = self.resolve(destination).await?;
         let auth = self.authorization(method.as_str(), path_and_query, destination, None);
         let url = format!("{}{}", resolved.base_url, path_and_query);
-        let resp = self
+        let mut req = self
             .http
             .request(method, &url)
-            .header(reqwest::header::AUTHORIZATION, auth)
+            .header(reqwest::header::AUTHORIZATION, auth);
+        if let Some(h) = &resolved.host_header {
+            req = req.header(reqwest::header::HOST, h);
+        }
+        let resp = req
             .send()
             .await
             .map_err(|e| ClientError::Transport(destination.into(), error_chain(&e)))?;
@@ -415,9 +620,11 @@ impl FederationClient {
     ) -> Result<serde_json::Value, ClientError> {
         let resolved = self.resolve(destination).await?;
         let url = format!("{}{}", resolved.base_url, path);
-        let resp = self
-            .http
-            .get(&url)
+        let mut req = self.http.get(&url);
+        if let Some(h) = &resolved.host_header {
+            req = req.header(reqwest::header::HOST, h);
+        }
+        let resp = req
             .send()
             .await
             .map_err(|e| ClientError::Transport(destination.into(), error_chain(&e)))?;
@@ -498,6 +705,102 @@ mod tests {
         assert_eq!(split_host_port("[::1]:8008"), ("[::1]".into(), Some(8008)));
         assert_eq!(split_host_port("[::1]"), ("[::1]".into(), None));
         assert!(is_ip_literal("[::1]") && is_ip_literal("1.2.3.4") && !is_ip_literal("a.b"));
+    }
+
+    struct FakeSrv(
+        HashMap<String, Vec<SrvRecord>>,
+        parking_lot::Mutex<Vec<String>>,
+    );
+
+    impl SrvResolver for FakeSrv {
+        fn lookup(
+            &self,
+            name: String,
+        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Vec<SrvRecord>> + Send + '_>>
+        {
+            self.1.lock().push(name.clone());
+            let out = self.0.get(&name).cloned().unwrap_or_default();
+            Box::pin(async move { out })
+        }
+    }
+
+    fn rec(target: &str, port: u16, priority: u16, weight: u16) -> SrvRecord {
+        SrvRecord {
+            target: target.into(),
+            port,
+            priority,
+            weight,
+        }
+    }
+
+    #[test]
+    fn the_lowest_priority_then_highest_weight_srv_record_wins() {
+        let records = [
+            rec("b.example", 8001, 10, 5),
+            rec("a.example", 8002, 5, 1),
+            rec("c.example", 8003, 5, 9),
+        ];
+        assert_eq!(pick_srv(&records), Some(rec("c.example", 8003, 5, 9)));
+        assert_eq!(pick_srv(&[rec(".", 0, 0, 0)]), None);
+        assert_eq!(pick_srv(&[]), None);
+    }
+
+    #[tokio::test]
+    async fn srv_records_are_asked_after_well_known_matrix_fed_first() {
+        let key = Arc::new(ServerKey::generate("us.test"));
+        let config = FederationConfig::default();
+        let srv = Arc::new(FakeSrv(
+            [
+                (
+                    "_matrix-fed._tcp.fed.test".to_owned(),
+                    vec![rec("fed-target.test", 8443, 0, 0)],
+                ),
+                (
+                    "_matrix._tcp.fed.test".to_owned(),
+                    vec![rec("legacy-target.test", 9999, 0, 0)],
+                ),
+                (
+                    "_matrix._tcp.old.test".to_owned(),
+                    vec![rec("old-target.test", 7000, 0, 0)],
+                ),
+            ]
+            .into_iter()
+            .collect(),
+            parking_lot::Mutex::default(),
+        ));
+        let c = FederationClient::with_srv_resolver(key, &config, srv.clone()).unwrap();
+        // `.test` names have no well-known (no DNS): the SRV steps decide.
+        let r = c.resolve("fed.test").await.unwrap();
+        assert_eq!(r.base_url, "https://fed.test:8443");
+        assert_eq!(r.host_header.as_deref(), Some("fed.test"));
+        assert_eq!(r.srv_target.as_deref(), Some("fed-target.test:8443"));
+        assert_eq!(
+            c.srv_targets.lock().get("fed.test").map(String::as_str),
+            Some("fed-target.test")
+        );
+        // The deprecated _matrix._tcp only when _matrix-fed._tcp has nothing.
+        let r = c.resolve("old.test").await.unwrap();
+        assert_eq!(r.base_url, "https://old.test:7000");
+        assert_eq!(r.srv_target.as_deref(), Some("old-target.test:7000"));
+        // No record: port 8448. An explicit port: no lookup at all.
+        let r = c.resolve("plain.test").await.unwrap();
+        assert_eq!(r, Resolved::direct("https://plain.test:8448".into()));
+        let r = c.resolve("ported.test:1234").await.unwrap();
+        assert_eq!(r, Resolved::direct("https://ported.test:1234".into()));
+        // Cached: asking again looks nothing up.
+        let asked = srv.1.lock().len();
+        c.resolve("fed.test").await.unwrap();
+        assert_eq!(srv.1.lock().len(), asked);
+        assert_eq!(
+            *srv.1.lock(),
+            vec![
+                "_matrix-fed._tcp.fed.test",
+                "_matrix-fed._tcp.old.test",
+                "_matrix._tcp.old.test",
+                "_matrix-fed._tcp.plain.test",
+                "_matrix._tcp.plain.test",
+            ]
+        );
     }
 
     #[test]
