@@ -214,6 +214,7 @@ impl Metrics {
             ("resolved", &stats.forks_resolved),
             ("failed", &stats.forks_failed),
             ("beyond_window", &stats.forks_beyond_window),
+            ("soft_failed", &stats.forks_soft_failed),
         ] {
             self.forks
                 .get_or_create(&vec![("case", case.to_owned())])

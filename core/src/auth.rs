@@ -57,3 +57,19 @@ pub fn authorize<'a>(
         |t: &StateEventType, k: &str| state(&t.to_string(), k),
     )
 }
+
+/// The state-dependent half of [`authorize`] alone: checks `event` against some room
+/// state (`state` answers point lookups) without its named auth events. The soft-fail
+/// check of a remote event against the current state (spec: server-server API, "Soft
+/// failure") uses it. Returns the rule that rejected the event as text.
+pub fn authorize_against_state<'a>(
+    rules: &RoomVersionRules,
+    event: &Pdu,
+    state: impl Fn(&str, &str) -> Option<&'a Pdu>,
+) -> Result<(), String> {
+    ruma::state_res::check_state_dependent_auth_rules(
+        &rules.authorization,
+        event,
+        |t: &StateEventType, k: &str| state(&t.to_string(), k),
+    )
+}

@@ -446,6 +446,36 @@ impl RoomAggregate {
         reasserted
     }
 
+    /// The state a forking remote event is soft-fail checked against (spec: "Soft
+    /// failure"; as Synapse does it): the resolution of the room's current state with
+    /// the state before the event. `None` when the event extends the forward
+    /// extremities (the state before it is the current state) or resolution fails.
+    fn soft_fail_state(
+        &self,
+        prev_events: &[OwnedEventId],
+        before: &fork::StateMap,
+    ) -> Option<fork::StateMap> {
+        if self.extends_extremities(prev_events) {
+            return None;
+        }
+        let states = [&self.state, before];
+        let pool = self.pool(&states);
+        fork::resolve(&self.version, &states, self.window.as_ref(), &pool)
+            .ok()
+            .map(|(s, _)| s)
+    }
+
+    /// A soft-failed remote event ([`RecordKind::SoftFailed`]): known (a retry is a
+    /// duplicate, later events may name it) and in the fork window with the state
+    /// before it, but no forward extremity and no change to the current state.
+    fn apply_soft_failed(&mut self, pdu: Arc<Pdu>, before: &fork::StateMap) {
+        self.known.insert(id_digest(pdu.event_id.as_str()));
+        self.max_depth = self.max_depth.max(pdu.depth);
+        if let Some(window) = self.window.as_mut() {
+            window.push(&pdu, before);
+        }
+    }
+
     /// [`RoomAggregate::apply_with`] with the state before computed here: how records
     /// replay at start-up and how local events (which never fork) are applied.
     fn apply(&mut self, pdu: Arc<Pdu>, stats: &JournalStats) -> Vec<Arc<Pdu>> {
@@ -526,6 +556,9 @@ pub struct JournalStats {
     /// Remote events naming a `prev_event` older than the fork window (its state taken
     /// as the current state).
     pub forks_beyond_window: AtomicU64,
+    /// Remote events soft-failed ([`RecordKind::SoftFailed`]): authorized by the state
+    /// before them, not by the room's current state.
+    pub forks_soft_failed: AtomicU64,
 }
 
 /// The journal handle (cheap to clone).
@@ -638,6 +671,12 @@ impl Journal {
                 let pdu = rec.any_pdu().ok_or("unreadable backfilled PDU")?;
                 if let Some(agg) = rooms.get_mut(&pdu.room_id) {
                     agg.apply_backfilled(Arc::new(pdu));
+                }
+            } else if rec.is_soft_failed() {
+                let pdu = rec.any_pdu().ok_or("unreadable soft-failed PDU")?;
+                if let Some(agg) = rooms.get_mut(&pdu.room_id) {
+                    let before = agg.state_before(&pdu.prev_events, &stats);
+                    agg.apply_soft_failed(Arc::new(pdu), &before);
                 }
             } else if rec.is_state_resolved() {
                 // Replaying the event before it already resolved the same way; the

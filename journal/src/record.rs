@@ -48,6 +48,13 @@ pub enum RecordKind {
     /// changes no current state (state projections ignore it). `payload` is the signed
     /// PDU.
     Backfilled,
+    /// A remote PDU that passed the auth rules against the state before it but not
+    /// against the room's current state (spec: server-server API, "Soft failure"; for
+    /// example a message from a user banned meanwhile on a branch its server had not
+    /// seen). Kept so the room's DAG stays whole (later events may name it), but it is
+    /// no forward extremity, changes no state, and no projection serves it to clients.
+    /// `payload` is the signed PDU.
+    SoftFailed,
 }
 
 /// One journal record, exactly as stored (key: the global position, big-endian u64).
@@ -178,9 +185,14 @@ impl StoredRecord {
         matches!(self.view().kind, ArchivedRecordKind::Backfilled)
     }
 
+    /// Whether this is a soft-failed remote PDU ([`RecordKind::SoftFailed`]).
+    pub fn is_soft_failed(&self) -> bool {
+        matches!(self.view().kind, ArchivedRecordKind::SoftFailed)
+    }
+
     /// Whether the payload is a PDU (every kind but a fact).
     pub fn carries_pdu(&self) -> bool {
-        self.applies_to_state() || self.is_backfilled()
+        self.applies_to_state() || self.is_backfilled() || self.is_soft_failed()
     }
 
     /// The PDU of any record that carries one ([`StoredRecord::carries_pdu`]).

@@ -90,6 +90,26 @@ impl Journal {
                     ..Outcome::default()
                 })
             }
+            Ok(Checked::SoftFail(pdu, before)) => {
+                let pdu = Arc::new(pdu);
+                let event_id = pdu.event_id.clone();
+                agg.apply_soft_failed(pdu.clone(), &before);
+                self.inner
+                    .stats
+                    .forks_soft_failed
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let mut rec = self.event_record(cmd, &pdu, None);
+                rec.kind = RecordKind::SoftFailed;
+                let position = self.enqueue(vec![rec]);
+                // Accepted as far as the origin is concerned (spec: soft-failed events
+                // are not rejected).
+                Ok(Outcome {
+                    position,
+                    room_id: Some(room),
+                    event_ids: vec![event_id],
+                    ..Outcome::default()
+                })
+            }
             Err((event_id, err)) => {
                 let fact = Fact::RemotePduRejected {
                     origin: cmd.envelope.principal.clone(),
@@ -114,6 +134,9 @@ enum Checked {
     Known(OwnedEventId),
     /// Passed every check: append it. With the room state before it.
     Accept(Pdu, crate::fork::StateMap),
+    /// Authorized by the state before it, not by the current state: keep it as a
+    /// [`RecordKind::SoftFailed`] record. With the room state before it.
+    SoftFail(Pdu, crate::fork::StateMap),
 }
 
 type CheckError = (Option<String>, JournalError);
@@ -210,6 +233,20 @@ fn check_remote(
         before.get(&(t.to_owned(), k.to_owned())).map(|p| &**p)
     })
     .map_err(|e| fail(reject(format!("auth rules: {e}"))))?;
+    // Soft failure: a forking event must also pass against the current state (resolved
+    // with the state before it); if it does not, it is kept but not served.
+    if let Some(current) = agg.soft_fail_state(&parsed.prev_events, &before) {
+        let passes = spindle_core::auth::authorize_against_state(&rules, &parsed, |t, k| {
+            current.get(&(t.to_owned(), k.to_owned())).map(|p| &**p)
+        });
+        if let Err(e) = passes {
+            tracing::info!(
+                room = %room, event = %event_id, reason = %e,
+                "soft-failed a remote event: authorized by the state before it, not by the current state"
+            );
+            return Ok(Checked::SoftFail(parsed, before));
+        }
+    }
     Ok(Checked::Accept(parsed, before))
 }
 

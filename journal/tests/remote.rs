@@ -41,6 +41,7 @@ struct World {
     create: String,
     power: String,
     join_rules: String,
+    store: Arc<FjallStore>,
     _dir: tempfile::TempDir,
 }
 
@@ -55,8 +56,8 @@ fn keys_of(k: &ServerKey) -> VerifyKeys {
 async fn world() -> World {
     let dir = tempfile::tempdir().unwrap();
     let key = Arc::new(ServerKey::generate("example.org"));
-    let journal =
-        Journal::open(Arc::new(FjallStore::open(dir.path()).unwrap()), key.clone()).unwrap();
+    let store = Arc::new(FjallStore::open(dir.path()).unwrap());
+    let journal = Journal::open(store.clone(), key.clone()).unwrap();
     let created = journal
         .submit(signed(
             &key,
@@ -87,6 +88,7 @@ async fn world() -> World {
         create: ids[0].clone(),
         power: ids[2].clone(),
         join_rules: ids[3].clone(),
+        store,
         _dir: dir,
     }
 }
@@ -660,4 +662,164 @@ async fn backfill_appends_verified_history_once_and_records_what_it_refused() {
     let again = w.journal.submit(backfill(vec![old, create])).await.unwrap();
     assert!(again.event_ids.is_empty());
     assert_eq!(w.journal.read_after(at, 10).unwrap().len(), 2);
+}
+
+impl World {
+    /// Alice (local) sends a message; returns its `prev_events`, sorted.
+    async fn alice_message_prevs(&self, journal: &Journal) -> Vec<String> {
+        let out = journal
+            .submit(signed(
+                &self.key,
+                ALICE,
+                CommandBody::SendEvent {
+                    room_id: self.room.clone(),
+                    event: EventSpec {
+                        kind: "m.room.message".into(),
+                        state_key: None,
+                        content: json!({ "body": "next" }),
+                        redacts: None,
+                    },
+                    txn_id: None,
+                    precondition: None,
+                },
+            ))
+            .await
+            .unwrap();
+        let id = out.event_ids[0].to_string();
+        let rec = journal
+            .read_after(0, 1000)
+            .unwrap()
+            .into_iter()
+            .find(|r| r.event_id() == Some(id.as_str()))
+            .unwrap();
+        let mut prevs: Vec<String> = rec
+            .pdu()
+            .unwrap()
+            .prev_events
+            .iter()
+            .map(|p| p.to_string())
+            .collect();
+        prevs.sort();
+        prevs
+    }
+}
+
+/// Spec, "Soft failure": bob's server had not seen alice ban bob and sends a message
+/// after carol's join; the state before it lets bob speak, the current state does not.
+/// It is kept as a soft-failed record (the origin hears success), is no forward
+/// extremity and no timeline event, while carol's message on the same branch is an
+/// ordinary event; a restart rebuilds the same write model from the records.
+#[tokio::test]
+async fn a_message_from_a_user_banned_on_another_branch_is_soft_failed() {
+    const CAROL: &str = "@carol:remote.org";
+    let w = world().await;
+    let bob_join = w.bob_join().await;
+    let carol_join = w.remote_pdu(
+        CAROL,
+        "m.room.member",
+        Some(CAROL),
+        json!({ "membership": "join" }),
+        &bob_join,
+        vec![&w.create, &w.power, &w.join_rules],
+        6,
+    );
+    let carol_join = w.ingest(carol_join, keys_of(&w.remote)).await.unwrap();
+    let ban = w
+        .alice_state("m.room.member", BOB, json!({ "membership": "ban" }))
+        .await;
+    let at = w.journal.durable_head();
+    let bob_msg = w.remote_pdu(
+        BOB,
+        "m.room.message",
+        None,
+        json!({ "body": "I did not see the ban" }),
+        &carol_join,
+        vec![&w.create, &w.power, &bob_join],
+        7,
+    );
+    let bob_id = w.ingest(bob_msg.clone(), keys_of(&w.remote)).await.unwrap();
+    let carol_msg = w.remote_pdu(
+        CAROL,
+        "m.room.message",
+        None,
+        json!({ "body": "neither did I" }),
+        &carol_join,
+        vec![&w.create, &w.power, &carol_join],
+        7,
+    );
+    let carol_id = w.ingest(carol_msg, keys_of(&w.remote)).await.unwrap();
+    let kinds: Vec<(String, &str)> = w
+        .journal
+        .read_after(at, 100)
+        .unwrap()
+        .iter()
+        .filter_map(|r| {
+            let kind = if r.is_soft_failed() {
+                "soft_failed"
+            } else if r.is_event() {
+                "event"
+            } else {
+                return None;
+            };
+            Some((r.event_id()?.to_owned(), kind))
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        vec![(bob_id.clone(), "soft_failed"), (carol_id.clone(), "event")]
+    );
+    let soft = w
+        .journal
+        .read_after(at, 100)
+        .unwrap()
+        .into_iter()
+        .find(|r| r.is_soft_failed())
+        .unwrap();
+    assert!(soft.pdu().is_none() && soft.room_pdu().is_none());
+    assert!(soft.carries_pdu());
+    assert_eq!(
+        w.journal
+            .stats()
+            .forks_soft_failed
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    assert!(w.rejections().is_empty());
+    // A retried transaction adds nothing.
+    let head = w.journal.durable_head();
+    assert_eq!(
+        w.ingest(bob_msg.clone(), keys_of(&w.remote)).await.unwrap(),
+        bob_id
+    );
+    assert_eq!(w.journal.durable_head(), head);
+    // Alice's next event names the ban and carol's message, not bob's.
+    let mut want = vec![ban.clone(), carol_id.clone()];
+    want.sort();
+    assert_eq!(w.alice_message_prevs(&w.journal).await, want);
+    // After a restart the write model is the same: the soft-failed event is known
+    // (a retry is a duplicate) and still no extremity.
+    let reopened = Journal::open(w.store.clone(), w.key.clone()).unwrap();
+    let last = w.head_event().await;
+    assert_eq!(w.alice_message_prevs(&reopened).await, vec![last]);
+    let out = reopened
+        .submit(signed(
+            &w.key,
+            "remote.org",
+            CommandBody::RemotePdu {
+                room_id: w.room.clone(),
+                pdu: bob_msg,
+                keys: keys_of(&w.remote),
+                event_id: None,
+            },
+        ))
+        .await
+        .unwrap();
+    assert_eq!(out.event_ids[0].to_string(), bob_id);
+    assert_eq!(
+        reopened
+            .stats()
+            .forks_soft_failed
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
 }

@@ -172,6 +172,8 @@ pub fn export(
                     "state_resolved"
                 } else if r.is_backfilled() {
                     "backfilled"
+                } else if r.is_soft_failed() {
+                    "soft_failed"
                 } else {
                     "fact"
                 },
@@ -236,6 +238,7 @@ pub fn read_export(input: impl BufRead) -> anyhow::Result<(ExportHeader, Vec<Enc
             "outlier" => RecordKind::Outlier,
             "state_resolved" => RecordKind::StateResolved,
             "backfilled" => RecordKind::Backfilled,
+            "soft_failed" => RecordKind::SoftFailed,
             other => bail!("{}: unknown kind {other:?}", at()),
         };
         let rec = Record {

@@ -10,7 +10,8 @@ Measures, in one sitting, with rounds alternating the order of the two pairs:
 
 Usage: SPINDLE_BIN=... SYNAPSE_PYTHON=... scripts/bench/federation.py [--rounds 3]
        [--samples 20] [--members 10,100] [--out FILE.json]
-Prints a table and writes the raw samples as JSON.
+Prints a table (with the RSS of Spindle and of the hosting Synapse: idle, after the
+rooms are built, after the rounds) and writes the raw samples as JSON.
 """
 
 from __future__ import annotations
@@ -82,6 +83,14 @@ def send_latency(sender: Client, receiver: Client, room: str, samples: int) -> l
     return out
 
 
+def rss_mb(pid: int) -> float:
+    """Resident set size of a process in MiB (VmRSS of /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def room_with_members(host: Client, base_url: str, n: int, tag: str) -> tuple[str, str]:
     alias_local = f"bench{tag}{n}"
     room = host.call("POST", "/_matrix/client/v3/createRoom", {"preset": "public_chat", "room_alias_name": alias_local})["room_id"]
@@ -109,8 +118,13 @@ def main() -> int:
     syn_b = Synapse(root / "syn_b", conftest.free_loopback_port(), conftest.free_loopback_port(), cert, key)
     syn_a.start()
     syn_b.start()
-    results: dict = {"send_ms": {"spindle->synapse": [], "synapse->synapse": []}, "join_ms": {}}
+    results: dict = {"send_ms": {"spindle->synapse": [], "synapse->synapse": []}, "join_ms": {}, "rss_mb": {}}
+
+    def rss(when: str) -> None:
+        results["rss_mb"][when] = {"spindle": rss_mb(spindle.proc.pid), "synapse_b": rss_mb(syn_b.proc.pid)}
+
     try:
+        rss("idle")
         alice = Client(spindle.base_url)
         alice.register("alice")
         bob = Client(syn_a.base_url)
@@ -125,6 +139,7 @@ def main() -> int:
         for n in sizes:
             rooms[("spindle", n)] = room_with_members(alice, spindle.base_url, n, "s")
             rooms[("synapse", n)] = room_with_members(carol, syn_b.base_url, n, "b")
+        rss("rooms built")
         for rnd in range(args.rounds):
             pairs = [("spindle->synapse", alice, r1), ("synapse->synapse", carol, r2)]
             if rnd % 2:
@@ -141,6 +156,7 @@ def main() -> int:
                     t0 = time.monotonic()
                     joiner.call("POST", f"/_matrix/client/v3/join/{q('#' + alias_local + ':' + server)}", {}, timeout=120)
                     results["join_ms"].setdefault(f"{host} {n}", []).append((time.monotonic() - t0) * 1000)
+        rss("after rounds")
     finally:
         syn_a.stop()
         syn_b.stop()
@@ -159,6 +175,9 @@ def main() -> int:
     print("join of a Synapse user (POST /join):")
     for k, v in results["join_ms"].items():
         print(row(f"room on {k} members", v))
+    print("RSS (MiB): spindle / hosting synapse")
+    for when, v in results["rss_mb"].items():
+        print(f"  {when:28s} {v['spindle']:8.1f} / {v['synapse_b']:8.1f}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
