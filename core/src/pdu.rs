@@ -101,17 +101,51 @@ pub struct Pdu {
 /// canonical JSON. Room versions 1 and 2 carry their id in the PDU (`event_id`).
 pub fn event_id_of(pdu: &serde_json::Value, version: &str) -> Option<String> {
     let rules = room_version::rules(version)?;
-    if room_version::references_carry_hashes(&rules) {
-        return pdu
-            .get("event_id")
-            .and_then(|e| e.as_str())
-            .map(str::to_owned);
-    }
     let mut obj = canonical::to_object(pdu.clone()).ok()?;
     obj.remove("unsigned");
-    ruma::signatures::reference_hash(&obj, &rules)
-        .ok()
+    event_id_of_object(&obj, &rules).ok()
+}
+
+/// [`event_id_of`] for a PDU already in canonical form (without `unsigned`). Errors
+/// (as text) when a v1/v2 PDU has no valid `$opaque:server` id, or the PDU cannot be
+/// hashed (too large, not a PDU).
+pub fn event_id_of_object(
+    obj: &CanonicalJsonObject,
+    rules: &RoomVersionRules,
+) -> Result<String, String> {
+    if room_version::event_id_in_json(rules) {
+        let id = match obj.get("event_id") {
+            Some(CanonicalJsonValue::String(id)) => id,
+            _ => return Err("the PDU has no event_id (room versions 1 and 2 carry it)".into()),
+        };
+        let parsed = OwnedEventId::try_from(id.as_str())
+            .map_err(|e| format!("invalid event id {id}: {e}"))?;
+        if parsed.server_name().is_none() {
+            return Err(format!("the event id {id} names no server"));
+        }
+        return Ok(id.clone());
+    }
+    ruma::signatures::reference_hash(obj, rules)
         .map(|h| format!("${h}"))
+        .map_err(|e| format!("invalid PDU: {e}"))
+}
+
+/// Gives a v1/v2 event its id: `$` + 24 characters of URL-safe base64 of the blake3
+/// hash of the event as it is before signing, `:` + the signing server's name; inserted
+/// as `event_id` and returned.
+fn insert_opaque_event_id(
+    obj: &mut CanonicalJsonObject,
+    server_name: &str,
+) -> Result<OwnedEventId, PduError> {
+    let digest = blake3::hash(&canonical::to_bytes(obj));
+    let opaque = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(digest.as_bytes());
+    let id = OwnedEventId::try_from(format!("${}:{}", &opaque[..24], server_name))
+        .map_err(|e| PduError::Invalid(e.to_string()))?;
+    obj.insert(
+        "event_id".into(),
+        CanonicalJsonValue::String(id.to_string()),
+    );
+    Ok(id)
 }
 
 fn rules(version: &str) -> Result<RoomVersionRules, PduError> {
@@ -227,15 +261,7 @@ impl PduTemplate {
         }
         obj.insert("type".into(), CanonicalJsonValue::String(self.kind.clone()));
         let json_event_id = if room_version::event_id_in_json(&rules) {
-            let digest = blake3::hash(&canonical::to_bytes(&obj));
-            let opaque = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(digest.as_bytes());
-            let id = OwnedEventId::try_from(format!("${}:{}", &opaque[..24], key.server_name()))
-                .map_err(|e| PduError::Invalid(e.to_string()))?;
-            obj.insert(
-                "event_id".into(),
-                CanonicalJsonValue::String(id.to_string()),
-            );
-            Some(id)
+            Some(insert_opaque_event_id(&mut obj, key.server_name())?)
         } else {
             None
         };
@@ -409,9 +435,12 @@ impl Pdu {
 
     /// Hashes and signs an event another server templated for one of our users
     /// (spec: `make_join`/`make_leave` on the joining server's side): the template's
-    /// `signatures`, `hashes` and `unsigned` are dropped, `origin_server_ts` is set to
-    /// `ts`, then the event is hashed, signed with `key` and parsed. Errors like
-    /// [`PduTemplate::build`].
+    /// `signatures`, `hashes`, `unsigned` and `event_id` are dropped, `origin_server_ts`
+    /// is set to `ts`, then the event is hashed, signed with `key` and parsed. In room
+    /// versions 1 and 2 the event gets an id of our own (`$opaque:our.server`, made as
+    /// [`PduTemplate::build_with_references`] makes them; the template's references
+    /// already carry their hashes), since the server that names an event id must sign
+    /// the event. Errors like [`PduTemplate::build`].
     pub fn sign_template(
         template: serde_json::Value,
         room_version: &str,
@@ -432,6 +461,11 @@ impl Pdu {
                     .into(),
             ),
         );
+        let json_event_id = if room_version::event_id_in_json(&rules) {
+            Some(insert_opaque_event_id(&mut obj, key.server_name())?)
+        } else {
+            None
+        };
         ruma::signatures::hash_and_sign_event(
             key.server_name(),
             key.pair(),
@@ -443,9 +477,11 @@ impl Pdu {
         if json.len() > MAX_PDU_BYTES {
             return Err(PduError::TooLarge(json.len()));
         }
-        let hash = reference_id(&obj, &rules)?;
-        let event_id = OwnedEventId::try_from(format!("${hash}"))
-            .map_err(|e| PduError::Invalid(e.to_string()))?;
+        let event_id = match json_event_id {
+            Some(id) => id,
+            None => OwnedEventId::try_from(format!("${}", reference_id(&obj, &rules)?))
+                .map_err(|e| PduError::Invalid(e.to_string()))?,
+        };
         Pdu::parse(&json, room_version, Some(event_id), None)
     }
 
@@ -676,6 +712,31 @@ mod tests {
                 &room_version::rules(version).unwrap(),
             )
             .unwrap();
+            assert_eq!(verified, ruma::signatures::Verified::All);
+            // A join templated by another server (make_join) and signed here gets an
+            // id of ours, keeps the template's hashed references, and verifies.
+            let resident = ServerKey::generate("resident.org");
+            let joiner = ServerKey::generate("joiner.org");
+            let mut templated = json.clone();
+            for k in ["signatures", "hashes"] {
+                templated.as_object_mut().unwrap().remove(k);
+            }
+            templated["event_id"] = serde_json::json!("$fromtemplate:resident.org");
+            templated["sender"] = serde_json::json!("@bob:joiner.org");
+            templated["state_key"] = serde_json::json!("@bob:joiner.org");
+            let signed = Pdu::sign_template(templated, version, &joiner, 1_700_000_000_001).unwrap();
+            let id = signed.event_id.as_str();
+            assert!(id.starts_with('$') && id.ends_with(":joiner.org"), "{id}");
+            let signed_json = signed.federation_json();
+            assert_eq!(signed_json["event_id"], id);
+            assert_eq!(signed_json["prev_events"], json["prev_events"]);
+            assert_eq!(signed.prev_events, vec![create.event_id.clone()]);
+            let mut keys = joiner.public_key_map();
+            keys.extend(resident.public_key_map());
+            let obj = canonical::from_bytes(&signed.json).unwrap();
+            let verified =
+                ruma::signatures::verify_event(&keys, &obj, &room_version::rules(version).unwrap())
+                    .unwrap();
             assert_eq!(verified, ruma::signatures::Verified::All);
         }
     }

@@ -9,8 +9,10 @@
 //! as creator from v11, creators with infinite power and the room id derived from the
 //! create event from v12), the redaction algorithm, and strict canonical JSON from v6.
 //!
-//! Local rooms are chains, so no version needs state resolution for our own events;
-//! SPEC.md ("Room versions") says what a fork in a v1 room would need.
+//! Every version federates. Local rooms are chains, so no version needs state
+//! resolution for our own events; a fork that another server's events open is settled
+//! by the journal's fork window, state resolution v2 (v2 to v12) or v1 (room version 1),
+//! see `spindle_journal::fork`.
 
 use ruma::{
     RoomVersionId,
@@ -56,13 +58,6 @@ pub fn room_id_from_create(version: &str) -> bool {
 /// from v11 the creator is the create event's sender).
 pub fn create_has_creator_field(version: &str) -> bool {
     rules(version).is_some_and(|r| !r.authorization.use_room_create_sender)
-}
-
-/// Whether rooms of this version federate here: v3 and later, whose event ids are
-/// reference hashes. PDUs of v1/v2 rooms (ids in the JSON, hashed references) are
-/// refused over federation for now; local v1/v2 rooms work.
-pub fn federates(version: &str) -> bool {
-    rules(version).is_some_and(|r| !event_id_in_json(&r))
 }
 
 /// Whether event ids of this version are `$opaque:server` and carried in the event's

@@ -83,11 +83,10 @@ async fn receive_invite(
     let mut obj = spindle_core::canonical::to_object(event)
         .map_err(|e| FedError::bad_json(format!("the event is not canonical JSON: {e}")))?;
     obj.remove("unsigned");
-    let hash = ruma::signatures::reference_hash(&obj, &rules)
-        .map_err(|e| FedError::bad_json(format!("invalid event: {e}")))?;
-    if format!("${hash}") != event_id {
+    let id = spindle_core::pdu::event_id_of_object(&obj, &rules).map_err(FedError::bad_json)?;
+    if id != event_id {
         return Err(FedError::bad_json(format!(
-            "the event id {event_id} does not match the event (${hash})"
+            "the event id {event_id} does not match the event ({id})"
         )));
     }
     ruma::signatures::hash_and_sign_event(

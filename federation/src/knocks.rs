@@ -162,7 +162,7 @@ pub async fn knock_remote(
     let mut last = FedError::not_found("no server to knock through");
     let vers: String = spindle_core::room_version::SUPPORTED
         .iter()
-        .filter(|v| spindle_core::room_version::federates(v) && knocking_allowed(v))
+        .filter(|v| knocking_allowed(v))
         .map(|v| format!("ver={v}"))
         .collect::<Vec<_>>()
         .join("&");
@@ -189,7 +189,7 @@ pub async fn knock_remote(
             .and_then(|v| v.as_str())
             .unwrap_or("1")
             .to_owned();
-        if !spindle_core::room_version::federates(&version) || !knocking_allowed(&version) {
+        if spindle_core::room_version::rules(&version).is_none() || !knocking_allowed(&version) {
             return Err(FedError::new(
                 axum::http::StatusCode::BAD_REQUEST,
                 "M_UNSUPPORTED_ROOM_VERSION",

@@ -122,7 +122,6 @@ pub async fn join_remote(
     let mut last = FedError::not_found("no server to join the room through");
     let vers: String = spindle_core::room_version::SUPPORTED
         .iter()
-        .filter(|v| spindle_core::room_version::federates(v))
         .map(|v| format!("ver={v}"))
         .collect::<Vec<_>>()
         .join("&");
@@ -149,7 +148,7 @@ pub async fn join_remote(
             .and_then(|v| v.as_str())
             .unwrap_or("1")
             .to_owned();
-        if !spindle_core::room_version::federates(&version) {
+        if spindle_core::room_version::rules(&version).is_none() {
             return Err(FedError::new(
                 axum::http::StatusCode::BAD_REQUEST,
                 "M_UNSUPPORTED_ROOM_VERSION",

@@ -234,7 +234,12 @@ pub fn resolve(
     {
         return Ok((merged, ForkCase::Merged));
     }
-    state_res_v2(version, states, pool).map(|s| (s, ForkCase::Resolved))
+    let v1 = room_version::rules(version).is_some_and(|r| r.state_res.v2_rules().is_none());
+    if v1 {
+        state_res_v1(version, states).map(|s| (s, ForkCase::Resolved))
+    } else {
+        state_res_v2(version, states, pool).map(|s| (s, ForkCase::Resolved))
+    }
 }
 
 /// The window merge (module docs), or `None` when the fork needs state resolution.
@@ -305,6 +310,90 @@ fn auth_closure<'a>(
         }
     }
     seen
+}
+
+/// State resolution v1, for room version 1 (spec: room version 1, "State resolution";
+/// ruma implements only v2). The states' union is taken slot by slot: a slot only some
+/// states hold is not conflicted (v1 has no notion of absent state). Conflicted power
+/// levels, then join rules, then memberships are settled one slot at a time against the
+/// unconflicted state plus what was settled so far: their candidates in ascending depth
+/// (ties: descending SHA-1 of the event id), each replacing the last as long as it
+/// passes the auth rules; the first to fail stops the slot at its predecessor. Every
+/// other conflicted slot takes the first candidate by descending depth (ties:
+/// ascending SHA-1) that passes the auth rules, else the last one. This is the order
+/// Synapse applies (its `state/v1.py`), which the spec's text describes.
+pub fn state_res_v1(version: &str, states: &[&StateMap]) -> Result<StateMap, String> {
+    use sha1::Digest as _;
+    let rules = room_version::rules(version).ok_or("unsupported room version")?;
+    let mut resolved = StateMap::new();
+    let mut conflicted: BTreeMap<Slot, Vec<Arc<Pdu>>> = BTreeMap::new();
+    for s in states {
+        for (slot, p) in s.iter() {
+            let list = conflicted.entry(slot.clone()).or_default();
+            if !list.iter().any(|q| q.event_id == p.event_id) {
+                list.push(p.clone());
+            }
+        }
+    }
+    conflicted.retain(|slot, list| {
+        if list.len() == 1 {
+            resolved.insert(slot.clone(), list[0].clone());
+            false
+        } else {
+            true
+        }
+    });
+    let sha1_hex = |p: &Pdu| {
+        let digest = sha1::Sha1::digest(p.event_id.as_str().as_bytes());
+        digest.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    };
+    // Descending depth, then ascending SHA-1 of the id.
+    let ordered = |list: &[Arc<Pdu>]| -> Vec<Arc<Pdu>> {
+        let mut v: Vec<(u64, String, Arc<Pdu>)> = list
+            .iter()
+            .map(|p| (p.depth, sha1_hex(p), p.clone()))
+            .collect();
+        v.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+        v.into_iter().map(|(_, _, p)| p).collect()
+    };
+    let passes = |p: &Pdu, state: &StateMap| {
+        spindle_core::auth::authorize_against_state(&rules, p, |t, k| {
+            state.get(&(t.to_owned(), k.to_owned())).map(|e| &**e)
+        })
+        .is_ok()
+    };
+    let auth_slot = |kind: &str, resolved: &mut StateMap, conflicted: &BTreeMap<Slot, Vec<Arc<Pdu>>>| {
+        for (slot, list) in conflicted.iter().filter(|(slot, _)| slot.0 == kind) {
+            let mut ascending = ordered(list);
+            ascending.reverse();
+            let mut state = resolved.clone();
+            let mut winner = ascending[0].clone();
+            for p in &ascending[1..] {
+                state.insert(slot.clone(), winner.clone());
+                if !passes(p, &state) {
+                    break;
+                }
+                winner = p.clone();
+            }
+            resolved.insert(slot.clone(), winner);
+        }
+    };
+    for kind in ["m.room.power_levels", "m.room.join_rules", "m.room.member"] {
+        auth_slot(kind, &mut resolved, &conflicted);
+    }
+    let settled = resolved.clone();
+    for (slot, list) in &conflicted {
+        if settled.contains_key(slot) {
+            continue;
+        }
+        let candidates = ordered(list);
+        let winner = candidates
+            .iter()
+            .find(|p| passes(p, &settled))
+            .unwrap_or_else(|| candidates.last().expect("a conflicted slot has candidates"));
+        resolved.insert(slot.clone(), winner.clone());
+    }
+    Ok(resolved)
 }
 
 /// State resolution v2 (v2.1 for room version 12) through ruma.

@@ -206,8 +206,6 @@ pub const MAX_PREV_EVENTS: usize = 10;
 /// authorizing events needs. Restored from the room's own records at start-up.
 struct RoomAggregate {
     version: String,
-    /// The last event appended and its depth.
-    head: Option<(OwnedEventId, u64)>,
     /// Forward extremities (events no other event of the room names in `prev_events`),
     /// with their depth, oldest first. A room whose events all come through this server
     /// is a chain: exactly one extremity, the head (BRIEF §3.8).
@@ -216,8 +214,9 @@ struct RoomAggregate {
     max_depth: u64,
     /// Whether the version's references carry hashes (v1/v2).
     hashed_refs: bool,
-    /// The head's reference hash, kept only when `hashed_refs`; `None` elsewhere.
-    head_hash: Option<String>,
+    /// The reference hash of each forward extremity, kept only when `hashed_refs`
+    /// (the next local event's `prev_events` pair each id with it); empty elsewhere.
+    extremity_hashes: HashMap<OwnedEventId, String>,
     /// The current state, every slot: what auth rules read and what state resolution
     /// starts from. The resolution of the states after the forward extremities (one
     /// extremity: the state after it).
@@ -260,12 +259,11 @@ impl RoomAggregate {
     fn new(version: &str, window_cap: usize) -> Self {
         Self {
             version: version.to_owned(),
-            head: None,
             extremities: Vec::new(),
             max_depth: 0,
             hashed_refs: room_version::rules(version)
                 .is_some_and(|r| room_version::references_carry_hashes(&r)),
-            head_hash: None,
+            extremity_hashes: HashMap::new(),
             state: fork::StateMap::new(),
             auth_history: HashMap::new(),
             known: HashSet::new(),
@@ -388,7 +386,6 @@ impl RoomAggregate {
         stats: &JournalStats,
     ) -> Vec<Arc<Pdu>> {
         let extends = self.extends_extremities(&pdu.prev_events);
-        self.head = Some((pdu.event_id.clone(), pdu.depth));
         let digest = id_digest(pdu.event_id.as_str());
         self.known.insert(digest);
         self.outliers.remove(&digest);
@@ -397,7 +394,11 @@ impl RoomAggregate {
         self.extremities.push((pdu.event_id.clone(), pdu.depth));
         self.max_depth = self.max_depth.max(pdu.depth);
         if self.hashed_refs {
-            self.head_hash = pdu.reference_hash().ok();
+            self.extremity_hashes
+                .retain(|id, _| !pdu.prev_events.contains(id));
+            if let Ok(hash) = pdu.reference_hash() {
+                self.extremity_hashes.insert(pdu.event_id.clone(), hash);
+            }
         }
         if self.window.is_none() && self.joined_servers.len() > 1 {
             self.window = Some(fork::ForkWindow::new(self.window_cap));
@@ -1306,11 +1307,11 @@ impl Journal {
             origin_server_ts: ts,
         }
         .build_with_references(&self.inner.key, &|id| {
-            // Only v1/v2 ask: the head, or an auth event.
-            match &agg.head {
-                Some((head, _)) if head.as_str() == id.as_str() => agg.head_hash.clone(),
-                _ => auth_hashes.get(id).cloned(),
-            }
+            // Only v1/v2 ask: a forward extremity, or an auth event.
+            agg.extremity_hashes
+                .get(id)
+                .or_else(|| auth_hashes.get(id))
+                .cloned()
         })?;
         // The auth events, plus the create event: from room version 12 it is not among
         // the auth events but the rules still fetch it (by the room id).

@@ -149,9 +149,7 @@ fn check_remote(
     expect_event_id: Option<&str>,
     stats: &crate::JournalStats,
 ) -> Result<Checked, CheckError> {
-    let rules = room_version::rules(&agg.version)
-        .filter(|_| room_version::federates(&agg.version))
-        .ok_or_else(|| {
+    let rules = room_version::rules(&agg.version).ok_or_else(|| {
             (
                 None,
                 JournalError::UnsupportedRoomVersion(agg.version.clone()),
@@ -173,16 +171,15 @@ fn check_remote(
             JournalError::TooLarge(format!("PDU is {size} bytes (limit 65536)")),
         ));
     }
-    let hash = ruma::signatures::reference_hash(&obj, &rules)
-        .map_err(|e| (None, JournalError::BadJson(format!("invalid PDU: {e}"))))?;
-    let event_id = format!("${hash}");
+    let event_id = spindle_core::pdu::event_id_of_object(&obj, &rules)
+        .map_err(|e| (None, JournalError::BadJson(e)))?;
     if let Some(expected) = expect_event_id
         && expected != event_id
     {
         return Err((
             Some(event_id.clone()),
             JournalError::BadJson(format!(
-                "the event id {expected} does not match the PDU (its reference hash is {event_id})"
+                "the event id {expected} does not match the PDU's ({event_id})"
             )),
         ));
     }
@@ -306,15 +303,33 @@ impl Journal {
         let types =
             spindle_core::auth::auth_types(&rules, "m.room.member", &sender, Some(user_id), &raw)
                 .map_err(JournalError::BadJson)?;
-        let mut auth_events: Vec<String> = Vec::new();
+        // v1/v2 references pair each id with the event's reference hash.
+        let reference = |id: &OwnedEventId, hash: Option<String>| -> serde_json::Value {
+            match (agg.hashed_refs, hash) {
+                (true, Some(h)) => serde_json::json!([id, { "sha256": h }]),
+                _ => serde_json::json!(id),
+            }
+        };
+        let mut auth_ids: Vec<&OwnedEventId> = Vec::new();
+        let mut auth_events: Vec<serde_json::Value> = Vec::new();
         for (t, k) in &types {
             if let Some(p) = agg.state.get(&(t.clone(), k.clone()))
-                && !auth_events.contains(&p.event_id.to_string())
+                && !auth_ids.contains(&&p.event_id)
             {
-                auth_events.push(p.event_id.to_string());
+                auth_ids.push(&p.event_id);
+                let hash = if agg.hashed_refs {
+                    Some(p.reference_hash()?)
+                } else {
+                    None
+                };
+                auth_events.push(reference(&p.event_id, hash));
             }
         }
-        let (prev_events, depth) = agg.next_prev_events();
+        let (prev_ids, depth) = agg.next_prev_events();
+        let prev_events: Vec<serde_json::Value> = prev_ids
+            .iter()
+            .map(|id| reference(id, agg.extremity_hashes.get(id).cloned()))
+            .collect();
         let event = serde_json::json!({
             "auth_events": auth_events,
             "content": content,
@@ -342,11 +357,6 @@ fn verify_pdu(
 ) -> Result<Pdu, String> {
     let rules =
         room_version::rules(version).ok_or(format!("unsupported room version {version}"))?;
-    if !room_version::federates(version) {
-        return Err(format!(
-            "rooms of version {version} do not federate with this server yet"
-        ));
-    }
     let mut obj =
         canonical::to_object(pdu.clone()).map_err(|e| format!("PDU is not canonical JSON: {e}"))?;
     obj.remove("unsigned");
@@ -354,9 +364,7 @@ fn verify_pdu(
     if size > spindle_core::pdu::MAX_PDU_BYTES {
         return Err(format!("PDU is {size} bytes (limit 65536)"));
     }
-    let hash =
-        ruma::signatures::reference_hash(&obj, &rules).map_err(|e| format!("invalid PDU: {e}"))?;
-    let event_id = format!("${hash}");
+    let event_id = spindle_core::pdu::event_id_of_object(&obj, &rules)?;
     let is_create = obj.get("type").and_then(|t| t.as_str()) == Some("m.room.create");
     match obj.get("room_id") {
         Some(CanonicalJsonValue::String(r)) if r == room.as_str() => {}

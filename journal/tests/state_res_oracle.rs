@@ -3,7 +3,10 @@
 //! applies, else state resolution v2) and by ruma's state resolution v2 alone
 //! (`fork::state_res_v2`). Both must give the same state, slot by slot. The same harness
 //! run with a deliberately wrong merge (the first side always wins) must find
-//! disagreements, so the oracle is known to be able to fail.
+//! disagreements, so the oracle is known to be able to fail. Room version 1 resolves
+//! with state resolution v1 (`fork::state_res_v1`): the same harness checks that the
+//! window merge agrees with it, and fixed forks check its two orders (depth for
+//! ordinary slots, auth-checked ascending depth for power levels).
 
 use std::sync::Arc;
 
@@ -51,7 +54,7 @@ impl Room {
         let before = if states.len() == 1 {
             states[0].clone()
         } else {
-            fork::state_res_v2(&self.version, &states, &self.pool).unwrap()
+            oracle(&self.version, &states, &self.pool)
         };
         let sender_id = OwnedUserId::try_from(sender).unwrap();
         let raw = serde_json::value::to_raw_value(&content).unwrap();
@@ -86,7 +89,9 @@ impl Room {
             depth,
             origin_server_ts: self.ts,
         }
-        .build(&self.key)
+        .build_with_references(&self.key, &|id| {
+            self.pool.get(id).and_then(|p| p.reference_hash().ok())
+        })
         .unwrap();
         let auth_map = pdu
             .auth_events
@@ -110,6 +115,16 @@ impl Room {
         self.pool.insert(pdu.event_id.clone(), pdu.clone());
         self.window.push(&pdu, &before);
         Some(pdu)
+    }
+}
+
+/// The resolution the window must agree with: state resolution v1 for room version 1,
+/// ruma's v2 for the others.
+fn oracle(version: &str, states: &[&StateMap], pool: &Pool) -> StateMap {
+    if version == "1" {
+        fork::state_res_v1(version, states).unwrap()
+    } else {
+        fork::state_res_v2(version, states, pool).unwrap()
     }
 }
 
@@ -408,7 +423,7 @@ fn run(
             room.window.state_after(&b).unwrap().clone(),
         );
         let states = [&sa, &sb];
-        let oracle = fork::state_res_v2(version, &states, &room.pool).unwrap();
+        let oracle = oracle(version, &states, &room.pool);
         let (ours, case) = resolver(version, &states, &room.window, &room.pool);
         match case {
             ForkCase::Merged => merged += 1,
@@ -467,4 +482,85 @@ fn a_wrong_merge_is_caught_by_the_oracle() {
         disagree >= 20,
         "the oracle found only {disagree} disagreements with a wrong merge"
     );
+}
+
+#[test]
+fn window_merge_agrees_with_state_resolution_v1_on_random_forks() {
+    let (disagree, merged, resolved) = run("1", 120, 5, Mix::Ordinary, window_resolver);
+    assert_eq!(disagree, 0, "v1: the window merge disagreed with state resolution v1");
+    assert!(merged >= 20, "v1: only {merged} forks took the window merge");
+    assert!(resolved >= 5, "v1: only {resolved} forks needed state resolution");
+    let (disagree, _, _) = run("1", 120, 5, Mix::Ordinary, first_side_wins);
+    assert!(disagree >= 15, "v1: a wrong merge gave only {disagree} disagreements");
+}
+
+/// Room version 1: of two concurrent topics the deeper one wins, even when it is the
+/// older by timestamp (v2 would order them by timestamp); of two concurrent power
+/// levels, the one the other cannot follow under the auth rules wins, whichever is
+/// deeper.
+#[test]
+fn v1_resolution_orders_topics_by_depth_and_power_levels_by_auth() {
+    let mut rng = StdRng::seed_from_u64(3);
+    let (mut room, head) = base("1", &mut rng);
+    let msg = |room: &mut Room, prev: &OwnedEventId, rng: &mut StdRng| {
+        room.event(&[prev.clone()], CAROL, "m.room.message", None, json!({ "body": "." }), rng)
+            .unwrap()
+            .event_id
+            .clone()
+    };
+    // Side b first (earlier timestamps), two events deeper than side a.
+    let b1 = msg(&mut room, &head, &mut rng);
+    let b2 = msg(&mut room, &b1, &mut rng);
+    let topic_b = room
+        .event(&[b2], BOB, "m.room.topic", Some(""), json!({ "topic": "deep" }), &mut rng)
+        .unwrap();
+    let topic_a = room
+        .event(&[head.clone()], ALICE, "m.room.topic", Some(""), json!({ "topic": "late" }), &mut rng)
+        .unwrap();
+    assert!(topic_a.origin_server_ts > topic_b.origin_server_ts);
+    assert!(topic_b.depth > topic_a.depth);
+    let (sa, sb) = (
+        room.window.state_after(&topic_a.event_id).unwrap().clone(),
+        room.window.state_after(&topic_b.event_id).unwrap().clone(),
+    );
+    let (resolved, case) = fork::resolve("1", &[&sa, &sb], Some(&room.window), &room.pool).unwrap();
+    assert_eq!(case, ForkCase::Resolved);
+    let topic = &resolved[&("m.room.topic".to_owned(), String::new())];
+    assert_eq!(topic.event_id, topic_b.event_id);
+    // Power levels: alice demotes bob on one side; bob lowers state_default on the
+    // other. Whichever is deeper, bob's cannot follow alice's, so alice's stands.
+    for bob_deeper in [true, false] {
+        let levels = |users: Value, state_default: u64| {
+            json!({ "users": users, "users_default": 0, "events_default": 0,
+                    "state_default": state_default, "ban": 50, "kick": 50, "redact": 50,
+                    "invite": 0 })
+        };
+        let mut from_a = head.clone();
+        let mut from_b = head.clone();
+        if bob_deeper {
+            from_b = msg(&mut room, &from_b, &mut rng);
+        } else {
+            from_a = msg(&mut room, &from_a, &mut rng);
+        }
+        let alice_pl = room
+            .event(&[from_a], ALICE, "m.room.power_levels", Some(""),
+                   levels(json!({ ALICE: 100, BOB: 0 }), 50), &mut rng)
+            .unwrap();
+        let bob_pl = room
+            .event(&[from_b], BOB, "m.room.power_levels", Some(""),
+                   levels(json!({ ALICE: 100, BOB: 50 }), 40), &mut rng)
+            .unwrap();
+        assert_eq!(bob_pl.depth > alice_pl.depth, bob_deeper);
+        let (sa, sb) = (
+            room.window.state_after(&alice_pl.event_id).unwrap().clone(),
+            room.window.state_after(&bob_pl.event_id).unwrap().clone(),
+        );
+        for states in [[&sa, &sb], [&sb, &sa]] {
+            let (resolved, case) =
+                fork::resolve("1", &states, Some(&room.window), &room.pool).unwrap();
+            assert_eq!(case, ForkCase::Resolved);
+            let pl = &resolved[&("m.room.power_levels".to_owned(), String::new())];
+            assert_eq!(pl.event_id, alice_pl.event_id, "bob deeper: {bob_deeper}");
+        }
+    }
 }

@@ -530,6 +530,78 @@ def test_public_room_directories_across_servers_both_ways(world):
     assert [c["room_id"] for c in out["chunk"]] == [theirs]
 
 
+def test_room_versions_1_and_2_federate_both_ways(world):
+    """Room versions 1 and 2: event ids are `$opaque:server` and carried in the PDU,
+    references pair each id with its hash, and v1 forks resolve with state resolution
+    v1. A Spindle user joins a v1 room on Synapse (history, messages both ways, then a
+    topic fork that both sides must resolve the same way); a Synapse user joins a v2
+    room on Spindle."""
+    import threading
+
+    alice, bob, spindle, synapse = world["alice"], world["bob"], world["spindle"], world["synapse"]
+    v1 = bob.call("POST", "/_matrix/client/v3/createRoom", {
+        "preset": "public_chat", "room_alias_name": "old1", "room_version": "1", "name": "Version 1",
+    })["room_id"]
+    before = [bob.send(v1, f"v1 before alice {i}") for i in range(5)]
+    assert alice.call("POST", f"/_matrix/client/v3/join/{q('#old1:' + synapse.server_name)}", {})["room_id"] == v1
+    wait_until("alice's v1 join on Synapse", lambda: bob.membership(v1, alice.user_id) == "join")
+    timeline = alice.messages(v1)
+    assert timeline[0]["type"] == "m.room.create"
+    assert [e for e in ids(timeline) if e in set(before)] == before
+    assert [e["event_id"] for e in timeline] == [e["event_id"] for e in bob.messages(v1)]
+    sent_a = [alice.send(v1, f"v1 from spindle {i}") for i in range(5)]
+    assert all(e.endswith(":" + spindle.server_name) for e in sent_a), sent_a
+    sent_b = [bob.send(v1, f"v1 from synapse {i}") for i in range(5)]
+    wait_until("alice's v1 messages on Synapse", lambda: set(sent_a) <= set(ids(bob.messages(v1))))
+    wait_until("bob's v1 messages on Spindle", lambda: set(sent_b) <= set(ids(alice.messages(v1))))
+    assert [e for e in ids(bob.messages(v1)) if e in set(sent_a)] == sent_a
+    # Bob gives alice the power to set the topic; then both set it at once: a fork on
+    # one slot of a v1 room, which both servers settle with state resolution v1.
+    levels = bob.state(v1, "m.room.power_levels")
+    levels["users"][alice.user_id] = 50
+    bob.state(v1, "m.room.power_levels", "", levels)
+    wait_until("alice's power on Spindle",
+               lambda: alice.state(v1, "m.room.power_levels")["users"].get(alice.user_id) == 50)
+    topics: dict[str, str] = {}
+    start = threading.Barrier(2)
+
+    def set_topic(who: str, client: Client):
+        start.wait()
+        topics[who] = client.state(v1, "m.room.topic", "", {"topic": f"v1 topic by {who}"})["event_id"]
+
+    threads = [threading.Thread(target=set_topic, args=("a", alice)), threading.Thread(target=set_topic, args=("b", bob))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(topics) == 2
+    alice.send(v1, "after the v1 topics (spindle)")
+    bob.send(v1, "after the v1 topics (synapse)")
+
+    def converged():
+        a = alice.state(v1, "m.room.topic", expect=None).get("topic")
+        b = bob.state(v1, "m.room.topic", expect=None).get("topic")
+        return a == b and a in {"v1 topic by a", "v1 topic by b"} and a
+
+    winner = wait_until("one v1 topic on both sides", converged)
+    wait_until("the same v1 state on both sides", lambda: state_ids(alice, v1) == state_ids(bob, v1))
+    print(f"v1 concurrent topics: {topics}; both sides chose {winner!r}")
+    # A v2 room hosted on Spindle, joined from Synapse.
+    v2 = alice.call("POST", "/_matrix/client/v3/createRoom", {
+        "preset": "public_chat", "room_alias_name": "old2", "room_version": "2",
+    })["room_id"]
+    first = alice.send(v2, "v2 before bob")
+    assert bob.call("POST", f"/_matrix/client/v3/join/{q('#old2:' + spindle.server_name)}", {})["room_id"] == v2
+    wait_until("bob's v2 join on Spindle", lambda: alice.membership(v2, bob.user_id) == "join")
+    from_bob = bob.send(v2, "v2 from synapse")
+    assert from_bob.endswith(":" + synapse.server_name)
+    wait_until("bob's v2 message on Spindle", lambda: from_bob in ids(alice.messages(v2)))
+    from_alice = alice.send(v2, "v2 from spindle")
+    wait_until("alice's v2 message on Synapse", lambda: from_alice in ids(bob.messages(v2)))
+    assert [e["event_id"] for e in alice.messages(v2)] == [e["event_id"] for e in bob.messages(v2)]
+    assert first in ids(bob.messages(v2))
+
+
 def test_remote_leave_reaches_spindle(world):
     alice, bob, room = world["alice"], world["bob"], world["room"]
     bob.call("POST", f"/_matrix/client/v3/rooms/{q(room)}/leave", {})
