@@ -724,7 +724,8 @@ mod tests {
             templated["event_id"] = serde_json::json!("$fromtemplate:resident.org");
             templated["sender"] = serde_json::json!("@bob:joiner.org");
             templated["state_key"] = serde_json::json!("@bob:joiner.org");
-            let signed = Pdu::sign_template(templated, version, &joiner, 1_700_000_000_001).unwrap();
+            let signed =
+                Pdu::sign_template(templated, version, &joiner, 1_700_000_000_001).unwrap();
             let id = signed.event_id.as_str();
             assert!(id.starts_with('$') && id.ends_with(":joiner.org"), "{id}");
             let signed_json = signed.federation_json();

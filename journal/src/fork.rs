@@ -345,7 +345,10 @@ pub fn state_res_v1(version: &str, states: &[&StateMap]) -> Result<StateMap, Str
     });
     let sha1_hex = |p: &Pdu| {
         let digest = sha1::Sha1::digest(p.event_id.as_str().as_bytes());
-        digest.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        digest
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
     };
     // Descending depth, then ascending SHA-1 of the id.
     let ordered = |list: &[Arc<Pdu>]| -> Vec<Arc<Pdu>> {
@@ -362,22 +365,23 @@ pub fn state_res_v1(version: &str, states: &[&StateMap]) -> Result<StateMap, Str
         })
         .is_ok()
     };
-    let auth_slot = |kind: &str, resolved: &mut StateMap, conflicted: &BTreeMap<Slot, Vec<Arc<Pdu>>>| {
-        for (slot, list) in conflicted.iter().filter(|(slot, _)| slot.0 == kind) {
-            let mut ascending = ordered(list);
-            ascending.reverse();
-            let mut state = resolved.clone();
-            let mut winner = ascending[0].clone();
-            for p in &ascending[1..] {
-                state.insert(slot.clone(), winner.clone());
-                if !passes(p, &state) {
-                    break;
+    let auth_slot =
+        |kind: &str, resolved: &mut StateMap, conflicted: &BTreeMap<Slot, Vec<Arc<Pdu>>>| {
+            for (slot, list) in conflicted.iter().filter(|(slot, _)| slot.0 == kind) {
+                let mut ascending = ordered(list);
+                ascending.reverse();
+                let mut state = resolved.clone();
+                let mut winner = ascending[0].clone();
+                for p in &ascending[1..] {
+                    state.insert(slot.clone(), winner.clone());
+                    if !passes(p, &state) {
+                        break;
+                    }
+                    winner = p.clone();
                 }
-                winner = p.clone();
+                resolved.insert(slot.clone(), winner);
             }
-            resolved.insert(slot.clone(), winner);
-        }
-    };
+        };
     for kind in ["m.room.power_levels", "m.room.join_rules", "m.room.member"] {
         auth_slot(kind, &mut resolved, &conflicted);
     }

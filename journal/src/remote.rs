@@ -150,11 +150,11 @@ fn check_remote(
     stats: &crate::JournalStats,
 ) -> Result<Checked, CheckError> {
     let rules = room_version::rules(&agg.version).ok_or_else(|| {
-            (
-                None,
-                JournalError::UnsupportedRoomVersion(agg.version.clone()),
-            )
-        })?;
+        (
+            None,
+            JournalError::UnsupportedRoomVersion(agg.version.clone()),
+        )
+    })?;
     let mut obj = canonical::to_object(pdu.clone()).map_err(|e| {
         (
             None,

@@ -487,11 +487,23 @@ fn a_wrong_merge_is_caught_by_the_oracle() {
 #[test]
 fn window_merge_agrees_with_state_resolution_v1_on_random_forks() {
     let (disagree, merged, resolved) = run("1", 120, 5, Mix::Ordinary, window_resolver);
-    assert_eq!(disagree, 0, "v1: the window merge disagreed with state resolution v1");
-    assert!(merged >= 20, "v1: only {merged} forks took the window merge");
-    assert!(resolved >= 5, "v1: only {resolved} forks needed state resolution");
+    assert_eq!(
+        disagree, 0,
+        "v1: the window merge disagreed with state resolution v1"
+    );
+    assert!(
+        merged >= 20,
+        "v1: only {merged} forks took the window merge"
+    );
+    assert!(
+        resolved >= 5,
+        "v1: only {resolved} forks needed state resolution"
+    );
     let (disagree, _, _) = run("1", 120, 5, Mix::Ordinary, first_side_wins);
-    assert!(disagree >= 15, "v1: a wrong merge gave only {disagree} disagreements");
+    assert!(
+        disagree >= 15,
+        "v1: a wrong merge gave only {disagree} disagreements"
+    );
 }
 
 /// Room version 1: of two concurrent topics the deeper one wins, even when it is the
@@ -503,19 +515,40 @@ fn v1_resolution_orders_topics_by_depth_and_power_levels_by_auth() {
     let mut rng = StdRng::seed_from_u64(3);
     let (mut room, head) = base("1", &mut rng);
     let msg = |room: &mut Room, prev: &OwnedEventId, rng: &mut StdRng| {
-        room.event(&[prev.clone()], CAROL, "m.room.message", None, json!({ "body": "." }), rng)
-            .unwrap()
-            .event_id
-            .clone()
+        room.event(
+            &[prev.clone()],
+            CAROL,
+            "m.room.message",
+            None,
+            json!({ "body": "." }),
+            rng,
+        )
+        .unwrap()
+        .event_id
+        .clone()
     };
     // Side b first (earlier timestamps), two events deeper than side a.
     let b1 = msg(&mut room, &head, &mut rng);
     let b2 = msg(&mut room, &b1, &mut rng);
     let topic_b = room
-        .event(&[b2], BOB, "m.room.topic", Some(""), json!({ "topic": "deep" }), &mut rng)
+        .event(
+            &[b2],
+            BOB,
+            "m.room.topic",
+            Some(""),
+            json!({ "topic": "deep" }),
+            &mut rng,
+        )
         .unwrap();
     let topic_a = room
-        .event(&[head.clone()], ALICE, "m.room.topic", Some(""), json!({ "topic": "late" }), &mut rng)
+        .event(
+            &[head.clone()],
+            ALICE,
+            "m.room.topic",
+            Some(""),
+            json!({ "topic": "late" }),
+            &mut rng,
+        )
         .unwrap();
     assert!(topic_a.origin_server_ts > topic_b.origin_server_ts);
     assert!(topic_b.depth > topic_a.depth);
@@ -543,12 +576,24 @@ fn v1_resolution_orders_topics_by_depth_and_power_levels_by_auth() {
             from_a = msg(&mut room, &from_a, &mut rng);
         }
         let alice_pl = room
-            .event(&[from_a], ALICE, "m.room.power_levels", Some(""),
-                   levels(json!({ ALICE: 100, BOB: 0 }), 50), &mut rng)
+            .event(
+                &[from_a],
+                ALICE,
+                "m.room.power_levels",
+                Some(""),
+                levels(json!({ ALICE: 100, BOB: 0 }), 50),
+                &mut rng,
+            )
             .unwrap();
         let bob_pl = room
-            .event(&[from_b], BOB, "m.room.power_levels", Some(""),
-                   levels(json!({ ALICE: 100, BOB: 50 }), 40), &mut rng)
+            .event(
+                &[from_b],
+                BOB,
+                "m.room.power_levels",
+                Some(""),
+                levels(json!({ ALICE: 100, BOB: 50 }), 40),
+                &mut rng,
+            )
             .unwrap();
         assert_eq!(bob_pl.depth > alice_pl.depth, bob_deeper);
         let (sa, sb) = (
