@@ -31,6 +31,8 @@ pub struct Config {
     pub media: Media,
     /// The full-text search index (`POST /search`).
     pub search: Search,
+    /// The journal's write-model snapshots (start-up time).
+    pub journal: JournalConfig,
     /// Log filter (tracing `EnvFilter` syntax); `RUST_LOG` overrides it.
     pub log: String,
     /// Server admins (full user ids): they may use the admin API
@@ -608,6 +610,27 @@ pub struct Search {
     pub writer_heap_bytes: usize,
 }
 
+/// Journal settings: how often the write models are snapshotted (docs/operations.md
+/// "Start-up cost").
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct JournalConfig {
+    /// Records between write-model snapshots: a start-up that replayed at least this
+    /// many saves one, and while serving one is taken in the background each time this
+    /// many records were appended since the last. A restart replays at most about this
+    /// many records (plus what was appended while the last snapshot was being taken).
+    /// 0: never save one (a stored one is still used).
+    pub snapshot_every_records: u64,
+}
+
+impl Default for JournalConfig {
+    fn default() -> Self {
+        JournalConfig {
+            snapshot_every_records: spindle_journal::snapshot::DEFAULT_SNAPSHOT_EVERY_RECORDS,
+        }
+    }
+}
+
 impl Default for Search {
     fn default() -> Self {
         Search {
@@ -629,6 +652,7 @@ impl Default for Config {
             presence: Presence::default(),
             media: Media::default(),
             search: Search::default(),
+            journal: JournalConfig::default(),
             log: "info,fjall=warn,lsm_tree=warn,ruma_state_res=warn,tantivy=warn".into(),
             admins: Vec::new(),
             voip: Voip::default(),
@@ -902,7 +926,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 133);
+        assert_eq!(want.len(), 135);
     }
 
     #[test]

@@ -109,6 +109,7 @@ impl Server {
             key.clone(),
             spindle_journal::JournalOptions {
                 fork_window: config.federation.fork_window,
+                snapshot_every_records: config.journal.snapshot_every_records,
             },
         )
         .map_err(|e| anyhow!(e.to_string()))?;

@@ -32,6 +32,14 @@ pub struct ChainHead {
     pub hash: [u8; 32],
 }
 
+impl ChainHead {
+    /// The head of an empty journal.
+    pub const GENESIS: ChainHead = ChainHead {
+        position: 0,
+        hash: GENESIS_HASH,
+    };
+}
+
 /// What is wrong at the first bad position.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BreakKind {
@@ -88,15 +96,29 @@ impl std::fmt::Display for ChainBreak {
 /// the first break.
 pub fn walk(
     store: &dyn JournalStore,
+    visit: impl FnMut(&StoredRecord) -> Result<(), String>,
+) -> Result<ChainHead, ChainBreak> {
+    walk_from(store, ChainHead::GENESIS, u64::MAX, visit)
+}
+
+/// [`walk`] from a checkpoint to `end`: the records after `start.position` up to
+/// position `end` included (`u64::MAX`: to the last), the first of which must chain to
+/// `start.hash` (the caller has checked that the record at the checkpoint has that
+/// hash, see [`crate::snapshot`]).
+pub fn walk_from(
+    store: &dyn JournalStore,
+    start: ChainHead,
+    end: u64,
     mut visit: impl FnMut(&StoredRecord) -> Result<(), String>,
 ) -> Result<ChainHead, ChainBreak> {
-    let mut head = ChainHead {
-        position: 0,
-        hash: GENESIS_HASH,
-    };
+    let mut head = start;
     loop {
+        if head.position >= end {
+            return Ok(head);
+        }
+        let limit = WALK_BATCH.min(usize::try_from(end - head.position).unwrap_or(WALK_BATCH));
         let batch = store
-            .read_raw_after(head.position, WALK_BATCH)
+            .read_raw_after(head.position, limit)
             .map_err(|e| ChainBreak {
                 position: head.position + 1,
                 kind: BreakKind::Storage(e),

@@ -96,6 +96,48 @@ impl ForkWindow {
         self.order.is_empty()
     }
 
+    /// Most events remembered.
+    pub fn cap(&self) -> usize {
+        self.cap
+    }
+
+    /// The remembered events oldest first, each with the state after it and, for a
+    /// state event, the event that held its slot before it (what snapshots store).
+    pub(crate) fn entries(
+        &self,
+    ) -> impl Iterator<Item = (&OwnedEventId, &StateMap, Option<&OwnedEventId>)> {
+        self.order.iter().map(|id| {
+            let e = &self.events[id];
+            (id, &e.state_after, e.replaced.as_ref())
+        })
+    }
+
+    /// A window holding `entries` (oldest first, as [`ForkWindow::entries`] gives them).
+    /// Errors: more entries than `cap`, or an event twice.
+    pub(crate) fn from_entries(
+        cap: usize,
+        entries: Vec<(OwnedEventId, StateMap, Option<OwnedEventId>)>,
+    ) -> Result<ForkWindow, String> {
+        let mut w = ForkWindow::new(cap);
+        if entries.len() > w.cap {
+            return Err(format!(
+                "{} window events for a window of {cap}",
+                entries.len()
+            ));
+        }
+        for (id, state_after, replaced) in entries {
+            w.order.push_back(id.clone());
+            let event = WindowEvent {
+                state_after,
+                replaced,
+            };
+            if w.events.insert(id.clone(), event).is_some() {
+                return Err(format!("{id} twice in the window"));
+            }
+        }
+        Ok(w)
+    }
+
     /// The state after `event_id`, if the window holds it.
     pub fn state_after(&self, event_id: &OwnedEventId) -> Option<&StateMap> {
         self.events.get(event_id).map(|e| &e.state_after)

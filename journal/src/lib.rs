@@ -19,6 +19,7 @@ pub mod fork;
 pub mod migrate;
 pub mod record;
 pub mod remote;
+pub mod snapshot;
 pub mod store;
 
 use std::{
@@ -125,7 +126,7 @@ pub struct ClaimedKey {
 
 /// The journal's write model of one device's claimable keys: key id -> position of
 /// the record that uploaded it (the content stays in that record; claims read it back).
-#[derive(Default)]
+#[derive(Default, serde::Serialize, serde::Deserialize)]
 struct DeviceKeyModel {
     /// algorithm -> (`"<algorithm>:<id>"` -> upload position), unclaimed one-time keys.
     one_time: HashMap<String, std::collections::BTreeMap<String, u64>>,
@@ -203,7 +204,10 @@ const AUTH_TYPES: [&str; 5] = [
 pub const MAX_PREV_EVENTS: usize = 10;
 
 /// The journal's per-room write model: forward extremities, the current state and what
-/// authorizing events needs. Restored from the room's own records at start-up.
+/// authorizing events needs. Restored at start-up from the last snapshot ([`snapshot`])
+/// and the room's records after it. Snapshots store every field: a field added here
+/// goes into [`snapshot`]'s room layout and bumps [`snapshot::SNAPSHOT_FORMAT`] (older
+/// snapshots are then ignored, not misread).
 struct RoomAggregate {
     version: String,
     /// Forward extremities (events no other event of the room names in `prev_events`),
@@ -529,6 +533,106 @@ impl RoomAggregate {
     }
 }
 
+/// Replays the records after `start` (up to `end` included, or to the last) into
+/// `models`, verifying the chain from `start`: how [`Journal::open`] restores the write
+/// models and how a background snapshot brings the last one up to date. Returns the
+/// head of the verified chain or the first break (`models` then hold every record
+/// before it).
+pub(crate) fn replay_into(
+    store: &dyn JournalStore,
+    models: &mut snapshot::WriteModels,
+    start: ChainHead,
+    end: u64,
+    cap: usize,
+    stats: &JournalStats,
+    progress: &mut snapshot::Progress,
+) -> Result<ChainHead, ChainBreak> {
+    chain::walk_from(store, start, end, |rec| {
+        progress.tick();
+        if rec.is_outlier() {
+            let pdu = rec.room_pdu().ok_or("unreadable outlier PDU")?;
+            models
+                .rooms
+                .entry(pdu.room_id.clone())
+                .or_insert_with(|| RoomAggregate::new(&pdu.room_version, cap))
+                .apply_outlier(Arc::new(pdu));
+        } else if rec.is_backfilled() {
+            let pdu = rec.any_pdu().ok_or("unreadable backfilled PDU")?;
+            if let Some(agg) = models.rooms.get_mut(&pdu.room_id) {
+                agg.apply_backfilled(Arc::new(pdu));
+            }
+        } else if rec.is_soft_failed() {
+            let pdu = rec.any_pdu().ok_or("unreadable soft-failed PDU")?;
+            if let Some(agg) = models.rooms.get_mut(&pdu.room_id) {
+                let before = agg.state_before(&pdu.prev_events, stats);
+                agg.apply_soft_failed(Arc::new(pdu), &before);
+            }
+        } else if rec.is_state_resolved() {
+            // Replaying the event before it already resolved the same way; the
+            // record is the truth if a resolver upgrade would now decide otherwise.
+            let pdu = rec.room_pdu().ok_or("unreadable resolved state PDU")?;
+            if let Some(agg) = models.rooms.get_mut(&pdu.room_id) {
+                agg.set_state(Arc::new(pdu));
+            }
+        } else if rec.is_event() {
+            let pdu = rec.pdu().ok_or("unreadable PDU")?;
+            let agg = models
+                .rooms
+                .entry(pdu.room_id.clone())
+                .or_insert_with(|| RoomAggregate::new(&pdu.room_version, cap));
+            if let (Some(txn), Some(dev)) = (rec.txn_id(), rec.device_id()) {
+                agg.txns.insert(
+                    (rec.principal().to_owned(), dev.to_owned(), txn.to_owned()),
+                    (pdu.event_id.clone(), rec.position()),
+                );
+            }
+            agg.apply(Arc::new(pdu), stats);
+        } else {
+            match rec.fact() {
+                Some(Fact::AccountRegistered { user_id, .. }) => {
+                    models.users.insert(user_id);
+                }
+                Some(Fact::AliasSet { alias, room_id, .. }) => {
+                    models.aliases.insert(alias, room_id);
+                }
+                Some(Fact::AliasDeleted { alias }) => {
+                    models.aliases.remove(&alias);
+                }
+                Some(Fact::TokenRefreshed {
+                    old_refresh_token_hash,
+                    ..
+                }) => {
+                    models.spent_refresh_tokens.insert(old_refresh_token_hash);
+                }
+                Some(Fact::AccountDeactivated { user_id, .. }) => {
+                    models.deactivated.insert(user_id);
+                }
+                Some(Fact::ToDeviceSent {
+                    sender,
+                    sender_device,
+                    txn_id,
+                    ..
+                }) => {
+                    models
+                        .to_device_txns
+                        .insert((sender, sender_device, txn_id), rec.position());
+                }
+                Some(Fact::MediaCreated { media_id, uploader }) => {
+                    models.media.insert(media_id, (uploader, false));
+                }
+                Some(Fact::MediaUploaded {
+                    media_id, uploader, ..
+                }) => {
+                    models.media.insert(media_id, (uploader, true));
+                }
+                Some(fact) => apply_key_fact(&mut models.keys, &fact, rec.position()),
+                None => {}
+            }
+        }
+        Ok(())
+    })
+}
+
 struct Pending {
     records: Vec<Record>,
 }
@@ -560,6 +664,11 @@ pub struct JournalStats {
     /// Remote events soft-failed ([`RecordKind::SoftFailed`]): authorized by the state
     /// before them, not by the room's current state.
     pub forks_soft_failed: AtomicU64,
+    /// Records replayed by [`Journal::open`] to restore the write models: those after
+    /// the snapshot it started from (every record without one).
+    pub restored: AtomicU64,
+    /// Write-model snapshots saved (at start-up and in the background).
+    pub snapshots_saved: AtomicU64,
 }
 
 /// The journal handle (cheap to clone).
@@ -598,18 +707,41 @@ struct Inner {
     fork_window: usize,
 }
 
+/// One room's write model as [`Journal::room_model`] shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoomModelView {
+    /// The current state: (event type, state key) -> event id.
+    pub state: std::collections::BTreeMap<(String, String), String>,
+    /// Forward extremities, oldest first.
+    pub extremities: Vec<String>,
+    /// The fork window's events oldest first; `None` while no other server is joined.
+    pub window: Option<Vec<String>>,
+    /// Events held only as outliers.
+    pub outliers: usize,
+    /// Servers with a user joined now.
+    pub joined_servers: Vec<String>,
+}
+
 /// Options of [`Journal::open_with`].
 #[derive(Debug, Clone)]
 pub struct JournalOptions {
     /// Events of a federated room whose state the fork window remembers (config
     /// `federation.fork_window`; default [`fork::DEFAULT_FORK_WINDOW`]).
     pub fork_window: usize,
+    /// Records between write-model snapshots ([`snapshot`]; config
+    /// `journal.snapshot_every_records`, default
+    /// [`snapshot::DEFAULT_SNAPSHOT_EVERY_RECORDS`]): a start-up that replayed at least
+    /// this many saves one, and while serving one is taken in the background each time
+    /// this many records were appended since the last. 0: no snapshot is ever saved
+    /// (one already stored is still used).
+    pub snapshot_every_records: u64,
 }
 
 impl Default for JournalOptions {
     fn default() -> Self {
         JournalOptions {
             fork_window: fork::DEFAULT_FORK_WINDOW,
+            snapshot_every_records: snapshot::DEFAULT_SNAPSHOT_EVERY_RECORDS,
         }
     }
 }
@@ -631,8 +763,10 @@ fn random_id(len: usize) -> String {
 }
 
 impl Journal {
-    /// Opens the journal on a store, verifies the hash chain while restoring every
-    /// room aggregate by replaying the log, and starts the group-commit appender thread.
+    /// Opens the journal on a store, restores every write model (room aggregates and
+    /// the uniqueness sets) from the last snapshot plus the records after it, verifying
+    /// the hash chain from the snapshot's checkpoint (from position 0 without one; see
+    /// [`snapshot`]), and starts the group-commit appender thread.
     ///
     /// A torn tail (the last records unreadable, nothing readable after them) is
     /// truncated with a warning naming what was dropped; any other break (a bad record
@@ -645,7 +779,8 @@ impl Journal {
         Self::open_with(store, key, JournalOptions::default())
     }
 
-    /// [`Journal::open`] with options (the fork window's size).
+    /// [`Journal::open`] with options (the fork window's size, how often snapshots are
+    /// taken).
     pub fn open_with(
         store: Arc<dyn JournalStore>,
         key: Arc<ServerKey>,
@@ -653,106 +788,66 @@ impl Journal {
     ) -> Result<Journal, JournalError> {
         let cap = options.fork_window;
         let stats = Arc::new(JournalStats::default());
-        let mut rooms: HashMap<OwnedRoomId, RoomAggregate> = HashMap::new();
-        let mut users = HashSet::new();
-        let mut aliases = HashMap::new();
-        let mut spent_refresh_tokens = HashSet::new();
-        let mut deactivated = HashSet::new();
-        let mut keys = KeyModels::new();
-        let mut to_device_txns = HashMap::new();
-        let mut media = HashMap::new();
-        let walked = chain::walk(&*store, |rec| {
-            if rec.is_outlier() {
-                let pdu = rec.room_pdu().ok_or("unreadable outlier PDU")?;
-                rooms
-                    .entry(pdu.room_id.clone())
-                    .or_insert_with(|| RoomAggregate::new(&pdu.room_version, cap))
-                    .apply_outlier(Arc::new(pdu));
-            } else if rec.is_backfilled() {
-                let pdu = rec.any_pdu().ok_or("unreadable backfilled PDU")?;
-                if let Some(agg) = rooms.get_mut(&pdu.room_id) {
-                    agg.apply_backfilled(Arc::new(pdu));
-                }
-            } else if rec.is_soft_failed() {
-                let pdu = rec.any_pdu().ok_or("unreadable soft-failed PDU")?;
-                if let Some(agg) = rooms.get_mut(&pdu.room_id) {
-                    let before = agg.state_before(&pdu.prev_events, &stats);
-                    agg.apply_soft_failed(Arc::new(pdu), &before);
-                }
-            } else if rec.is_state_resolved() {
-                // Replaying the event before it already resolved the same way; the
-                // record is the truth if a resolver upgrade would now decide otherwise.
-                let pdu = rec.room_pdu().ok_or("unreadable resolved state PDU")?;
-                if let Some(agg) = rooms.get_mut(&pdu.room_id) {
-                    agg.set_state(Arc::new(pdu));
-                }
-            } else if rec.is_event() {
-                let pdu = rec.pdu().ok_or("unreadable PDU")?;
-                let agg = rooms
-                    .entry(pdu.room_id.clone())
-                    .or_insert_with(|| RoomAggregate::new(&pdu.room_version, cap));
-                if let (Some(txn), Some(dev)) = (rec.txn_id(), rec.device_id()) {
-                    agg.txns.insert(
-                        (rec.principal().to_owned(), dev.to_owned(), txn.to_owned()),
-                        (pdu.event_id.clone(), rec.position()),
-                    );
-                }
-                agg.apply(Arc::new(pdu), &stats);
-            } else {
-                match rec.fact() {
-                    Some(Fact::AccountRegistered { user_id, .. }) => {
-                        users.insert(user_id);
-                    }
-                    Some(Fact::AliasSet { alias, room_id, .. }) => {
-                        aliases.insert(alias, room_id);
-                    }
-                    Some(Fact::AliasDeleted { alias }) => {
-                        aliases.remove(&alias);
-                    }
-                    Some(Fact::TokenRefreshed {
-                        old_refresh_token_hash,
-                        ..
-                    }) => {
-                        spent_refresh_tokens.insert(old_refresh_token_hash);
-                    }
-                    Some(Fact::AccountDeactivated { user_id, .. }) => {
-                        deactivated.insert(user_id);
-                    }
-                    Some(Fact::ToDeviceSent {
-                        sender,
-                        sender_device,
-                        txn_id,
-                        ..
-                    }) => {
-                        to_device_txns.insert((sender, sender_device, txn_id), rec.position());
-                    }
-                    Some(Fact::MediaCreated { media_id, uploader }) => {
-                        media.insert(media_id, (uploader, false));
-                    }
-                    Some(Fact::MediaUploaded {
-                        media_id, uploader, ..
-                    }) => {
-                        media.insert(media_id, (uploader, true));
-                    }
-                    Some(fact) => apply_key_fact(&mut keys, &fact, rec.position()),
-                    None => {}
-                }
-            }
-            Ok(())
-        });
+        let (mut models, start) = snapshot::load(&*store, cap, true)
+            .unwrap_or_else(|| (snapshot::WriteModels::default(), ChainHead::GENESIS));
+        let total = store
+            .last_position()
+            .unwrap_or(0)
+            .saturating_sub(start.position);
+        let mut progress = snapshot::Progress::new("restoring write models", total, true);
+        let walked = replay_into(
+            &*store,
+            &mut models,
+            start,
+            u64::MAX,
+            cap,
+            &stats,
+            &mut progress,
+        );
+        progress.finish();
         let chain_head = match walked {
             Ok(h) => h,
             Err(brk) => recover_torn_tail(&*store, brk)?,
         };
+        stats.restored.store(progress.done(), Ordering::Relaxed);
+        let every = options.snapshot_every_records;
+        let mut last_snapshot = start.position;
+        if every > 0 && progress.done() >= every {
+            match snapshot::save(&*store, &models, chain_head, cap) {
+                Ok(bytes) => {
+                    stats.snapshots_saved.fetch_add(1, Ordering::Relaxed);
+                    last_snapshot = chain_head.position;
+                    tracing::info!(
+                        position = chain_head.position,
+                        bytes,
+                        "journal: write-model snapshot saved"
+                    );
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "journal: saving the write-model snapshot failed")
+                }
+            }
+        }
+        let snapshot::WriteModels {
+            rooms,
+            users,
+            aliases,
+            spent_refresh_tokens,
+            deactivated,
+            keys,
+            to_device_txns,
+            media,
+        } = models;
         let head = chain_head.position;
         let (durable_tx, durable_rx) = watch::channel(head);
         let (tx, rx) = std::sync::mpsc::channel::<Pending>();
         {
             let store = store.clone();
             let stats = stats.clone();
+            let snapshots = snapshot::Background::new(every, last_snapshot, cap);
             std::thread::Builder::new()
                 .name("journal-appender".into())
-                .spawn(move || appender(store, rx, durable_tx, stats, chain_head))
+                .spawn(move || appender(store, rx, durable_tx, stats, chain_head, snapshots))
                 .map_err(|e| JournalError::Storage(e.to_string()))?;
         }
         Ok(Journal {
@@ -798,6 +893,70 @@ impl Journal {
     /// Counters for counting tests.
     pub fn stats(&self) -> &JournalStats {
         &self.inner.stats
+    }
+
+    /// A digest of every in-memory write model ([`snapshot`]): equal digests mean equal
+    /// models, fork windows included. Waits for each room's lock. What proves that a
+    /// journal restored from a snapshot holds what a full replay builds.
+    pub async fn write_model_digest(&self) -> String {
+        let rooms: Vec<(OwnedRoomId, Arc<tokio::sync::Mutex<RoomAggregate>>)> = self
+            .inner
+            .rooms
+            .lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        let mut guards = Vec::with_capacity(rooms.len());
+        for (id, agg) in &rooms {
+            guards.push((id, agg.lock().await));
+        }
+        let (users, aliases, spent, deactivated, keys, to_device, media) = (
+            self.inner.users.lock(),
+            self.inner.aliases.lock(),
+            self.inner.spent_refresh_tokens.lock(),
+            self.inner.deactivated.lock(),
+            self.inner.keys.lock(),
+            self.inner.to_device_txns.lock(),
+            self.inner.media.lock(),
+        );
+        snapshot::digest(
+            guards.iter().map(|(id, g)| (*id, &**g)).collect(),
+            snapshot::Sets {
+                users: &users,
+                aliases: &aliases,
+                spent_refresh_tokens: &spent,
+                deactivated: &deactivated,
+                keys: &keys,
+                to_device_txns: &to_device,
+                media: &media,
+            },
+        )
+    }
+
+    /// What the write model holds of one room (tests and diagnostics), or `None` for
+    /// a room unknown here.
+    pub async fn room_model(&self, room_id: &str) -> Option<RoomModelView> {
+        let room = OwnedRoomId::try_from(room_id).ok()?;
+        let agg = self.inner.rooms.lock().get(&room)?.clone();
+        let agg = agg.lock().await;
+        Some(RoomModelView {
+            state: agg
+                .state
+                .iter()
+                .map(|(slot, p)| (slot.clone(), p.event_id.to_string()))
+                .collect(),
+            extremities: agg
+                .extremities
+                .iter()
+                .map(|(id, _)| id.to_string())
+                .collect(),
+            window: agg
+                .window
+                .as_ref()
+                .map(|w| w.entries().map(|(id, _, _)| id.to_string()).collect()),
+            outliers: agg.outliers.len(),
+            joined_servers: agg.joined_servers.keys().cloned().collect(),
+        })
     }
 
     /// Reads up to `limit` durable records after position `after`, in order.
@@ -1580,6 +1739,7 @@ fn appender(
     durable: watch::Sender<u64>,
     stats: Arc<JournalStats>,
     mut chain: ChainHead,
+    mut snapshots: snapshot::Background,
 ) {
     while let Ok(first) = rx.recv() {
         let mut records = first.records;
@@ -1621,6 +1781,7 @@ fn appender(
             .appended
             .fetch_add(encoded.len() as u64, Ordering::Relaxed);
         durable.send_replace(last);
+        snapshots.after_append(&store, &stats, chain);
     }
 }
 

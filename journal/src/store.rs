@@ -46,6 +46,23 @@ pub trait JournalStore: Send + Sync + 'static {
     /// Durably removes every record at `position` or later and its index entries.
     /// Only start-up recovery calls this, for a torn tail.
     fn truncate_from(&self, position: u64) -> Result<(), String>;
+    /// Position of the last stored record (0: none); progress logs only.
+    fn last_position(&self) -> Result<u64, String> {
+        Ok(0)
+    }
+    /// The write-model snapshot ([`crate::snapshot`]), if one was saved.
+    fn load_snapshot(&self) -> Result<Option<Vec<u8>>, String> {
+        Ok(None)
+    }
+    /// Durably replaces the write-model snapshot. A store without a snapshot slot
+    /// keeps none (every start replays the whole journal).
+    fn save_snapshot(&self, _bytes: &[u8]) -> Result<(), String> {
+        Ok(())
+    }
+    /// Durably removes the write-model snapshot (the next start replays everything).
+    fn delete_snapshot(&self) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// The fjall-backed journal: keyspace `records` (position BE u64 -> rkyv record),
@@ -59,6 +76,8 @@ pub struct FjallStore {
 }
 
 const FORMAT_KEY: &str = "record_format";
+/// The `meta` key of the write-model snapshot (see [`crate::snapshot`]).
+const SNAPSHOT_KEY: &str = "write_model_snapshot";
 
 impl FjallStore {
     /// Opens (or creates) the journal database in `dir`. Refuses a journal written in
@@ -191,6 +210,37 @@ impl JournalStore for FjallStore {
             out.push(position_of(&k)?);
         }
         Ok(out)
+    }
+
+    fn last_position(&self) -> Result<u64, String> {
+        match self.records.last_key_value() {
+            Some(kv) => position_of(&kv.key().map_err(|e| e.to_string())?),
+            None => Ok(0),
+        }
+    }
+
+    fn load_snapshot(&self) -> Result<Option<Vec<u8>>, String> {
+        Ok(self
+            .meta
+            .get(SNAPSHOT_KEY)
+            .map_err(|e| e.to_string())?
+            .map(|v| v.to_vec()))
+    }
+
+    fn save_snapshot(&self, bytes: &[u8]) -> Result<(), String> {
+        self.meta
+            .insert(SNAPSHOT_KEY, bytes)
+            .map_err(|e| e.to_string())?;
+        self.db
+            .persist(PersistMode::SyncAll)
+            .map_err(|e| e.to_string())
+    }
+
+    fn delete_snapshot(&self) -> Result<(), String> {
+        self.meta.remove(SNAPSHOT_KEY).map_err(|e| e.to_string())?;
+        self.db
+            .persist(PersistMode::SyncAll)
+            .map_err(|e| e.to_string())
     }
 
     fn truncate_from(&self, position: u64) -> Result<(), String> {
