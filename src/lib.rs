@@ -126,30 +126,41 @@ impl Server {
         // Serve only once every projection has caught up with the journal, so no reader
         // ever sees a half-built read model (a fresh `projections/` rebuilds here).
         let head = journal.durable_head();
-        if projections.runtime.applied() < head {
+        let runtime = &projections.runtime;
+        if runtime.applied() < head {
             tracing::info!(head, "projections are catching up with the journal");
-            if !projections
-                .runtime
-                .wait_for(head, std::time::Duration::from_secs(24 * 3600))
-                .await
-            {
+            let caught_up = catch_up(
+                "projections",
+                head,
+                || runtime.applied(),
+                |t| runtime.wait_for(head, t),
+            )
+            .await;
+            if !caught_up {
                 return Err(anyhow!("projections did not catch up to position {head}"));
             }
         }
         // Projections that do not gate reads (the search index) catch up too, unless
         // they are backfilling (new in this release: they serve "not yet" meanwhile).
-        for p in projections.runtime.status() {
-            if p.ready
-                && p.checkpoint < head
-                && !projections
-                    .runtime
-                    .wait_for_projection(p.name, head, std::time::Duration::from_secs(24 * 3600))
-                    .await
-            {
-                return Err(anyhow!(
-                    "projection {} did not catch up to position {head}",
-                    p.name
-                ));
+        for p in runtime.status() {
+            if p.ready && p.checkpoint < head {
+                let checkpoint = || {
+                    runtime
+                        .status()
+                        .iter()
+                        .find(|s| s.name == p.name)
+                        .map_or(0, |s| s.checkpoint)
+                };
+                let caught_up = catch_up(p.name, head, checkpoint, |t| {
+                    runtime.wait_for_projection(p.name, head, t)
+                })
+                .await;
+                if !caught_up {
+                    return Err(anyhow!(
+                        "projection {} did not catch up to position {head}",
+                        p.name
+                    ));
+                }
             }
         }
         let listener = tokio::net::TcpListener::bind(config.bind)
@@ -454,4 +465,43 @@ fn support_body(support: &config::Support) -> Option<serde_json::Value> {
         body.insert("support_page".into(), support.support_page.clone().into());
     }
     (!body.is_empty()).then_some(serde_json::Value::Object(body))
+}
+
+/// Waits (up to 24 h) until `wait` reports position `head` reached, logging progress
+/// once a second while it takes longer than a second: `what`: done / total records
+/// and the rate (issue 17 item 3: no silent start-up step).
+async fn catch_up<F: std::future::Future<Output = bool>>(
+    what: &str,
+    head: u64,
+    applied: impl Fn() -> u64,
+    wait: impl Fn(std::time::Duration) -> F,
+) -> bool {
+    let started = std::time::Instant::now();
+    let from = applied();
+    loop {
+        if wait(std::time::Duration::from_secs(1)).await {
+            let secs = started.elapsed().as_secs_f64();
+            if secs >= 1.0 {
+                tracing::info!(
+                    head,
+                    ms = (secs * 1000.0) as u64,
+                    "{what}: caught up, {} records in {secs:.1} s",
+                    head - from
+                );
+            }
+            return true;
+        }
+        let secs = started.elapsed().as_secs_f64();
+        if secs >= 24.0 * 3600.0 {
+            return false;
+        }
+        let done = applied();
+        let rate = done.saturating_sub(from) as f64 / secs;
+        tracing::info!(
+            done,
+            total = head,
+            records_per_s = rate as u64,
+            "{what}: catching up: {done} / {head} records ({rate:.0} records/s)"
+        );
+    }
 }

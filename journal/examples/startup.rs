@@ -1,8 +1,8 @@
 //! Start-up cost of the journal at a given length (docs/benchmarks.md, "Start-up").
 //!
 //! `startup fill DIR N`: a journal of N records in DIR (one account, one room, N - 3
-//! messages, 64 writers at once so group commit shares fsyncs; background snapshots
-//! off, so the journal ends with none).
+//! messages with transaction ids as clients send them, 64 writers at once so group
+//! commit shares fsyncs; background snapshots off, so the journal ends with none).
 //! `startup open DIR full|snapshot|save`: opens it once and prints the open time (ms),
 //! the records replayed and the process RSS after open (KiB). `full` deletes the
 //! snapshot first and saves none (every record replayed, as before snapshots);
@@ -59,6 +59,11 @@ fn key_of(dir: &std::path::Path) -> Arc<ServerKey> {
 
 #[tokio::main]
 async fn main() {
+    // RUST_LOG=info shows the journal's restore progress and snapshot lines.
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
     let args: Vec<String> = std::env::args().collect();
     let dir = std::path::PathBuf::from(&args[2]);
     std::fs::create_dir_all(&dir).unwrap();
@@ -120,7 +125,7 @@ async fn main() {
                                 content: json!({ "msgtype": "m.text", "body": format!("message {w}/{i}") }),
                                 redacts: None,
                             },
-                            txn_id: None,
+                            txn_id: Some(format!("t{w}.{i}")),
                             precondition: None,
                         };
                         j.submit(signed(&key, body)).await.unwrap();

@@ -121,6 +121,7 @@ pub(crate) fn load(
     fork_window: usize,
     loud: bool,
 ) -> Option<(WriteModels, ChainHead)> {
+    let read_started = std::time::Instant::now();
     let bytes = match store.load_snapshot() {
         Ok(Some(b)) => b,
         Ok(None) => return None,
@@ -185,7 +186,8 @@ pub(crate) fn load(
         position = snap.position,
         rooms = snap.models.rooms.len(),
         bytes = bytes.len(),
-        ms = started.elapsed().as_millis() as u64,
+        read_ms = started.duration_since(read_started).as_millis() as u64,
+        decode_ms = started.elapsed().as_millis() as u64,
         "journal: write models restored from the snapshot"
     );
     Some((
