@@ -59,11 +59,6 @@ fn key_of(dir: &std::path::Path) -> Arc<ServerKey> {
 
 #[tokio::main]
 async fn main() {
-    // RUST_LOG=info shows the journal's restore progress and snapshot lines.
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
     let args: Vec<String> = std::env::args().collect();
     let dir = std::path::PathBuf::from(&args[2]);
     std::fs::create_dir_all(&dir).unwrap();
