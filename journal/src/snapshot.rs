@@ -35,7 +35,8 @@
 //! window's states (each as its difference from the previous window event's state, so
 //! 512 window states of a 10,000-member room cost a few entries each, and loading
 //! rebuilds them with the same structural sharing they had in memory). Event-id digests
-//! are packed 8 bytes each.
+//! are packed 8 bytes each and the txn map into one byte string: decoding a million
+//! txn entries as serde tuples took seconds (docs/benchmarks.md, "Start-up").
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
