@@ -108,6 +108,7 @@ pub struct AppServiceSender {
     cursors: Arc<parking_lot::Mutex<Cursors>>,
     shutdown: tokio::sync::watch::Receiver<bool>,
     wakes: Arc<parking_lot::Mutex<HashMap<String, tokio::sync::watch::Sender<()>>>>,
+    typing: spindle_api::typing::Typing,
     /// Counters.
     pub stats: Arc<AppServiceStats>,
 }
@@ -121,6 +122,7 @@ impl AppServiceSender {
         services: Arc<AppServices>,
         config: AppServicesConfig,
         consumers_dir: &Path,
+        typing: spindle_api::typing::Typing,
         shutdown: tokio::sync::watch::Receiver<bool>,
     ) -> Result<AppServiceSender, String> {
         let cursors = Cursors::open(consumers_dir, "appservice")?;
@@ -132,6 +134,7 @@ impl AppServiceSender {
             cursors: Arc::new(parking_lot::Mutex::new(cursors)),
             shutdown,
             wakes: Arc::default(),
+            typing,
             stats: Arc::default(),
         };
         for a in sender.services.all().iter().filter(|a| a.url.is_some()) {
@@ -147,8 +150,13 @@ impl AppServiceSender {
             let (tx, rx) = tokio::sync::watch::channel(());
             sender.wakes.lock().insert(a.id.clone(), tx);
             let s = sender.clone();
-            let a = a.clone();
-            sender.spawn(async move { s.run_worker(a, cursor, rx).await });
+            let worker = a.clone();
+            sender.spawn(async move { s.run_worker(worker, cursor, rx).await });
+            if a.wants_ephemeral() {
+                let s = sender.clone();
+                let a = a.clone();
+                sender.spawn(async move { s.run_typing(a).await });
+            }
         }
         Ok(sender)
     }
@@ -270,6 +278,57 @@ impl AppServiceSender {
             cursor = covered;
             if let Err(e) = self.cursors.lock().set(&a.id, cursor) {
                 tracing::warn!(error = %e, "appservice: cursor not saved");
+            }
+        }
+    }
+}
+
+impl AppServiceSender {
+    /// Typing notifications (in memory, never journaled) of the rooms the application
+    /// service is interested in, each change as an `m.typing` entry of `ephemeral`, in
+    /// transactions of their own (`t<start ms>-<counter>`: unique per process). Best
+    /// effort, like typing itself: one attempt, dropped when the application service
+    /// does not take it.
+    async fn run_typing(self, a: Arc<AppService>) {
+        let mut changes = self.typing.subscribe();
+        let mut seen = self.typing.current();
+        let started = spindle_api::now_ms();
+        loop {
+            if changes.changed().await.is_err() {
+                return;
+            }
+            let mut txn = Txn::default();
+            for (room_id, serial) in self.typing.rooms_changed_after(seen) {
+                seen = seen.max(serial);
+                if room_interests(&self.projections, &a, &room_id) {
+                    txn.ephemeral.push(json!({
+                        "type": "m.typing",
+                        "room_id": room_id,
+                        "content": { "user_ids": self.typing.users(&room_id) },
+                    }));
+                }
+            }
+            if txn.is_empty() {
+                continue;
+            }
+            let path = format!(
+                "{APP_SERVICE_PREFIX}/transactions/{}",
+                urlencode(&format!("t{started}-{seen}"))
+            );
+            match self
+                .services
+                .request(&a, reqwest::Method::PUT, &path, Some(&txn.body(&a)))
+                .await
+            {
+                Ok(_) => {
+                    self.stats
+                        .ephemeral
+                        .fetch_add(txn.ephemeral.len() as u64, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(appservice = %a.id, error = %e, "appservice: typing update dropped");
+                }
             }
         }
     }

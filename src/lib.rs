@@ -232,6 +232,7 @@ impl Server {
                     appservices.clone(),
                     config.appservices.clone(),
                     &config.data_dir.join("consumers"),
+                    state.typing.clone(),
                     shutdown_rx.clone(),
                 )
                 .map_err(|e| anyhow!("appservices: {e}"))?,

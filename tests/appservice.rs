@@ -324,6 +324,41 @@ async fn as_token_masquerades_registers_namespaced_users_and_holds_exclusive_nam
     .await
     .expect_err(403, "M_FORBIDDEN");
 
+    // Devices: the application service creates one for its user (201), renames it
+    // (200) and deletes it without user-interactive auth; a user cannot create one.
+    let dev = format!(
+        "{}?user_id={}",
+        "/_matrix/client/v3/devices/NEWDEV",
+        enc(&uid("bridge_bob"))
+    );
+    let created = asc
+        .put(&dev, &json!({ "display_name": "bridged phone" }))
+        .await;
+    assert_eq!(created.status, 201, "{}", created.text);
+    assert_eq!(
+        asc.put(&dev, &json!({ "display_name": "renamed" }))
+            .await
+            .ok(),
+        json!({})
+    );
+    let me = asc
+        .get(&format!(
+            "{}&device_id=NEWDEV",
+            masq(whoami, &uid("bridge_bob"))
+        ))
+        .await
+        .ok();
+    assert_eq!(me["device_id"], "NEWDEV");
+    assert_eq!(asc.get(&dev).await.ok()["display_name"], "renamed");
+    asc.request(reqwest::Method::DELETE, &dev, Some(&json!({})))
+        .await
+        .ok();
+    asc.get(&dev).await.expect_err(404, "M_NOT_FOUND");
+    alice
+        .put("/_matrix/client/v3/devices/NOTMINE", &json!({}))
+        .await
+        .expect_err(404, "M_NOT_FOUND");
+
     // Ping: this application service's token only.
     let pong = asc
         .post(
@@ -486,6 +521,34 @@ async fn transactions_carry_the_rooms_events_and_a_retry_keeps_its_id_and_body()
         })
         .await;
 
+    // Typing in the room reaches it too (in memory, its own transaction).
+    alice
+        .put(
+            &format!(
+                "/_matrix/client/v3/rooms/{}/typing/{}",
+                enc(&room),
+                enc(&alice.user_id)
+            ),
+            &json!({ "typing": true, "timeout": 30000 }),
+        )
+        .await
+        .ok();
+    bridge
+        .wait_until("typing reaches the bridge", |b| {
+            b.attempts.lock().iter().any(|(txn, body, ok)| {
+                *ok && txn.starts_with('t')
+                    && body["ephemeral"].as_array().is_some_and(|e| {
+                        e.contains(&json!({
+                            "type": "m.typing",
+                            "room_id": room,
+                            "content": { "user_ids": [alice.user_id] },
+                        }))
+                    })
+            })
+        })
+        .await;
+    let typing_txns = bridge.attempts.lock().len();
+
     // The bridge goes down: the transaction is retried with the same id and body,
     // and nothing after it overtakes it.
     bridge
@@ -506,7 +569,11 @@ async fn transactions_carry_the_rooms_events_and_a_retry_keeps_its_id_and_body()
         .await;
     {
         let attempts = bridge.attempts.lock();
-        let failed: Vec<&(String, Value, bool)> = attempts.iter().filter(|a| !a.2).collect();
+        // Typing transactions (`t...`) are best effort and not retried: leave them out.
+        let failed: Vec<&(String, Value, bool)> = attempts
+            .iter()
+            .filter(|a| !a.2 && !a.0.starts_with('t'))
+            .collect();
         let first_failed = failed[0];
         assert!(
             failed
@@ -531,6 +598,92 @@ async fn transactions_carry_the_rooms_events_and_a_retry_keeps_its_id_and_body()
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
+    assert!(bridge.attempts.lock().len() > typing_txns);
+    s.stop().await;
+}
+
+#[tokio::test]
+async fn the_sender_and_unlimited_namespaces_skip_rate_limits_and_others_do_not() {
+    let (_bridge, url) = Bridge::start().await;
+    let regs = tempfile::tempdir().unwrap();
+    let path = regs.path().join("bridge.yaml");
+    std::fs::write(&path, registration(&url)).unwrap();
+    let s = TestServer::start_with(|c| {
+        configure(c, &path);
+        // Synapse's defaults: rc_message 0.2/s, burst 10.
+        c.rate_limits = spindle::config::RateLimits::default();
+    })
+    .await;
+    let asc = as_client(&s);
+    as_register(&s, "bridge_alice").await;
+    let room = asc.create_room(json!({ "preset": "public_chat" })).await;
+    asc.post(
+        &masq(
+            &format!("/_matrix/client/v3/rooms/{}/join", enc(&room)),
+            &uid("bridge_alice"),
+        ),
+        &json!({}),
+    )
+    .await
+    .ok();
+    let send = |c: &Client, user: Option<String>, i: usize| {
+        let c = c.clone();
+        let room = room.clone();
+        async move {
+            let path = format!(
+                "/_matrix/client/v3/rooms/{}/send/m.room.message/rl{i}",
+                enc(&room)
+            );
+            let path = match user {
+                Some(u) => masq(&path, &u),
+                None => path,
+            };
+            c.put(&path, &json!({ "msgtype": "m.text", "body": "x" }))
+                .await
+                .status
+        }
+    };
+    for i in 0..15 {
+        assert_eq!(
+            send(&asc, None, i).await,
+            200,
+            "the sender is never limited"
+        );
+        assert_eq!(
+            send(&asc, Some(uid("bridge_alice")), i).await,
+            200,
+            "rate_limited: false exempts its users"
+        );
+    }
+    let mut alice = s.anon();
+    alice = {
+        let r = alice
+            .post(
+                "/_matrix/client/v3/register",
+                &json!({ "username": "alice", "password": "pw-alice-123", "auth": { "type": "m.login.dummy" } }),
+            )
+            .await
+            .ok();
+        alice.with_token(r["access_token"].as_str())
+    };
+    alice.join(&room).await;
+    let statuses: Vec<u16> = {
+        let mut out = Vec::new();
+        for i in 0..15 {
+            out.push(send(&alice, None, i).await);
+        }
+        out
+    };
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 200).count(),
+        10,
+        "{statuses:?}"
+    );
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 429).count(),
+        5,
+        "{statuses:?}"
+    );
     s.stop().await;
 }
 

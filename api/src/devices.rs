@@ -316,22 +316,15 @@ async fn get_device(
 /// Longest device display name accepted, bytes.
 pub const MAX_DEVICE_NAME_BYTES: usize = 255;
 
-/// `PUT /devices/{deviceId}`: renames an existing device (creating devices is for
-/// application services, which are not served: 404 for an unknown device).
+/// `PUT /devices/{deviceId}`: renames an existing device; an application service
+/// (spec v1.17, MSC4190) creates a device its user does not have yet (201, a
+/// `DeviceCreated` fact). Anyone else: 404 for an unknown device.
 async fn rename_device(
     State(s): State<AppState>,
     r: Requester,
     Path(device_id): Path<String>,
     JsonObject(body): JsonObject,
-) -> ApiResult<Json<Value>> {
-    let current = s
-        .projections
-        .accounts
-        .device(&r.user_id, &device_id)
-        .ok_or_else(|| MatrixError::not_found("Device not found"))?;
-    if !body.contains_key("display_name") {
-        return Ok(Json(json!({})));
-    }
+) -> ApiResult<Response> {
     let name = opt_str(&body, "display_name")?;
     if name
         .as_ref()
@@ -340,6 +333,25 @@ async fn rename_device(
         return Err(MatrixError::bad_json(format!(
             "display_name is longer than {MAX_DEVICE_NAME_BYTES} bytes"
         )));
+    }
+    let Some(current) = s.projections.accounts.device(&r.user_id, &device_id) else {
+        if r.appservice.is_none() {
+            return Err(MatrixError::not_found("Device not found"));
+        }
+        if device_id.is_empty() || device_id.len() > MAX_DEVICE_NAME_BYTES {
+            return Err(MatrixError::invalid_param("Invalid device id"));
+        }
+        let fact = Fact::DeviceCreated {
+            user_id: r.user_id.clone(),
+            device_id,
+            display_name: name,
+        };
+        s.submit_and_wait(&r.user_id, r.device(), CommandBody::Fact { fact })
+            .await?;
+        return Ok((StatusCode::CREATED, Json(json!({}))).into_response());
+    };
+    if !body.contains_key("display_name") {
+        return Ok(Json(json!({})).into_response());
     }
     if name != current.display_name {
         let fact = Fact::DeviceRenamed {
@@ -350,7 +362,7 @@ async fn rename_device(
         s.submit(&r.user_id, Some(&r.device_id), CommandBody::Fact { fact })
             .await?;
     }
-    Ok(Json(json!({})))
+    Ok(Json(json!({})).into_response())
 }
 
 /// User-interactive authentication for a signed-in user (spec: "User-Interactive
@@ -464,15 +476,18 @@ pub(crate) async fn delete_devices_as(
     Ok(())
 }
 
-/// `DELETE /devices/{deviceId}` (UIA). A device that does not exist (any more) answers
-/// 200 after authentication, as the spec allows.
+/// `DELETE /devices/{deviceId}` (UIA, except for an application service, spec v1.17).
+/// A device that does not exist (any more) answers 200 after authentication, as the
+/// spec allows.
 async fn delete_device(
     State(s): State<AppState>,
     r: Requester,
     Path(device_id): Path<String>,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Response> {
-    if let Some(challenge) = user_interactive_auth(&s, &r, &body).await? {
+    if r.appservice.is_none()
+        && let Some(challenge) = user_interactive_auth(&s, &r, &body).await?
+    {
         return Ok(challenge);
     }
     delete_devices_of(&s, &r, &[device_id]).await?;
@@ -505,7 +520,9 @@ async fn delete_devices(
             "at most {MAX_DELETE_DEVICES} devices per request"
         )));
     }
-    if let Some(challenge) = user_interactive_auth(&s, &r, &body).await? {
+    if r.appservice.is_none()
+        && let Some(challenge) = user_interactive_auth(&s, &r, &body).await?
+    {
         return Ok(challenge);
     }
     delete_devices_of(&s, &r, &devices).await?;

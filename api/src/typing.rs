@@ -107,6 +107,21 @@ impl Typing {
         users
     }
 
+    /// Rooms whose typing state changed after counter value `after`, with the counter
+    /// value of their last change (the application-service pusher's feed; costs one
+    /// pass over the rooms with typing state).
+    pub fn rooms_changed_after(&self, after: u64) -> Vec<(String, u64)> {
+        let mut out: Vec<(String, u64)> = self
+            .rooms
+            .lock()
+            .iter()
+            .filter(|(_, r)| r.serial > after)
+            .map(|(id, r)| (id.clone(), r.serial))
+            .collect();
+        out.sort_by_key(|(_, serial)| *serial);
+        out
+    }
+
     /// The counter value of the room's last typing change.
     pub fn room_serial(&self, room_id: &str) -> u64 {
         self.rooms
