@@ -59,3 +59,67 @@ mod tests {
         ));
     }
 }
+
+/// Canonical JSON bytes of any JSON value, as other servers compute them for request
+/// signatures (spec: appendices, "Canonical JSON": object keys sorted, no insignificant
+/// whitespace, UTF-8 unescaped), without the range rules that [`to_object`] enforces.
+/// For the `X-Matrix` signature of a request whose body carries PDUs of room versions
+/// 1 to 5, where integers beyond ±(2^53-1) and floats are legal: the request must still
+/// verify, so each PDU can be judged on its own. Numbers are written as serde_json
+/// writes them (integers as digits; floats in shortest form), strings as it escapes
+/// them. Equal to [`to_bytes`] for every value [`to_object`] accepts.
+pub fn lenient_bytes(value: &serde_json::Value) -> Vec<u8> {
+    fn write(v: &serde_json::Value, out: &mut Vec<u8>) {
+        match v {
+            serde_json::Value::Object(map) => {
+                let mut keys: Vec<&String> = map.keys().collect();
+                keys.sort();
+                out.push(b'{');
+                for (i, k) in keys.into_iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    out.extend(serde_json::to_vec(k).expect("a string serializes"));
+                    out.push(b':');
+                    write(&map[k], out);
+                }
+                out.push(b'}');
+            }
+            serde_json::Value::Array(items) => {
+                out.push(b'[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push(b',');
+                    }
+                    write(item, out);
+                }
+                out.push(b']');
+            }
+            scalar => out.extend(serde_json::to_vec(scalar).expect("a scalar serializes")),
+        }
+    }
+    let mut out = Vec::new();
+    write(value, &mut out);
+    out
+}
+
+#[cfg(test)]
+mod lenient_tests {
+    use super::*;
+
+    #[test]
+    fn lenient_bytes_equal_canonical_bytes_and_keep_out_of_range_numbers() {
+        let v = serde_json::json!({ "b": [1, "é", { "z": null, "a": true }], "a": "x\ny" });
+        assert_eq!(lenient_bytes(&v), to_bytes(&to_object(v.clone()).unwrap()));
+        assert_eq!(
+            String::from_utf8(lenient_bytes(&v)).unwrap(),
+            r#"{"a":"x\ny","b":[1,"é",{"a":true,"z":null}]}"#
+        );
+        let big = serde_json::json!({ "n": 1u64 << 60, "f": 1.5 });
+        assert!(to_object(big.clone()).is_err());
+        assert_eq!(
+            String::from_utf8(lenient_bytes(&big)).unwrap(),
+            r#"{"f":1.5,"n":1152921504606846976}"#
+        );
+    }
+}

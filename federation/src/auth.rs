@@ -148,22 +148,30 @@ impl FromRequest<FedState> for Signed {
             "uri": uri,
             "origin": header.origin,
             "destination": header.destination.clone().unwrap_or_else(|| st.key.server_name().to_owned()),
-            "signatures": { header.origin.clone(): { header.key.clone(): header.sig } },
         });
         if let Some(b) = &body {
             signed["content"] = b.clone();
         }
-        let obj = spindle_core::canonical::to_object(signed)
-            .map_err(|e| FedError::bad_json(format!("request body is not canonical JSON: {e}")))?;
-        let mut map = ruma::signatures::PublicKeyMap::new();
-        let b64 = ruma::serde::Base64::parse(public)
+        // Lenient canonical form: a body may carry PDUs of room versions 1 to 5 with
+        // numbers strict canonical JSON refuses; the request must still verify, and
+        // each PDU is judged on its own later.
+        let bytes = spindle_core::canonical::lenient_bytes(&signed);
+        let public: ruma::serde::Base64 = ruma::serde::Base64::parse(public)
             .map_err(|_| FedError::unauthorized("bad origin key"))?;
-        map.insert(
-            header.origin.clone(),
-            [(header.key.clone(), b64)].into_iter().collect(),
-        );
-        ruma::signatures::verify_json(&map, &obj)
-            .map_err(|e| FedError::unauthorized(format!("request signature: {e}")))?;
+        let signature: ruma::serde::Base64 = ruma::serde::Base64::parse(&header.sig)
+            .map_err(|_| FedError::unauthorized("the request signature is not base64"))?;
+        let algorithm = header
+            .key
+            .split_once(':')
+            .map(|(a, _)| ruma::signatures::SigningKeyAlgorithm::from(a))
+            .ok_or_else(|| FedError::unauthorized("bad key id"))?;
+        ruma::signatures::verify_canonical_json_bytes(
+            &algorithm,
+            public.as_bytes(),
+            signature.as_bytes(),
+            &bytes,
+        )
+        .map_err(|e| FedError::unauthorized(format!("request signature: {e}")))?;
         // Counted only once the signature proves the origin: nobody can spend
         // another server's allowance.
         if let Some(limit) = &st.origin_limit

@@ -602,6 +602,27 @@ def test_room_versions_1_and_2_federate_both_ways(world):
     assert first in ids(bob.messages(v2))
 
 
+@pytest.mark.parametrize("value", [2**60, 1.5], ids=["bigint", "float"])
+def test_a_pdu_strict_canonical_json_refuses_does_not_block_the_transaction(world, value):
+    """Room versions 1 to 5 allow integers beyond 2^53 and floats in content; Synapse
+    sends such a PDU on. Spindle keeps only strict canonical JSON, so it refuses that
+    PDU, but the request signature must still verify and the rest of the transaction
+    (and every later one) must go through: a message in another room arrives. (Found
+    by a fresh-eyes probe: the whole /send answered 400 and Synapse retried it
+    forever.)"""
+    alice, bob, spindle = world["alice"], world["bob"], world["spindle"]
+    old = alice.call("POST", "/_matrix/client/v3/createRoom", {"preset": "public_chat", "room_version": "1"})["room_id"]
+    other = alice.call("POST", "/_matrix/client/v3/createRoom", {"preset": "public_chat", "room_version": "10"})["room_id"]
+    for r in (old, other):
+        bob.call("POST", f"/_matrix/client/v3/join/{q(r)}?server_name={q(spindle.server_name)}", {})
+        wait_until("bob joined", lambda: alice.membership(r, bob.user_id) == "join", timeout=60)
+    path = f"/_matrix/client/v3/rooms/{q(old)}/send/m.room.message/n{time.time_ns()}"
+    odd = bob.call("PUT", path, {"msgtype": "m.text", "body": "odd number", "n": value})["event_id"]
+    after = bob.send(other, "after the odd number, another room")
+    wait_until("the next message from Synapse on Spindle", lambda: after in ids(alice.messages(other)), timeout=60)
+    assert odd not in ids(alice.messages(old))
+
+
 def test_remote_leave_reaches_spindle(world):
     alice, bob, room = world["alice"], world["bob"], world["room"]
     bob.call("POST", f"/_matrix/client/v3/rooms/{q(room)}/leave", {})
