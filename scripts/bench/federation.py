@@ -45,7 +45,6 @@ def spindle_server(root: Path, cert: Path, key: Path):
         "dangerous_skip_tls_verification_for_tests = true\n"
         'ip_range_allowlist = ["127.0.0.0/8"]\n'
         "retry_initial_ms = 200\nretry_max_ms = 2000\n"
-        "\n[rate_limits]\nenabled = false\n"
     )
     s.write_config()
     s.start(timeout=60)

@@ -182,6 +182,7 @@ class Synapse:
             "rc_registration: {per_second: 1000, burst_count: 1000}\n"
             "rc_login: {address: {per_second: 1000, burst_count: 1000}, account: {per_second: 1000, burst_count: 1000}, failed_attempts: {per_second: 1000, burst_count: 1000}}\n"
             "rc_joins: {local: {per_second: 1000, burst_count: 1000}, remote: {per_second: 1000, burst_count: 1000}}\n"
+            "rc_joins_per_room: {per_second: 1000, burst_count: 1000}\n"
             "rc_federation: {window_size: 1000, sleep_limit: 1000, sleep_delay: 1, reject_limit: 1000, concurrent: 100}\n"
             "database: {name: sqlite3, args: {database: '" + str(root / "homeserver.db") + "'}}\n"
             "listeners:\n"
