@@ -384,17 +384,7 @@ impl FederationClient {
     pub async fn resolve(&self, server_name: &str) -> Result<Resolved, ClientError> {
         let (host, port) = split_host_port(server_name);
         if is_ip_literal(&host) {
-            let ip: IpAddr = host
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .parse()
-                .map_err(|_| ClientError::Denied(server_name.into(), "bad IP".into()))?;
-            if !self.policy.allows(ip) {
-                return Err(ClientError::Denied(
-                    server_name.into(),
-                    "address in federation.ip_range_denylist".into(),
-                ));
-            }
+            self.check_ip_literal(server_name, &host)?;
             return Ok(Resolved::direct(format!(
                 "https://{host}:{}",
                 port.unwrap_or(8448)
@@ -405,6 +395,11 @@ impl FederationClient {
         }
         if let Some(delegated) = self.well_known(&host).await {
             let (dhost, dport) = split_host_port(&delegated);
+            // A delegation to an IP literal never passes the DNS resolver's filter:
+            // check it here, or well-known would reach the denied ranges.
+            if is_ip_literal(&dhost) {
+                self.check_ip_literal(server_name, &dhost)?;
+            }
             if is_ip_literal(&dhost) || dport.is_some() {
                 return Ok(Resolved::direct(format!(
                     "https://{dhost}:{}",
@@ -414,6 +409,23 @@ impl FederationClient {
             return Ok(self.via_srv(&dhost).await);
         }
         Ok(self.via_srv(&host).await)
+    }
+
+    /// Refuses an IP literal (`1.2.3.4`, `[::1]`) the IP policy denies: connections to
+    /// IP literals skip the DNS resolver, where every other address is filtered.
+    fn check_ip_literal(&self, server_name: &str, host: &str) -> Result<(), ClientError> {
+        let ip: IpAddr = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse()
+            .map_err(|_| ClientError::Denied(server_name.into(), "bad IP".into()))?;
+        if !self.policy.allows(ip) {
+            return Err(ClientError::Denied(
+                server_name.into(),
+                "address in federation.ip_range_denylist".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Steps 3.3-3.5 and 4-6: the host's SRV target, else port 8448.
@@ -743,6 +755,38 @@ mod tests {
         assert_eq!(pick_srv(&records), Some(rec("c.example", 8003, 5, 9)));
         assert_eq!(pick_srv(&[rec(".", 0, 0, 0)]), None);
         assert_eq!(pick_srv(&[]), None);
+    }
+
+    /// Found by a fresh-eyes review: a well-known answer naming an IP literal went
+    /// straight to the connection, past the denylist the DNS resolver applies.
+    #[tokio::test]
+    async fn a_well_known_delegation_to_a_denied_ip_literal_is_refused() {
+        let key = Arc::new(ServerKey::generate("us.test"));
+        let config = FederationConfig::default();
+        let srv = Arc::new(FakeSrv(HashMap::new(), parking_lot::Mutex::default()));
+        let c = FederationClient::with_srv_resolver(key, &config, srv).unwrap();
+        let later = Instant::now() + Duration::from_secs(600);
+        for (name, target) in [
+            ("inside.test", "10.0.0.5:80"),
+            ("loop.test", "[::1]:8448"),
+            ("public.test", "93.184.216.34"),
+        ] {
+            c.well_known
+                .lock()
+                .insert(name.into(), (Some(target.into()), later));
+        }
+        assert!(matches!(
+            c.resolve("inside.test").await,
+            Err(ClientError::Denied(n, _)) if n == "inside.test"
+        ));
+        assert!(matches!(
+            c.resolve("loop.test").await,
+            Err(ClientError::Denied(..))
+        ));
+        assert_eq!(
+            c.resolve("public.test").await.unwrap(),
+            Resolved::direct("https://93.184.216.34:8448".into())
+        );
     }
 
     #[tokio::test]
