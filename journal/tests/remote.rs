@@ -45,6 +45,25 @@ struct World {
     _dir: tempfile::TempDir,
 }
 
+/// The `prev_events` of an event in `journal`, sorted.
+fn prev_events_of(journal: &Journal, event_id: &str) -> Vec<String> {
+    let rec = journal
+        .read_after(0, 1000)
+        .unwrap()
+        .into_iter()
+        .find(|r| r.event_id() == Some(event_id))
+        .unwrap();
+    let mut prevs: Vec<String> = rec
+        .pdu()
+        .unwrap()
+        .prev_events
+        .iter()
+        .map(|p| p.to_string())
+        .collect();
+    prevs.sort();
+    prevs
+}
+
 fn keys_of(k: &ServerKey) -> VerifyKeys {
     BTreeMap::from([(
         k.server_name().to_owned(),
@@ -551,25 +570,10 @@ async fn concurrent_topics(winner_is_local: bool) {
     }
     assert_eq!(w.records_after(at), want);
     // The next local event names both extremities and the room is one again.
-    let after = w.journal.durable_head();
     let name = w
         .alice_state("m.room.name", "", json!({ "name": "merged" }))
         .await;
-    let rec = w
-        .journal
-        .read_after(after, 10)
-        .unwrap()
-        .into_iter()
-        .find(|r| r.event_id() == Some(name.as_str()))
-        .unwrap();
-    let mut prevs: Vec<String> = rec
-        .pdu()
-        .unwrap()
-        .prev_events
-        .iter()
-        .map(|p| p.to_string())
-        .collect();
-    prevs.sort();
+    let prevs = prev_events_of(&w.journal, &name);
     let mut both = vec![alice_topic, bob_topic];
     both.sort();
     assert_eq!(prevs, both);
@@ -685,22 +689,7 @@ impl World {
             ))
             .await
             .unwrap();
-        let id = out.event_ids[0].to_string();
-        let rec = journal
-            .read_after(0, 1000)
-            .unwrap()
-            .into_iter()
-            .find(|r| r.event_id() == Some(id.as_str()))
-            .unwrap();
-        let mut prevs: Vec<String> = rec
-            .pdu()
-            .unwrap()
-            .prev_events
-            .iter()
-            .map(|p| p.to_string())
-            .collect();
-        prevs.sort();
-        prevs
+        prev_events_of(journal, out.event_ids[0].as_str())
     }
 }
 
