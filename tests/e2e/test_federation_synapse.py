@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -406,9 +407,39 @@ def state_ids(client: Client, room_id: str) -> set[tuple[str, str, str]]:
     return {(e["type"], e["state_key"], e["event_id"]) for e in events}
 
 
-def test_concurrent_sends_from_both_servers_converge(world):
-    import threading
+def topics_at_once(room_id: str, a: Client, b: Client, text: str) -> dict[str, str]:
+    """`a` and `b` set the room's topic at the same moment (`text` with "a" or "b"
+    filled in); returns who -> topic event id."""
+    topics: dict[str, str] = {}
+    start = threading.Barrier(2)
 
+    def set_topic(who: str, client: Client):
+        start.wait()
+        topics[who] = client.state(room_id, "m.room.topic", "", {"topic": text.format(who)})["event_id"]
+
+    threads = [threading.Thread(target=set_topic, args=("a", a)), threading.Thread(target=set_topic, args=("b", b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(topics) == 2
+    return topics
+
+
+def one_topic_on_both(room_id: str, a: Client, b: Client, text: str) -> str:
+    """Waits until both servers show the same one of the two topics
+    [`topics_at_once`] set; returns it."""
+    candidates = {text.format("a"), text.format("b")}
+
+    def converged():
+        ta = a.state(room_id, "m.room.topic", expect=None).get("topic")
+        tb = b.state(room_id, "m.room.topic", expect=None).get("topic")
+        return ta == tb and ta in candidates and ta
+
+    return wait_until(f"one topic of {sorted(candidates)} on both sides", converged)
+
+
+def test_concurrent_sends_from_both_servers_converge(world):
     alice, bob, room = world["alice"], world["bob"], world["room"]
     assert alice.membership(room, bob.user_id) == "join"
     sent: dict[str, list[str]] = {"a": [], "b": []}
@@ -437,19 +468,7 @@ def test_concurrent_sends_from_both_servers_converge(world):
     # Then both set the topic at the same moment (bob has the power for it since the
     # power levels test): a fork on one state slot. State resolution v2 on both sides
     # picks the same one of the two, with no further event needed.
-    topics: dict[str, str] = {}
-    start_topics = threading.Barrier(2)
-
-    def set_topic(who: str, client: Client):
-        start_topics.wait()
-        topics[who] = client.state(room, "m.room.topic", "", {"topic": f"set by {who} at once"})["event_id"]
-
-    threads = [threading.Thread(target=set_topic, args=("a", alice)), threading.Thread(target=set_topic, args=("b", bob))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert len(topics) == 2
+    topics = topics_at_once(room, alice, bob, "set by {} at once")
 
     def topic_events(client: Client) -> set[str]:
         return {e["event_id"] for e in client.messages(room) if e["type"] == "m.room.topic"}
@@ -457,12 +476,7 @@ def test_concurrent_sends_from_both_servers_converge(world):
     wait_until("both topic events on both sides",
                lambda: set(topics.values()) <= topic_events(alice) and set(topics.values()) <= topic_events(bob))
 
-    def converged():
-        a = alice.state(room, "m.room.topic", expect=None).get("topic")
-        b = bob.state(room, "m.room.topic", expect=None).get("topic")
-        return a == b and a in {"set by a at once", "set by b at once"} and a
-
-    winner = wait_until("one topic on both sides", converged)
+    winner = one_topic_on_both(room, alice, bob, "set by {} at once")
     # And the whole state agrees, event id for event id.
     wait_until("the same state after the topic fork", lambda: state_ids(alice, room) == state_ids(bob, room))
     with _OPENER.open(world["spindle"].metrics_url, timeout=10) as resp:
@@ -537,8 +551,6 @@ def test_room_versions_1_and_2_federate_both_ways(world):
     v1. A Spindle user joins a v1 room on Synapse (history, messages both ways, then a
     topic fork that both sides must resolve the same way); a Synapse user joins a v2
     room on Spindle."""
-    import threading
-
     alice, bob, spindle, synapse = world["alice"], world["bob"], world["spindle"], world["synapse"]
     v1 = bob.call("POST", "/_matrix/client/v3/createRoom", {
         "preset": "public_chat", "room_alias_name": "old1", "room_version": "1", "name": "Version 1",
@@ -563,28 +575,11 @@ def test_room_versions_1_and_2_federate_both_ways(world):
     bob.state(v1, "m.room.power_levels", "", levels)
     wait_until("alice's power on Spindle",
                lambda: alice.state(v1, "m.room.power_levels")["users"].get(alice.user_id) == 50)
-    topics: dict[str, str] = {}
-    start = threading.Barrier(2)
-
-    def set_topic(who: str, client: Client):
-        start.wait()
-        topics[who] = client.state(v1, "m.room.topic", "", {"topic": f"v1 topic by {who}"})["event_id"]
-
-    threads = [threading.Thread(target=set_topic, args=("a", alice)), threading.Thread(target=set_topic, args=("b", bob))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert len(topics) == 2
+    topics = topics_at_once(v1, alice, bob, "v1 topic by {}")
     alice.send(v1, "after the v1 topics (spindle)")
     bob.send(v1, "after the v1 topics (synapse)")
 
-    def converged():
-        a = alice.state(v1, "m.room.topic", expect=None).get("topic")
-        b = bob.state(v1, "m.room.topic", expect=None).get("topic")
-        return a == b and a in {"v1 topic by a", "v1 topic by b"} and a
-
-    winner = wait_until("one v1 topic on both sides", converged)
+    winner = one_topic_on_both(v1, alice, bob, "v1 topic by {}")
     wait_until("the same v1 state on both sides", lambda: state_ids(alice, v1) == state_ids(bob, v1))
     print(f"v1 concurrent topics: {topics}; both sides chose {winner!r}")
     # A v2 room hosted on Spindle, joined from Synapse.
