@@ -184,31 +184,17 @@ impl AppServiceSender {
         self.cursors.lock().get(id)
     }
 
-    /// Reads the journal after `after` once the projections have applied what it read.
+    /// Reads the journal after `after` once the projections have applied what it read
+    /// ([`crate::reactor::read_applied`]).
     async fn read(&self, after: u64) -> Option<Vec<StoredRecord>> {
-        loop {
-            match self.journal.next_after(after, READ_BATCH).await {
-                Ok(b) if b.is_empty() => return None,
-                Ok(b) => {
-                    let last = b.last().map(|r| r.position()).unwrap_or(after);
-                    // Interest is decided from memberships and aliases: they must
-                    // include these records.
-                    while !self
-                        .projections
-                        .runtime
-                        .wait_for(last, Duration::from_secs(10))
-                        .await
-                    {
-                        tracing::warn!(position = last, "appservice: projections are behind");
-                    }
-                    return Some(b);
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "appservice: journal read failed");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-            }
-        }
+        crate::reactor::read_applied(
+            &self.journal,
+            &self.projections,
+            after,
+            READ_BATCH,
+            "appservice",
+        )
+        .await
     }
 
     async fn run_worker(

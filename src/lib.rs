@@ -5,6 +5,7 @@ pub mod appservice;
 pub mod config;
 mod ops;
 pub mod push_gateway;
+mod reactor;
 
 use std::{net::SocketAddr, sync::Arc};
 

@@ -154,30 +154,11 @@ impl PushSender {
         Ok(sender)
     }
 
-    /// Reads the journal after `after` once the projections have applied what it read.
+    /// Reads the journal after `after` once the projections have applied what it read
+    /// ([`crate::reactor::read_applied`]).
     async fn read(&self, after: u64) -> Option<Vec<StoredRecord>> {
-        loop {
-            match self.journal.next_after(after, READ_BATCH).await {
-                Ok(b) if b.is_empty() => return None,
-                Ok(b) => {
-                    let last = b.last().map(|r| r.position()).unwrap_or(after);
-                    // The queue and the pushers must include these records.
-                    while !self
-                        .projections
-                        .runtime
-                        .wait_for(last, Duration::from_secs(10))
-                        .await
-                    {
-                        tracing::warn!(position = last, "push: projections are behind");
-                    }
-                    return Some(b);
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "push: journal read failed");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-            }
-        }
+        crate::reactor::read_applied(&self.journal, &self.projections, after, READ_BATCH, "push")
+            .await
     }
 
     /// The users a record asks to notify: the event's queued notifications, or the
