@@ -261,6 +261,52 @@ async fn send_fires_it_now() {
     ts.stop().await;
 }
 
+/// MSC4140 "`delay_id` in `unsigned` event data": the sender, on any of its devices,
+/// sees `unsigned.org.matrix.msc4140.delay_id` on the fired event (and no
+/// `transaction_id`: the client never chose one for it); another member sees neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fired_event_carries_its_delay_id_for_the_sender_only() {
+    let ts = start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    let room = alice.create_room(json!({ "preset": "public_chat" })).await;
+    bob.join(&room).await;
+    let id = schedule_message(&alice, &room, "fired", 600_000).await;
+    alice
+        .post(&format!("{DE}/{id}/send"), &json!({}))
+        .await
+        .ok();
+    let ev = wait_for_body(&alice, &room, "fired").await;
+    assert_eq!(ev["unsigned"]["org.matrix.msc4140.delay_id"], json!(id));
+    assert!(ev["unsigned"].get("transaction_id").is_none(), "{ev}");
+    let event_id = ev["event_id"].as_str().unwrap().to_owned();
+    // The same through /event and /sync, and on the sender's other device.
+    let one = alice.event(&room, &event_id).await.ok();
+    assert_eq!(one["unsigned"]["org.matrix.msc4140.delay_id"], json!(id));
+    let other = ts.login("alice", Some("OTHER")).await;
+    let sync = other.sync("").await;
+    let synced: Vec<&Value> = sync["rooms"]["join"][&room]["timeline"]["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["event_id"] == json!(event_id))
+        .collect();
+    assert_eq!(synced.len(), 1);
+    assert_eq!(synced[0]["unsigned"]["org.matrix.msc4140.delay_id"], json!(id));
+    // Not for anyone else.
+    let seen = wait_for_body(&bob, &room, "fired").await;
+    assert_eq!(seen["event_id"], json!(event_id));
+    assert!(seen["unsigned"].get("org.matrix.msc4140.delay_id").is_none(), "{seen}");
+    let theirs = bob.event(&room, &event_id).await.ok();
+    assert!(theirs["unsigned"].get("org.matrix.msc4140.delay_id").is_none());
+    // An ordinary message keeps its transaction id and has no delay id.
+    let plain = alice.send_text(&room, "plain").await;
+    let mine = alice.event(&room, &plain).await.ok();
+    assert!(mine["unsigned"]["transaction_id"].is_string(), "{mine}");
+    assert!(mine["unsigned"].get("org.matrix.msc4140.delay_id").is_none());
+    ts.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn someone_else_setting_the_state_first_cancels_it() {
     let ts = start().await;

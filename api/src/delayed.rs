@@ -16,7 +16,7 @@
 //! Scheduling, restarting, cancelling and sending are journal facts; the
 //! `delayed_events` projection is the heap. [`run_worker`] fires what is due: it sleeps
 //! until the earliest deadline (kept in memory by the projection, so an idle tick reads
-//! nothing), sends each due event as its owner with transaction id `delay_id` (a retry
+//! nothing), sends each due event as its owner with transaction id `delay/{delay_id}` (a retry
 //! after a crash between the event and its `DelayedEventSent` fact returns the same
 //! event instead of sending twice), then journals the outcome. An error at the deadline
 //! finalises the delay with that error (the MSC: not retried); an error on `send`
@@ -39,6 +39,11 @@ use crate::{
 
 /// Query parameter that turns a send into a delayed one.
 pub const DELAY_PARAM: &str = "org.matrix.msc4140.delay";
+
+/// Prefix of the transaction id a fired delayed event is sent with (`delay/{delay_id}`):
+/// the retry after a crash finds the same event, and rendering reads the delay id back
+/// from it for `unsigned.org.matrix.msc4140.delay_id` ([`crate::read::render`]).
+pub const DELAY_TXN_PREFIX: &str = "delay/";
 
 /// Due delayed events fired per tick at most.
 const FIRE_BATCH: usize = 100;
@@ -263,7 +268,8 @@ async fn fire(s: &AppState, d: &DelayedEvent, by_action: bool) -> ApiResult<()> 
         content: d.content.clone(),
         redacts,
     };
-    let sent = crate::rooms::send_spec(s, &r, &d.room_id, spec, Some(d.delay_id.clone())).await;
+    let txn = format!("{DELAY_TXN_PREFIX}{}", d.delay_id);
+    let sent = crate::rooms::send_spec(s, &r, &d.room_id, spec, Some(txn)).await;
     let (event_id, error) = match sent {
         Ok(o) => (o.event_ids.first().map(|e| e.to_string()), None),
         Err(e) if by_action => return Err(e),

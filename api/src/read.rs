@@ -78,7 +78,8 @@ pub fn token(pos: u64) -> String {
 }
 
 /// Renders an event for a client: redacted if a redaction applies, with `unsigned`
-/// (`age`, `transaction_id` for the sending device, `prev_content` for state, and the
+/// (`age`, `transaction_id` for the sending device, `org.matrix.msc4140.delay_id` for
+/// the sender of a fired delayed event (MSC4140), `prev_content` for state, and the
 /// bundled aggregations `m.relations`, see [`crate::relations::bundle`]).
 pub fn render(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &str)>) -> Value {
     let mut v = render_unbundled(s, ev, viewer);
@@ -97,7 +98,17 @@ pub fn render_unbundled(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &s
         "age".into(),
         json!(crate::now_ms().saturating_sub(u64::from(ev.pdu.origin_server_ts.0))),
     );
-    if let (Some((user, device)), Some(dev), Some(txn)) = (viewer, &ev.device_id, &ev.txn_id)
+    let delay_id = ev
+        .txn_id
+        .as_deref()
+        .and_then(|t| t.strip_prefix(crate::delayed::DELAY_TXN_PREFIX));
+    if let (Some((user, _)), Some(id)) = (viewer, delay_id)
+        && user == ev.pdu.sender.as_str()
+    {
+        // MSC4140: the sender (any of its devices), and only the sender, sees the id.
+        unsigned.insert("org.matrix.msc4140.delay_id".into(), json!(id));
+    } else if let (Some((user, device)), Some(dev), Some(txn)) =
+        (viewer, &ev.device_id, &ev.txn_id)
         && user == ev.pdu.sender.as_str()
         && device == dev
     {
