@@ -33,6 +33,18 @@
 //!   `PusherDeleted` fact submitted as the pusher's owner (a journal command, like any
 //!   change).
 //!
+//! - **The queue is pruned** ([`PushSender::prune_queue`], every [`PRUNE_INTERVAL`]):
+//!   a queue row at position P is done once every reader of the queue (the dispatcher
+//!   and each gateway's worker) is past P, that is, once it was delivered, refused
+//!   (4xx) or dropped past `max_notification_age_ms`; the sender then journals
+//!   `PushQueuePruned { upto }` with `upto` the lowest of their positions, and the
+//!   `push` projection deletes the rows at or before it. A reader restarted from an
+//!   older saved cursor finds those positions empty, which repeats nothing it had not
+//!   already finished. A gateway that stays down holds the queue back at most
+//!   `max_notification_age_ms`. With `[push] enabled = false` nothing reads or
+//!   prunes the queue (rows of pushered users stay until delivery is turned on and
+//!   catches up).
+//!
 //! Outbound addresses pass the same denylist as federation (`push.ip_range_denylist`,
 //! `push.ip_range_allowlist`, Synapse's `ip_range_blacklist`/`ip_range_whitelist`):
 //! a pusher URL cannot make the server call into its own network unless allowed.
@@ -59,6 +71,10 @@ const READ_BATCH: usize = 256;
 
 /// How often a cursor that moved without a delivery is saved.
 const IDLE_SAVE_INTERVAL: Duration = Duration::from_secs(10);
+
+/// How often the push queue is pruned ([`PushSender::prune_queue`]); a prune that
+/// finds nothing done journals nothing.
+pub const PRUNE_INTERVAL: Duration = Duration::from_secs(60);
 
 /// Most notifications read for one event (a room's joined members are far fewer).
 const QUEUE_READ_MAX: usize = 1_000_000;
@@ -99,6 +115,9 @@ pub struct PushSender {
     cursors: Arc<parking_lot::Mutex<Cursors>>,
     shutdown: tokio::sync::watch::Receiver<bool>,
     workers: Arc<parking_lot::Mutex<HashMap<String, tokio::sync::watch::Sender<()>>>>,
+    /// Each reader's position in memory (`""`: the dispatcher; else a gateway URL):
+    /// everything at or before it is done. The prune bound is their minimum.
+    progress: Arc<parking_lot::Mutex<HashMap<String, u64>>>,
     /// Counters.
     pub stats: Arc<PushStats>,
 }
@@ -144,14 +163,60 @@ impl PushSender {
             cursors: Arc::new(parking_lot::Mutex::new(cursors)),
             shutdown,
             workers: Arc::default(),
+            progress: Arc::default(),
             stats: Arc::default(),
         };
+        sender.progress.lock().insert(String::new(), start);
         for (url, cursor) in stored {
             sender.spawn_worker(url, cursor);
         }
         let s = sender.clone();
         sender.spawn(async move { s.dispatch(start).await });
+        let s = sender.clone();
+        sender.spawn(async move {
+            loop {
+                tokio::time::sleep(PRUNE_INTERVAL).await;
+                if let Err(e) = s.prune_queue().await {
+                    tracing::warn!(error = %e, "push: queue not pruned");
+                }
+            }
+        });
         Ok(sender)
+    }
+
+    /// Prunes the push queue: journals `PushQueuePruned { upto }` with `upto` the lowest
+    /// position of the queue's readers (the dispatcher and every gateway worker: all of
+    /// them are done with every row at or before it), when the oldest queue row is at
+    /// or before it, and waits until the projection applied it. Returns `upto`, or
+    /// `None` when no row was done (nothing journaled). Reads one queue row.
+    pub async fn prune_queue(&self) -> Result<Option<u64>, String> {
+        let Some(upto) = self.progress.lock().values().copied().min() else {
+            return Ok(None);
+        };
+        match self.projections.push.queue_first() {
+            Some(first) if first <= upto => {}
+            _ => return Ok(None),
+        }
+        let envelope = CommandEnvelope {
+            principal: String::new(),
+            device_id: None,
+            issued_at: spindle_api::now_ms(),
+            body: CommandBody::Fact {
+                fact: Fact::PushQueuePruned { upto },
+            },
+        };
+        let cmd = SignedCommand::sign(self.journal.key(), envelope).map_err(|e| e.to_string())?;
+        let o = self.journal.submit(cmd).await.map_err(|e| e.to_string())?;
+        if !self
+            .projections
+            .runtime
+            .wait_for(o.position, Duration::from_secs(30))
+            .await
+        {
+            return Err("projections did not apply the prune".into());
+        }
+        tracing::debug!(upto, "push: queue pruned");
+        Ok(Some(upto))
     }
 
     /// Reads the journal after `after` once the projections have applied what it read
@@ -202,6 +267,7 @@ impl PushSender {
                 }
                 after = rec.position();
             }
+            self.progress.lock().insert(String::new(), after);
             if last_saved.elapsed() >= IDLE_SAVE_INTERVAL {
                 last_saved = std::time::Instant::now();
                 if let Err(e) = self.cursors.lock().set("", after) {
@@ -214,6 +280,7 @@ impl PushSender {
     fn spawn_worker(&self, url: String, cursor: u64) {
         let (tx, rx) = tokio::sync::watch::channel(());
         self.workers.lock().insert(url.clone(), tx);
+        self.progress.lock().insert(url.clone(), cursor);
         if let Err(e) = self.cursors.lock().set(&url, cursor) {
             tracing::warn!(error = %e, "push: cursor not saved");
         }
@@ -415,6 +482,7 @@ impl PushSender {
                     break;
                 }
                 cursor = covered;
+                self.progress.lock().insert(url.clone(), cursor);
                 if idle_saved.elapsed() >= IDLE_SAVE_INTERVAL {
                     idle_saved = std::time::Instant::now();
                     if let Err(e) = self.cursors.lock().set(&url, cursor) {
@@ -444,6 +512,7 @@ impl PushSender {
                 backoff_ms = backoff_ms.saturating_mul(2).min(cfg.retry_max_ms.max(1));
             }
             cursor = covered;
+            self.progress.lock().insert(url.clone(), cursor);
             if let Err(e) = self.cursors.lock().set(&url, cursor) {
                 tracing::warn!(error = %e, "push: cursor not saved");
             }

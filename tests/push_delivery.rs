@@ -408,6 +408,114 @@ async fn missed_notification_arrives_once_the_gateway_is_back() {
     ts.stop().await;
 }
 
+/// A closed loopback address (the gateway is down) and its notify URL.
+fn down_gateway() -> (SocketAddr, String) {
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr: SocketAddr = probe.local_addr().unwrap();
+    drop(probe);
+    (addr, format!("http://{addr}/_matrix/push/v1/notify"))
+}
+
+/// Prunes until the push queue holds `rows` rows (the workers' positions move just
+/// after their last send returns); returns how many prunes were journaled.
+async fn prune_until(ts: &TestServer, rows: usize) -> usize {
+    let sender = ts.server.push_sender.clone().expect("push is on");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let mut journaled = 0;
+    loop {
+        if sender.prune_queue().await.unwrap().is_some() {
+            journaled += 1;
+        }
+        if ts.server.projections.push.queue_len() == rows {
+            return journaled;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "queue still holds {} rows",
+            ts.server.projections.push.queue_len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The push queue is pruned by the rule in src/push_gateway.rs: rows every reader is
+/// past (delivered) go; rows a down gateway still has to deliver stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delivered_rows_leave_the_push_queue_and_undelivered_ones_stay() {
+    let (addr, url) = down_gateway();
+    let ts = start_server().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    set_pusher(&bob, &url, "key-bob", json!({})).await;
+    let room = dm(&alice, &bob).await;
+    let one = send(&alice, &room, json!({ "msgtype": "m.text", "body": "1" })).await;
+    let two = send(&alice, &room, json!({ "msgtype": "m.text", "body": "2" })).await;
+    let sender = ts.server.push_sender.clone().expect("push is on");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sender.stats.failures.load(std::sync::atomic::Ordering::Relaxed) < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "no attempt");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let push = &ts.server.projections.push;
+    // Bob's rows: the invite and the two messages (his own join notifies nobody),
+    // once the push projection applied the last message.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while push.queue_len() < 3 {
+        assert!(tokio::time::Instant::now() < deadline, "{} rows", push.queue_len());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(push.queue_len(), 3);
+    // The gateway's worker is stuck before the invite: nothing is done, nothing pruned.
+    assert_eq!(sender.prune_queue().await.unwrap(), None);
+    assert_eq!(push.queue_len(), 3);
+    // Back up: all three are delivered, then pruned.
+    let gw = Gateway::default();
+    gw.serve_on(tokio::net::TcpListener::bind(addr).await.unwrap())
+        .await;
+    // (Sent concurrently: either may arrive first.)
+    gw.wait_for(|v| v["notification"]["event_id"] == one).await;
+    gw.wait_for(|v| v["notification"]["event_id"] == two).await;
+    assert!(prune_until(&ts, 0).await >= 1);
+    // Nothing left to do: the next prune journals nothing.
+    assert_eq!(sender.prune_queue().await.unwrap(), None);
+    // A later notification adds one row, gone once delivered.
+    let three = send(&alice, &room, json!({ "msgtype": "m.text", "body": "3" })).await;
+    gw.wait_for(|v| v["notification"]["event_id"] == three).await;
+    assert!(push.queue_len() <= 1);
+    prune_until(&ts, 0).await;
+    assert_eq!(gw.for_event(&one).len(), 1);
+    assert_eq!(gw.for_event(&three).len(), 1);
+    ts.stop().await;
+}
+
+/// A notification dropped past `max_notification_age_ms` (its gateway never came back)
+/// leaves the queue too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_rows_leave_the_push_queue() {
+    let (_addr, url) = down_gateway();
+    let ts = TestServer::start_with(|c| {
+        c.push.ip_range_allowlist = vec!["127.0.0.1/32".into()];
+        c.push.retry_initial_ms = 50;
+        c.push.retry_max_ms = 100;
+        c.push.max_notification_age_ms = 500;
+    })
+    .await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    set_pusher(&bob, &url, "key-bob", json!({})).await;
+    let room = dm(&alice, &bob).await;
+    send(&alice, &room, json!({ "msgtype": "m.text", "body": "lost" })).await;
+    let sender = ts.server.push_sender.clone().expect("push is on");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while sender.stats.dropped.load(std::sync::atomic::Ordering::Relaxed) < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "never dropped");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(sender.stats.delivered.load(std::sync::atomic::Ordering::Relaxed), 0);
+    prune_until(&ts, 0).await;
+    ts.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rejected_pushkey_removes_the_pusher() {
     let (gw, url) = Gateway::start().await;

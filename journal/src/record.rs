@@ -626,6 +626,12 @@ pub enum Fact {
         app_id: String,
         pushkey: String,
     },
+    /// The push-gateway consumer is past every push-queue row at or before `upto` (a
+    /// journal position): each of them was delivered, refused by its gateway, or dropped
+    /// past `push.max_notification_age_ms`, so the `push` projection deletes them.
+    /// `upto` is the lowest durable cursor of the consumer's readers (its dispatcher and
+    /// every per-gateway worker), so no reader can ask for a deleted row again.
+    PushQueuePruned { upto: u64 },
     /// A delayed event was scheduled (MSC4140: `?org.matrix.msc4140.delay=MS` on
     /// `/send` or `/state`): it is sent as `user_id` (from `device_id`) at
     /// `running_since + delay_ms` (ms since the epoch, the API's clock) unless

@@ -23,7 +23,9 @@
 //! - `highlights`: user, 0x00, position -> empty
 //! - `queue`: position (BE), user -> empty: the push queue, one row per notification
 //!   of a user in `pushered`, in position order, which the push-gateway consumer reads
-//!   by position (it asks the `pushers` projection for the user's pushers at delivery)
+//!   by position (it asks the `pushers` projection for the user's pushers at delivery);
+//!   a `PushQueuePruned { upto }` fact deletes the rows at or before `upto` (the
+//!   consumer journals it once every reader of the queue is past them)
 //! - `pushered`: user -> empty: users who ever set a pusher (an over-approximation the
 //!   consumer narrows; it keeps users without pushers, most users and every bot, out
 //!   of the queue, so their notifications cost the consumer nothing)
@@ -435,6 +437,20 @@ impl Push {
             .collect()
     }
 
+    /// Rows in the push queue (every row read: for tests and the admin, not a hot
+    /// path).
+    pub fn queue_len(&self) -> usize {
+        self.queue.scan_prefix(&[], usize::MAX).len()
+    }
+
+    /// The position of the oldest push-queue row, if any (one row read).
+    pub fn queue_first(&self) -> Option<u64> {
+        self.queue
+            .scan_prefix(&[], 1)
+            .first()
+            .map(|(k, _)| u64::from_be_bytes(k[..8].try_into().expect("8-byte position")))
+    }
+
     fn compiled(&self, ctx: &ApplyCtx, user_id: &str) -> Option<Arc<CompiledRuleset>> {
         if let Some(c) = self.compiled.lock().get(user_id) {
             return Some(c.clone());
@@ -720,6 +736,15 @@ impl Projection for Push {
         if let Some(fact) = record.fact() {
             if let Fact::PusherSet { user_id, .. } = &fact {
                 ctx.put(&self.pushered, user_id.clone().into_bytes(), Vec::new());
+            }
+            if let Fact::PushQueuePruned { upto } = fact {
+                // The queue is keyed by position first: the rows to delete are a prefix
+                // range, read once (nothing after `upto`).
+                let end = upto.saturating_add(1).to_be_bytes();
+                for k in ctx.scan_keys_range(&self.queue, &[], &end, usize::MAX) {
+                    ctx.delete(&self.queue, k);
+                }
+                return Ok(());
             }
             self.apply_fact(ctx, record, fact);
         }

@@ -441,6 +441,32 @@ impl ApplyCtx {
         rows.into_iter().collect()
     }
 
+    /// Keys of `table` in `[start, end)`: committed rows merged with this batch's staged
+    /// writes and deletes, ascending, at most `limit` committed rows read.
+    pub fn scan_keys_range(
+        &self,
+        table: &Table,
+        start: &[u8],
+        end: &[u8],
+        limit: usize,
+    ) -> Vec<Vec<u8>> {
+        let mut keys: std::collections::BTreeSet<Vec<u8>> = table
+            .scan_range(start, end, false, limit)
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
+        let overlay = self.overlay.lock();
+        for ((_, k), (_, v)) in overlay
+            .range((table.id.clone(), start.to_vec())..(table.id.clone(), end.to_vec()))
+        {
+            match v {
+                Some(_) => keys.insert(k.clone()),
+                None => keys.remove(k),
+            };
+        }
+        keys.into_iter().collect()
+    }
+
     /// Staged writes (and deletes, as `None`) of `table` under `prefix`, ascending; a
     /// range over the overlay, not a walk of the whole batch.
     fn staged_range(&self, table: &Table, prefix: &[u8]) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
