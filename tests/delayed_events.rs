@@ -292,18 +292,34 @@ async fn the_fired_event_carries_its_delay_id_for_the_sender_only() {
         .filter(|e| e["event_id"] == json!(event_id))
         .collect();
     assert_eq!(synced.len(), 1);
-    assert_eq!(synced[0]["unsigned"]["org.matrix.msc4140.delay_id"], json!(id));
+    assert_eq!(
+        synced[0]["unsigned"]["org.matrix.msc4140.delay_id"],
+        json!(id)
+    );
     // Not for anyone else.
     let seen = wait_for_body(&bob, &room, "fired").await;
     assert_eq!(seen["event_id"], json!(event_id));
-    assert!(seen["unsigned"].get("org.matrix.msc4140.delay_id").is_none(), "{seen}");
+    assert!(
+        seen["unsigned"]
+            .get("org.matrix.msc4140.delay_id")
+            .is_none(),
+        "{seen}"
+    );
     let theirs = bob.event(&room, &event_id).await.ok();
-    assert!(theirs["unsigned"].get("org.matrix.msc4140.delay_id").is_none());
+    assert!(
+        theirs["unsigned"]
+            .get("org.matrix.msc4140.delay_id")
+            .is_none()
+    );
     // An ordinary message keeps its transaction id and has no delay id.
     let plain = alice.send_text(&room, "plain").await;
     let mine = alice.event(&room, &plain).await.ok();
     assert!(mine["unsigned"]["transaction_id"].is_string(), "{mine}");
-    assert!(mine["unsigned"].get("org.matrix.msc4140.delay_id").is_none());
+    assert!(
+        mine["unsigned"]
+            .get("org.matrix.msc4140.delay_id")
+            .is_none()
+    );
     ts.stop().await;
 }
 

@@ -452,7 +452,12 @@ async fn delivered_rows_leave_the_push_queue_and_undelivered_ones_stay() {
     let two = send(&alice, &room, json!({ "msgtype": "m.text", "body": "2" })).await;
     let sender = ts.server.push_sender.clone().expect("push is on");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while sender.stats.failures.load(std::sync::atomic::Ordering::Relaxed) < 2 {
+    while sender
+        .stats
+        .failures
+        .load(std::sync::atomic::Ordering::Relaxed)
+        < 2
+    {
         assert!(tokio::time::Instant::now() < deadline, "no attempt");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -461,7 +466,11 @@ async fn delivered_rows_leave_the_push_queue_and_undelivered_ones_stay() {
     // once the push projection applied the last message.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while push.queue_len() < 3 {
-        assert!(tokio::time::Instant::now() < deadline, "{} rows", push.queue_len());
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} rows",
+            push.queue_len()
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(push.queue_len(), 3);
@@ -480,7 +489,8 @@ async fn delivered_rows_leave_the_push_queue_and_undelivered_ones_stay() {
     assert_eq!(sender.prune_queue().await.unwrap(), None);
     // A later notification adds one row, gone once delivered.
     let three = send(&alice, &room, json!({ "msgtype": "m.text", "body": "3" })).await;
-    gw.wait_for(|v| v["notification"]["event_id"] == three).await;
+    gw.wait_for(|v| v["notification"]["event_id"] == three)
+        .await;
     assert!(push.queue_len() <= 1);
     prune_until(&ts, 0).await;
     assert_eq!(gw.for_event(&one).len(), 1);
@@ -504,14 +514,30 @@ async fn expired_rows_leave_the_push_queue() {
     let bob = ts.register("bob").await;
     set_pusher(&bob, &url, "key-bob", json!({})).await;
     let room = dm(&alice, &bob).await;
-    send(&alice, &room, json!({ "msgtype": "m.text", "body": "lost" })).await;
+    send(
+        &alice,
+        &room,
+        json!({ "msgtype": "m.text", "body": "lost" }),
+    )
+    .await;
     let sender = ts.server.push_sender.clone().expect("push is on");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while sender.stats.dropped.load(std::sync::atomic::Ordering::Relaxed) < 2 {
+    while sender
+        .stats
+        .dropped
+        .load(std::sync::atomic::Ordering::Relaxed)
+        < 2
+    {
         assert!(tokio::time::Instant::now() < deadline, "never dropped");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(sender.stats.delivered.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(
+        sender
+            .stats
+            .delivered
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
     prune_until(&ts, 0).await;
     ts.stop().await;
 }

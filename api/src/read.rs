@@ -107,8 +107,7 @@ pub fn render_unbundled(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &s
     {
         // MSC4140: the sender (any of its devices), and only the sender, sees the id.
         unsigned.insert("org.matrix.msc4140.delay_id".into(), json!(id));
-    } else if let (Some((user, device)), Some(dev), Some(txn)) =
-        (viewer, &ev.device_id, &ev.txn_id)
+    } else if let (Some((user, device)), Some(dev), Some(txn)) = (viewer, &ev.device_id, &ev.txn_id)
         && user == ev.pdu.sender.as_str()
         && device == dev
     {

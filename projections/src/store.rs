@@ -456,8 +456,8 @@ impl ApplyCtx {
             .map(|(k, _)| k)
             .collect();
         let overlay = self.overlay.lock();
-        for ((_, k), (_, v)) in overlay
-            .range((table.id.clone(), start.to_vec())..(table.id.clone(), end.to_vec()))
+        for ((_, k), (_, v)) in
+            overlay.range((table.id.clone(), start.to_vec())..(table.id.clone(), end.to_vec()))
         {
             match v {
                 Some(_) => keys.insert(k.clone()),
