@@ -31,7 +31,7 @@
 //! member event pays one scan of the room's members.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, BTreeSet, HashMap},
     path::Path,
     sync::{Arc, atomic::Ordering},
     time::Duration,
@@ -72,11 +72,22 @@ struct Txn {
     events: Vec<Value>,
     ephemeral: Vec<Value>,
     to_device: Vec<Value>,
+    /// MSC3202 `device_lists.changed` (registrations with `org.matrix.msc3202`).
+    changed: BTreeSet<String>,
+    /// MSC3202 `device_lists.left`.
+    left: BTreeSet<String>,
+    /// MSC3202 one-time key counts and unused fallback key types, read when the
+    /// transaction is closed ([`key_summary`]).
+    keys: Option<(Value, Value)>,
 }
 
 impl Txn {
     fn is_empty(&self) -> bool {
-        self.events.is_empty() && self.ephemeral.is_empty() && self.to_device.is_empty()
+        self.events.is_empty()
+            && self.ephemeral.is_empty()
+            && self.to_device.is_empty()
+            && self.changed.is_empty()
+            && self.left.is_empty()
     }
 
     fn full(&self, max: usize) -> bool {
@@ -94,6 +105,22 @@ impl Txn {
             body["de.sorunome.msc2409.ephemeral"] = json!(self.ephemeral);
             body["de.sorunome.msc2409.to_device"] = json!(self.to_device);
         }
+        if a.msc3202 {
+            if !self.changed.is_empty() || !self.left.is_empty() {
+                body["org.matrix.msc3202.device_lists"] =
+                    json!({ "changed": self.changed, "left": self.left });
+            }
+            if let Some((otks, fallback)) = &self.keys {
+                if otks.as_object().is_some_and(|o| !o.is_empty()) {
+                    // Both spellings, as Synapse sends them.
+                    body["org.matrix.msc3202.device_one_time_keys_count"] = otks.clone();
+                    body["org.matrix.msc3202.device_one_time_key_counts"] = otks.clone();
+                }
+                if fallback.as_object().is_some_and(|o| !o.is_empty()) {
+                    body["org.matrix.msc3202.device_unused_fallback_key_types"] = fallback.clone();
+                }
+            }
+        }
         body
     }
 }
@@ -109,20 +136,21 @@ pub struct AppServiceSender {
     shutdown: tokio::sync::watch::Receiver<bool>,
     wakes: Arc<parking_lot::Mutex<HashMap<String, tokio::sync::watch::Sender<()>>>>,
     typing: spindle_api::typing::Typing,
+    presence: spindle_api::presence::Presence,
     /// Counters.
     pub stats: Arc<AppServiceStats>,
 }
 
 impl AppServiceSender {
-    /// Starts one worker per application service with a `url`. Errors on an unreadable
-    /// cursor file.
+    /// Starts one worker per application service with a `url` (typing and presence are
+    /// the in-memory ephemeral sources). Errors on an unreadable cursor file.
     pub fn start(
         journal: Journal,
         projections: Projections,
         services: Arc<AppServices>,
         config: AppServicesConfig,
         consumers_dir: &Path,
-        typing: spindle_api::typing::Typing,
+        (typing, presence): (spindle_api::typing::Typing, spindle_api::presence::Presence),
         shutdown: tokio::sync::watch::Receiver<bool>,
     ) -> Result<AppServiceSender, String> {
         let cursors = Cursors::open(consumers_dir, "appservice")?;
@@ -135,6 +163,7 @@ impl AppServiceSender {
             shutdown,
             wakes: Arc::default(),
             typing,
+            presence,
             stats: Arc::default(),
         };
         for a in sender.services.all().iter().filter(|a| a.url.is_some()) {
@@ -233,6 +262,9 @@ impl AppServiceSender {
                 }
             }
             let txn_id = format!("{}-{}", cursor + 1, covered);
+            if a.msc3202 {
+                txn.keys = Some(key_summary(&self.projections, &a, &txn));
+            }
             let body = txn.body(&a);
             let path = format!("{APP_SERVICE_PREFIX}/transactions/{}", urlencode(&txn_id));
             let mut backoff_ms = cfg.retry_initial_ms.max(1);
@@ -284,13 +316,37 @@ impl AppServiceSender {
                 return;
             }
             let mut txn = Txn::default();
-            for (room_id, serial) in self.typing.rooms_changed_after(seen) {
+            let before = seen;
+            for (room_id, serial) in self.typing.rooms_changed_after(before) {
                 seen = seen.max(serial);
                 if room_interests(&self.projections, &a, &room_id) {
                     txn.ephemeral.push(json!({
                         "type": "m.typing",
                         "room_id": room_id,
                         "content": { "user_ids": self.typing.users(&room_id) },
+                    }));
+                }
+            }
+            // Presence shares the counter: users joined to a room of interest whose
+            // presence changed (Synapse's `is_interested_in_presence`: they share a
+            // room with the application service's users).
+            let now = spindle_api::now_ms();
+            let (changed, presence_upto) = self.presence.changed_after(before);
+            seen = seen.max(presence_upto);
+            for (user, _) in changed {
+                let shares = self
+                    .projections
+                    .membership
+                    .rooms_of(&user)
+                    .iter()
+                    .any(|(r, m)| {
+                        m.membership == "join" && room_interests(&self.projections, &a, r)
+                    });
+                if shares && let Some(content) = self.presence.content(&user, now) {
+                    txn.ephemeral.push(json!({
+                        "type": "m.presence",
+                        "sender": user,
+                        "content": content,
                     }));
                 }
             }
@@ -360,6 +416,96 @@ pub fn room_interests(p: &Projections, a: &AppService, room_id: &str) -> bool {
             .any(|(u, m)| m.membership == "join" && a.is_interested_in_user(u))
 }
 
+/// `unsigned` of an invite pushed to an application service: `invite_room_state`, the
+/// stripped state the invitee sees (create, join rules, name, avatar, canonical alias,
+/// encryption, topic, the inviter's member event), as Synapse sends it. `None` for
+/// any other event. Point lookups only.
+fn invite_unsigned(p: &Projections, pdu: &spindle_core::pdu::Pdu) -> Option<Value> {
+    if pdu.kind.to_string() != "m.room.member"
+        || pdu.content_value()["membership"].as_str() != Some("invite")
+    {
+        return None;
+    }
+    let mut state = spindle_api::sync::invite_state_of(p, pdu.event_id.as_str())?;
+    // The invite itself is the event, not part of its room state.
+    state.pop();
+    Some(json!({ "invite_room_state": state }))
+}
+
+/// Whether the application service hears of `user_id`'s device list (MSC3202, as
+/// Synapse's `_is_appservice_interested_in_device_lists_of_user`): the user is one of
+/// its users, or is joined to a room it is interested in.
+fn device_list_interest(
+    p: &Projections,
+    a: &AppService,
+    rooms: &mut RoomInterest,
+    user_id: &str,
+) -> bool {
+    a.is_interested_in_user(user_id)
+        || p.membership
+            .rooms_of(user_id)
+            .iter()
+            .any(|(r, m)| m.membership == "join" && rooms.get(p, a, r))
+}
+
+/// MSC3202 `changed`: `user_id`'s device list changed (or they newly share a room).
+fn device_list_changed(
+    p: &Projections,
+    a: &AppService,
+    rooms: &mut RoomInterest,
+    txn: &mut Txn,
+    user_id: &str,
+) {
+    if device_list_interest(p, a, rooms, user_id) {
+        txn.left.remove(user_id);
+        txn.changed.insert(user_id.to_owned());
+    }
+}
+
+/// MSC3202 one-time key counts (`user -> device -> algorithm -> count`, with
+/// `signed_curve25519: 0` when a device has none, as Synapse) and unused fallback key
+/// types (`user -> device -> [algorithm]`) of the transaction's interesting users, as
+/// Synapse picks them: the sender, the application service's joined users in the
+/// rooms of the transaction's events and ephemeral entries, and the to-device
+/// recipients. Reads each such room's members and, per user, their devices and two
+/// short scans per device.
+fn key_summary(p: &Projections, a: &AppService, txn: &Txn) -> (Value, Value) {
+    let mut users: BTreeSet<String> = BTreeSet::new();
+    users.insert(a.sender.clone());
+    let rooms: BTreeSet<&str> = txn
+        .events
+        .iter()
+        .chain(txn.ephemeral.iter())
+        .filter_map(|e| e["room_id"].as_str())
+        .collect();
+    for room in rooms {
+        for (u, m) in p.membership.members(room) {
+            if m.membership == "join" && a.is_interested_in_user(&u) {
+                users.insert(u);
+            }
+        }
+    }
+    for m in &txn.to_device {
+        if let Some(u) = m["to_user_id"].as_str() {
+            users.insert(u.to_owned());
+        }
+    }
+    let mut otks: BTreeMap<String, BTreeMap<String, BTreeMap<String, u64>>> = BTreeMap::new();
+    let mut fallback: BTreeMap<String, BTreeMap<String, Vec<String>>> = BTreeMap::new();
+    for u in users {
+        for (device, _) in p.accounts.devices(&u) {
+            let mut counts = p.device_keys.one_time_key_counts(&u, &device);
+            counts.entry("signed_curve25519".into()).or_insert(0);
+            otks.entry(u.clone())
+                .or_default()
+                .insert(device.clone(), counts);
+            let types = p.device_keys.unused_fallback_key_types(&u, &device);
+            fallback.entry(u.clone()).or_default().insert(device, types);
+        }
+    }
+    (json!(otks), json!(fallback))
+}
+
 /// Adds what `rec` holds for the application service to `txn`.
 fn collect(
     p: &Projections,
@@ -374,6 +520,24 @@ fn collect(
         if kind == "m.room.member" || kind == "m.room.canonical_alias" {
             rooms.forget(&room_id);
         }
+        if a.msc3202
+            && kind == "m.room.member"
+            && let Some(target) = pdu.state_key.as_deref()
+        {
+            match pdu.content_value()["membership"].as_str() {
+                // A user who joins a room of interest newly shares it.
+                Some("join") if rooms.get(p, a, &room_id) => {
+                    txn.left.remove(target);
+                    txn.changed.insert(target.to_owned());
+                }
+                // One who leaves and shares no other room of interest is `left`.
+                Some("leave" | "ban") if !device_list_interest(p, a, rooms, target) => {
+                    txn.changed.remove(target);
+                    txn.left.insert(target.to_owned());
+                }
+                _ => {}
+            }
+        }
         let about_user = a.is_interested_in_user(pdu.sender.as_str())
             || (kind == "m.room.member"
                 && pdu
@@ -381,11 +545,29 @@ fn collect(
                     .as_deref()
                     .is_some_and(|k| a.is_interested_in_user(k)));
         if about_user || rooms.get(p, a, &room_id) {
-            txn.events.push(pdu.to_client_event(None));
+            let unsigned = invite_unsigned(p, &pdu);
+            txn.events.push(pdu.to_client_event(unsigned));
         }
         return;
     }
     match rec.fact() {
+        Some(
+            Fact::DeviceKeysUploaded { user_id, .. }
+            | Fact::DeviceCreated { user_id, .. }
+            | Fact::DeviceRenamed { user_id, .. }
+            | Fact::DeviceDeleted { user_id, .. }
+            | Fact::CrossSigningKeysUploaded { user_id, .. },
+        ) if a.msc3202 => device_list_changed(p, a, rooms, txn, &user_id),
+        Some(Fact::SignaturesUploaded { signatures }) if a.msc3202 => {
+            let own: BTreeSet<String> = signatures
+                .into_iter()
+                .filter(|s| s.user_id == s.signer)
+                .map(|s| s.signer)
+                .collect();
+            for u in own {
+                device_list_changed(p, a, rooms, txn, &u);
+            }
+        }
         Some(Fact::AliasSet { room_id, .. }) => rooms.forget(&room_id),
         Some(Fact::AliasDeleted { .. }) => rooms.rooms.clear(),
         Some(Fact::ReceiptSet {

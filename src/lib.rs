@@ -233,7 +233,7 @@ impl Server {
                     appservices.clone(),
                     config.appservices.clone(),
                     &config.data_dir.join("consumers"),
-                    state.typing.clone(),
+                    (state.typing.clone(), state.presence.clone()),
                     shutdown_rx.clone(),
                 )
                 .map_err(|e| anyhow!("appservices: {e}"))?,

@@ -107,8 +107,30 @@ impl Presence {
         }
     }
 
+    /// (user, room) pairs whose presence changed after counter value `after`, one per
+    /// user (the first room found), sorted, and the highest counter value among those
+    /// changes (`after` when none): the application-service pusher's feed (one pass
+    /// over the rooms with a presence change).
+    pub fn changed_after(&self, after: u64) -> (Vec<(String, String)>, u64) {
+        let (rooms, upto) = {
+            let inner = self.inner.lock();
+            let mut upto = after;
+            let rooms: Vec<String> = inner
+                .rooms
+                .iter()
+                .filter(|(_, r)| r.serial > after)
+                .map(|(id, r)| {
+                    upto = upto.max(r.serial);
+                    id.clone()
+                })
+                .collect();
+            (rooms, upto)
+        };
+        (self.changed_users(&rooms, Some(after)), upto)
+    }
+
     /// The content of a user's `m.presence` event (or `/status` answer), if known.
-    fn content(&self, user_id: &str, now: u64) -> Option<Value> {
+    pub fn content(&self, user_id: &str, now: u64) -> Option<Value> {
         let inner = self.inner.lock();
         let p = inner.users.get(user_id)?;
         let ago = now.saturating_sub(p.last_active_ms);

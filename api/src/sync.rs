@@ -761,9 +761,16 @@ impl Ctx<'_> {
 /// create, join rules, name, avatar, canonical alias, encryption and topic as of the
 /// invite, the inviter's member event and the invite itself. Point lookups only.
 pub(crate) fn invite_state(s: &AppState, m: &Membership) -> Option<Vec<Value>> {
-    let (_, root) = s.projections.state.roots_at(&m.event_id)?;
+    invite_state_of(&s.projections, &m.event_id)
+}
+
+/// [`invite_state`] of the invite `event_id`, from the projections alone (the
+/// application-service consumer puts it, less the invite itself, in the invite's
+/// `unsigned.invite_room_state`, as Synapse does).
+pub fn invite_state_of(p: &spindle_projections::Projections, event_id: &str) -> Option<Vec<Value>> {
+    let (_, root) = p.state.roots_at(event_id)?;
     // An invite to a room on another server carries the inviter's stripped state.
-    if let Some(invite) = s.projections.timeline.event(&m.event_id)
+    if let Some(invite) = p.timeline.event(event_id)
         && let Some(remote) = invite
             .pdu
             .federation_json()
@@ -790,18 +797,17 @@ pub(crate) fn invite_state(s: &AppState, m: &Membership) -> Option<Vec<Value>> {
         "m.room.encryption",
         "m.room.topic",
     ] {
-        if let Some(id) = s.projections.state.lookup(root, kind, "")
-            && let Some(ev) = s.projections.timeline.event(&id)
+        if let Some(id) = p.state.lookup(root, kind, "")
+            && let Some(ev) = p.timeline.event(&id)
         {
             events.push(stripped(&ev.pdu));
         }
     }
-    let invite = s.projections.timeline.event(&m.event_id)?;
-    if let Some(id) = s
-        .projections
+    let invite = p.timeline.event(event_id)?;
+    if let Some(id) = p
         .state
         .lookup(root, "m.room.member", invite.pdu.sender.as_str())
-        && let Some(ev) = s.projections.timeline.event(&id)
+        && let Some(ev) = p.timeline.event(&id)
     {
         events.push(stripped(&ev.pdu));
     }

@@ -720,9 +720,9 @@ def served(spindle, spec) -> dict[str, bool]:
 # Served endpoints that cannot answer 2xx on this server, and why. Each must still have
 # been called by a flow and answered with a status the spec documents for it.
 NO_SUCCESS_HERE = {
-    "GET /_matrix/client/v3/thirdparty/protocol/{protocol}": "no bridges: every protocol is unknown (404)",
-    "GET /_matrix/client/v3/thirdparty/location/{protocol}": "no bridges: every protocol is unknown (404)",
-    "GET /_matrix/client/v3/thirdparty/user/{protocol}": "no bridges: every protocol is unknown (404)",
+    "GET /_matrix/client/v3/thirdparty/protocol/{protocol}": "no registration here declares protocols: every protocol is unknown (404)",
+    "GET /_matrix/client/v3/thirdparty/location/{protocol}": "no registration here declares protocols: every protocol is unknown (404)",
+    "GET /_matrix/client/v3/thirdparty/user/{protocol}": "no registration here declares protocols: every protocol is unknown (404)",
 }
 
 
