@@ -1240,3 +1240,73 @@ async fn a_server_name_without_a_port_is_reached_through_its_srv_record() {
     assert_eq!(room_ids(&out["chunk"]), vec![room]);
     assert_eq!(out["chunk"][0]["name"], "Found by SRV");
 }
+
+/// A `/.well-known/matrix/server` host on loopback TLS whose answer `mode` selects: 0
+/// redirects twice to a delegation, 1 redirects to itself forever, 2 redirects to a
+/// plain `http` URL.
+async fn well_known_host(mode: u8) -> (u16, tempfile::TempDir) {
+    use axum::{response::Redirect, routing::get};
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = make_cert(dir.path());
+    let port = free_port();
+    let app = axum::Router::new()
+        .route(
+            "/.well-known/matrix/server",
+            get(move || async move {
+                match mode {
+                    0 => Redirect::temporary("/hop"),
+                    1 => Redirect::temporary("/.well-known/matrix/server"),
+                    _ => Redirect::temporary(&format!("http://localhost:{port}/real")),
+                }
+            }),
+        )
+        .route("/hop", get(|| async { Redirect::permanent("/real") }))
+        .route(
+            "/real",
+            get(|| async {
+                (
+                    [("cache-control", "public, max-age=600")],
+                    axum::Json(json!({ "m.server": "delegated.test:4321" })),
+                )
+            }),
+        );
+    let tls = axum_server::tls_rustls::RustlsConfig::from_pem_file(cert, key)
+        .await
+        .unwrap();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    tokio::spawn(axum_server::bind_rustls(addr, tls).serve(app.into_make_service()));
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    (port, dir)
+}
+
+#[tokio::test]
+async fn well_known_follows_redirects_on_https_and_stops_at_a_loop() {
+    let mut resolved = Vec::new();
+    for mode in [0u8, 1, 2] {
+        let (port, _dir) = well_known_host(mode).await;
+        let fed_config = spindle_federation::FederationConfig {
+            dangerous_skip_tls_verification_for_tests: true,
+            ip_range_allowlist: vec!["127.0.0.0/8".into(), "::1/128".into()],
+            ..Default::default()
+        };
+        let client = spindle_federation::FederationClient::with_srv_resolver(
+            std::sync::Arc::new(ServerKey::generate("wk-a.test")),
+            &fed_config,
+            std::sync::Arc::new(OneSrv("nothing.test".into(), 1)),
+        )
+        .unwrap()
+        .with_well_known_port(port);
+        resolved.push(client.resolve("localhost").await.unwrap().base_url);
+    }
+    assert_eq!(
+        resolved,
+        vec![
+            // Two redirects, then the delegation (with a port: used as is).
+            "https://delegated.test:4321".to_owned(),
+            // A redirect loop, and a redirect off https: no delegation, port 8448.
+            "https://localhost:8448".to_owned(),
+            "https://localhost:8448".to_owned(),
+        ]
+    );
+}

@@ -4,8 +4,13 @@
 //!
 //! Resolution follows the spec's order ("Resolving server names", steps 1-6): an IP
 //! literal or an explicit port is used as is; otherwise
-//! `https://<host>/.well-known/matrix/server` (cached: 24 h on success, 1 h on failure)
-//! may delegate to another host (used as is when it is an IP literal or has a port);
+//! `https://<host>/.well-known/matrix/server` may delegate to another host (used as is
+//! when it is an IP literal or has a port). The well-known fetch follows up to
+//! [`WELL_KNOWN_MAX_REDIRECTS`] redirects, to `https` URLs only, each address checked
+//! against the denylist like any other; its body is at most [`WELL_KNOWN_MAX_BYTES`].
+//! An answer is cached for its `Cache-Control: max-age` or `Expires` lifetime, 24 h
+//! without one, and within [5 min, 48 h] either way (`no-store`: 5 min); a failure
+//! (no answer, not 200, not JSON, no `m.server`) is cached for an hour. Then
 //! otherwise the SRV records `_matrix-fed._tcp.<host>`, then the deprecated
 //! `_matrix._tcp.<host>` (of the delegated host when there was a delegation) name the
 //! target and port; otherwise port 8448. With an SRV target the request still goes to
@@ -298,8 +303,11 @@ fn is_ip_literal(host: &str) -> bool {
 pub struct FederationClient {
     /// Requests to resolved servers (hostnames with an SRV target connect to it).
     http: reqwest::Client,
-    /// Well-known fetches (a hostname's own addresses, never an SRV target).
+    /// Well-known fetches (a hostname's own addresses, never an SRV target; follows
+    /// redirects).
     plain: reqwest::Client,
+    /// The port well-known is fetched from (443; tests move it).
+    well_known_port: u16,
     key: Arc<ServerKey>,
     policy: Arc<IpPolicy>,
     well_known: Arc<parking_lot::Mutex<HashMap<String, (Option<String>, Instant)>>>,
@@ -310,6 +318,54 @@ pub struct FederationClient {
 
 /// Most well-known results kept in memory (one per remote server name).
 const WELL_KNOWN_CACHE_MAX: usize = 10_000;
+
+/// Most redirects one well-known fetch follows (the spec: "should follow 30x
+/// redirects, being careful to avoid redirect loops").
+pub const WELL_KNOWN_MAX_REDIRECTS: usize = 5;
+
+/// Largest well-known body read, in bytes (Synapse's limit).
+pub const WELL_KNOWN_MAX_BYTES: usize = 50 * 1024;
+
+/// Lifetime of a well-known answer without cache headers (the spec's recommendation).
+const WELL_KNOWN_DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
+/// Shortest and longest lifetime of a well-known answer, whatever its headers say (the
+/// spec recommends a 48 h cap; the floor keeps a `max-age=0` host from being asked on
+/// every request).
+const WELL_KNOWN_MIN_TTL: Duration = Duration::from_secs(5 * 60);
+const WELL_KNOWN_MAX_TTL: Duration = Duration::from_secs(48 * 3600);
+/// Lifetime of a failed well-known fetch.
+const WELL_KNOWN_FAILURE_TTL: Duration = Duration::from_secs(3600);
+
+/// How long a well-known answer may be cached, from its `Cache-Control` and `Expires`
+/// headers at `now` (see the module docs).
+fn well_known_ttl(headers: &reqwest::header::HeaderMap, now: std::time::SystemTime) -> Duration {
+    let control = headers
+        .get_all(reqwest::header::CACHE_CONTROL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|d| d.trim().to_ascii_lowercase())
+        .collect::<Vec<_>>();
+    let period = if control.iter().any(|d| d == "no-store") {
+        Some(Duration::ZERO)
+    } else if let Some(age) = control.iter().find_map(|d| {
+        d.strip_prefix("max-age=")?
+            .trim_matches('"')
+            .parse::<u64>()
+            .ok()
+    }) {
+        Some(Duration::from_secs(age))
+    } else {
+        headers
+            .get(reqwest::header::EXPIRES)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| httpdate::parse_http_date(v).ok())
+            .map(|at| at.duration_since(now).unwrap_or(Duration::ZERO))
+    };
+    period
+        .unwrap_or(WELL_KNOWN_DEFAULT_TTL)
+        .clamp(WELL_KNOWN_MIN_TTL, WELL_KNOWN_MAX_TTL)
+}
 
 impl FederationClient {
     /// Builds the client from the federation settings. Errors on an unreadable CA
@@ -343,7 +399,29 @@ impl FederationClient {
                  federation accepts any certificate. Never use this outside tests."
             );
         }
-        let build = |targets: Option<SrvTargets>| -> Result<reqwest::Client, String> {
+        // Well-known fetches follow redirects (the spec asks them to), to `https` only
+        // and never to a denied IP literal (names are checked by the DNS resolver).
+        let redirect_policy = policy.clone();
+        let well_known_redirects = reqwest::redirect::Policy::custom(move |attempt| {
+            let url = attempt.url();
+            if attempt.previous().len() > WELL_KNOWN_MAX_REDIRECTS {
+                return attempt.error("too many redirects");
+            }
+            if url.scheme() != "https" {
+                return attempt.error("a well-known redirect must stay on https");
+            }
+            let denied_ip = url
+                .host_str()
+                .and_then(|h| h.trim_start_matches('[').trim_end_matches(']').parse().ok())
+                .is_some_and(|ip: IpAddr| !redirect_policy.allows(ip));
+            if denied_ip {
+                return attempt.error("a well-known redirect to a denied address");
+            }
+            attempt.follow()
+        });
+        let build = |targets: Option<SrvTargets>,
+                     redirects: reqwest::redirect::Policy|
+         -> Result<reqwest::Client, String> {
             let mut builder = reqwest::Client::builder()
                 .use_rustls_tls()
                 .dns_resolver(Arc::new(FilteringResolver {
@@ -352,7 +430,7 @@ impl FederationClient {
                 }))
                 .timeout(Duration::from_millis(config.request_timeout_ms))
                 .connect_timeout(Duration::from_secs(10))
-                .redirect(reqwest::redirect::Policy::none())
+                .redirect(redirects)
                 .user_agent(concat!("Spindle/", env!("CARGO_PKG_VERSION")));
             for cert in &roots {
                 builder = builder.add_root_certificate(cert.clone());
@@ -363,8 +441,9 @@ impl FederationClient {
             builder.build().map_err(|e| e.to_string())
         };
         Ok(FederationClient {
-            http: build(Some(srv_targets.clone()))?,
-            plain: build(None)?,
+            http: build(Some(srv_targets.clone()), reqwest::redirect::Policy::none())?,
+            plain: build(None, well_known_redirects)?,
+            well_known_port: 443,
             key,
             policy,
             well_known: Arc::default(),
@@ -372,6 +451,13 @@ impl FederationClient {
             srv_cache: Arc::default(),
             srv_targets,
         })
+    }
+
+    /// The same client fetching `/.well-known/matrix/server` from `port` instead of 443
+    /// (tests, which cannot listen on 443).
+    pub fn with_well_known_port(mut self, port: u16) -> FederationClient {
+        self.well_known_port = port;
+        self
     }
 
     /// Our server name.
@@ -480,20 +566,28 @@ impl FederationClient {
         {
             return v.clone();
         }
-        let url = format!("https://{host}/.well-known/matrix/server");
-        let found = async {
+        let url = if self.well_known_port == 443 {
+            format!("https://{host}/.well-known/matrix/server")
+        } else {
+            format!(
+                "https://{host}:{}/.well-known/matrix/server",
+                self.well_known_port
+            )
+        };
+        let found: Option<(String, Duration)> = async {
             let resp = self.plain.get(&url).send().await.ok()?;
-            if !resp.status().is_success() {
-                return None;
-            }
-            let body: serde_json::Value = resp.json().await.ok()?;
-            body.get("m.server")?.as_str().map(str::to_owned)
+            let (headers, body) = read_limited(host, resp, WELL_KNOWN_MAX_BYTES).await.ok()?;
+            let body: serde_json::Value = serde_json::from_slice(&body).ok()?;
+            let server = body.get("m.server")?.as_str()?.to_owned();
+            Some((
+                server,
+                well_known_ttl(&headers, std::time::SystemTime::now()),
+            ))
         }
         .await;
-        let ttl = if found.is_some() {
-            Duration::from_secs(24 * 3600)
-        } else {
-            Duration::from_secs(3600)
+        let (found, ttl) = match found {
+            Some((server, ttl)) => (Some(server), ttl),
+            None => (None, WELL_KNOWN_FAILURE_TTL),
         };
         let mut cache = self.well_known.lock();
         if cache.len() >= WELL_KNOWN_CACHE_MAX {
@@ -755,6 +849,42 @@ mod tests {
         assert_eq!(pick_srv(&records), Some(rec("c.example", 8003, 5, 9)));
         assert_eq!(pick_srv(&[rec(".", 0, 0, 0)]), None);
         assert_eq!(pick_srv(&[]), None);
+    }
+
+    #[test]
+    fn a_well_known_answer_lives_as_its_headers_say_within_bounds() {
+        use reqwest::header::{CACHE_CONTROL, EXPIRES, HeaderMap, HeaderValue};
+        let now = std::time::UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let with = |pairs: &[(reqwest::header::HeaderName, &str)]| {
+            let mut h = HeaderMap::new();
+            for (k, v) in pairs {
+                h.append(k.clone(), HeaderValue::from_str(v).unwrap());
+            }
+            well_known_ttl(&h, now)
+        };
+        let hours = |n: u64| Duration::from_secs(n * 3600);
+        assert_eq!(with(&[]), hours(24));
+        assert_eq!(with(&[(CACHE_CONTROL, "public, max-age=7200")]), hours(2));
+        assert_eq!(with(&[(CACHE_CONTROL, "max-age=0")]), WELL_KNOWN_MIN_TTL);
+        assert_eq!(with(&[(CACHE_CONTROL, "no-store")]), WELL_KNOWN_MIN_TTL);
+        assert_eq!(with(&[(CACHE_CONTROL, "max-age=9999999")]), hours(48));
+        // `Expires` one hour after `now` (2023-11-14T22:13:20Z).
+        assert_eq!(
+            with(&[(EXPIRES, "Tue, 14 Nov 2023 23:13:20 GMT")]),
+            hours(1)
+        );
+        // max-age wins over Expires; a past Expires is the floor.
+        assert_eq!(
+            with(&[
+                (CACHE_CONTROL, "max-age=10800"),
+                (EXPIRES, "Tue, 14 Nov 2023 23:13:20 GMT")
+            ]),
+            hours(3)
+        );
+        assert_eq!(
+            with(&[(EXPIRES, "Mon, 01 Jan 2001 00:00:00 GMT")]),
+            WELL_KNOWN_MIN_TTL
+        );
     }
 
     /// Found by a fresh-eyes review: a well-known answer naming an IP literal went
