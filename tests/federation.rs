@@ -500,3 +500,163 @@ async fn an_inbound_transaction_and_a_join_cost_what_they_carry_not_the_room_len
     assert_eq!(costs[0], costs[1], "5 vs 300 messages: {costs:?}");
     assert!(costs[0].0 >= 4, "{costs:?}");
 }
+
+impl Harness {
+    /// A C-S request that must answer 200; returns the `event_id` it names, if any.
+    async fn ok(&self, method: reqwest::Method, path: &str, token: &str, body: Value) -> String {
+        let (status, v) = self.client(method, path, Some(token), Some(body)).await;
+        assert_eq!(status, 200, "{path}: {v}");
+        v["event_id"].as_str().unwrap_or_default().to_owned()
+    }
+
+    async fn say(&self, token: &str, room: &str, txn: &str, body: &str) -> String {
+        self.ok(
+            reqwest::Method::PUT,
+            &format!(
+                "/_matrix/client/v3/rooms/{}/send/m.room.message/{txn}",
+                enc(room)
+            ),
+            token,
+            json!({ "msgtype": "m.text", "body": body }),
+        )
+        .await
+    }
+
+    /// `GET /event/{id}` as `remote.test`: the status and the one PDU served.
+    async fn fed_event(&self, id: &str) -> (u16, Value) {
+        let (status, v) = self
+            .fed(
+                reqwest::Method::GET,
+                &format!("/_matrix/federation/v1/event/{}", enc(id)),
+                None,
+                None,
+            )
+            .await;
+        (status, v["pdus"][0].clone())
+    }
+}
+
+#[tokio::test]
+async fn history_visibility_decides_what_a_server_sees_and_a_kicked_server_sees_its_kick() {
+    let h = Harness::start().await;
+    let token = h.register("alice").await;
+    let (room, _) = h.public_room(&token, 0).await;
+    let r = enc(&room);
+    h.ok(
+        reqwest::Method::PUT,
+        &format!("/_matrix/client/v3/rooms/{r}/state/m.room.history_visibility/"),
+        &token,
+        json!({ "history_visibility": "joined" }),
+    )
+    .await;
+    let before = h.say(&token, &room, "t1", "before bob").await;
+    let joined = h.remote_join(&room, "@bob:remote.test").await;
+    let join_id = bob_join_id(&joined["event"]);
+    let during = h.say(&token, &room, "t2", "while bob is here").await;
+    h.quiesce().await;
+
+    // `joined` history from before remote.test's user joined: served redacted, with
+    // its hashes and signatures, so remote.test can still check it.
+    let (status, pdu) = h.fed_event(&before).await;
+    assert_eq!(status, 200);
+    assert_eq!(pdu["content"], json!({}), "{pdu}");
+    assert_eq!(pdu["type"], "m.room.message");
+    assert!(pdu["hashes"]["sha256"].is_string(), "{pdu}");
+    assert!(pdu["signatures"]["localhost:8008"].is_object(), "{pdu}");
+    let (status, pdu) = h.fed_event(&during).await;
+    assert_eq!(
+        (status, pdu["content"]["body"].as_str()),
+        (200, Some("while bob is here"))
+    );
+
+    h.ok(
+        reqwest::Method::POST,
+        &format!("/_matrix/client/v3/rooms/{r}/kick"),
+        &token,
+        json!({ "user_id": "@bob:remote.test", "reason": "bye" }),
+    )
+    .await;
+    let (_, v) = h
+        .client(
+            reqwest::Method::GET,
+            &format!(
+                "/_matrix/client/v3/rooms/{r}/state/m.room.member/%40bob%3Aremote.test?format=event"
+            ),
+            Some(&token),
+            None,
+        )
+        .await;
+    let kick = v["event_id"].as_str().unwrap().to_owned();
+    let after = h.say(&token, &room, "t3", "after bob").await;
+    h.quiesce().await;
+
+    // remote.test has no member now. It still gets its own user's kick (whole, reason
+    // included), and what it saw while joined; nothing sent after.
+    let (status, pdu) = h.fed_event(&kick).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        (
+            pdu["content"]["membership"].as_str(),
+            pdu["content"]["reason"].as_str()
+        ),
+        (Some("leave"), Some("bye"))
+    );
+    let (status, pdu) = h.fed_event(&during).await;
+    assert_eq!(
+        (status, pdu["content"]["body"].as_str()),
+        (200, Some("while bob is here"))
+    );
+    let (status, _) = h.fed_event(&after).await;
+    assert_eq!(status, 403);
+    let (status, v) = h
+        .fed(
+            reqwest::Method::POST,
+            &format!("/_matrix/federation/v1/get_missing_events/{r}"),
+            Some(json!({ "earliest_events": [], "latest_events": [after], "limit": 10 })),
+            None,
+        )
+        .await;
+    assert_eq!((status, v["errcode"].as_str()), (403, Some("M_FORBIDDEN")));
+
+    // A backfill from the kick: newest first, ending at the join (what came before it,
+    // remote.test had no member for, and has none now).
+    let (status, v) = h
+        .fed(
+            reqwest::Method::GET,
+            &format!(
+                "/_matrix/federation/v1/backfill/{r}?v={}&limit=4",
+                enc(&kick)
+            ),
+            None,
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let pdus = v["pdus"].as_array().unwrap();
+    let ids: Vec<String> = pdus.iter().map(bob_join_id).collect();
+    assert_eq!(ids, vec![kick.clone(), during.clone(), join_id]);
+    assert_eq!(pdus[1]["content"]["body"], "while bob is here");
+
+    // An event redacted since is served redacted, to a server that could see it.
+    h.ok(
+        reqwest::Method::PUT,
+        &format!("/_matrix/client/v3/rooms/{r}/redact/{}/x1", enc(&during)),
+        &token,
+        json!({}),
+    )
+    .await;
+    h.quiesce().await;
+    let (status, pdu) = h.fed_event(&during).await;
+    assert_eq!((status, &pdu["content"]), (200, &json!({})));
+}
+
+#[tokio::test]
+async fn shared_history_from_before_a_server_joined_is_served_whole() {
+    let h = Harness::start().await;
+    let token = h.register("alice").await;
+    let (room, first) = h.public_room(&token, 1).await;
+    h.remote_join(&room, "@bob:remote.test").await;
+    h.quiesce().await;
+    let (status, pdu) = h.fed_event(&first).await;
+    assert_eq!((status, pdu["content"]["body"].as_str()), (200, Some("m0")));
+}

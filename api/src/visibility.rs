@@ -2,10 +2,12 @@
 //!
 //! [`room_access`] decides whether a user may read a room at all and up to which
 //! position; [`can_see`] decides per event from the state at that event: the
-//! `m.room.history_visibility` in force before it and the user's membership after it.
+//! `m.room.history_visibility` in force before it and the user's membership after it,
+//! by the pure rule [`spindle_core::visibility::user_may_see`].
 //! A user who is joined and was already joined at the event is decided without a
 //! state lookup.
 
+use spindle_core::visibility::{HistoryVisibility, user_may_see};
 use spindle_projections::{membership::Membership, timeline::EventRecord};
 
 use crate::{ApiResult, AppState, MatrixError};
@@ -58,14 +60,10 @@ pub fn membership_at(
         .map(str::to_owned)
 }
 
-fn history_visibility_at(s: &AppState, root: spindle_core::trie::Root) -> String {
-    state_content(s, root, "m.room.history_visibility", "")
-        .and_then(|c| {
-            c.get("history_visibility")
-                .and_then(|v| v.as_str())
-                .map(str::to_owned)
-        })
-        .unwrap_or_else(|| "shared".into())
+fn history_visibility_at(s: &AppState, root: spindle_core::trie::Root) -> HistoryVisibility {
+    HistoryVisibility::from_content(
+        state_content(s, root, "m.room.history_visibility", "").as_ref(),
+    )
 }
 
 /// Whether the room's current `m.room.history_visibility` is `world_readable` (two point
@@ -74,7 +72,7 @@ pub fn world_readable(s: &AppState, room_id: &str) -> bool {
     s.projections
         .state
         .current_root(room_id)
-        .is_some_and(|root| history_visibility_at(s, root) == "world_readable")
+        .is_some_and(|root| history_visibility_at(s, root) == HistoryVisibility::WorldReadable)
 }
 
 /// May `user_id` read this room at all? Errors with 403 `M_FORBIDDEN` (also for rooms
@@ -113,7 +111,9 @@ pub fn room_access(s: &AppState, user_id: &str, room_id: &str) -> ApiResult<Acce
                 .projections
                 .state
                 .current_root(room_id)
-                .is_some_and(|root| history_visibility_at(s, root) == "world_readable");
+                .is_some_and(|root| {
+                    history_visibility_at(s, root) == HistoryVisibility::WorldReadable
+                });
             let cap = if world_readable { u64::MAX } else { m.position };
             Ok(Access {
                 cap,
@@ -128,7 +128,7 @@ pub fn room_access(s: &AppState, user_id: &str, room_id: &str) -> ApiResult<Acce
                 .state
                 .current_root(room_id)
                 .ok_or_else(denied)?;
-            if history_visibility_at(s, root) == "world_readable" {
+            if history_visibility_at(s, root) == HistoryVisibility::WorldReadable {
                 Ok(Access {
                     membership: None,
                     cap: u64::MAX,
@@ -198,22 +198,16 @@ pub fn can_see(s: &AppState, user_id: &str, access: &Access, ev: &EventRecord) -
     let Some((before, after)) = s.projections.state.roots_at(ev.pdu.event_id.as_str()) else {
         return false;
     };
-    let visibility = history_visibility_at(s, before);
-    if visibility == "world_readable" {
-        return true;
-    }
-    let membership = membership_at(s, after, user_id).unwrap_or_else(|| "leave".into());
-    match membership.as_str() {
-        "join" => true,
-        "invite" if visibility == "invited" => true,
-        // `shared`: visible to anyone joined now, or joined at some point after the event
-        // (for a former member: joined right before they left, and the event is before that).
-        _ => {
-            visibility == "shared"
-                && (access.joined()
-                    || (access.was_joined && access.left_at.is_some_and(|l| ev.position <= l)))
-        }
-    }
+    let membership = membership_at(s, after, user_id);
+    // `shared` asks whether the user joined at some point after the event: joined now,
+    // or (a former member) joined right before leaving, and the event before the leave.
+    let joined_since =
+        access.joined() || (access.was_joined && access.left_at.is_some_and(|l| ev.position <= l));
+    user_may_see(
+        history_visibility_at(s, before),
+        membership.as_deref(),
+        joined_since,
+    )
 }
 
 /// Visibility of backfilled history (older than this server's first event in the
@@ -229,10 +223,10 @@ fn backfilled_visible(s: &AppState, user_id: &str, access: &Access, ev: &EventRe
     let Some(root) = s.projections.state.current_root(ev.pdu.room_id.as_str()) else {
         return false;
     };
-    match history_visibility_at(s, root).as_str() {
-        "world_readable" => true,
-        "shared" => access.joined() || access.was_joined,
-        _ => false,
+    match history_visibility_at(s, root) {
+        HistoryVisibility::WorldReadable => true,
+        HistoryVisibility::Shared => access.joined() || access.was_joined,
+        HistoryVisibility::Invited | HistoryVisibility::Joined => false,
     }
 }
 

@@ -8,6 +8,8 @@
 //! - [`trie`]: the content-addressed state trie (a HAMT addressed by blake3).
 //! - [`e2ee`]: signature checks on device and cross-signing keys.
 //! - [`auth`]: authorization of an event against room state, delegated to ruma-state-res.
+//! - [`acl`]: server access control lists.
+//! - [`visibility`]: history visibility, for users and for other servers.
 
 pub mod acl;
 pub mod auth;
@@ -17,5 +19,6 @@ pub mod keys;
 pub mod pdu;
 pub mod room_version;
 pub mod trie;
+pub mod visibility;
 
 pub use ruma;

@@ -568,6 +568,22 @@ impl Pdu {
     pub fn federation_json(&self) -> serde_json::Value {
         serde_json::from_slice(&self.json).unwrap_or(serde_json::Value::Null)
     }
+
+    /// [`Pdu::federation_json`] after the room version's redaction algorithm (spec:
+    /// client-server "Redactions"): what a server receives of an event that was
+    /// redacted or that history visibility hides from it. Hashes and signatures stay,
+    /// so the receiver can still check the event; `Null` only if the stored JSON is not
+    /// an event of its version.
+    pub fn redacted_federation_json(&self) -> serde_json::Value {
+        let Ok(rules) = rules(&self.room_version) else {
+            return serde_json::Value::Null;
+        };
+        canonical::from_bytes(&self.json)
+            .ok()
+            .and_then(|obj| ruma::canonical_json::redact(obj, &rules.redaction, None).ok())
+            .and_then(|obj| serde_json::to_value(obj).ok())
+            .unwrap_or(serde_json::Value::Null)
+    }
 }
 
 impl ruma::state_res::Event for Pdu {

@@ -3,10 +3,16 @@
 //! `/state`, `/state_ids`, `/event_auth`, `/backfill`, `/get_missing_events`. All come
 //! from the projections (timeline and state trie); none reads the journal.
 //!
-//! Access: the asking server must have a joined member in the room, either now or in
-//! the state at the event asked about, or the room must be `world_readable` at that
-//! event (spec: "the server must ... check that the requesting server is allowed to
-//! see the event"). Otherwise 403 `M_FORBIDDEN`, whether or not the room exists here.
+//! Access ([`Reader`]): the asking server must have a joined member in the room now, or
+//! (a server that left) have had one right before or after the event asked about, or
+//! ask about its own user's membership event, or the history must be `world_readable`
+//! at the event. Otherwise 403 `M_FORBIDDEN`, whether or not the room exists here.
+//! What it then receives of each event follows history visibility
+//! ([`spindle_core::visibility::server_view`]): events it may not see, and events
+//! redacted since, are served redacted (spec: "the server must ... check that the
+//! requesting server is allowed to see the event"; Synapse redacts likewise, so the
+//! asking server's graph stays whole). State and auth chains are served whole: they
+//! are needed to authorize events.
 
 use std::{
     collections::{HashSet, VecDeque},
@@ -18,7 +24,10 @@ use axum::{
     extract::{Path, Query, State},
 };
 use serde::Deserialize;
-use spindle_core::pdu::Pdu;
+use spindle_core::{
+    pdu::Pdu,
+    visibility::{HistoryVisibility, ServerView, server_view},
+};
 
 use crate::{FedState, auth::Signed, error::FedError, error::FedResult, now_ms, server_of};
 
@@ -59,35 +68,118 @@ pub fn servers_in_room(st: &FedState, room_id: &str) -> Vec<String> {
     out
 }
 
-/// Whether `origin` may see `pdu` (see the module docs).
-pub(crate) fn may_see(st: &FedState, origin: &str, pdu: &Pdu) -> bool {
-    let room = pdu.room_id.as_str();
-    if server_in_room(st, room, origin) {
-        return true;
+/// What one server may read of one room, worked out once per request (one scan of
+/// the room's membership projection, whatever the number of events asked about): that
+/// server's users who have a membership in the room, and whether one is joined now.
+pub(crate) struct Reader<'a> {
+    st: &'a FedState,
+    room_id: &'a str,
+    users: Vec<String>,
+    joined_now: bool,
+}
+
+impl<'a> Reader<'a> {
+    /// The reader for `origin` in `room_id`.
+    pub(crate) fn new(st: &'a FedState, origin: &str, room_id: &'a str) -> Reader<'a> {
+        let mut users = Vec::new();
+        let mut joined_now = false;
+        for (user, m) in st.projections.membership.members(room_id) {
+            if server_of(&user) == Some(origin) {
+                joined_now |= m.membership == "join";
+                users.push(user);
+            }
+        }
+        Reader {
+            st,
+            room_id,
+            users,
+            joined_now,
+        }
     }
-    let Some(roots) = st.projections.state.event_roots(pdu.event_id.as_str()) else {
-        return false;
-    };
-    let state = &st.projections.state;
-    if let Some(hv) = state.lookup(roots.after, "m.room.history_visibility", "")
-        && let Some(ev) = load(st, &hv)
-        && ev
+
+    fn membership_at(&self, root: spindle_core::trie::Root, user: &str) -> Option<String> {
+        let id = self
+            .st
+            .projections
+            .state
+            .lookup(root, "m.room.member", user)?;
+        load(self.st, &id)?
             .content_value()
-            .get("history_visibility")
-            .and_then(|v| v.as_str())
-            == Some("world_readable")
-    {
-        return true;
+            .get("membership")?
+            .as_str()
+            .map(str::to_owned)
     }
-    state
-        .entries_of_type(roots.after, "m.room.member")
-        .iter()
-        .filter(|(user, _)| server_of(user) == Some(origin))
-        .any(|(_, id)| {
-            load(st, id).is_some_and(|m| {
-                m.content_value().get("membership").and_then(|v| v.as_str()) == Some("join")
-            })
+
+    /// How the server sees `pdu`, or `None` when it may not ask about it at all
+    /// (answered 403 `M_FORBIDDEN`, or left out of a page).
+    ///
+    /// It may ask when one of its users is joined now (as Synapse's "host in room"
+    /// check), and a server that left may still ask about an event when one of its
+    /// users was joined right before or after it, when the event is one of its users'
+    /// own membership events (a kick or ban it missed), or when the history was
+    /// `world_readable` at it. What it then sees follows
+    /// [`spindle_core::visibility::server_view`]; an event redacted since is served
+    /// redacted to everyone.
+    pub(crate) fn view(&self, pdu: &Pdu) -> Option<ServerView> {
+        if pdu.room_id.as_str() != self.room_id {
+            return None;
+        }
+        let timeline = &self.st.projections.timeline;
+        let redacted = timeline.redacted_by(pdu.event_id.as_str()).is_some();
+        let seen = |view: ServerView| {
+            if redacted { ServerView::Redacted } else { view }
+        };
+        let own_member = pdu.kind.to_string() == "m.room.member"
+            && pdu
+                .state_key
+                .as_deref()
+                .is_some_and(|k| self.users.iter().any(|u| u == k));
+        let Some(roots) = self.st.projections.state.event_roots(pdu.event_id.as_str()) else {
+            // No state held at the event (history backfilled from another server):
+            // judged open, as Synapse judges events it holds no state for.
+            return (self.joined_now || own_member).then(|| seen(ServerView::Full));
+        };
+        let visibility = HistoryVisibility::from_content(
+            self.st
+                .projections
+                .state
+                .lookup(roots.before, "m.room.history_visibility", "")
+                .and_then(|id| load(self.st, &id))
+                .map(|ev| ev.content_value())
+                .as_ref(),
+        );
+        let after: Vec<String> = self
+            .users
+            .iter()
+            .filter_map(|u| self.membership_at(roots.after, u))
+            .collect();
+        if !self.joined_now
+            && !own_member
+            && visibility != HistoryVisibility::WorldReadable
+            && !after.iter().any(|m| m == "join")
+            && !self
+                .users
+                .iter()
+                .any(|u| self.membership_at(roots.before, u).as_deref() == Some("join"))
+        {
+            return None;
+        }
+        if own_member {
+            return Some(seen(ServerView::Full));
+        }
+        Some(seen(server_view(
+            visibility,
+            after.iter().map(String::as_str),
+        )))
+    }
+
+    /// `pdu` as this server receives it, or `None` when it may not ask about it.
+    pub(crate) fn render(&self, pdu: &Pdu) -> Option<serde_json::Value> {
+        Some(match self.view(pdu)? {
+            ServerView::Full => pdu.federation_json(),
+            ServerView::Redacted => pdu.redacted_federation_json(),
         })
+    }
 }
 
 /// The state before `event_id`: event ids of every state entry.
@@ -140,13 +232,13 @@ pub(crate) async fn event(
     signed: Signed,
 ) -> FedResult<Json<serde_json::Value>> {
     let pdu = load(&st, &event_id).ok_or_else(|| FedError::not_found("unknown event"))?;
-    if !may_see(&st, &signed.origin, &pdu) {
-        return Err(FedError::forbidden("you may not see this event"));
-    }
+    let json = Reader::new(&st, &signed.origin, pdu.room_id.as_str())
+        .render(&pdu)
+        .ok_or_else(|| FedError::forbidden("you may not see this event"))?;
     Ok(Json(serde_json::json!({
         "origin": st.server_name(),
         "origin_server_ts": now_ms(),
-        "pdus": [pdu.federation_json()],
+        "pdus": [json],
     })))
 }
 
@@ -155,20 +247,13 @@ pub(crate) struct AtEvent {
     event_id: String,
 }
 
-/// The event asked about, checked to be in `room_id` and visible to `origin`.
-fn event_in_room(
-    st: &FedState,
-    origin: &str,
-    room_id: &str,
-    event_id: &str,
-) -> FedResult<Arc<Pdu>> {
-    let pdu = load(st, event_id)
-        .filter(|p| p.room_id.as_str() == room_id)
-        .ok_or_else(|| FedError::forbidden("you may not see this room"))?;
-    if !may_see(st, origin, &pdu) {
-        return Err(FedError::forbidden("you may not see this room"));
-    }
-    Ok(pdu)
+/// The event asked about, checked to be in the reader's room and one its server may
+/// ask about (403 `M_FORBIDDEN` otherwise, also for an unknown event, so that a
+/// server outside the room learns nothing).
+fn event_in_room(reader: &Reader<'_>, event_id: &str) -> FedResult<Arc<Pdu>> {
+    load(reader.st, event_id)
+        .filter(|p| reader.view(p).is_some())
+        .ok_or_else(|| FedError::forbidden("you may not see this room"))
 }
 
 /// `GET /_matrix/federation/v1/state/{roomId}?event_id=`: the state before the event
@@ -179,7 +264,7 @@ pub(crate) async fn state(
     Query(q): Query<AtEvent>,
     signed: Signed,
 ) -> FedResult<Json<serde_json::Value>> {
-    event_in_room(&st, &signed.origin, &room_id, &q.event_id)?;
+    event_in_room(&Reader::new(&st, &signed.origin, &room_id), &q.event_id)?;
     let ids = state_before(&st, &q.event_id).unwrap_or_default();
     let pdus = load_all(&st, &ids);
     let chain = auth_chain(&st, &pdus);
@@ -196,7 +281,7 @@ pub(crate) async fn state_ids(
     Query(q): Query<AtEvent>,
     signed: Signed,
 ) -> FedResult<Json<serde_json::Value>> {
-    event_in_room(&st, &signed.origin, &room_id, &q.event_id)?;
+    event_in_room(&Reader::new(&st, &signed.origin, &room_id), &q.event_id)?;
     let ids = state_before(&st, &q.event_id).unwrap_or_default();
     let pdus = load_all(&st, &ids);
     let chain: Vec<String> = auth_chain(&st, &pdus)
@@ -214,7 +299,7 @@ pub(crate) async fn event_auth(
     Path((room_id, event_id)): Path<(String, String)>,
     signed: Signed,
 ) -> FedResult<Json<serde_json::Value>> {
-    let pdu = event_in_room(&st, &signed.origin, &room_id, &event_id)?;
+    let pdu = event_in_room(&Reader::new(&st, &signed.origin, &room_id), &event_id)?;
     let chain = auth_chain(&st, &[pdu]);
     Ok(Json(serde_json::json!({ "auth_chain": pdus_json(&chain) })))
 }
@@ -244,9 +329,10 @@ pub(crate) async fn backfill(
         return Err(FedError::invalid_param("v is required"));
     }
     let limit = limit.clamp(1, MAX_PAGE_EVENTS);
+    let reader = Reader::new(&st, &signed.origin, &room_id);
     let mut newest: Option<(u64, Arc<Pdu>)> = None;
     for id in &from {
-        let pdu = event_in_room(&st, &signed.origin, &room_id, id)?;
+        let pdu = event_in_room(&reader, id)?;
         let pos = st
             .projections
             .timeline
@@ -262,15 +348,15 @@ pub(crate) async fn backfill(
         .projections
         .timeline
         .range_backward(&room_id, pos + 1, 0, limit);
-    let pdus: Vec<Arc<Pdu>> = ids
+    let pdus: Vec<serde_json::Value> = ids
         .iter()
         .filter_map(|(_, id)| load(&st, id))
-        .filter(|p| may_see(&st, &signed.origin, p))
+        .filter_map(|p| reader.render(&p))
         .collect();
     Ok(Json(serde_json::json!({
         "origin": st.server_name(),
         "origin_server_ts": now_ms(),
-        "pdus": pdus_json(&pdus),
+        "pdus": pdus,
     })))
 }
 
@@ -303,11 +389,12 @@ pub(crate) async fn get_missing_events(
     let stop: HashSet<&str> = body.earliest_events.iter().map(String::as_str).collect();
     let mut seen: HashSet<String> = HashSet::new();
     let mut queue: VecDeque<String> = VecDeque::new();
+    let reader = Reader::new(&st, &signed.origin, &room_id);
     for id in &body.latest_events {
-        let pdu = event_in_room(&st, &signed.origin, &room_id, id)?;
+        let pdu = event_in_room(&reader, id)?;
         queue.extend(pdu.prev_events.iter().map(|p| p.to_string()));
     }
-    let mut out: Vec<Arc<Pdu>> = Vec::new();
+    let mut out: Vec<(u64, serde_json::Value)> = Vec::new();
     while let Some(id) = queue.pop_front() {
         if out.len() >= limit {
             break;
@@ -316,17 +403,18 @@ pub(crate) async fn get_missing_events(
             continue;
         }
         let Some(pdu) = load(&st, &id) else { continue };
-        if pdu.room_id.as_str() != room_id || pdu.depth < body.min_depth {
+        if pdu.depth < body.min_depth {
             continue;
         }
-        if !may_see(&st, &signed.origin, &pdu) {
+        let Some(json) = reader.render(&pdu) else {
             continue;
-        }
+        };
         queue.extend(pdu.prev_events.iter().map(|p| p.to_string()));
-        out.push(pdu);
+        out.push((pdu.depth, json));
     }
-    out.sort_by_key(|p| p.depth);
-    Ok(Json(serde_json::json!({ "events": pdus_json(&out) })))
+    out.sort_by_key(|(depth, _)| *depth);
+    let events: Vec<serde_json::Value> = out.into_iter().map(|(_, json)| json).collect();
+    Ok(Json(serde_json::json!({ "events": events })))
 }
 
 /// `application/x-www-form-urlencoded` pairs, percent-decoded (repeated keys kept).
