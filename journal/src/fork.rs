@@ -499,39 +499,53 @@ pub fn state_res_v2(version: &str, states: &[&StateMap], pool: &Pool) -> Result<
 
 /// The conflicted state subgraph (room version 12, MSC4297): the events on an
 /// `auth_events` path from one conflicted state event to another, both ends included.
+///
+/// The walk keeps its own stack (a remote server decides how deep an auth graph is,
+/// so recursion would let it overflow ours) and visits each event once.
 fn conflicted_subgraph<'a>(
     conflicted: impl IntoIterator<Item = &'a OwnedEventId>,
     pool: &Pool,
 ) -> HashSet<OwnedEventId> {
     let conflicted: HashSet<OwnedEventId> = conflicted.into_iter().cloned().collect();
     // reaches[x]: x is conflicted or one of its auth events reaches a conflicted event.
+    // An event is entered into `reaches` when first seen (so a malformed, cyclic auth
+    // graph ends too) and settled when its last auth event is done.
     let mut reaches: HashMap<OwnedEventId, bool> = HashMap::new();
-    fn visit(
-        id: &OwnedEventId,
-        pool: &Pool,
-        conflicted: &HashSet<OwnedEventId>,
-        reaches: &mut HashMap<OwnedEventId, bool>,
-    ) -> bool {
-        if let Some(r) = reaches.get(id) {
-            return *r;
-        }
-        // Mark first: auth graphs are acyclic, but a malformed one must not recurse forever.
-        reaches.insert(id.clone(), conflicted.contains(id));
-        let mut r = conflicted.contains(id);
-        if let Some(p) = pool.get(id) {
-            for a in &p.auth_events {
-                r |= visit(a, pool, conflicted, reaches);
-            }
-        }
-        reaches.insert(id.clone(), r);
-        r
+    fn auth_of<'p>(pool: &'p Pool, id: &OwnedEventId) -> &'p [OwnedEventId] {
+        pool.get(id).map_or(&[], |p| p.auth_events.as_slice())
     }
     let mut out = HashSet::new();
     for c in &conflicted {
         out.insert(c.clone());
-        let Some(p) = pool.get(c) else { continue };
-        for a in &p.auth_events {
-            visit(a, pool, &conflicted, &mut reaches);
+        for start in auth_of(pool, c) {
+            if reaches.contains_key(start) {
+                continue;
+            }
+            reaches.insert(start.clone(), conflicted.contains(start));
+            // (event, index of the next auth event to look at)
+            let mut stack: Vec<(&OwnedEventId, usize)> = vec![(start, 0)];
+            while let Some((id, next)) = stack.last_mut() {
+                let id: &OwnedEventId = id;
+                if let Some(a) = auth_of(pool, id).get(*next) {
+                    *next += 1;
+                    match reaches.get(a) {
+                        Some(true) => {
+                            reaches.insert(id.clone(), true);
+                        }
+                        Some(false) => {}
+                        None => {
+                            reaches.insert(a.clone(), conflicted.contains(a));
+                            stack.push((a, 0));
+                        }
+                    }
+                } else {
+                    let done = reaches.get(id).copied().unwrap_or(false);
+                    stack.pop();
+                    if done && let Some((parent, _)) = stack.last() {
+                        reaches.insert((*parent).clone(), true);
+                    }
+                }
+            }
         }
     }
     // Every event below a conflicted event that leads to another conflicted event.
@@ -542,4 +556,64 @@ fn conflicted_subgraph<'a>(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use spindle_core::{keys::ServerKey, pdu::PduTemplate};
+
+    fn event(key: &ServerKey, n: u64, auth: Vec<OwnedEventId>) -> Arc<Pdu> {
+        let pdu = PduTemplate {
+            room_version: "12".into(),
+            room_id: Some("!r:a.test".try_into().unwrap()),
+            sender: "@u:a.test".try_into().unwrap(),
+            kind: "m.room.member".into(),
+            state_key: Some(format!("@u{n}:a.test")),
+            content: json!({ "membership": "join" }),
+            redacts: None,
+            prev_events: vec![],
+            auth_events: auth,
+            depth: n + 1,
+            origin_server_ts: n,
+        }
+        .build(key)
+        .unwrap();
+        Arc::new(pdu)
+    }
+
+    /// Found in review: the walk recursed once per auth event, so a remote auth chain a
+    /// few thousand events deep overflowed the stack and took the server down. Two
+    /// conflicted events at the ends of a 20,000-event auth chain: the whole chain is
+    /// the subgraph, and an event off the path is not.
+    #[test]
+    fn a_deep_auth_chain_is_walked_without_recursion() {
+        let key = ServerKey::generate("a.test");
+        let mut pool = Pool::new();
+        let off_path = event(&key, 999_999, vec![]);
+        pool.insert(off_path.event_id.clone(), off_path.clone());
+        let bottom = event(&key, 0, vec![]);
+        let mut chain = vec![bottom.event_id.clone()];
+        pool.insert(bottom.event_id.clone(), bottom);
+        for n in 1..20_000u64 {
+            let mut auth = vec![chain.last().unwrap().clone()];
+            if n == 1 {
+                auth.push(off_path.event_id.clone());
+            }
+            let e = event(&key, n, auth);
+            chain.push(e.event_id.clone());
+            pool.insert(e.event_id.clone(), e);
+        }
+        let ends = [chain[0].clone(), chain.last().unwrap().clone()];
+        let got = std::thread::Builder::new()
+            .stack_size(256 * 1024)
+            .spawn(move || conflicted_subgraph(ends.iter(), &pool))
+            .unwrap()
+            .join()
+            .unwrap();
+        assert_eq!(got.len(), chain.len());
+        assert!(chain.iter().all(|id| got.contains(id)));
+        assert!(!got.contains(&off_path.event_id));
+    }
 }
