@@ -366,7 +366,26 @@ async fn messages(
         None if dir == "b" => cap,
         None => 0,
     };
-    let to = q.get("to").map(parse_token).transpose()?;
+    // `to`: a live position, or a `b<seq>` point in backfilled history.
+    let to = match q.get("to") {
+        None => None,
+        Some(t) => Some(match t.strip_prefix('b') {
+            Some(seq) => Bound::Backfill(
+                seq.parse::<u64>()
+                    .map_err(|_| MatrixError::invalid_param("Invalid to token"))?,
+            ),
+            None => Bound::Live(parse_token(t)?),
+        }),
+    };
+    let to_live = match to {
+        Some(Bound::Live(t)) => Some(t),
+        _ => None,
+    };
+    // Paging backward stops at a `b<seq>` bound: sequences above it are older.
+    let backfill_stop = match to {
+        Some(Bound::Backfill(m)) => Some(m),
+        _ => None,
+    };
     let mut chunk = Vec::new();
     let mut end = None;
     let page = (limit * 2).max(20);
@@ -376,7 +395,7 @@ async fn messages(
         }
     };
     if dir == "b" {
-        let floor = to.map(|t| t.saturating_add(1)).unwrap_or(0);
+        let floor = to_live.map(|t| t.saturating_add(1)).unwrap_or(0);
         let mut live_done = from_backfill.is_some();
         let mut before = from.min(cap).saturating_add(1);
         while !live_done {
@@ -401,9 +420,21 @@ async fn messages(
                     .timeline
                     .range_backward(&room_id, before, floor, 1)
                     .is_empty();
+                let older_history = match to {
+                    None => backfill_may_continue(&s, &room_id, 0),
+                    Some(Bound::Backfill(m)) => {
+                        m >= 1
+                            && !s
+                                .projections
+                                .timeline
+                                .range_backfill_older(&room_id, 0, 1)
+                                .is_empty()
+                    }
+                    Some(Bound::Live(_)) => false,
+                };
                 end = if more {
                     Some(token(before - 1))
-                } else if to.is_none() && backfill_may_continue(&s, &room_id, 0) {
+                } else if older_history {
                     Some("b0".to_owned())
                 } else {
                     None
@@ -426,15 +457,18 @@ async fn messages(
         }
         // Older than every live event: backfilled history, fetched over federation
         // when the index runs out (spec: server-server "Backfill").
-        if to.is_none() {
+        if to_live.is_none() {
             let mut seq = from_backfill.unwrap_or(0);
             let mut fetches = 0;
-            loop {
+            'pages: loop {
                 let rows = s
                     .projections
                     .timeline
                     .range_backfill_older(&room_id, seq, page);
                 for (n, id) in &rows {
+                    if backfill_stop.is_some_and(|m| *n > m) {
+                        break 'pages;
+                    }
                     seq = *n;
                     if let Some(ev) = s.projections.timeline.event(id) {
                         keep(ev, &mut chunk);
@@ -444,13 +478,22 @@ async fn messages(
                     }
                 }
                 if chunk.len() >= limit {
-                    end = backfill_may_continue(&s, &room_id, seq).then(|| format!("b{seq}"));
+                    let more = match backfill_stop {
+                        Some(m) => seq < m,
+                        None => backfill_may_continue(&s, &room_id, seq),
+                    };
+                    end = more.then(|| format!("b{seq}"));
                     break;
                 }
                 if rows.len() == page {
                     continue;
                 }
-                if fetches >= 3 || !access.joined() || !fetch_history(&s, &room_id, limit).await {
+                // Up to a `b<seq>` bound everything is here already (it was handed out).
+                if backfill_stop.is_some()
+                    || fetches >= 3
+                    || !access.joined()
+                    || !fetch_history(&s, &room_id, limit).await
+                {
                     break;
                 }
                 fetches += 1;
@@ -458,16 +501,23 @@ async fn messages(
         }
     } else {
         let mut after = from;
+        // A `b<seq>` bound ends the page inside backfilled history (and a bound older
+        // than a live `from` leaves nothing to read).
+        let mut bound_reached = backfill_stop.is_some() && from_backfill.is_none();
         if let Some(seq) = from_backfill {
             // Forward out of backfilled history, then into the live timeline. `b<N>` sits
             // between sequences N+1 (older) and N (newer): forward starts at N.
             let mut seq = seq.saturating_add(1);
-            loop {
+            'pages: loop {
                 let rows = s
                     .projections
                     .timeline
                     .range_backfill_newer(&room_id, seq, page);
                 for (n, id) in &rows {
+                    if backfill_stop.is_some_and(|m| *n <= m) {
+                        bound_reached = true;
+                        break 'pages;
+                    }
                     seq = *n;
                     if let Some(ev) = s.projections.timeline.event(id) {
                         keep(ev, &mut chunk);
@@ -481,12 +531,13 @@ async fn messages(
                     break;
                 }
                 if rows.len() < page {
+                    bound_reached |= backfill_stop.is_some();
                     break;
                 }
             }
         }
-        if end.is_none() {
-            let upto = to.unwrap_or(u64::MAX).min(cap);
+        if end.is_none() && !bound_reached {
+            let upto = to_live.unwrap_or(u64::MAX).min(cap);
             loop {
                 let rows = s
                     .projections
@@ -522,6 +573,14 @@ async fn messages(
         chunk,
         end,
     )
+}
+
+/// The `to` of `/messages`: a live stream position, or `b<seq>`, a point in
+/// backfilled history (between sequences `seq` (newer) and `seq + 1` (older)).
+#[derive(Clone, Copy)]
+enum Bound {
+    Live(u64),
+    Backfill(u64),
 }
 
 /// Whether paging back past backfill sequence `seq` may find more: older rows in the

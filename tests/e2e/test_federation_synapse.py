@@ -390,6 +390,11 @@ def test_spindle_user_joins_a_synapse_room_by_alias_and_both_sides_agree(world):
     assert [e["event_id"] for e in forward["chunk"]] == all_ids[i:i + 5]
     back = alice.call("GET", f"/_matrix/client/v3/rooms/{q(room)}/messages?dir=b&limit=3&from={q(forward['end'])}")
     assert [e["event_id"] for e in back["chunk"]] == list(reversed(all_ids[i + 2:i + 5]))
+    # A backfill token is a valid `to` both ways: exactly the five events between.
+    between = alice.call("GET", f"/_matrix/client/v3/rooms/{q(room)}/messages?dir=b&limit=50&from={q(forward['end'])}&to={q(page['end'])}")
+    assert [e["event_id"] for e in between["chunk"]] == list(reversed(all_ids[i:i + 5]))
+    between = alice.call("GET", f"/_matrix/client/v3/rooms/{q(room)}/messages?dir=f&limit=50&from={q(page['end'])}&to={q(forward['end'])}")
+    assert [e["event_id"] for e in between["chunk"]] == all_ids[i:i + 5]
     # Backfilled events render like live ones (content and sender as sent).
     first = next(e for e in timeline if e["event_id"] == before[0])
     assert (first["sender"], first["content"]["body"]) == (bob.user_id, "before alice 0")
