@@ -21,6 +21,7 @@ pub mod record;
 pub mod remote;
 pub mod snapshot;
 pub mod store;
+pub mod txn;
 
 use std::{
     collections::{HashMap, HashSet},
@@ -234,8 +235,6 @@ struct RoomAggregate {
     /// Digests of the ids in [`RoomAggregate::known`] held only as outliers (imported
     /// state, not yet in the timeline): backfill may still bring them into it.
     outliers: HashSet<u64>,
-    /// (user, device, txn id) -> (event id, position) for idempotent sends.
-    txns: HashMap<(String, String, String), (OwnedEventId, u64)>,
     /// Server name -> number of its users joined now: whom the federation sender
     /// delivers the room's events to, without reading a member list.
     joined_servers: std::collections::BTreeMap<String, u32>,
@@ -272,7 +271,6 @@ impl RoomAggregate {
             auth_history: HashMap::new(),
             known: HashSet::new(),
             outliers: HashSet::new(),
-            txns: HashMap::new(),
             joined_servers: std::collections::BTreeMap::new(),
             window: None,
             window_cap,
@@ -580,11 +578,13 @@ pub(crate) fn replay_into(
                 .rooms
                 .entry(pdu.room_id.clone())
                 .or_insert_with(|| RoomAggregate::new(&pdu.room_version, cap));
-            if let (Some(txn), Some(dev)) = (rec.txn_id(), rec.device_id()) {
-                agg.txns.insert(
-                    (rec.principal().to_owned(), dev.to_owned(), txn.to_owned()),
-                    (pdu.event_id.clone(), rec.position()),
-                );
+            if models.index_txns
+                && let (Some(txn), Some(dev)) = (rec.txn_id(), rec.device_id())
+            {
+                models.txn_index.push((
+                    txn::event_key(pdu.room_id.as_str(), rec.principal(), dev, txn),
+                    rec.position(),
+                ));
             }
             agg.apply(Arc::new(pdu), stats);
         } else {
@@ -613,9 +613,12 @@ pub(crate) fn replay_into(
                     txn_id,
                     ..
                 }) => {
-                    models
-                        .to_device_txns
-                        .insert((sender, sender_device, txn_id), rec.position());
+                    if models.index_txns {
+                        models.txn_index.push((
+                            txn::to_device_key(&sender, &sender_device, &txn_id),
+                            rec.position(),
+                        ));
+                    }
                 }
                 Some(Fact::MediaCreated { media_id, uploader }) => {
                     models.media.insert(media_id, (uploader, false));
@@ -629,12 +632,32 @@ pub(crate) fn replay_into(
                 None => {}
             }
         }
+        if models.txn_index.len() >= TXN_INDEX_FLUSH {
+            flush_txn_index(store, models);
+        }
         Ok(())
     })
 }
 
+/// Transaction-index entries collected by a start-up replay before they are written.
+const TXN_INDEX_FLUSH: usize = 8_192;
+
+/// Writes the transaction-index entries a replay collected ([`txn`]). A failure is
+/// logged, not fatal: the entries are written again by the next start-up's replay.
+fn flush_txn_index(store: &dyn JournalStore, models: &mut snapshot::WriteModels) {
+    if models.txn_index.is_empty() {
+        return;
+    }
+    if let Err(e) = store.index_txns(&models.txn_index) {
+        tracing::warn!(error = %e, "journal: writing transaction-index entries failed");
+    }
+    models.txn_index.clear();
+}
+
 struct Pending {
     records: Vec<Record>,
+    /// The transaction key ([`txn`]) of the first record, indexed with it.
+    txn_key: Option<Vec<u8>>,
 }
 
 /// Counters for counting tests (BRIEF §3.9): fsyncs and records read.
@@ -669,6 +692,10 @@ pub struct JournalStats {
     pub restored: AtomicU64,
     /// Write-model snapshots saved (at start-up and in the background).
     pub snapshots_saved: AtomicU64,
+    /// Transaction ids looked up in the store's index ([`txn`]): hot-set misses.
+    pub txn_index_reads: AtomicU64,
+    /// Retries answered from the store's index (the hot set had evicted the key).
+    pub txn_index_hits: AtomicU64,
 }
 
 /// The journal handle (cheap to clone).
@@ -694,10 +721,13 @@ struct Inner {
     /// Claimable device keys: one-time keys are handed out exactly once, so the writer
     /// decides claims (a read model check-then-write would hand a key out twice).
     keys: parking_lot::Mutex<KeyModels>,
-    /// (sender, sender device, txn id) -> position of to-device sends, for idempotency.
-    to_device_txns: parking_lot::Mutex<HashMap<(String, String, String), u64>>,
+    /// The hot set of transaction ids ([`txn`]); the store's index has every one.
+    txns: parking_lot::Mutex<txn::TxnCache>,
     /// Media id -> (uploader, uploaded): one upload per media id.
     media: parking_lot::Mutex<HashMap<String, (String, bool)>>,
+    /// Serializes to-device sends (the check of a txn id and the enqueue of its
+    /// record), as the room lock does for room events.
+    to_device_send: parking_lot::Mutex<()>,
     /// Allocation of positions + enqueue happen together under this lock (held for
     /// nanoseconds; never across I/O) so the appender receives records in order.
     enqueue: parking_lot::Mutex<(u64, std::sync::mpsc::Sender<Pending>)>,
@@ -735,6 +765,9 @@ pub struct JournalOptions {
     /// this many records were appended since the last. 0: no snapshot is ever saved
     /// (one already stored is still used).
     pub snapshot_every_records: u64,
+    /// Transaction ids kept in memory ([`txn`]; config `journal.txn_ids_cached`,
+    /// default [`txn::DEFAULT_TXN_IDS_CACHED`], at least [`txn::MIN_TXN_IDS_CACHED`]).
+    pub txn_ids_cached: usize,
 }
 
 impl Default for JournalOptions {
@@ -742,6 +775,7 @@ impl Default for JournalOptions {
         JournalOptions {
             fork_window: fork::DEFAULT_FORK_WINDOW,
             snapshot_every_records: snapshot::DEFAULT_SNAPSHOT_EVERY_RECORDS,
+            txn_ids_cached: txn::DEFAULT_TXN_IDS_CACHED,
         }
     }
 }
@@ -795,6 +829,7 @@ impl Journal {
             .unwrap_or(0)
             .saturating_sub(start.position);
         let mut progress = snapshot::Progress::new("restoring write models", total, true);
+        models.index_txns = true;
         let walked = replay_into(
             &*store,
             &mut models,
@@ -805,6 +840,9 @@ impl Journal {
             &mut progress,
         );
         progress.finish();
+        // Before the snapshot below: its durable persist covers these entries.
+        flush_txn_index(&*store, &mut models);
+        models.index_txns = false;
         let chain_head = match walked {
             Ok(h) => h,
             Err(brk) => recover_torn_tail(&*store, brk)?,
@@ -835,8 +873,8 @@ impl Journal {
             spent_refresh_tokens,
             deactivated,
             keys,
-            to_device_txns,
             media,
+            ..
         } = models;
         let head = chain_head.position;
         let (durable_tx, durable_rx) = watch::channel(head);
@@ -865,8 +903,9 @@ impl Journal {
                 spent_refresh_tokens: parking_lot::Mutex::new(spent_refresh_tokens),
                 deactivated: parking_lot::Mutex::new(deactivated),
                 keys: parking_lot::Mutex::new(keys),
-                to_device_txns: parking_lot::Mutex::new(to_device_txns),
+                txns: parking_lot::Mutex::new(txn::TxnCache::new(options.txn_ids_cached)),
                 media: parking_lot::Mutex::new(media),
+                to_device_send: parking_lot::Mutex::new(()),
                 enqueue: parking_lot::Mutex::new((head, tx)),
                 durable: durable_rx,
                 stats,
@@ -910,13 +949,12 @@ impl Journal {
         for (id, agg) in &rooms {
             guards.push((id, agg.lock().await));
         }
-        let (users, aliases, spent, deactivated, keys, to_device, media) = (
+        let (users, aliases, spent, deactivated, keys, media) = (
             self.inner.users.lock(),
             self.inner.aliases.lock(),
             self.inner.spent_refresh_tokens.lock(),
             self.inner.deactivated.lock(),
             self.inner.keys.lock(),
-            self.inner.to_device_txns.lock(),
             self.inner.media.lock(),
         );
         snapshot::digest(
@@ -927,7 +965,6 @@ impl Journal {
                 spent_refresh_tokens: &spent,
                 deactivated: &deactivated,
                 keys: &keys,
-                to_device_txns: &to_device,
                 media: &media,
             },
         )
@@ -1100,7 +1137,56 @@ impl Journal {
     }
 
     /// Allocates positions for `records` and hands them to the appender, in order.
-    fn enqueue(&self, mut records: Vec<Record>) -> u64 {
+    /// What a send with transaction key `key` produced, if one was sent: from the hot
+    /// set, else from the store's index (reading the record for its event id when
+    /// `event` is set). Callers hold the lock that serializes sends of that key.
+    fn find_txn(&self, key: &[u8], event: bool) -> Result<Option<txn::TxnHit>, JournalError> {
+        if let Some(hit) = self.inner.txns.lock().get(key) {
+            return Ok(Some(hit.clone()));
+        }
+        self.inner.stats.txn_index_reads.fetch_add(1, Ordering::Relaxed);
+        let Some(position) = self
+            .inner
+            .store
+            .txn_position(key)
+            .map_err(JournalError::Storage)?
+        else {
+            return Ok(None);
+        };
+        let event_id = if event {
+            let rec = self
+                .inner
+                .store
+                .read_after(position - 1, 1)
+                .map_err(JournalError::Storage)?
+                .into_iter()
+                .next()
+                .filter(|r| r.position() == position)
+                .ok_or_else(|| {
+                    JournalError::Storage(format!("txn index names missing record {position}"))
+                })?;
+            let id = rec.event_id().ok_or_else(|| {
+                JournalError::Storage(format!("txn index names record {position}, not an event"))
+            })?;
+            Some(
+                OwnedEventId::try_from(id)
+                    .map_err(|e| JournalError::Storage(format!("record {position}: {e}")))?,
+            )
+        } else {
+            None
+        };
+        let hit = txn::TxnHit { position, event_id };
+        self.inner.stats.txn_index_hits.fetch_add(1, Ordering::Relaxed);
+        self.inner.txns.lock().insert(key.to_vec(), hit.clone());
+        Ok(Some(hit))
+    }
+
+    fn enqueue(&self, records: Vec<Record>) -> u64 {
+        self.enqueue_keyed(records, None)
+    }
+
+    /// [`Journal::enqueue`] with the transaction key of the first record ([`txn`]).
+    fn enqueue_keyed(&self, mut records: Vec<Record>, txn_key: Option<Vec<u8>>) -> u64 {
         let mut guard = self.inner.enqueue.lock();
         for r in &mut records {
             guard.0 += 1;
@@ -1108,7 +1194,7 @@ impl Journal {
         }
         let last = guard.0;
         let count = records.len() as u64;
-        if guard.1.send(Pending { records }).is_err() {
+        if guard.1.send(Pending { records, txn_key }).is_err() {
             tracing::error!("journal appender is gone; refusing to continue");
             std::process::abort();
         }
@@ -1270,16 +1356,23 @@ impl Journal {
                 txn_id,
                 ..
             } => {
-                let mut txns = self.inner.to_device_txns.lock();
-                let k = (sender.clone(), sender_device.clone(), txn_id.clone());
-                if let Some(p) = txns.get(&k) {
+                // Under the to-device lock: two concurrent retries cannot both miss.
+                let _serial = self.inner.to_device_send.lock();
+                let k = txn::to_device_key(sender, sender_device, txn_id);
+                if let Some(hit) = self.find_txn(&k, false)? {
                     return Ok(Outcome {
-                        position: *p,
+                        position: hit.position,
                         ..Outcome::default()
                     });
                 }
-                let position = self.enqueue(vec![rec]);
-                txns.insert(k, position);
+                let position = self.enqueue_keyed(vec![rec], Some(k.clone()));
+                self.inner.txns.lock().insert(
+                    k,
+                    txn::TxnHit {
+                        position,
+                        event_id: None,
+                    },
+                );
                 position
             }
             _ => self.enqueue(vec![rec]),
@@ -1570,16 +1663,23 @@ impl Journal {
             .ok_or_else(|| JournalError::UnknownRoom(room_id.to_owned()))?;
         let mut agg = agg.lock().await;
         let txn_key = match (txn_id, &cmd.envelope.device_id) {
-            (Some(t), Some(d)) => Some((cmd.envelope.principal.clone(), d.clone(), t.to_owned())),
+            (Some(t), Some(d)) => Some(txn::event_key(
+                room.as_str(),
+                &cmd.envelope.principal,
+                d,
+                t,
+            )),
             _ => None,
         };
+        // Under the room lock: two concurrent retries cannot both miss.
         if let Some(k) = &txn_key
-            && let Some((event_id, position)) = agg.txns.get(k)
+            && let Some(hit) = self.find_txn(k, true)?
+            && let Some(event_id) = hit.event_id
         {
             return Ok(Outcome {
-                position: *position,
+                position: hit.position,
                 room_id: Some(room),
-                event_ids: vec![event_id.clone()],
+                event_ids: vec![event_id],
                 ..Outcome::default()
             });
         }
@@ -1625,9 +1725,15 @@ impl Journal {
         }
         let pdu = self.build_event(&agg, Some(&room), &sender, spec, cmd.envelope.issued_at)?;
         let rec = self.event_record(cmd, &pdu, txn_id);
-        let position = self.enqueue(vec![rec]);
+        let position = self.enqueue_keyed(vec![rec], txn_key.clone());
         if let Some(k) = txn_key {
-            agg.txns.insert(k, (pdu.event_id.clone(), position));
+            self.inner.txns.lock().insert(
+                k,
+                txn::TxnHit {
+                    position,
+                    event_id: Some(pdu.event_id.clone()),
+                },
+            );
         }
         let event_id = pdu.event_id.clone();
         // A local event names every extremity: it never forks, nothing is resolved.
@@ -1742,15 +1848,22 @@ fn appender(
     mut snapshots: snapshot::Background,
 ) {
     while let Ok(first) = rx.recv() {
-        let mut records = first.records;
+        fn take(records: &mut Vec<(Record, Option<Vec<u8>>)>, p: Pending) {
+            let mut key = p.txn_key;
+            for r in p.records {
+                records.push((r, key.take()));
+            }
+        }
+        let mut records = Vec::with_capacity(first.records.len());
+        take(&mut records, first);
         while records.len() < 1024 {
             match rx.try_recv() {
-                Ok(more) => records.extend(more.records),
+                Ok(more) => take(&mut records, more),
                 Err(_) => break,
             }
         }
         let mut encoded = Vec::with_capacity(records.len());
-        for mut r in records {
+        for (mut r, txn_key) in records {
             if r.position != chain.position + 1 {
                 tracing::error!(
                     expected = chain.position + 1,
@@ -1769,6 +1882,7 @@ fn appender(
                 position: r.position,
                 room_id: r.room_id,
                 bytes,
+                txn_key,
             });
         }
         let last = chain.position;

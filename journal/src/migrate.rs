@@ -87,6 +87,7 @@ pub fn migrate_format1(dir: &Path) -> Result<Migration, String> {
                 position: pos,
                 room_id: rec.room_id,
                 bytes,
+                txn_key: None,
             });
             records += 1;
         }

@@ -35,8 +35,8 @@
 //! window's states (each as its difference from the previous window event's state, so
 //! 512 window states of a 10,000-member room cost a few entries each, and loading
 //! rebuilds them with the same structural sharing they had in memory). Event-id digests
-//! are packed 8 bytes each and the txn map into one byte string: decoding a million
-//! txn entries as serde tuples took seconds (docs/benchmarks.md, "Start-up").
+//! are packed 8 bytes each. Transaction ids are not in it: they live in the store's
+//! index ([`crate::txn`]).
 
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
@@ -59,7 +59,9 @@ use crate::{
 /// Version of the snapshot layout. Bump it when a snapshotted model changes shape (a
 /// field added to [`RoomAggregate`], ...): older snapshots are then ignored. Format 1
 /// (before the fork window, without the magic prefix) is never read.
-pub const SNAPSHOT_FORMAT: u32 = 2;
+/// Format 2 held every transaction id (memory and start-up time grew with history);
+/// format 3 holds none ([`crate::txn`]).
+pub const SNAPSHOT_FORMAT: u32 = 3;
 
 /// The first bytes of every snapshot (followed by [`SNAPSHOT_FORMAT`], u32 BE).
 const SNAPSHOT_MAGIC: &[u8; 8] = b"spndlsnp";
@@ -77,8 +79,14 @@ pub(crate) struct WriteModels {
     pub(crate) spent_refresh_tokens: HashSet<String>,
     pub(crate) deactivated: HashSet<String>,
     pub(crate) keys: KeyModels,
-    pub(crate) to_device_txns: HashMap<(String, String, String), u64>,
     pub(crate) media: HashMap<String, (String, bool)>,
+    /// Transaction-index entries ([`crate::txn`]) of the records replayed, not yet
+    /// written to the store; collected only when `index_txns` is set (start-up).
+    #[serde(skip)]
+    pub(crate) txn_index: Vec<(Vec<u8>, u64)>,
+    /// Whether replay collects `txn_index`.
+    #[serde(skip)]
+    pub(crate) index_txns: bool,
 }
 
 #[derive(Deserialize)]
@@ -390,50 +398,6 @@ fn unpack(b: &Bytes) -> Result<HashSet<u64>, String> {
     Ok(set)
 }
 
-/// The txn map as bytes: the entry count (u64 LE), then per entry user, device, txn id
-/// and event id (each a u32 LE length and its UTF-8), then the position (u64 LE).
-fn pack_txns(txns: &HashMap<TxnKey, (OwnedEventId, u64)>) -> Bytes {
-    let mut out = Vec::with_capacity(8 + txns.len() * 96);
-    out.extend_from_slice(&(txns.len() as u64).to_le_bytes());
-    for ((user, device, txn), (event_id, position)) in txns {
-        for part in [user.as_str(), device, txn, event_id.as_str()] {
-            out.extend_from_slice(&(part.len() as u32).to_le_bytes());
-            out.extend_from_slice(part.as_bytes());
-        }
-        out.extend_from_slice(&position.to_le_bytes());
-    }
-    Bytes(out)
-}
-
-fn unpack_txns(b: &Bytes) -> Result<HashMap<TxnKey, (OwnedEventId, u64)>, String> {
-    struct Reader<'a>(&'a [u8]);
-    impl Reader<'_> {
-        fn take(&mut self, n: usize) -> Result<&[u8], String> {
-            if self.0.len() < n {
-                return Err("txn map truncated".into());
-            }
-            let (head, rest) = self.0.split_at(n);
-            self.0 = rest;
-            Ok(head)
-        }
-        fn string(&mut self) -> Result<String, String> {
-            let len = u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")) as usize;
-            String::from_utf8(self.take(len)?.to_vec()).map_err(|e| e.to_string())
-        }
-    }
-    let mut r = Reader(&b.0);
-    let count = u64::from_le_bytes(r.take(8)?.try_into().expect("8 bytes"));
-    // The count sizes the map once; it cannot claim more entries than bytes remain.
-    let mut out = HashMap::with_capacity((count as usize).min(r.0.len() / 24));
-    while !r.0.is_empty() {
-        let key = (r.string()?, r.string()?, r.string()?);
-        let event_id = OwnedEventId::try_from(r.string()?).map_err(|e| e.to_string())?;
-        let position = u64::from_le_bytes(r.take(8)?.try_into().expect("8 bytes"));
-        out.insert(key, (event_id, position));
-    }
-    Ok(out)
-}
-
 /// One window event: its id, the event its slot held before it, and its state after
 /// as the difference from the previous window event's (the first: from empty).
 #[derive(Serialize)]
@@ -452,9 +416,6 @@ struct WindowEventIn {
     removed: Vec<Slot>,
 }
 
-/// (user, device, transaction id) of an idempotent send.
-type TxnKey = (String, String, String);
-
 /// A room aggregate as written (see the module doc, "Layout").
 #[derive(Serialize)]
 struct RoomOut<'a> {
@@ -471,9 +432,6 @@ struct RoomOut<'a> {
     auth_history: Vec<u32>,
     known: Bytes,
     outliers: Bytes,
-    /// The txn map packed ([`pack_txns`]): decoding a million entries through serde
-    /// took seconds.
-    txns: Bytes,
     joined_servers: &'a BTreeMap<String, u32>,
     window: Option<(usize, Vec<WindowEventOut<'a>>)>,
     window_cap: usize,
@@ -491,7 +449,6 @@ struct RoomIn {
     auth_history: Vec<u32>,
     known: Bytes,
     outliers: Bytes,
-    txns: Bytes,
     joined_servers: BTreeMap<String, u32>,
     window: Option<(usize, Vec<WindowEventIn>)>,
     window_cap: usize,
@@ -561,7 +518,6 @@ fn room_out(agg: &RoomAggregate) -> RoomOut<'_> {
         auth_history,
         known: pack(&agg.known),
         outliers: pack(&agg.outliers),
-        txns: pack_txns(&agg.txns),
         joined_servers: &agg.joined_servers,
         window,
         window_cap: agg.window_cap,
@@ -632,7 +588,6 @@ fn room_in(room_id: &OwnedRoomId, r: RoomIn) -> Result<RoomAggregate, String> {
         auth_history,
         known: unpack(&r.known)?,
         outliers: unpack(&r.outliers)?,
-        txns: unpack_txns(&r.txns)?,
         joined_servers: r.joined_servers,
         window,
         window_cap: r.window_cap,
@@ -672,13 +627,12 @@ pub(crate) struct Sets<'a> {
     pub(crate) spent_refresh_tokens: &'a HashSet<String>,
     pub(crate) deactivated: &'a HashSet<String>,
     pub(crate) keys: &'a KeyModels,
-    pub(crate) to_device_txns: &'a HashMap<(String, String, String), u64>,
     pub(crate) media: &'a HashMap<String, (String, bool)>,
 }
 
 /// A digest of every write model, independent of map order: equal digests mean equal
 /// models (rooms with their state, auth history, event-id and outlier digests,
-/// transaction ids, joined servers and fork window, each window event's state
+/// joined servers and fork window, each window event's state
 /// included; then the uniqueness sets). What tests compare between a journal restored
 /// from a snapshot and one replayed from position 0.
 pub(crate) fn digest(mut rooms: Vec<(&OwnedRoomId, &RoomAggregate)>, sets: Sets<'_>) -> String {
@@ -726,7 +680,6 @@ pub(crate) fn digest(mut rooms: Vec<(&OwnedRoomId, &RoomAggregate)>, sets: Sets<
             "outliers {:?}",
             sorted(a.outliers.iter().collect())
         ));
-        put(&format!("txns {:?}", sorted(a.txns.iter().collect())));
         put(&format!("servers {:?}", a.joined_servers));
         if let Some(w) = &a.window {
             put(&format!("window {} {}", w.cap(), w.len()));
@@ -760,10 +713,6 @@ pub(crate) fn digest(mut rooms: Vec<(&OwnedRoomId, &RoomAggregate)>, sets: Sets<
             sorted(m.fallback.iter().collect())
         ));
     }
-    put(&format!(
-        "to-device {:?}",
-        sorted(sets.to_device_txns.iter().collect())
-    ));
     put(&format!("media {:?}", sorted(sets.media.iter().collect())));
     h.finalize().to_hex().to_string()
 }

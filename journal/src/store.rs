@@ -22,6 +22,8 @@ pub struct EncodedRecord {
     pub room_id: Option<String>,
     /// The rkyv bytes ([`crate::Record::encode`]), exactly what is stored and hashed.
     pub bytes: Vec<u8>,
+    /// The record's transaction key ([`crate::txn`]), indexed in the same batch.
+    pub txn_key: Option<Vec<u8>>,
 }
 
 /// Durable, ordered record storage.
@@ -50,6 +52,18 @@ pub trait JournalStore: Send + Sync + 'static {
     fn last_position(&self) -> Result<u64, String> {
         Ok(0)
     }
+    /// Position of the record a transaction key ([`crate::txn`]) was appended with, if
+    /// any. A store without the index answers `None` (idempotency then holds only
+    /// while the key is in the journal's hot set).
+    fn txn_position(&self, _key: &[u8]) -> Result<Option<u64>, String> {
+        Ok(None)
+    }
+    /// Writes transaction-index entries for records already stored (start-up replay
+    /// rebuilds the index of a journal written before it existed). Not synced: a lost
+    /// entry is written again by the next start-up's replay.
+    fn index_txns(&self, _entries: &[(Vec<u8>, u64)]) -> Result<(), String> {
+        Ok(())
+    }
     /// The write-model snapshot ([`crate::snapshot`]), if one was saved.
     fn load_snapshot(&self) -> Result<Option<Vec<u8>>, String> {
         Ok(None)
@@ -66,12 +80,14 @@ pub trait JournalStore: Send + Sync + 'static {
 }
 
 /// The fjall-backed journal: keyspace `records` (position BE u64 -> rkyv record),
-/// keyspace `room_log` (room id, 0x00, position BE u64 -> empty), written in one batch,
+/// keyspace `room_log` (room id, 0x00, position BE u64 -> empty) and keyspace `txn_ids`
+/// (transaction key, [`crate::txn`] -> position BE u64), written in one batch,
 /// and keyspace `meta` (`record_format` -> u16 BE: the envelope format of every record).
 pub struct FjallStore {
     db: Database,
     records: Keyspace,
     room_log: Keyspace,
+    txn_ids: Keyspace,
     meta: Keyspace,
 }
 
@@ -114,6 +130,9 @@ impl FjallStore {
         let room_log = db
             .keyspace("room_log", KeyspaceCreateOptions::default)
             .map_err(|e| e.to_string())?;
+        let txn_ids = db
+            .keyspace("txn_ids", KeyspaceCreateOptions::default)
+            .map_err(|e| e.to_string())?;
         let meta = db
             .keyspace("meta", KeyspaceCreateOptions::default)
             .map_err(|e| e.to_string())?;
@@ -121,6 +140,7 @@ impl FjallStore {
             db,
             records,
             room_log,
+            txn_ids,
             meta,
         };
         let marked = store.meta.get(FORMAT_KEY).map_err(|e| e.to_string())?;
@@ -176,6 +196,9 @@ impl JournalStore for FjallStore {
             if let Some(room) = &r.room_id {
                 batch.insert(&self.room_log, room_key(room, r.position), b"");
             }
+            if let Some(k) = &r.txn_key {
+                batch.insert(&self.txn_ids, k.as_slice(), r.position.to_be_bytes());
+            }
         }
         batch.commit().map_err(|e| e.to_string())?;
         self.db
@@ -219,6 +242,21 @@ impl JournalStore for FjallStore {
         }
     }
 
+    fn txn_position(&self, key: &[u8]) -> Result<Option<u64>, String> {
+        match self.txn_ids.get(key).map_err(|e| e.to_string())? {
+            Some(v) => position_of(&v).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn index_txns(&self, entries: &[(Vec<u8>, u64)]) -> Result<(), String> {
+        let mut batch = self.db.batch();
+        for (k, position) in entries {
+            batch.insert(&self.txn_ids, k.as_slice(), position.to_be_bytes());
+        }
+        batch.commit().map_err(|e| e.to_string())
+    }
+
     fn load_snapshot(&self) -> Result<Option<Vec<u8>>, String> {
         Ok(self
             .meta
@@ -255,6 +293,12 @@ impl JournalStore for FjallStore {
             let k = kv.key().map_err(|e| e.to_string())?;
             if position_of(&k)? >= position {
                 batch.remove(&self.room_log, k.to_vec());
+            }
+        }
+        for kv in self.txn_ids.iter() {
+            let (k, v) = kv.into_inner().map_err(|e| e.to_string())?;
+            if position_of(&v)? >= position {
+                batch.remove(&self.txn_ids, k.to_vec());
             }
         }
         batch.commit().map_err(|e| e.to_string())?;

@@ -293,6 +293,7 @@ fn fjall_discards_a_batch_torn_mid_write() {
             position,
             room_id: rec.room_id,
             bytes,
+            txn_key: None,
         }
     };
     let batches: Vec<Vec<EncodedRecord>> = vec![

@@ -78,6 +78,12 @@ impl JournalStore for CountingStore {
     fn delete_snapshot(&self) -> Result<(), String> {
         self.inner.delete_snapshot()
     }
+    fn txn_position(&self, key: &[u8]) -> Result<Option<u64>, String> {
+        self.inner.txn_position(key)
+    }
+    fn index_txns(&self, entries: &[(Vec<u8>, u64)]) -> Result<(), String> {
+        self.inner.index_txns(entries)
+    }
 }
 
 fn options(snapshot_every_records: u64) -> JournalOptions {
@@ -364,6 +370,7 @@ async fn an_unusable_snapshot_is_ignored_and_the_journal_replayed() {
     let other_window = JournalOptions {
         fork_window: 64,
         snapshot_every_records: 0,
+        ..JournalOptions::default()
     };
     let j = Journal::open_with(store.clone(), key.clone(), other_window).unwrap();
     assert_eq!(restored(&j), 13);
