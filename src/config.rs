@@ -62,6 +62,58 @@ pub struct Config {
     pub delayed_events: DelayedEvents,
     /// Application services (bridges, bots; docs/appservices.md).
     pub appservices: AppServicesConfig,
+    /// Size limits of the in-memory maps (docs/operations.md, "Memory").
+    pub caches: Caches,
+}
+
+/// Size limits of the in-memory maps that grow with users or traffic
+/// (docs/operations.md, "Memory"); each field says what is evicted.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Caches {
+    /// Sliding-sync connections over all devices; past it the least recently used is
+    /// forgotten (its client starts the connection over after `M_UNKNOWN_POS`).
+    pub sliding_sync_connections: usize,
+    /// Room types the sliding-sync filters remember (emptied when full).
+    pub sliding_sync_room_types: usize,
+    /// Rooms with typing state; full, rooms where nobody types are dropped, then new
+    /// rooms' typing notices are not kept.
+    pub typing_rooms: usize,
+    /// Users with a presence; full, the tenth least recently active are forgotten.
+    pub presence_users: usize,
+    /// Devices whose last use is held in memory; full, the tenth least recently used
+    /// are dropped (they show their last journaled `DeviceSeen`).
+    pub device_last_seen: usize,
+    /// `/sync` room summaries cached by state root (emptied when full).
+    pub sync_room_summaries: usize,
+}
+
+impl Default for Caches {
+    fn default() -> Self {
+        let d = spindle_api::CacheLimits::default();
+        Caches {
+            sliding_sync_connections: d.sliding_sync_connections,
+            sliding_sync_room_types: d.sliding_sync_room_types,
+            typing_rooms: d.typing_rooms,
+            presence_users: d.presence_users,
+            device_last_seen: d.device_last_seen,
+            sync_room_summaries: d.sync_room_summaries,
+        }
+    }
+}
+
+impl Caches {
+    /// The API's limits.
+    pub fn to_api(&self) -> spindle_api::CacheLimits {
+        spindle_api::CacheLimits {
+            sliding_sync_connections: self.sliding_sync_connections,
+            sliding_sync_room_types: self.sliding_sync_room_types,
+            typing_rooms: self.typing_rooms,
+            presence_users: self.presence_users,
+            device_last_seen: self.device_last_seen,
+            sync_room_summaries: self.sync_room_summaries,
+        }
+    }
 }
 
 /// Application services (docs/appservices.md).
@@ -621,12 +673,17 @@ pub struct JournalConfig {
     /// many records (plus what was appended while the last snapshot was being taken).
     /// 0: never save one (a stored one is still used).
     pub snapshot_every_records: u64,
+    /// Client transaction ids held in memory (the most recent; at least 1024). Every
+    /// one is also in the journal's on-disk index, so a retry of an older one still
+    /// gets its first answer (one index read and one record read).
+    pub txn_ids_cached: usize,
 }
 
 impl Default for JournalConfig {
     fn default() -> Self {
         JournalConfig {
             snapshot_every_records: spindle_journal::snapshot::DEFAULT_SNAPSHOT_EVERY_RECORDS,
+            txn_ids_cached: spindle_journal::txn::DEFAULT_TXN_IDS_CACHED,
         }
     }
 }
@@ -667,6 +724,7 @@ impl Default for Config {
             push: Push::default(),
             delayed_events: DelayedEvents::default(),
             appservices: AppServicesConfig::default(),
+            caches: Caches::default(),
         }
     }
 }
@@ -926,7 +984,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 135);
+        assert_eq!(want.len(), 143);
     }
 
     #[test]

@@ -111,6 +111,7 @@ impl Server {
             spindle_journal::JournalOptions {
                 fork_window: config.federation.fork_window,
                 snapshot_every_records: config.journal.snapshot_every_records,
+                txn_ids_cached: config.journal.txn_ids_cached,
             },
         )
         .map_err(|e| anyhow!(e.to_string()))?;
@@ -210,6 +211,7 @@ impl Server {
             keep_client_addresses: config.devices.keep_client_addresses,
             max_event_delay_duration_ms: config.delayed_events.max_event_delay_duration_ms,
             max_scheduled_delays_per_user: config.delayed_events.max_scheduled_per_user,
+            caches: config.caches.to_api(),
         };
         let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
         let state = spindle_api::AppState::new_with_clock(

@@ -1019,6 +1019,9 @@ impl spindle_journal::JournalStore for GatedStore {
     fn truncate_from(&self, position: u64) -> Result<(), String> {
         self.inner.truncate_from(position)
     }
+    fn txn_position(&self, key: &[u8]) -> Result<Option<u64>, String> {
+        self.inner.txn_position(key)
+    }
 }
 
 /// Trap: one process-wide mutex held across append + fsync serialized every room. While

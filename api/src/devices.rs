@@ -70,6 +70,8 @@ struct Entry {
 pub struct LastSeen {
     map: Arc<parking_lot::RwLock<HashMap<(String, String), Entry>>>,
     keep_client_addresses: bool,
+    /// Devices kept at most (config `caches.device_last_seen`).
+    max: usize,
 }
 
 impl Default for LastSeen {
@@ -90,10 +92,31 @@ fn bounded_user_agent(ua: &str) -> String {
 impl LastSeen {
     /// An empty map; with `keep_client_addresses = false` no address is ever stored.
     pub fn new(keep_client_addresses: bool) -> LastSeen {
+        LastSeen::with_limit(
+            keep_client_addresses,
+            crate::CacheLimits::default().device_last_seen,
+        )
+    }
+
+    /// [`LastSeen::new`] keeping at most `max` devices (at least 10): at the bound the
+    /// tenth least recently used are dropped (one pass per tenth of the bound). A
+    /// dropped device's answers fall back to its last journaled `DeviceSeen`.
+    pub fn with_limit(keep_client_addresses: bool, max: usize) -> LastSeen {
         LastSeen {
             map: Arc::default(),
             keep_client_addresses,
+            max: max.max(10),
         }
+    }
+
+    /// Devices kept now.
+    pub fn len(&self) -> usize {
+        self.map.read().len()
+    }
+
+    /// Whether no device is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// Records a request by `(user, device)` at `now` from `ip` with `user_agent`.
@@ -130,6 +153,14 @@ impl LastSeen {
         let known = self.map.read().contains_key(&key);
         let fresh = (!known).then(|| journaled().unwrap_or_default());
         let mut map = self.map.write();
+        if !map.contains_key(&key) && map.len() >= self.max {
+            let mut by_age: Vec<(u64, (String, String))> =
+                map.iter().map(|(k, e)| (e.seen.ts, k.clone())).collect();
+            by_age.sort();
+            for (_, k) in by_age.into_iter().take(self.max / 10) {
+                map.remove(&k);
+            }
+        }
         let entry = map.entry(key).or_insert_with(|| {
             let journaled = fresh.unwrap_or_default();
             Entry {
@@ -723,4 +754,42 @@ async fn refresh(
         "refresh_token": refresh,
         "expires_in_ms": lifetime,
     })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn last_seen_is_bounded_least_recently_used_dropped_first() {
+        let l = LastSeen::with_limit(true, 100);
+        for i in 0..100u64 {
+            l.touch("@u:x", &format!("D{i}"), 1_000 + i, None, None, || None);
+        }
+        assert_eq!(l.len(), 100);
+        // D0 is used again: D1..D10 are the ten least recently used.
+        l.touch(
+            "@u:x",
+            "D0",
+            1_000 + LAST_SEEN_GRANULARITY_MS,
+            None,
+            None,
+            || None,
+        );
+        l.touch(
+            "@u:x",
+            "Dnew",
+            2_000 + LAST_SEEN_GRANULARITY_MS,
+            None,
+            None,
+            || None,
+        );
+        assert_eq!(l.len(), 91);
+        for i in 1..=10 {
+            assert!(l.get("@u:x", &format!("D{i}")).is_none(), "D{i}");
+        }
+        assert!(l.get("@u:x", "D0").is_some());
+        assert!(l.get("@u:x", "D11").is_some());
+        assert!(l.get("@u:x", "Dnew").is_some());
+    }
 }

@@ -107,6 +107,48 @@ pub struct ApiConfig {
     pub max_event_delay_duration_ms: u64,
     /// Scheduled delayed events per user at most.
     pub max_scheduled_delays_per_user: usize,
+    /// Size limits of the in-memory maps.
+    pub caches: CacheLimits,
+}
+
+/// Size limits of the API's in-memory maps (`[caches]` in the config; docs/operations.md
+/// "Memory"). Each map holds at most its limit; what is evicted, and what that costs a
+/// client, is said per field. None of them is data: the journal has everything they
+/// hold or it is ephemeral by the spec (typing, presence).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheLimits {
+    /// Simplified Sliding Sync connections (MSC4186) kept, over all devices; past it the
+    /// least recently used connection is forgotten (its next request, with a `pos`,
+    /// answers `M_UNKNOWN_POS` and the client starts the connection over).
+    pub sliding_sync_connections: usize,
+    /// Room types (`m.room.create` `type`) the sliding-sync filters remember; full, the
+    /// map is emptied and refilled from the state projection.
+    pub sliding_sync_room_types: usize,
+    /// Rooms with typing state; full, rooms where nobody types any more are dropped,
+    /// and if every room still has a typist a new room's typing notice is not kept.
+    pub typing_rooms: usize,
+    /// Users with a presence; full, the tenth least recently active are forgotten
+    /// (they read as offline until they set a presence again).
+    pub presence_users: usize,
+    /// Devices whose last use is kept in memory; full, the tenth least recently used
+    /// are dropped (their `last_seen_*` falls back to the last journaled `DeviceSeen`,
+    /// at most an hour older).
+    pub device_last_seen: usize,
+    /// `/sync` room summaries cached by state root; full, the cache is emptied.
+    pub sync_room_summaries: usize,
+}
+
+impl Default for CacheLimits {
+    fn default() -> Self {
+        CacheLimits {
+            sliding_sync_connections: 10_000,
+            sliding_sync_room_types: 100_000,
+            typing_rooms: 10_000,
+            presence_users: 100_000,
+            device_last_seen: 100_000,
+            sync_room_summaries: 10_000,
+        }
+    }
 }
 
 /// Content repository settings (`[media]` in the config).
@@ -195,7 +237,11 @@ impl AppState {
         let key = journal.key().clone();
         let blobs = Arc::new(spindle_journal::blobs::BlobStore::new(&config.media.dir));
         let hashing = hashing::HashPool::start(&config.hashing);
-        let last_seen = devices::LastSeen::new(config.keep_client_addresses);
+        let last_seen = devices::LastSeen::with_limit(
+            config.keep_client_addresses,
+            config.caches.device_last_seen,
+        );
+        let caches = config.caches.clone();
         AppState {
             metrics: Arc::new(metrics::Metrics::new()),
             rate_limits,
@@ -208,12 +254,15 @@ impl AppState {
             projections,
             key,
             config: Arc::new(config),
-            typing: typing::Typing::default(),
+            typing: typing::Typing::with_limit(caches.typing_rooms),
             summaries: Arc::default(),
-            sliding: Arc::default(),
+            sliding: Arc::new(sliding::Connections::with_limits(
+                caches.sliding_sync_connections,
+                caches.sliding_sync_room_types,
+            )),
             shutdown,
             last_seen,
-            presence: presence::Presence::default(),
+            presence: presence::Presence::with_limit(caches.presence_users),
             federation: None,
             appservices: Arc::new(appservice::AppServices::empty()),
         }

@@ -49,6 +49,15 @@ pub struct Metrics {
     journal_appended: Gauge,
     journal_fsyncs: Gauge,
     forks: Family<Labels, Gauge>,
+    snapshots: Family<Labels, Gauge>,
+    snapshot_position: Gauge,
+    snapshot_bytes: Gauge,
+    snapshot_duration: Gauge<f64, std::sync::atomic::AtomicU64>,
+    restore_duration: Gauge<f64, std::sync::atomic::AtomicU64>,
+    restored_records: Gauge,
+    txn_index: Family<Labels, Gauge>,
+    cache_entries: Family<Labels, Gauge>,
+    cache_limit: Family<Labels, Gauge>,
     projection_checkpoint: Family<Labels, Gauge>,
     projection_lag: Family<Labels, Gauge>,
     hashing_queue_depth: Gauge,
@@ -118,6 +127,60 @@ impl Metrics {
             "Remote events that forked a federated room since start, by how the fork was settled (linear, merged, resolved, failed, beyond_window; a counter)",
             forks.clone(),
         );
+        let snapshots = Family::<Labels, Gauge>::default();
+        registry.register(
+            "journal_snapshots",
+            "Write-model snapshots since start, by outcome (saved, failed; a counter)",
+            snapshots.clone(),
+        );
+        let snapshot_position = gauge(
+            &mut registry,
+            "journal_snapshot_position",
+            "Position of the newest write-model snapshot (loaded at start or saved since; 0: none)",
+        );
+        let snapshot_bytes = gauge(
+            &mut registry,
+            "journal_snapshot_bytes",
+            "Size of the last write-model snapshot saved by this process",
+        );
+        let f64_gauge = |registry: &mut Registry, name: &str, help: &str| {
+            let g = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+            registry.register(name, help, g.clone());
+            g
+        };
+        let snapshot_duration = f64_gauge(
+            &mut registry,
+            "journal_snapshot_duration_seconds",
+            "How long saving the last write-model snapshot took",
+        );
+        let restore_duration = f64_gauge(
+            &mut registry,
+            "journal_restore_duration_seconds",
+            "How long restoring the write models took at start (snapshot load and replay)",
+        );
+        let restored_records = gauge(
+            &mut registry,
+            "journal_restored_records",
+            "Records replayed at start to restore the write models (those after the snapshot)",
+        );
+        let txn_index = Family::<Labels, Gauge>::default();
+        registry.register(
+            "journal_txn_index",
+            "Transaction-id lookups in the on-disk index since start (reads: hot-set misses; hits: retries found there; a counter)",
+            txn_index.clone(),
+        );
+        let cache_entries = Family::<Labels, Gauge>::default();
+        registry.register(
+            "cache_entries",
+            "Entries in each bounded in-memory map now (remote_media_bytes: bytes)",
+            cache_entries.clone(),
+        );
+        let cache_limit = Family::<Labels, Gauge>::default();
+        registry.register(
+            "cache_limit",
+            "The configured bound of each in-memory map (same units as cache_entries)",
+            cache_limit.clone(),
+        );
         let projection_checkpoint = Family::<Labels, Gauge>::default();
         registry.register(
             "projection_checkpoint_position",
@@ -171,6 +234,15 @@ impl Metrics {
             journal_appended,
             journal_fsyncs,
             forks,
+            snapshots,
+            snapshot_position,
+            snapshot_bytes,
+            snapshot_duration,
+            restore_duration,
+            restored_records,
+            txn_index,
+            cache_entries,
+            cache_limit,
             projection_checkpoint,
             projection_lag,
             hashing_queue_depth,
@@ -219,6 +291,62 @@ impl Metrics {
             self.forks
                 .get_or_create(&vec![("case", case.to_owned())])
                 .set(n.load(Ordering::Relaxed) as i64);
+        }
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        for (outcome, n) in [
+            ("saved", &stats.snapshots_saved),
+            ("failed", &stats.snapshots_failed),
+        ] {
+            self.snapshots
+                .get_or_create(&vec![("outcome", outcome.to_owned())])
+                .set(load(n) as i64);
+        }
+        self.snapshot_position
+            .set(load(&stats.snapshot_position) as i64);
+        self.snapshot_bytes.set(load(&stats.snapshot_bytes) as i64);
+        self.snapshot_duration
+            .set(load(&stats.snapshot_duration_ms) as f64 / 1000.0);
+        self.restore_duration
+            .set(load(&stats.restore_duration_ms) as f64 / 1000.0);
+        self.restored_records.set(load(&stats.restored) as i64);
+        for (kind, n) in [
+            ("reads", &stats.txn_index_reads),
+            ("hits", &stats.txn_index_hits),
+        ] {
+            self.txn_index
+                .get_or_create(&vec![("kind", kind.to_owned())])
+                .set(load(n) as i64);
+        }
+        let caches = &s.config.caches;
+        let (txns, txns_max) = s.journal.txn_cache_len();
+        for (cache, len, max) in [
+            ("journal_txn_ids", txns, txns_max),
+            (
+                "sliding_sync_connections",
+                s.sliding.len(),
+                caches.sliding_sync_connections,
+            ),
+            ("typing_rooms", s.typing.rooms_len(), caches.typing_rooms),
+            ("presence_users", s.presence.len(), caches.presence_users),
+            (
+                "device_last_seen",
+                s.last_seen.len(),
+                caches.device_last_seen,
+            ),
+            (
+                "sync_room_summaries",
+                s.summaries.lock().len(),
+                caches.sync_room_summaries,
+            ),
+            (
+                "remote_media_bytes",
+                s.remote_media.bytes(),
+                s.config.media.remote_cache_bytes,
+            ),
+        ] {
+            let labels = vec![("cache", cache.to_owned())];
+            self.cache_entries.get_or_create(&labels).set(len as i64);
+            self.cache_limit.get_or_create(&labels).set(max as i64);
         }
         for p in s.projections.runtime.status() {
             let labels = vec![("projection", p.name.to_owned())];

@@ -13,7 +13,7 @@
 //! walks a room's members or other users' rooms.
 
 use std::{
-    collections::{BTreeMap, BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap, HashSet},
     sync::Arc,
 };
 
@@ -59,13 +59,61 @@ struct Inner {
     rooms: HashMap<String, RoomPresence>,
 }
 
-/// In-memory presence state.
-#[derive(Clone, Default)]
+/// In-memory presence state: at most `max_users` users (config
+/// `caches.presence_users`).
+#[derive(Clone)]
 pub struct Presence {
     inner: Arc<parking_lot::Mutex<Inner>>,
+    max_users: usize,
+}
+
+impl Default for Presence {
+    fn default() -> Self {
+        Presence::with_limit(crate::CacheLimits::default().presence_users)
+    }
 }
 
 impl Presence {
+    /// No presence yet; at most `max_users` users (at least 10).
+    pub fn with_limit(max_users: usize) -> Presence {
+        Presence {
+            inner: Arc::default(),
+            max_users: max_users.max(10),
+        }
+    }
+
+    /// Users with a presence kept now.
+    pub fn len(&self) -> usize {
+        self.inner.lock().users.len()
+    }
+
+    /// Whether no user has a presence.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Forgets the tenth least recently active users and their room entries: one pass
+    /// over the users and the rooms per tenth of the bound, so a new user costs O(1)
+    /// amortized.
+    fn evict(inner: &mut Inner, max: usize) {
+        let mut by_age: Vec<(u64, String)> = inner
+            .users
+            .iter()
+            .map(|(u, p)| (p.last_active_ms, u.clone()))
+            .collect();
+        by_age.sort();
+        let gone: HashSet<String> = by_age
+            .into_iter()
+            .take((max / 10).max(1))
+            .map(|(_, u)| u)
+            .collect();
+        inner.users.retain(|u, _| !gone.contains(u));
+        inner.rooms.retain(|_, r| {
+            r.users.retain(|u, _| !gone.contains(u));
+            !r.users.is_empty()
+        });
+    }
+
     /// Sets a user's presence (and optionally status message) at `now`. When the
     /// visible state changes, the change takes a counter value from `typing` and is
     /// recorded under each of `joined_rooms`; a repeat of the same state only
@@ -81,6 +129,9 @@ impl Presence {
     ) {
         let mut inner = self.inner.lock();
         let prev = inner.users.get(user_id).cloned();
+        if prev.is_none() && inner.users.len() >= self.max_users {
+            Self::evict(&mut inner, self.max_users);
+        }
         let next = UserPresence {
             presence: presence.to_owned(),
             status_msg: match status_msg {
@@ -310,4 +361,41 @@ async fn get_status(
             .content(&user_id, crate::now_ms())
             .unwrap_or_else(|| json!({ "presence": "offline" })),
     ))
+}
+
+#[cfg(test)]
+mod bound_tests {
+    use super::*;
+
+    #[test]
+    fn presence_users_are_bounded_least_recently_active_forgotten_first() {
+        let typing = crate::typing::Typing::default();
+        let p = Presence::with_limit(100);
+        let rooms = vec!["!r:x".to_owned()];
+        for i in 0..100u64 {
+            p.set(
+                &typing,
+                &format!("@u{i}:x"),
+                "online",
+                None,
+                &rooms,
+                1_000 + i,
+            );
+        }
+        assert_eq!(p.len(), 100);
+        // @u0 is active again: @u1..@u10 are now the ten least recently active.
+        p.set(&typing, "@u0:x", "online", None, &rooms, 5_000);
+        p.set(&typing, "@new:x", "online", None, &rooms, 5_001);
+        assert_eq!(p.len(), 91);
+        for i in 1..=10 {
+            assert!(p.content(&format!("@u{i}:x"), 6_000).is_none(), "@u{i}");
+        }
+        assert!(p.content("@u0:x", 6_000).is_some());
+        assert!(p.content("@u11:x", 6_000).is_some());
+        assert!(p.content("@new:x", 6_000).is_some());
+        // Their room entries went with them.
+        let inner = p.inner.lock();
+        assert_eq!(inner.rooms["!r:x"].users.len(), 91);
+        assert!(!inner.rooms["!r:x"].users.contains_key("@u1:x"));
+    }
 }

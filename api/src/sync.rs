@@ -488,7 +488,7 @@ impl Ctx<'_> {
                     .collect();
                 let v = json!({ "m.joined_member_count": joined, "m.invited_member_count": invited, "candidates": candidates });
                 let mut cache = self.s.summaries.lock();
-                if cache.len() > 10_000 {
+                if cache.len() >= self.s.config.caches.sync_room_summaries {
                     cache.clear();
                 }
                 cache.insert(root.0, v.clone());

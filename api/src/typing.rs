@@ -29,23 +29,35 @@ struct RoomTyping {
     serial: u64,
 }
 
-/// In-memory typing state.
+/// In-memory typing state: at most `max_rooms` rooms (config `caches.typing_rooms`).
 #[derive(Clone)]
 pub struct Typing {
     rooms: Arc<parking_lot::Mutex<HashMap<String, RoomTyping>>>,
     counter: Arc<watch::Sender<u64>>,
+    max_rooms: usize,
 }
 
 impl Default for Typing {
     fn default() -> Self {
-        Typing {
-            rooms: Arc::default(),
-            counter: Arc::new(watch::channel(0).0),
-        }
+        Typing::with_limit(crate::CacheLimits::default().typing_rooms)
     }
 }
 
 impl Typing {
+    /// No typing yet; typing state of at most `max_rooms` rooms (at least 1).
+    pub fn with_limit(max_rooms: usize) -> Typing {
+        Typing {
+            rooms: Arc::default(),
+            counter: Arc::new(watch::channel(0).0),
+            max_rooms: max_rooms.max(1),
+        }
+    }
+
+    /// Rooms with typing state kept now.
+    pub fn rooms_len(&self) -> usize {
+        self.rooms.lock().len()
+    }
+
     fn bump(&self, room: &mut RoomTyping) {
         let mut next = 0;
         self.counter.send_modify(|c| {
@@ -58,6 +70,26 @@ impl Typing {
     /// Marks `user_id` typing (for `timeout`) or not typing in a room.
     pub fn set(&self, room_id: &str, user_id: &str, typing: bool, timeout: Duration) {
         let mut rooms = self.rooms.lock();
+        if !rooms.contains_key(room_id) {
+            if !typing {
+                // Nothing to stop: no state to keep.
+                return;
+            }
+            if rooms.len() >= self.max_rooms {
+                // Rooms where nobody types any more go first (their last change was
+                // "nobody": a sync that has not seen it yet shows a stale typist until
+                // the client's own timeout).
+                let now = Instant::now();
+                rooms.retain(|_, r| r.users.values().any(|t| *t > now));
+                if rooms.len() >= self.max_rooms {
+                    tracing::debug!(
+                        room_id,
+                        "typing: every kept room has a typist; notice dropped"
+                    );
+                    return;
+                }
+            }
+        }
         let room = rooms.entry(room_id.to_owned()).or_default();
         let changed = if typing {
             room.users
@@ -191,4 +223,32 @@ pub(crate) async fn set_typing(
 
 pub(crate) fn routes() -> axum::Router<AppState> {
     axum::Router::new()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn typing_rooms_are_bounded_rooms_without_typists_dropped_first() {
+        let t = Typing::with_limit(3);
+        let long = Duration::from_secs(60);
+        for r in ["!r0:x", "!r1:x", "!r2:x"] {
+            t.set(r, "@u:x", true, long);
+        }
+        // Full, every room has a typist: the new room's notice is not kept.
+        t.set("!r3:x", "@u:x", true, long);
+        assert_eq!(t.rooms_len(), 3);
+        assert!(t.users("!r3:x").is_empty());
+        // Nobody types in r1 any more: it makes room for r3.
+        t.set("!r1:x", "@u:x", false, long);
+        t.set("!r3:x", "@u:x", true, long);
+        assert_eq!(t.rooms_len(), 3);
+        assert_eq!(t.users("!r3:x"), vec!["@u:x".to_owned()]);
+        assert_eq!(t.room_serial("!r1:x"), 0);
+        assert_eq!(t.users("!r0:x"), vec!["@u:x".to_owned()]);
+        // Stopping in a room with no state keeps none.
+        t.set("!r9:x", "@u:x", false, long);
+        assert_eq!(t.rooms_len(), 3);
+    }
 }

@@ -696,6 +696,27 @@ pub struct JournalStats {
     pub txn_index_reads: AtomicU64,
     /// Retries answered from the store's index (the hot set had evicted the key).
     pub txn_index_hits: AtomicU64,
+    /// Snapshots that failed to save.
+    pub snapshots_failed: AtomicU64,
+    /// Position of the newest snapshot: the one loaded at open, then each one saved
+    /// (0: none).
+    pub snapshot_position: AtomicU64,
+    /// Size of the last snapshot saved, bytes.
+    pub snapshot_bytes: AtomicU64,
+    /// How long saving the last snapshot took (replay of the records since the one
+    /// before, encoding, the durable write), ms.
+    pub snapshot_duration_ms: AtomicU64,
+    /// How long restoring the write models at open took (snapshot load + replay), ms.
+    pub restore_duration_ms: AtomicU64,
+}
+
+impl JournalStats {
+    fn note_snapshot(&self, position: u64, bytes: usize, took: std::time::Duration) {
+        self.snapshot_position.store(position, Ordering::Relaxed);
+        self.snapshot_bytes.store(bytes as u64, Ordering::Relaxed);
+        self.snapshot_duration_ms
+            .store(took.as_millis() as u64, Ordering::Relaxed);
+    }
 }
 
 /// The journal handle (cheap to clone).
@@ -822,6 +843,7 @@ impl Journal {
     ) -> Result<Journal, JournalError> {
         let cap = options.fork_window;
         let stats = Arc::new(JournalStats::default());
+        let opened = std::time::Instant::now();
         let (mut models, start) = snapshot::load(&*store, cap, true)
             .unwrap_or_else(|| (snapshot::WriteModels::default(), ChainHead::GENESIS));
         let total = store
@@ -848,12 +870,20 @@ impl Journal {
             Err(brk) => recover_torn_tail(&*store, brk)?,
         };
         stats.restored.store(progress.done(), Ordering::Relaxed);
+        stats
+            .snapshot_position
+            .store(start.position, Ordering::Relaxed);
+        stats
+            .restore_duration_ms
+            .store(opened.elapsed().as_millis() as u64, Ordering::Relaxed);
         let every = options.snapshot_every_records;
         let mut last_snapshot = start.position;
         if every > 0 && progress.done() >= every {
+            let saving = std::time::Instant::now();
             match snapshot::save(&*store, &models, chain_head, cap) {
                 Ok(bytes) => {
                     stats.snapshots_saved.fetch_add(1, Ordering::Relaxed);
+                    stats.note_snapshot(chain_head.position, bytes, saving.elapsed());
                     last_snapshot = chain_head.position;
                     tracing::info!(
                         position = chain_head.position,
@@ -862,6 +892,7 @@ impl Journal {
                     );
                 }
                 Err(e) => {
+                    stats.snapshots_failed.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(error = %e, "journal: saving the write-model snapshot failed")
                 }
             }
@@ -932,6 +963,12 @@ impl Journal {
     /// Counters for counting tests.
     pub fn stats(&self) -> &JournalStats {
         &self.inner.stats
+    }
+
+    /// Transaction ids in the hot set now, and its bound ([`txn`]).
+    pub fn txn_cache_len(&self) -> (usize, usize) {
+        let c = self.inner.txns.lock();
+        (c.len(), c.max())
     }
 
     /// A digest of every in-memory write model ([`snapshot`]): equal digests mean equal
@@ -1144,7 +1181,10 @@ impl Journal {
         if let Some(hit) = self.inner.txns.lock().get(key) {
             return Ok(Some(hit.clone()));
         }
-        self.inner.stats.txn_index_reads.fetch_add(1, Ordering::Relaxed);
+        self.inner
+            .stats
+            .txn_index_reads
+            .fetch_add(1, Ordering::Relaxed);
         let Some(position) = self
             .inner
             .store
@@ -1176,7 +1216,10 @@ impl Journal {
             None
         };
         let hit = txn::TxnHit { position, event_id };
-        self.inner.stats.txn_index_hits.fetch_add(1, Ordering::Relaxed);
+        self.inner
+            .stats
+            .txn_index_hits
+            .fetch_add(1, Ordering::Relaxed);
         self.inner.txns.lock().insert(key.to_vec(), hit.clone());
         Ok(Some(hit))
     }
@@ -1663,12 +1706,9 @@ impl Journal {
             .ok_or_else(|| JournalError::UnknownRoom(room_id.to_owned()))?;
         let mut agg = agg.lock().await;
         let txn_key = match (txn_id, &cmd.envelope.device_id) {
-            (Some(t), Some(d)) => Some(txn::event_key(
-                room.as_str(),
-                &cmd.envelope.principal,
-                d,
-                t,
-            )),
+            (Some(t), Some(d)) => {
+                Some(txn::event_key(room.as_str(), &cmd.envelope.principal, d, t))
+            }
             _ => None,
         };
         // Under the room lock: two concurrent retries cannot both miss.

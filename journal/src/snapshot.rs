@@ -318,6 +318,7 @@ impl Background {
                 match refresh(&*store, cap, head) {
                     Ok(Some((replayed, bytes))) => {
                         stats.snapshots_saved.fetch_add(1, Ordering::Relaxed);
+                        stats.note_snapshot(head.position, bytes, started.elapsed());
                         tracing::info!(
                             position = head.position,
                             replayed,
@@ -328,6 +329,7 @@ impl Background {
                     }
                     Ok(None) => {}
                     Err(e) => {
+                        stats.snapshots_failed.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(error = %e, "journal: background write-model snapshot failed")
                     }
                 }

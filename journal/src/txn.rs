@@ -162,12 +162,18 @@ mod tests {
     #[test]
     fn keys_are_unambiguous() {
         // Length prefixes: moving a byte between parts gives another key.
-        assert_ne!(event_key("!a", "b", "c", "d"), event_key("!", "ab", "c", "d"));
+        assert_ne!(
+            event_key("!a", "b", "c", "d"),
+            event_key("!", "ab", "c", "d")
+        );
         assert_ne!(
             event_key("!r", "@u", "D", "t"),
             to_device_key("@u", "D", "t")
         );
         // A txn id with a NUL byte is its own key.
-        assert_ne!(to_device_key("@u", "D", "a\0b"), to_device_key("@u", "D", "a"));
+        assert_ne!(
+            to_device_key("@u", "D", "a\0b"),
+            to_device_key("@u", "D", "a")
+        );
     }
 }

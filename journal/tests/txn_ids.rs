@@ -115,7 +115,10 @@ async fn fill(journal: &Journal, key: &ServerKey, n: usize) -> (String, Vec<Stri
         .to_string();
     let sends: Vec<_> = (0..n)
         .map(|i| {
-            let (j, cmd) = (journal.clone(), signed(key, message(&room, &format!("t{i}"))));
+            let (j, cmd) = (
+                journal.clone(),
+                signed(key, message(&room, &format!("t{i}"))),
+            );
             tokio::spawn(async move { j.submit(cmd).await })
         })
         .collect();

@@ -261,10 +261,13 @@ pub fn read_export(input: impl BufRead) -> anyhow::Result<(ExportHeader, Vec<Enc
             position: rec.position,
             hash: record_hash(&bytes),
         };
+        // The first start replays an imported journal (no snapshot), which writes its
+        // transaction index (journal::txn).
         out.push(EncodedRecord {
             position: rec.position,
             room_id: rec.room_id,
             bytes,
+            txn_key: None,
         });
     }
     if head.position != header.head || hex(&head.hash) != header.head_hash {

@@ -81,28 +81,60 @@ struct Conn {
     used: u64,
 }
 
-/// Every live connection, in memory.
+/// Every live connection, in memory: at most `max` over all devices (the least
+/// recently used forgotten first), each device at most [`MAX_CONNECTIONS_PER_DEVICE`],
+/// each connection at most [`MAX_SNAPSHOTS_PER_CONNECTION`] snapshots.
 pub struct Connections {
     /// Tells this process's `pos` tokens from an earlier process's.
     boot: u64,
     next: std::sync::atomic::AtomicU64,
-    by_device: Mutex<HashMap<(String, String), HashMap<String, Conn>>>,
+    by_device: Mutex<Devices>,
+    /// Connections kept at most (config `caches.sliding_sync_connections`).
+    max: usize,
     /// Room types (`m.room.create` `type`), which never change: room -> type.
     pub(crate) room_types: Mutex<HashMap<String, Option<String>>>,
+    /// Entries of `room_types` at most (config `caches.sliding_sync_room_types`).
+    pub(crate) room_types_max: usize,
+}
+
+#[derive(Default)]
+struct Devices {
+    map: HashMap<(String, String), HashMap<String, Conn>>,
+    /// Connections over all devices.
+    count: usize,
 }
 
 impl Default for Connections {
     fn default() -> Self {
-        Connections {
-            boot: rand::random::<u32>() as u64,
-            next: std::sync::atomic::AtomicU64::new(1),
-            by_device: Mutex::default(),
-            room_types: Mutex::default(),
-        }
+        let d = crate::CacheLimits::default();
+        Connections::with_limits(d.sliding_sync_connections, d.sliding_sync_room_types)
     }
 }
 
 impl Connections {
+    /// No connection yet; at most `max_connections` connections and `max_room_types`
+    /// cached room types (each at least 1).
+    pub fn with_limits(max_connections: usize, max_room_types: usize) -> Connections {
+        Connections {
+            boot: rand::random::<u32>() as u64,
+            next: std::sync::atomic::AtomicU64::new(1),
+            by_device: Mutex::default(),
+            max: max_connections.max(1),
+            room_types: Mutex::default(),
+            room_types_max: max_room_types.max(1),
+        }
+    }
+
+    /// Connections kept now, over all devices.
+    pub fn len(&self) -> usize {
+        self.by_device.lock().count
+    }
+
+    /// Whether no connection is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     fn parse_pos(&self, pos: &str) -> Option<u64> {
         let (boot, n) = pos.split_once('_')?;
         (u64::from_str_radix(boot, 16).ok()? == self.boot)
@@ -122,6 +154,7 @@ impl Connections {
         let n = self.parse_pos(pos)?;
         let mut all = self.by_device.lock();
         let conn = all
+            .map
             .get_mut(&(user.to_owned(), device.to_owned()))?
             .get_mut(conn_id)?;
         conn.used = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -133,12 +166,36 @@ impl Connections {
 
     /// Forgets a connection (a request without `pos` starts it over).
     pub fn reset(&self, user: &str, device: &str, conn_id: &str) {
-        if let Some(conns) = self
-            .by_device
-            .lock()
-            .get_mut(&(user.to_owned(), device.to_owned()))
+        let mut all = self.by_device.lock();
+        let key = (user.to_owned(), device.to_owned());
+        if let Some(conns) = all.map.get_mut(&key)
+            && conns.remove(conn_id).is_some()
         {
-            conns.remove(conn_id);
+            let empty = conns.is_empty();
+            all.count -= 1;
+            if empty {
+                all.map.remove(&key);
+            }
+        }
+    }
+
+    /// Forgets the least recently used connection of all (a scan of every connection:
+    /// only when a new one arrives at the bound).
+    fn evict_least_recent(all: &mut Devices) {
+        let oldest = all
+            .map
+            .iter()
+            .flat_map(|(dev, conns)| conns.iter().map(move |(id, c)| (c.used, dev, id)))
+            .min_by_key(|(used, _, _)| *used)
+            .map(|(_, dev, id)| (dev.clone(), id.clone()));
+        if let Some((dev, id)) = oldest
+            && let Some(conns) = all.map.get_mut(&dev)
+        {
+            conns.remove(&id);
+            all.count -= 1;
+            if conns.is_empty() {
+                all.map.remove(&dev);
+            }
         }
     }
 
@@ -154,17 +211,28 @@ impl Connections {
     ) -> String {
         let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let acked = acknowledged.and_then(|p| self.parse_pos(p));
-        let mut all = self.by_device.lock();
-        let conns = all.entry((user.to_owned(), device.to_owned())).or_default();
-        if !conns.contains_key(conn_id) && conns.len() >= MAX_CONNECTIONS_PER_DEVICE {
-            let oldest = conns
-                .iter()
-                .min_by_key(|(_, c)| c.used)
-                .map(|(k, _)| k.clone());
-            if let Some(k) = oldest {
-                conns.remove(&k);
+        let mut guard = self.by_device.lock();
+        let all = &mut *guard;
+        let key = (user.to_owned(), device.to_owned());
+        let known = all.map.get(&key).is_some_and(|c| c.contains_key(conn_id));
+        if !known {
+            let per_device = all.map.get(&key).map_or(0, |c| c.len());
+            if per_device >= MAX_CONNECTIONS_PER_DEVICE {
+                let conns = all.map.get_mut(&key).expect("device has connections");
+                let oldest = conns
+                    .iter()
+                    .min_by_key(|(_, c)| c.used)
+                    .map(|(k, _)| k.clone());
+                if let Some(k) = oldest {
+                    conns.remove(&k);
+                    all.count -= 1;
+                }
+            } else if all.count >= self.max {
+                Self::evict_least_recent(all);
             }
+            all.count += 1;
         }
+        let conns = all.map.entry(key).or_default();
         let conn = conns.entry(conn_id.to_owned()).or_insert_with(|| Conn {
             snapshots: Vec::new(),
             used: n,
@@ -213,5 +281,36 @@ mod tests {
             c.record("@u:x", "D", &format!("c{i}"), None, Snapshot::default());
         }
         assert!(c.resume("@u:x", "D", "c0", &first).is_none());
+        assert_eq!(c.len(), MAX_CONNECTIONS_PER_DEVICE);
+    }
+
+    #[test]
+    fn connections_over_all_devices_are_bounded_least_recently_used_first() {
+        let c = Connections::with_limits(3, 10);
+        let p0 = c.record("@a:x", "D", "", None, Snapshot::default());
+        let p1 = c.record("@b:x", "D", "", None, Snapshot::default());
+        let p2 = c.record("@c:x", "D", "", None, Snapshot::default());
+        // @a's connection is used again: @b's is now the least recently used.
+        assert!(c.resume("@a:x", "D", "", &p0).is_some());
+        let p3 = c.record("@d:x", "D", "", None, Snapshot::default());
+        assert_eq!(c.len(), 3);
+        assert!(c.resume("@b:x", "D", "", &p1).is_none());
+        for (u, p) in [("@a:x", &p0), ("@c:x", &p2), ("@d:x", &p3)] {
+            assert!(c.resume(u, "D", "", p).is_some(), "{u}");
+        }
+        // A new snapshot of a known connection evicts nothing.
+        c.record("@a:x", "D", "", Some(&p0), Snapshot::default());
+        assert_eq!(c.len(), 3);
+        // 100 more devices: still 3, the 3 most recent.
+        let mut last = Vec::new();
+        for i in 0..100 {
+            last.push(c.record(&format!("@n{i}:x"), "D", "", None, Snapshot::default()));
+        }
+        assert_eq!(c.len(), 3);
+        assert_eq!(c.by_device.lock().map.len(), 3);
+        assert!(c.resume("@n97:x", "D", "", &last[97]).is_some());
+        assert!(c.resume("@n96:x", "D", "", &last[96]).is_none());
+        c.reset("@n97:x", "D", "");
+        assert_eq!(c.len(), 2);
     }
 }

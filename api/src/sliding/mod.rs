@@ -227,7 +227,7 @@ fn room_type(s: &AppState, room: &str) -> Option<String> {
         .and_then(|meta| s.projections.timeline.event(&meta.create_event_id))
         .and_then(|ev| ev.pdu.content_value()["type"].as_str().map(str::to_owned));
     let mut cache = s.sliding.room_types.lock();
-    if cache.len() > 100_000 {
+    if cache.len() >= s.sliding.room_types_max {
         cache.clear();
     }
     cache.insert(room.to_owned(), t.clone());
