@@ -2,6 +2,12 @@
 
 use std::path::PathBuf;
 
+/// With `--features mimalloc`, mimalloc is the global allocator (docs/benchmarks.md,
+/// "Memory soak", measures both).
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use anyhow::{Context, anyhow};
 use clap::{Parser, Subcommand};
 use spindle::Config;
