@@ -607,18 +607,16 @@ pub(crate) fn replay_into(
                 Some(Fact::AccountDeactivated { user_id, .. }) => {
                     models.deactivated.insert(user_id);
                 }
+                // Only the transaction index needs to-device sends (journal::txn).
+                Some(Fact::ToDeviceSent { .. }) if !models.index_txns => {}
                 Some(Fact::ToDeviceSent {
                     sender,
                     sender_device,
                     txn_id,
                     ..
                 }) => {
-                    if models.index_txns {
-                        models.txn_index.push((
-                            txn::to_device_key(&sender, &sender_device, &txn_id),
-                            rec.position(),
-                        ));
-                    }
+                    let key = txn::to_device_key(&sender, &sender_device, &txn_id);
+                    models.txn_index.push((key, rec.position()));
                 }
                 Some(Fact::MediaCreated { media_id, uploader }) => {
                     models.media.insert(media_id, (uploader, false));
