@@ -69,8 +69,10 @@ impl Node {
     }
 }
 
+/// Waits up to 60 s for the server to answer: a debug build on a loaded 2-core machine
+/// (CI, or a build running beside the tests) has been seen to need more than 10 s.
 async fn wait_ready(http: &reqwest::Client, base: &str) {
-    for _ in 0..200 {
+    for _ in 0..1200 {
         if let Ok(r) = http
             .get(format!("{base}/_matrix/client/versions"))
             .send()

@@ -157,28 +157,35 @@ impl Harness {
     /// `remote.test`'s user joins `room` through make_join and send_join; returns the
     /// send_join answer.
     async fn remote_join(&self, room: &str, user: &str) -> Value {
-        let (status, made) = self
-            .fed(
-                reqwest::Method::GET,
-                &format!(
-                    "/_matrix/federation/v1/make_join/{}/{}?ver=10&ver=11",
-                    enc(room),
-                    enc(user)
-                ),
-                None,
-                None,
-            )
-            .await;
+        let (status, made) = self.make_join(room, user).await;
         assert_eq!(status, 200, "{made}");
-        let version = made["room_version"].as_str().unwrap().to_owned();
-        let pdu = Pdu::sign_template(
-            made["event"].clone(),
-            &version,
-            &self.remote,
-            1_700_000_000_000,
+        let version = made["room_version"].as_str().unwrap();
+        let (_, status, joined) = self.send_join(room, version, made["event"].clone()).await;
+        assert_eq!(status, 200, "{joined}");
+        joined
+    }
+
+    /// `GET make_join` for `user` of `remote.test` (versions 10 and 11): the status and
+    /// the answer.
+    async fn make_join(&self, room: &str, user: &str) -> (u16, Value) {
+        self.fed(
+            reqwest::Method::GET,
+            &format!(
+                "/_matrix/federation/v1/make_join/{}/{}?ver=10&ver=11",
+                enc(room),
+                enc(user)
+            ),
+            None,
+            None,
         )
-        .unwrap();
-        let (status, joined) = self
+        .await
+    }
+
+    /// Signs `template` as `remote.test` and sends it to `send_join` (v2): the signed
+    /// join, the status and the answer.
+    async fn send_join(&self, room: &str, version: &str, template: Value) -> (Pdu, u16, Value) {
+        let pdu = Pdu::sign_template(template, version, &self.remote, 1_700_000_000_000).unwrap();
+        let (status, v) = self
             .fed(
                 reqwest::Method::PUT,
                 &format!(
@@ -190,8 +197,7 @@ impl Harness {
                 None,
             )
             .await;
-        assert_eq!(status, 200, "{joined}");
-        joined
+        (pdu, status, v)
     }
 }
 
@@ -659,4 +665,162 @@ async fn shared_history_from_before_a_server_joined_is_served_whole() {
     h.quiesce().await;
     let (status, pdu) = h.fed_event(&first).await;
     assert_eq!((status, pdu["content"]["body"].as_str()), (200, Some("m0")));
+}
+
+impl Harness {
+    /// A v10 room of `token`'s user whose join rule is `restricted` to `allow`.
+    async fn restricted_room(&self, token: &str, allow: &[&str], extra: Value) -> String {
+        let allow: Vec<Value> = allow
+            .iter()
+            .map(|r| json!({ "type": "m.room_membership", "room_id": r }))
+            .collect();
+        let mut body = json!({
+            "room_version": "10",
+            "initial_state": [{
+                "type": "m.room.join_rules", "state_key": "",
+                "content": { "join_rule": "restricted", "allow": allow },
+            }],
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (status, v) = self
+            .client(
+                reqwest::Method::POST,
+                "/_matrix/client/v3/createRoom",
+                Some(token),
+                Some(body),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+        v["room_id"].as_str().unwrap().to_owned()
+    }
+}
+
+/// Spec: server-server "Restricted rooms", `make_join`/`send_join` responses, and the
+/// v8+ auth rules for `join_authorised_via_users_server`.
+#[tokio::test]
+async fn a_restricted_room_vouches_for_members_of_its_allowed_rooms_and_countersigns() {
+    let h = Harness::start().await;
+    let token = h.register("alice").await;
+    let alice = "@alice:localhost:8008";
+    let (space, _) = h.public_room(&token, 0).await;
+    let room = h.restricted_room(&token, &[&space], json!({})).await;
+    let bob = "@bob:remote.test";
+    // Not in the allowed room yet: 403.
+    let (status, v) = h.make_join(&room, bob).await;
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (403, Some("M_FORBIDDEN")),
+        "{v}"
+    );
+    // In the allowed room: a template naming alice, with her membership as an auth event.
+    h.remote_join(&space, bob).await;
+    let (status, made) = h.make_join(&room, bob).await;
+    assert_eq!(status, 200, "{made}");
+    let template = made["event"].clone();
+    assert_eq!(
+        template["content"],
+        json!({ "membership": "join", "join_authorised_via_users_server": alice })
+    );
+    let (_, state) = h
+        .client(
+            reqwest::Method::GET,
+            &format!("/_matrix/client/v3/rooms/{}/state", enc(&room)),
+            Some(&token),
+            None,
+        )
+        .await;
+    let alice_member = state
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["type"] == "m.room.member" && e["state_key"] == alice)
+        .unwrap()["event_id"]
+        .clone();
+    assert!(
+        template["auth_events"]
+            .as_array()
+            .unwrap()
+            .contains(&alice_member),
+        "{template}"
+    );
+    // Someone else's join through the same template is judged again at send_join.
+    let mut forged = template.clone();
+    forged["sender"] = json!("@carol:remote.test");
+    forged["state_key"] = json!("@carol:remote.test");
+    let (_, status, v) = h.send_join(&room, "10", forged).await;
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (403, Some("M_FORBIDDEN")),
+        "{v}"
+    );
+    // Bob's join is countersigned by this server and appended.
+    let (pdu, status, joined) = h.send_join(&room, "10", template).await;
+    assert_eq!(status, 200, "{joined}");
+    let mut signers: Vec<&str> = joined["event"]["signatures"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    signers.sort();
+    assert_eq!(signers, ["localhost:8008", "remote.test"]);
+    assert_eq!(bob_join_id(&joined["event"]), pdu.event_id.as_str());
+    let (status, member) = h
+        .client(
+            reqwest::Method::GET,
+            &format!(
+                "/_matrix/client/v3/rooms/{}/state/m.room.member/{}",
+                enc(&room),
+                enc(bob)
+            ),
+            Some(&token),
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{member}");
+    assert_eq!(member["join_authorised_via_users_server"], json!(alice));
+    // The join as served over federation carries both signatures.
+    let (status, served) = h.fed_event(pdu.event_id.as_str()).await;
+    assert_eq!(status, 200);
+    assert!(
+        served["signatures"]["localhost:8008"].is_object(),
+        "{served}"
+    );
+
+    // Restricted to a room this server is not in: it cannot tell.
+    let elsewhere = h
+        .restricted_room(&token, &["!unknown:elsewhere.test"], json!({}))
+        .await;
+    let (status, v) = h.make_join(&elsewhere, bob).await;
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (400, Some("M_UNABLE_TO_AUTHORISE_JOIN")),
+        "{v}"
+    );
+    // Nobody here may invite (alice stepped down below `invite`): try another server.
+    let no_inviter = h
+        .restricted_room(
+            &token,
+            &[&space],
+            json!({ "power_level_content_override": { "invite": 100 } }),
+        )
+        .await;
+    h.ok(
+        reqwest::Method::PUT,
+        &format!(
+            "/_matrix/client/v3/rooms/{}/state/m.room.power_levels/",
+            enc(&no_inviter)
+        ),
+        &token,
+        json!({ "users": { alice: 50 }, "invite": 100 }),
+    )
+    .await;
+    let (status, v) = h.make_join(&no_inviter, bob).await;
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (400, Some("M_UNABLE_TO_GRANT_JOIN")),
+        "{v}"
+    );
 }

@@ -692,10 +692,39 @@ async fn join(
         ));
     }
     check_user(s, &s.rate_limits.joins, &r.user_id)?;
+    let invited = current.as_ref().is_some_and(|m| m.membership == "invite");
     // A room this server is not in (or no longer in: nobody here is joined) is joined
-    // through a server that is (spec: server-server API, "Joining Rooms").
+    // through a server that is (spec: server-server API, "Joining Rooms"). So is a
+    // restricted room none of whose local members may vouch for the join (spec:
+    // "Restricted rooms": the join must be authorised by a server that can).
     let known = s.projections.state.room(room_id).is_some();
-    if !known || !crate::visibility::server_is_joined(s, room_id).await {
+    let here = known && crate::visibility::server_is_joined(s, room_id).await;
+    let mut content = member_content(s, &r.user_id, "join", None);
+    let mut no_authoriser = false;
+    if here && !invited {
+        use spindle_projections::joins::{RestrictedJoin, restricted_join};
+        match restricted_join(
+            &s.projections,
+            &s.journal,
+            s.server_name(),
+            room_id,
+            &r.user_id,
+        )
+        .await
+        {
+            RestrictedJoin::NotRestricted => {}
+            RestrictedJoin::Authorised(via) => {
+                content["join_authorised_via_users_server"] = json!(via);
+            }
+            RestrictedJoin::NotAllowed | RestrictedJoin::CannotJudge => {
+                return Err(MatrixError::forbidden(
+                    "You are not a member of any room this room's join rule allows",
+                ));
+            }
+            RestrictedJoin::NoAuthoriser => no_authoriser = true,
+        }
+    }
+    if !here || no_authoriser {
         let mut servers: Vec<String> = via.to_vec();
         // An invite names a server that is in the room: the inviter's.
         if let Some(m) = current.as_ref().filter(|m| m.membership == "invite")
@@ -712,7 +741,6 @@ async fn join(
         servers.retain(|srv| srv != s.server_name());
         match (&s.federation, servers.is_empty()) {
             (Some(fed), false) => {
-                let content = member_content(s, &r.user_id, "join", None);
                 let extra = content.as_object().cloned().unwrap_or_default();
                 spindle_federation::outbound::join_remote(
                     fed, &r.user_id, room_id, &servers, extra,
@@ -724,13 +752,14 @@ async fn join(
             _ if !known => {
                 return Err(MatrixError::not_found("No known servers for this room"));
             }
+            _ if no_authoriser => {
+                return Err(MatrixError::forbidden(
+                    "No user of this server who may invite is in the room, and no other \
+                     server of the room was named to authorise the join",
+                ));
+            }
             _ => {}
         }
-    }
-    let mut content = member_content(s, &r.user_id, "join", None);
-    let invited = current.is_some_and(|m| m.membership == "invite");
-    if !invited && let Some(via) = restricted_join_authoriser(s, &r.user_id, room_id)? {
-        content["join_authorised_via_users_server"] = json!(via);
     }
     send_checked(
         s,
@@ -747,107 +776,6 @@ async fn join(
     )
     .await?;
     Ok(Json(json!({ "room_id": room_id })))
-}
-
-/// For a room whose join rule is `restricted` or `knock_restricted` (spec: "Restricted
-/// rooms"): the local user who authorises `user_id`'s join, because `user_id` is
-/// joined to one of the rooms the `allow` list names (`m.room_membership`). `None`
-/// when the join rule is something else. A user in none of the allowed rooms is 403
-/// `M_FORBIDDEN` (for `knock_restricted` they may knock instead). The authoriser is a
-/// joined member with the power to invite (a v12 creator first), which the auth
-/// rules check again when the join is appended.
-fn restricted_join_authoriser(
-    s: &AppState,
-    user_id: &str,
-    room_id: &str,
-) -> ApiResult<Option<String>> {
-    // One point read decides the common case (not restricted) whatever the room's size.
-    if !matches!(
-        s.projections.directory.join_rule(room_id).as_deref(),
-        Some("restricted" | "knock_restricted")
-    ) {
-        return Ok(None);
-    }
-    let Some(root) = s.projections.state.current_root(room_id) else {
-        return Ok(None);
-    };
-    let Some(rules) = crate::visibility::state_content(s, root, "m.room.join_rules", "") else {
-        return Ok(None);
-    };
-    let rule = rules
-        .get("join_rule")
-        .and_then(|v| v.as_str())
-        .unwrap_or("");
-    if rule != "restricted" && rule != "knock_restricted" {
-        return Ok(None);
-    }
-    let allowed = rules
-        .get("allow")
-        .and_then(|a| a.as_array())
-        .into_iter()
-        .flatten()
-        .filter(|a| a.get("type").and_then(|t| t.as_str()) == Some("m.room_membership"))
-        .filter_map(|a| a.get("room_id").and_then(|r| r.as_str()))
-        .any(|allowed_room| {
-            s.projections
-                .membership
-                .get(allowed_room, user_id)
-                .is_some_and(|m| m.membership == "join")
-        });
-    if !allowed {
-        return Err(MatrixError::forbidden(
-            "You are not a member of any room this room's join rule allows",
-        ));
-    }
-    let joined = |u: &str| {
-        s.projections
-            .membership
-            .get(room_id, u)
-            .is_some_and(|m| m.membership == "join")
-    };
-    let (_, pl) = user_power(s, room_id, user_id);
-    let invite_level = pl.get("invite").and_then(|v| v.as_i64()).unwrap_or(0);
-    let meta = s.projections.state.room(room_id);
-    let mut candidates: Vec<(i64, String)> = Vec::new();
-    if let Some(m) = &meta
-        && m.room_version == "12"
-    {
-        candidates.push((i64::MAX, m.creator.clone()));
-    }
-    if let Some(users) = pl.get("users").and_then(|u| u.as_object()) {
-        for (u, level) in users {
-            candidates.push((level.as_i64().unwrap_or(0), u.clone()));
-        }
-    }
-    if pl.is_null() || pl.as_object().is_some_and(|o| o.is_empty()) {
-        // No power levels: the creator has 100.
-        if let Some(m) = &meta {
-            candidates.push((100, m.creator.clone()));
-        }
-    }
-    candidates.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
-    let local = format!(":{}", s.server_name());
-    Ok(candidates
-        .into_iter()
-        .find(|(level, u)| *level >= invite_level && u.ends_with(&local) && joined(u))
-        .map(|(_, u)| u)
-        .or_else(|| {
-            // Everyone may invite: any joined local member will do.
-            let users_default = pl
-                .get("users_default")
-                .and_then(|v| v.as_i64())
-                .unwrap_or(0);
-            (users_default >= invite_level)
-                .then(|| {
-                    s.projections
-                        .membership
-                        .members(room_id)
-                        .into_iter()
-                        .find(|(u, m)| m.membership == "join" && u.ends_with(&local))
-                        .map(|(u, _)| u)
-                })
-                .flatten()
-        }))
 }
 
 /// `POST /knock/{roomIdOrAlias}?via=&server_name=` (spec: "Knocking on rooms"): asks

@@ -586,6 +586,44 @@ impl Pdu {
     }
 }
 
+/// Adds `key`'s signature to a PDU another server built and signed, leaving every
+/// other field as it is: what a resident server does to a restricted join that names
+/// one of its users in `join_authorised_via_users_server` (spec: server-server API
+/// `send_join`, "Restricted rooms"). The signature covers the event's redacted form
+/// like any event signature (spec: "Signing events"). `pdu` is the federation JSON
+/// (v1/v2 with its `event_id`); the answer is the same object with one more signature.
+///
+/// Errors: [`PduError::UnsupportedRoomVersion`]; [`PduError::Invalid`] if `pdu` is not a
+/// JSON object that canonical JSON and the version's redaction accept.
+pub fn countersign(
+    pdu: serde_json::Value,
+    room_version: &str,
+    key: &ServerKey,
+) -> Result<serde_json::Value, PduError> {
+    let rules = rules(room_version)?;
+    let mut obj =
+        canonical::to_object(pdu).map_err(|e| PduError::Invalid(format!("event: {e}")))?;
+    let mut redacted = ruma::canonical_json::redact(obj.clone(), &rules.redaction, None)
+        .map_err(|e| PduError::Invalid(e.to_string()))?;
+    ruma::signatures::sign_json(key.server_name(), key.pair(), &mut redacted)
+        .map_err(|e| PduError::Invalid(e.to_string()))?;
+    let ours = match redacted.get("signatures") {
+        Some(CanonicalJsonValue::Object(sigs)) => sigs.get(key.server_name()).cloned(),
+        _ => None,
+    }
+    .ok_or_else(|| PduError::Invalid("signing added no signature".into()))?;
+    match obj
+        .entry("signatures".to_owned())
+        .or_insert_with(|| CanonicalJsonValue::Object(CanonicalJsonObject::new()))
+    {
+        CanonicalJsonValue::Object(sigs) => {
+            sigs.insert(key.server_name().to_owned(), ours);
+        }
+        _ => return Err(PduError::Invalid("signatures is not an object".into())),
+    }
+    serde_json::to_value(obj).map_err(|e| PduError::Invalid(e.to_string()))
+}
+
 impl ruma::state_res::Event for Pdu {
     type Id = OwnedEventId;
 

@@ -11,6 +11,7 @@ use axum::{
     extract::{Path, State},
 };
 use spindle_journal::CommandBody;
+use spindle_projections::joins::{RestrictedJoin, restricted_join};
 
 use crate::{
     FedState,
@@ -22,6 +23,9 @@ use crate::{
 /// `GET /_matrix/federation/v1/make_join/{roomId}/{userId}?ver=`: a join template.
 /// 400 `M_INCOMPATIBLE_ROOM_VERSION` if the room's version is not among `ver`; 403 if
 /// the user is not on the asking server, is banned, or the room is not open to them.
+/// In a restricted room (v8+) a user joined to an allowed room gets a template whose
+/// content names a local authoriser in `join_authorised_via_users_server`; the other
+/// answers are [`refusal`]'s.
 pub(crate) async fn make_join(
     State(st): State<FedState>,
     Path((room_id, user_id)): Path<(String, String)>,
@@ -33,7 +37,38 @@ pub(crate) async fn make_join(
         .filter(|(k, _)| k == "ver")
         .map(|(_, v)| v)
         .collect();
-    let (version, event) = template(&st, &signed.origin, &room_id, &user_id, "join").await?;
+    if server_of(&user_id) != Some(signed.origin.as_str()) {
+        return Err(FedError::forbidden(format!(
+            "{user_id} is not a user of {}",
+            signed.origin
+        )));
+    }
+    let membership = st.projections.membership.get(&room_id, &user_id);
+    let current = membership.as_ref().map(|m| m.membership.as_str());
+    if current == Some("ban") {
+        return Err(FedError::forbidden("the user is banned from the room"));
+    }
+    let mut content = serde_json::json!({ "membership": "join" });
+    let mut allowed = matches!(current, Some("invite") | Some("join"));
+    if !allowed {
+        match restricted_join(
+            &st.projections,
+            &st.journal,
+            st.server_name(),
+            &room_id,
+            &user_id,
+        )
+        .await
+        {
+            RestrictedJoin::NotRestricted => {}
+            RestrictedJoin::Authorised(via) => {
+                content["join_authorised_via_users_server"] = via.into();
+                allowed = true;
+            }
+            refused => return Err(refusal(refused)),
+        }
+    }
+    let (version, event) = template(&st, &signed.origin, &room_id, &user_id, content).await?;
     // Without `ver` the asking server supports only version 1 (spec).
     if !versions.iter().any(|v| *v == version)
         || spindle_core::room_version::rules(&version).is_none()
@@ -45,17 +80,12 @@ pub(crate) async fn make_join(
         )
         .with_room_version(&version));
     }
-    let membership = st.projections.membership.get(&room_id, &user_id);
-    let current = membership.as_ref().map(|m| m.membership.as_str());
-    if current == Some("ban") {
-        return Err(FedError::forbidden("the user is banned from the room"));
-    }
     let join_rule = st
         .projections
         .directory
         .join_rule(&room_id)
         .unwrap_or_else(|| "invite".into());
-    if join_rule != "public" && !matches!(current, Some("invite") | Some("join")) {
+    if join_rule != "public" && !allowed {
         return Err(FedError::forbidden(format!(
             "the room's join rule is {join_rule} and the user is not invited"
         )));
@@ -65,13 +95,91 @@ pub(crate) async fn make_join(
     ))
 }
 
+/// The answer to a restricted join this server will not vouch for (spec: `make_join`
+/// responses): 403 `M_FORBIDDEN` when the user is in none of the allowed rooms, 400
+/// `M_UNABLE_TO_AUTHORISE_JOIN` when this server cannot tell, 400
+/// `M_UNABLE_TO_GRANT_JOIN` when no local user may invite (the joining server should
+/// try another resident).
+fn refusal(judged: RestrictedJoin) -> FedError {
+    match judged {
+        RestrictedJoin::CannotJudge => FedError::new(
+            axum::http::StatusCode::BAD_REQUEST,
+            "M_UNABLE_TO_AUTHORISE_JOIN",
+            "this server is in none of the rooms the join rule allows; ask another",
+        ),
+        RestrictedJoin::NoAuthoriser => FedError::new(
+            axum::http::StatusCode::BAD_REQUEST,
+            "M_UNABLE_TO_GRANT_JOIN",
+            "no user of this server in the room may invite; ask another server",
+        ),
+        _ => FedError::forbidden("the user is not joined to any room this room's join rule allows"),
+    }
+}
+
+/// A join whose `join_authorised_via_users_server` names a user of this server gets
+/// this server's signature (spec: `send_join`, "Restricted rooms"), after the join is
+/// judged again against the room's current join rule (it may have changed since
+/// `make_join`). Any other join is returned as it came; the auth rules still check
+/// that the named user may invite and, through the signatures, that their server
+/// agreed.
+async fn countersign_restricted_join(
+    st: &FedState,
+    room_id: &str,
+    pdu: serde_json::Value,
+) -> FedResult<serde_json::Value> {
+    let via = pdu
+        .get("content")
+        .and_then(|c| c.get("join_authorised_via_users_server"))
+        .and_then(|v| v.as_str());
+    if via.and_then(server_of) != Some(st.server_name()) {
+        return Ok(pdu);
+    }
+    let sender = pdu
+        .get("sender")
+        .and_then(|v| v.as_str())
+        .unwrap_or_default();
+    let already = st
+        .projections
+        .membership
+        .get(room_id, sender)
+        .is_some_and(|m| m.membership == "invite" || m.membership == "join");
+    if !already {
+        match restricted_join(
+            &st.projections,
+            &st.journal,
+            st.server_name(),
+            room_id,
+            sender,
+        )
+        .await
+        {
+            RestrictedJoin::NotRestricted | RestrictedJoin::Authorised(_) => {}
+            refused => return Err(refusal(refused)),
+        }
+    }
+    let version = st
+        .journal
+        .room_version(room_id)
+        .await
+        .ok_or_else(|| FedError::not_found("unknown room"))?;
+    spindle_core::pdu::countersign(pdu, &version, &st.key)
+        .map_err(|e| FedError::bad_json(format!("the join cannot be signed: {e}")))
+}
+
 /// `GET /_matrix/federation/v1/make_leave/{roomId}/{userId}`: a leave template.
 pub(crate) async fn make_leave(
     State(st): State<FedState>,
     Path((room_id, user_id)): Path<(String, String)>,
     signed: Signed,
 ) -> FedResult<Json<serde_json::Value>> {
-    let (version, event) = template(&st, &signed.origin, &room_id, &user_id, "leave").await?;
+    let (version, event) = template(
+        &st,
+        &signed.origin,
+        &room_id,
+        &user_id,
+        serde_json::json!({ "membership": "leave" }),
+    )
+    .await?;
     Ok(Json(
         serde_json::json!({ "room_version": version, "event": event }),
     ))
@@ -82,7 +190,7 @@ pub(crate) async fn template(
     origin: &str,
     room_id: &str,
     user_id: &str,
-    membership: &str,
+    content: serde_json::Value,
 ) -> FedResult<(String, serde_json::Value)> {
     if server_of(user_id) != Some(origin) {
         return Err(FedError::forbidden(format!(
@@ -94,7 +202,7 @@ pub(crate) async fn template(
     }
     Ok(st
         .journal
-        .membership_template(room_id, user_id, membership, crate::now_ms())
+        .membership_template(room_id, user_id, content, crate::now_ms())
         .await?)
 }
 
@@ -131,6 +239,11 @@ pub(crate) async fn submit_membership(
     if field("room_id") != room_id {
         return Err(FedError::bad_json("the event is for another room"));
     }
+    let pdu = if membership == "join" {
+        countersign_restricted_join(st, room_id, pdu).await?
+    } else {
+        pdu
+    };
     let keys = transactions::verify_keys_for(st, &pdu).await;
     let outcome = st
         .submit(

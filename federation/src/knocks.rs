@@ -65,8 +65,14 @@ pub(crate) async fn make_knock(
         .filter(|(k, _)| k == "ver")
         .map(|(_, v)| v)
         .collect();
-    let (version, event) =
-        joins::template(&st, &signed.origin, &room_id, &user_id, "knock").await?;
+    let (version, event) = joins::template(
+        &st,
+        &signed.origin,
+        &room_id,
+        &user_id,
+        serde_json::json!({ "membership": "knock" }),
+    )
+    .await?;
     if !knocking_allowed(&version) {
         return Err(FedError::new(
             axum::http::StatusCode::BAD_REQUEST,

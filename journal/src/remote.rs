@@ -273,14 +273,17 @@ impl Journal {
     /// `make_join`, `make_leave`, `make_knock`): `prev_events` are the room's forward
     /// extremities, `auth_events` what the auth rules select for it from the current
     /// state, `depth` one more than the deepest extremity. Nothing is appended.
+    /// `content` is the event's content, an object with at least `membership`; a
+    /// restricted join's `join_authorised_via_users_server` brings that user's member
+    /// event into `auth_events`.
     ///
     /// Errors: [`JournalError::UnknownRoom`]; [`JournalError::BadJson`] for a
-    /// malformed user id.
+    /// malformed user id or content.
     pub async fn membership_template(
         &self,
         room_id: &str,
         user_id: &str,
-        membership: &str,
+        content: serde_json::Value,
         origin_server_ts: u64,
     ) -> Result<(String, serde_json::Value), JournalError> {
         let room = OwnedRoomId::try_from(room_id)
@@ -297,7 +300,11 @@ impl Journal {
             .ok_or_else(|| JournalError::UnsupportedRoomVersion(agg.version.clone()))?;
         let sender = ruma::OwnedUserId::try_from(user_id)
             .map_err(|e| JournalError::BadJson(e.to_string()))?;
-        let content = serde_json::json!({ "membership": membership });
+        if content.get("membership").and_then(|m| m.as_str()).is_none() {
+            return Err(JournalError::BadJson(
+                "a membership template needs content.membership".into(),
+            ));
+        }
         let raw = serde_json::value::to_raw_value(&content)
             .map_err(|e| JournalError::BadJson(e.to_string()))?;
         let types =

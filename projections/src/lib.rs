@@ -33,6 +33,7 @@ pub mod delayed;
 pub mod device_keys;
 pub mod directory;
 pub mod discovery;
+pub mod joins;
 pub mod key_backup;
 pub mod media;
 pub mod membership;

@@ -624,6 +624,57 @@ def test_a_pdu_strict_canonical_json_refuses_does_not_block_the_transaction(worl
     assert odd not in ids(alice.messages(old))
 
 
+def restricted_room(client: Client, space: str, name: str) -> str:
+    """A v10 room whose join rule lets in members of `space` (spec: "Restricted rooms")."""
+    return client.call("POST", "/_matrix/client/v3/createRoom", {
+        "room_version": "10", "name": name,
+        "initial_state": [{"type": "m.room.join_rules", "state_key": "", "content": {
+            "join_rule": "restricted", "allow": [{"type": "m.room_membership", "room_id": space}],
+        }}],
+    })["room_id"]
+
+
+def test_restricted_joins_through_a_space_both_ways(world):
+    """A member of a space joins a room restricted to that space, hosted on the other
+    server: the resident names one of its users in `join_authorised_via_users_server`
+    and countersigns the join; both sides then hold the same join event. Outside the
+    space the join is refused with 403 on both servers."""
+    alice, bob, spindle, synapse = world["alice"], world["bob"], world["spindle"], world["synapse"]
+    space_body = {"preset": "public_chat", "creation_content": {"type": "m.space"}, "room_version": "10"}
+    # Hosted on Spindle, joined from Synapse.
+    space = alice.call("POST", "/_matrix/client/v3/createRoom", {**space_body, "name": "Spindle space"})["room_id"]
+    room = restricted_room(alice, space, "Spindle members only")
+    via = f"?server_name={q(spindle.server_name)}"
+    out = bob.call("POST", f"/_matrix/client/v3/join/{q(room)}{via}", {}, expect=403)
+    assert out["errcode"] == "M_FORBIDDEN"
+    bob.call("POST", f"/_matrix/client/v3/join/{q(space)}{via}", {})
+    wait_until("bob in the Spindle space", lambda: alice.membership(space, bob.user_id) == "join")
+    bob.call("POST", f"/_matrix/client/v3/join/{q(room)}{via}", {})
+    wait_until("bob in the restricted Spindle room", lambda: alice.membership(room, bob.user_id) == "join")
+    ours = alice.state(room, "m.room.member", bob.user_id)
+    assert ours["join_authorised_via_users_server"] == alice.user_id
+    mine = [e["event_id"] for e in alice.messages(room) if e["type"] == "m.room.member" and e["state_key"] == bob.user_id]
+    theirs = [e["event_id"] for e in bob.messages(room) if e["type"] == "m.room.member" and e["state_key"] == bob.user_id]
+    assert len(mine) == 1 and mine == theirs
+    # Hosted on Synapse, joined from Spindle.
+    space = bob.call("POST", "/_matrix/client/v3/createRoom", {**space_body, "name": "Synapse space"})["room_id"]
+    room = restricted_room(bob, space, "Synapse members only")
+    via = f"?server_name={q(synapse.server_name)}"
+    out = alice.call("POST", f"/_matrix/client/v3/join/{q(room)}{via}", {}, expect=403)
+    assert out["errcode"] == "M_FORBIDDEN"
+    alice.call("POST", f"/_matrix/client/v3/join/{q(space)}{via}", {})
+    wait_until("alice in the Synapse space", lambda: bob.membership(space, alice.user_id) == "join")
+    alice.call("POST", f"/_matrix/client/v3/join/{q(room)}{via}", {})
+    wait_until("alice in the restricted Synapse room", lambda: bob.membership(room, alice.user_id) == "join")
+    assert bob.state(room, "m.room.member", alice.user_id)["join_authorised_via_users_server"] == bob.user_id
+    assert alice.state(room, "m.room.member", alice.user_id)["join_authorised_via_users_server"] == bob.user_id
+    mine = [e["event_id"] for e in alice.messages(room) if e["type"] == "m.room.member" and e["state_key"] == alice.user_id]
+    theirs = [e["event_id"] for e in bob.messages(room) if e["type"] == "m.room.member" and e["state_key"] == alice.user_id]
+    assert len(mine) == 1 and mine == theirs
+    hello = alice.send(room, "hello from a Spindle member of the space")
+    wait_until("alice's message on Synapse", lambda: hello in ids(bob.messages(room)))
+
+
 def test_remote_leave_reaches_spindle(world):
     alice, bob, room = world["alice"], world["bob"], world["room"]
     bob.call("POST", f"/_matrix/client/v3/rooms/{q(room)}/leave", {})
