@@ -8,12 +8,13 @@ use parking_lot::Mutex;
 use serde_json::json;
 use spindle_core::keys::ServerKey;
 use spindle_journal::{
-    BreakKind, CommandBody, CommandEnvelope, EncodedRecord, EventSpec, Fact, FjallStore,
-    GENESIS_HASH, Journal, JournalStore, Record, SignedCommand, StoredRecord, chain,
-    record::v1::RecordV1, record_hash,
+    BreakKind, CommandBody, EncodedRecord, EventSpec, Fact, FjallStore, GENESIS_HASH, Journal,
+    JournalStore, Record, StoredRecord, chain, record::v1::RecordV1, record_hash,
 };
 
-const ALICE: &str = "@alice:example.org";
+mod common;
+
+use common::{ALICE, signed};
 
 /// An in-memory store the tests can tamper with.
 #[derive(Default)]
@@ -55,16 +56,6 @@ impl MemStore {
     fn put(&self, position: u64, bytes: Vec<u8>) {
         self.rows.lock().insert(position, bytes);
     }
-}
-
-fn signed(key: &ServerKey, body: CommandBody) -> SignedCommand {
-    let envelope = CommandEnvelope {
-        principal: ALICE.into(),
-        device_id: Some("DEV".into()),
-        issued_at: 1_700_000_000_000,
-        body,
-    };
-    SignedCommand::sign(key, envelope).unwrap()
 }
 
 /// Appends 1 registration, a room (create + join) and `messages` messages: 3 + messages records.

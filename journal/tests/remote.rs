@@ -7,31 +7,20 @@ use std::{collections::BTreeMap, sync::Arc};
 use serde_json::json;
 use spindle_core::{keys::ServerKey, pdu::PduTemplate};
 use spindle_journal::{
-    CommandBody, CommandEnvelope, EventSpec, Fact, FjallStore, Journal, JournalError,
-    SignedCommand, remote::VerifyKeys,
+    CommandBody, EventSpec, Fact, FjallStore, Journal, JournalError, SignedCommand,
+    remote::VerifyKeys,
 };
 
-const ALICE: &str = "@alice:example.org";
-const BOB: &str = "@bob:remote.org";
+mod common;
 
+use common::{ALICE, state};
+
+/// `body` as `principal`'s command, from no device.
 fn signed(key: &ServerKey, principal: &str, body: CommandBody) -> SignedCommand {
-    let envelope = CommandEnvelope {
-        principal: principal.into(),
-        device_id: None,
-        issued_at: 1_700_000_000_000,
-        body,
-    };
-    SignedCommand::sign(key, envelope).unwrap()
+    common::signed_by(key, principal, None, body)
 }
 
-fn state(kind: &str, key: &str, content: serde_json::Value) -> EventSpec {
-    EventSpec {
-        kind: kind.into(),
-        state_key: Some(key.into()),
-        content,
-        redacts: None,
-    }
-}
+const BOB: &str = "@bob:remote.org";
 
 struct World {
     journal: Journal,

@@ -5,33 +5,15 @@
 
 use std::sync::Arc;
 
-use serde_json::{Value, json};
+use serde_json::json;
 use spindle_core::{keys::ServerKey, pdu::Pdu};
 use spindle_journal::{
-    CommandBody, CommandEnvelope, EventSpec, FjallStore, Journal, JournalStore, SignedCommand,
-    StoredRecord, chain,
+    CommandBody, EventSpec, FjallStore, Journal, JournalStore, StoredRecord, chain,
 };
 
-const ALICE: &str = "@alice:example.org";
+mod common;
 
-fn signed(key: &ServerKey, body: CommandBody) -> SignedCommand {
-    let envelope = CommandEnvelope {
-        principal: ALICE.into(),
-        device_id: Some("DEV".into()),
-        issued_at: 1_700_000_000_000,
-        body,
-    };
-    SignedCommand::sign(key, envelope).unwrap()
-}
-
-fn state(kind: &str, sk: &str, content: Value) -> EventSpec {
-    EventSpec {
-        kind: kind.into(),
-        state_key: Some(sk.into()),
-        content,
-        redacts: None,
-    }
-}
+use common::{ALICE, signed, state};
 
 async fn send(journal: &Journal, key: &ServerKey, room: &str, body: &str) -> String {
     journal

@@ -16,11 +16,19 @@ use parking_lot::Mutex;
 use serde_json::json;
 use spindle_core::{keys::ServerKey, pdu::PduTemplate};
 use spindle_journal::{
-    BreakKind, CommandBody, CommandEnvelope, EncodedRecord, EventSpec, Fact, FjallStore, Journal,
-    JournalOptions, JournalStore, SignedCommand, StoredRecord, chain, remote::VerifyKeys,
+    BreakKind, CommandBody, EncodedRecord, EventSpec, Fact, FjallStore, Journal, JournalOptions,
+    JournalStore, SignedCommand, StoredRecord, chain, remote::VerifyKeys,
 };
 
-const ALICE: &str = "@alice:example.org";
+mod common;
+
+use common::ALICE;
+
+/// `body` as `principal`'s command, from device `DEV`.
+fn signed(key: &ServerKey, principal: &str, body: CommandBody) -> SignedCommand {
+    common::signed_by(key, principal, Some("DEV"), body)
+}
+
 const BOB: &str = "@bob:remote.org";
 
 /// The fjall store, counting the records read through it, with records the test can
@@ -99,16 +107,6 @@ fn open(store: &Arc<CountingStore>, key: &Arc<ServerKey>, every: u64) -> Journal
 
 fn restored(j: &Journal) -> u64 {
     j.stats().restored.load(Ordering::Relaxed)
-}
-
-fn signed(key: &ServerKey, principal: &str, body: CommandBody) -> SignedCommand {
-    let envelope = CommandEnvelope {
-        principal: principal.into(),
-        device_id: Some("DEV".into()),
-        issued_at: 1_700_000_000_000,
-        body,
-    };
-    SignedCommand::sign(key, envelope).unwrap()
 }
 
 fn message(room: &str, i: usize, txn: Option<String>) -> CommandBody {

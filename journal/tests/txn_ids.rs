@@ -4,57 +4,19 @@
 
 use std::sync::{Arc, atomic::Ordering};
 
-use serde_json::json;
 use spindle_core::keys::ServerKey;
 use spindle_journal::{
-    CommandBody, CommandEnvelope, EncodedRecord, EventSpec, Fact, FjallStore, Journal,
-    JournalOptions, JournalStore, SignedCommand, txn::MIN_TXN_IDS_CACHED,
+    CommandBody, EncodedRecord, Fact, FjallStore, Journal, JournalOptions, JournalStore,
+    txn::MIN_TXN_IDS_CACHED,
 };
 
-const ALICE: &str = "@alice:example.org";
+mod common;
 
-fn signed(key: &ServerKey, body: CommandBody) -> SignedCommand {
-    let envelope = CommandEnvelope {
-        principal: ALICE.into(),
-        device_id: Some("DEV".into()),
-        issued_at: 1_700_000_000_000,
-        body,
-    };
-    SignedCommand::sign(key, envelope).unwrap()
-}
+use common::{ALICE, create_room, signed};
 
-fn state(kind: &str, key: &str, content: serde_json::Value) -> EventSpec {
-    EventSpec {
-        kind: kind.into(),
-        state_key: Some(key.into()),
-        content,
-        redacts: None,
-    }
-}
-
-fn create_room() -> CommandBody {
-    CommandBody::CreateRoom {
-        room_version: "11".into(),
-        events: vec![
-            state("m.room.create", "", json!({ "room_version": "11" })),
-            state("m.room.member", ALICE, json!({ "membership": "join" })),
-        ],
-        alias: None,
-    }
-}
-
+/// A message whose body and transaction id are both `txn`.
 fn message(room: &str, txn: &str) -> CommandBody {
-    CommandBody::SendEvent {
-        room_id: room.into(),
-        event: EventSpec {
-            kind: "m.room.message".into(),
-            state_key: None,
-            content: json!({ "msgtype": "m.text", "body": txn }),
-            redacts: None,
-        },
-        txn_id: Some(txn.into()),
-        precondition: None,
-    }
+    common::message(room, txn, Some(txn))
 }
 
 fn to_device(txn: &str) -> CommandBody {
@@ -107,7 +69,7 @@ impl JournalStore for Unindexed {
 /// keeps this to a few fsyncs). Returns the room and each txn's event id.
 async fn fill(journal: &Journal, key: &ServerKey, n: usize) -> (String, Vec<String>) {
     let room = journal
-        .submit(signed(key, create_room()))
+        .submit(signed(key, create_room(None)))
         .await
         .unwrap()
         .room_id
