@@ -7,9 +7,7 @@ use std::sync::Arc;
 
 use serde_json::json;
 use spindle_core::{keys::ServerKey, pdu::Pdu};
-use spindle_journal::{
-    CommandBody, EventSpec, FjallStore, Journal, JournalStore, StoredRecord, chain,
-};
+use spindle_journal::{CommandBody, FjallStore, Journal, JournalStore, StoredRecord, chain};
 
 mod common;
 
@@ -17,20 +15,7 @@ use common::{ALICE, signed, state};
 
 async fn send(journal: &Journal, key: &ServerKey, room: &str, body: &str) -> String {
     journal
-        .submit(signed(
-            key,
-            CommandBody::SendEvent {
-                room_id: room.into(),
-                event: EventSpec {
-                    kind: "m.room.message".into(),
-                    state_key: None,
-                    content: json!({ "msgtype": "m.text", "body": body }),
-                    redacts: None,
-                },
-                txn_id: None,
-                precondition: None,
-            },
-        ))
+        .submit(signed(key, common::message(room, body, None)))
         .await
         .unwrap()
         .event_ids[0]
