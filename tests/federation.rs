@@ -108,16 +108,9 @@ impl Harness {
     }
 
     async fn public_room(&self, token: &str, messages: usize) -> (String, String) {
-        let (status, v) = self
-            .client(
-                reqwest::Method::POST,
-                "/_matrix/client/v3/createRoom",
-                Some(token),
-                Some(json!({ "preset": "public_chat" })),
-            )
+        let room = self
+            .create_room(token, json!({ "preset": "public_chat" }))
             .await;
-        assert_eq!(status, 200, "{v}");
-        let room = v["room_id"].as_str().unwrap().to_owned();
         let mut last = String::new();
         for i in 0..messages {
             let (status, v) = self
@@ -684,6 +677,11 @@ impl Harness {
         for (k, v) in extra.as_object().unwrap() {
             body[k] = v.clone();
         }
+        self.create_room(token, body).await
+    }
+
+    /// `POST /createRoom` with `body`, which must answer 200: the room id.
+    async fn create_room(&self, token: &str, body: Value) -> String {
         let (status, v) = self
             .client(
                 reqwest::Method::POST,
