@@ -658,6 +658,65 @@ struct Pending {
     txn_key: Option<Vec<u8>>,
 }
 
+/// What the appender thread receives, in position order (sent under the enqueue lock).
+enum ToAppender {
+    /// Positioned records to write.
+    Records(Pending),
+    /// A [`Journal::submit_batch`] run starts: write what came before, then collect
+    /// without writing until the matching [`ToAppender::Release`].
+    Hold,
+    /// The run that sent the matching [`ToAppender::Hold`] is enqueued.
+    Release,
+}
+
+/// Records the appender writes with one fsync at most when no batch holds it (group
+/// commit of concurrent writers).
+const APPEND_GROUP_RECORDS: usize = 1024;
+
+/// Commands in one [`Journal::submit_batch`] run (one durable write); longer batches
+/// are split into runs of this many. Bounds how long a run holds the appender's write
+/// open (and so how long concurrent writers wait for the run's checks).
+pub const MAX_BATCH_COMMANDS: usize = 1024;
+
+/// What [`Journal::stage`] leaves to do once a command's records are durable.
+enum Staged {
+    /// Accepted: answer the outcome once its position is durable.
+    Done(Outcome),
+    /// A key claim: read the claimed keys back once the claim is durable.
+    Claimed(Outcome, Vec<(KeyClaim, u64)>),
+    /// Refused, with the position of the record of the refusal (a rejected remote
+    /// PDU), which is durable before the refusal is answered.
+    Refused(JournalError, u64),
+}
+
+/// Holds the appender's write open while a [`Journal::submit_batch`] run is enqueued;
+/// releases it when dropped (also when the run's future is dropped half-way, so the
+/// appender never waits for a run that is gone).
+struct AppenderHold<'a> {
+    inner: &'a Inner,
+}
+
+impl<'a> AppenderHold<'a> {
+    fn new(inner: &'a Inner) -> Self {
+        send_to_appender(&inner.enqueue.lock().1, ToAppender::Hold);
+        AppenderHold { inner }
+    }
+}
+
+impl Drop for AppenderHold<'_> {
+    fn drop(&mut self) {
+        send_to_appender(&self.inner.enqueue.lock().1, ToAppender::Release);
+    }
+}
+
+/// Sends to the appender thread; aborts if it is gone (nothing could be made durable).
+fn send_to_appender(tx: &std::sync::mpsc::Sender<ToAppender>, msg: ToAppender) {
+    if tx.send(msg).is_err() {
+        tracing::error!("journal appender is gone; refusing to continue");
+        std::process::abort();
+    }
+}
+
 /// Counters for counting tests (BRIEF §3.9): fsyncs and records read.
 #[derive(Debug, Default)]
 pub struct JournalStats {
@@ -749,7 +808,7 @@ struct Inner {
     to_device_send: parking_lot::Mutex<()>,
     /// Allocation of positions + enqueue happen together under this lock (held for
     /// nanoseconds; never across I/O) so the appender receives records in order.
-    enqueue: parking_lot::Mutex<(u64, std::sync::mpsc::Sender<Pending>)>,
+    enqueue: parking_lot::Mutex<(u64, std::sync::mpsc::Sender<ToAppender>)>,
     durable: watch::Receiver<u64>,
     stats: Arc<JournalStats>,
     /// Size of each federated room's fork window ([`JournalOptions::fork_window`]).
@@ -907,7 +966,7 @@ impl Journal {
         } = models;
         let head = chain_head.position;
         let (durable_tx, durable_rx) = watch::channel(head);
-        let (tx, rx) = std::sync::mpsc::channel::<Pending>();
+        let (tx, rx) = std::sync::mpsc::channel::<ToAppender>();
         {
             let store = store.clone();
             let stats = stats.clone();
@@ -1053,6 +1112,71 @@ impl Journal {
     /// Verifies, authorizes and durably appends a command. Returns once the records
     /// are fsynced.
     pub async fn submit(&self, cmd: SignedCommand) -> Result<Outcome, JournalError> {
+        let staged = self.stage(&cmd).await?;
+        self.finish(staged).await
+    }
+
+    /// Verifies, authorizes and durably appends a run of commands with one durable
+    /// write: each command is checked and appended exactly as [`Journal::submit`] would
+    /// (in the order given, each against the write models as the commands before it
+    /// left them), and the run waits once for the fsync that covers all of them.
+    ///
+    /// Returns one result per command, in the order given. A refused command (any
+    /// [`JournalError`] `submit` returns) appends nothing, or only the record of its
+    /// refusal (a rejected remote PDU), and does not affect the others. The run is not a
+    /// transaction: each accepted command is appended as it is checked, and the records
+    /// of concurrent writers may sit between the run's records (they share its fsync).
+    /// While a run is being checked the appender holds its write open (the run's and
+    /// concurrent writers' records wait for the end of the run, at most
+    /// [`MAX_BATCH_COMMANDS`] commands); a longer run is split into runs of that many,
+    /// each with its own durable write. A storage failure while waiting turns every
+    /// accepted command's result into [`JournalError::Storage`]. With no accepted
+    /// command nothing is written (no fsync).
+    pub async fn submit_batch(
+        &self,
+        cmds: Vec<SignedCommand>,
+    ) -> Vec<Result<Outcome, JournalError>> {
+        let mut results = Vec::with_capacity(cmds.len());
+        for run in cmds.chunks(MAX_BATCH_COMMANDS) {
+            let mut staged = Vec::with_capacity(run.len());
+            {
+                let _hold = AppenderHold::new(&self.inner);
+                for cmd in run {
+                    staged.push(self.stage(cmd).await);
+                }
+            }
+            // The hold is released: the appender writes the whole run with one fsync.
+            for s in staged {
+                results.push(match s {
+                    Ok(s) => self.finish(s).await,
+                    Err(e) => Err(e),
+                });
+            }
+        }
+        results
+    }
+
+    /// Waits until a staged command's records are durable, then answers it.
+    async fn finish(&self, staged: Staged) -> Result<Outcome, JournalError> {
+        match staged {
+            Staged::Done(outcome) => {
+                self.wait_durable(outcome.position).await?;
+                Ok(outcome)
+            }
+            Staged::Claimed(outcome, picked) => {
+                self.wait_durable(outcome.position).await?;
+                self.read_claimed(outcome, picked)
+            }
+            Staged::Refused(error, position) => {
+                // The refusal is on disk before the caller hears of it.
+                self.wait_durable(position).await?;
+                Err(error)
+            }
+        }
+    }
+
+    /// Verifies, authorizes and enqueues a command's records; waits for nothing.
+    async fn stage(&self, cmd: &SignedCommand) -> Result<Staged, JournalError> {
         let bytes = cmd
             .envelope
             .canonical_bytes()
@@ -1064,12 +1188,11 @@ impl Journal {
         let outcome = match &cmd.envelope.body {
             CommandBody::Fact {
                 fact: fact @ Fact::RoomForgotten { room_id, user_id },
-            } => self.forget_room(&cmd, fact, room_id, user_id).await?,
-            CommandBody::Fact { fact } => self.append_fact(&cmd, fact)?,
+            } => self.forget_room(cmd, fact, room_id, user_id).await?,
+            CommandBody::Fact { fact } => self.append_fact(cmd, fact)?,
             CommandBody::ClaimOneTimeKeys { requests } => {
-                let (outcome, picked) = self.claim_keys(&cmd, requests)?;
-                self.wait_durable(outcome.position).await?;
-                return self.read_claimed(outcome, picked);
+                let (outcome, picked) = self.claim_keys(cmd, requests)?;
+                return Ok(Staged::Claimed(outcome, picked));
             }
             CommandBody::SendEvent {
                 room_id,
@@ -1078,7 +1201,7 @@ impl Journal {
                 precondition,
             } => {
                 self.send_event(
-                    &cmd,
+                    cmd,
                     room_id,
                     event,
                     txn_id.as_deref(),
@@ -1094,7 +1217,7 @@ impl Journal {
                 join,
                 keys,
             } => {
-                self.import_remote_room(&cmd, room_id, room_version, auth_chain, state, join, keys)
+                self.import_remote_room(cmd, room_id, room_version, auth_chain, state, join, keys)
                     .await?
             }
             CommandBody::RemoteOutlier {
@@ -1105,7 +1228,7 @@ impl Journal {
                 invite_room_state,
             } => {
                 self.remote_outlier(
-                    &cmd,
+                    cmd,
                     room_id,
                     room_version,
                     pdu,
@@ -1119,30 +1242,27 @@ impl Journal {
                 pdus,
                 auth_events,
                 keys,
-            } => {
-                self.backfill(&cmd, room_id, pdus, auth_events, keys)
-                    .await?
-            }
+            } => self.backfill(cmd, room_id, pdus, auth_events, keys).await?,
             CommandBody::RemotePdu {
                 room_id,
                 pdu,
                 keys,
                 event_id,
             } => {
-                self.ingest_remote(&cmd, room_id, pdu, keys, event_id.as_deref())
-                    .await?
+                return self
+                    .ingest_remote(cmd, room_id, pdu, keys, event_id.as_deref())
+                    .await;
             }
             CommandBody::CreateRoom {
                 room_version,
                 events,
                 alias,
             } => {
-                self.create_room(&cmd, room_version, events, alias.as_deref())
+                self.create_room(cmd, room_version, events, alias.as_deref())
                     .await?
             }
         };
-        self.wait_durable(outcome.position).await?;
-        Ok(outcome)
+        Ok(Staged::Done(outcome))
     }
 
     async fn wait_durable(&self, position: u64) -> Result<(), JournalError> {
@@ -1235,10 +1355,7 @@ impl Journal {
         }
         let last = guard.0;
         let count = records.len() as u64;
-        if guard.1.send(Pending { records, txn_key }).is_err() {
-            tracing::error!("journal appender is gone; refusing to continue");
-            std::process::abort();
-        }
+        send_to_appender(&guard.1, ToAppender::Records(Pending { records, txn_key }));
         self.inner
             .stats
             .enqueued
@@ -1879,29 +1996,58 @@ impl Journal {
 /// before, and hands the store exactly those bytes.
 fn appender(
     store: Arc<dyn JournalStore>,
-    rx: std::sync::mpsc::Receiver<Pending>,
+    rx: std::sync::mpsc::Receiver<ToAppender>,
     durable: watch::Sender<u64>,
     stats: Arc<JournalStats>,
     mut chain: ChainHead,
     mut snapshots: snapshot::Background,
 ) {
-    while let Ok(first) = rx.recv() {
-        fn take(records: &mut Vec<(Record, Option<Vec<u8>>)>, p: Pending) {
-            let mut key = p.txn_key;
-            for r in p.records {
-                records.push((r, key.take()));
+    fn take(records: &mut Vec<(Record, Option<Vec<u8>>)>, p: Pending) {
+        let mut key = p.txn_key;
+        for r in p.records {
+            records.push((r, key.take()));
+        }
+    }
+    // Runs of `submit_batch` whose `Hold` arrived and `Release` did not yet.
+    let mut holds = 0usize;
+    let mut records: Vec<(Record, Option<Vec<u8>>)> = Vec::new();
+    loop {
+        // Collect one group: block while there is nothing to write or a run holds the
+        // write open; otherwise take what is already queued (group commit). Ends with
+        // nothing collected only when every sender is gone.
+        loop {
+            let msg = if records.is_empty() || holds > 0 {
+                rx.recv().ok()
+            } else if records.len() < APPEND_GROUP_RECORDS {
+                rx.try_recv().ok()
+            } else {
+                None
+            };
+            match msg {
+                Some(ToAppender::Records(p)) => take(&mut records, p),
+                Some(ToAppender::Hold) => {
+                    holds += 1;
+                    // What was queued before the run does not wait for it.
+                    if holds == 1 && !records.is_empty() {
+                        break;
+                    }
+                }
+                Some(ToAppender::Release) => {
+                    if holds == 0 {
+                        tracing::error!("journal appender: a release without a hold; aborting");
+                        std::process::abort();
+                    }
+                    holds -= 1;
+                }
+                // Nothing more queued, the group is full, or every sender is gone.
+                None => break,
             }
         }
-        let mut records = Vec::with_capacity(first.records.len());
-        take(&mut records, first);
-        while records.len() < 1024 {
-            match rx.try_recv() {
-                Ok(more) => take(&mut records, more),
-                Err(_) => break,
-            }
+        if records.is_empty() {
+            return;
         }
         let mut encoded = Vec::with_capacity(records.len());
-        for (mut r, txn_key) in records {
+        for (mut r, txn_key) in records.drain(..) {
             if r.position != chain.position + 1 {
                 tracing::error!(
                     expected = chain.position + 1,

@@ -24,7 +24,9 @@ use std::{collections::HashMap, sync::Arc};
 use ruma::{CanonicalJsonValue, OwnedEventId, OwnedRoomId};
 use spindle_core::{canonical, pdu::Pdu, room_version};
 
-use crate::{Fact, Journal, JournalError, Outcome, RecordKind, RoomAggregate, SignedCommand};
+use crate::{
+    Fact, Journal, JournalError, Outcome, RecordKind, RoomAggregate, SignedCommand, Staged,
+};
 
 /// The keys a remote PDU is verified with: server name -> key id -> unpadded base64
 /// ed25519 public key.
@@ -39,7 +41,8 @@ fn reject(reason: impl Into<String>) -> JournalError {
 impl Journal {
     /// Checks a remote PDU and appends it (see the module docs). `expect_event_id` is
     /// the id the request named (`send_join`, `invite`): a PDU hashing to another id is
-    /// refused.
+    /// refused. Waits for nothing: a refusal is [`Staged::Refused`] with the position of
+    /// its [`Fact::RemotePduRejected`], which the caller waits for before answering.
     pub(crate) async fn ingest_remote(
         &self,
         cmd: &SignedCommand,
@@ -47,7 +50,7 @@ impl Journal {
         pdu: &serde_json::Value,
         keys: &VerifyKeys,
         expect_event_id: Option<&str>,
-    ) -> Result<Outcome, JournalError> {
+    ) -> Result<Staged, JournalError> {
         let room = OwnedRoomId::try_from(room_id)
             .map_err(|_| JournalError::UnknownRoom(room_id.to_owned()))?;
         let agg = self
@@ -59,12 +62,12 @@ impl Journal {
             .ok_or_else(|| JournalError::UnknownRoom(room_id.to_owned()))?;
         let mut agg = agg.lock().await;
         match check_remote(&agg, &room, pdu, keys, expect_event_id, &self.inner.stats) {
-            Ok(Checked::Known(event_id)) => Ok(Outcome {
+            Ok(Checked::Known(event_id)) => Ok(Staged::Done(Outcome {
                 position: self.durable_head(),
                 room_id: Some(room),
                 event_ids: vec![event_id],
                 ..Outcome::default()
-            }),
+            })),
             Ok(Checked::Accept(pdu, before)) => {
                 let pdu = Arc::new(pdu);
                 let event_id = pdu.event_id.clone();
@@ -83,12 +86,12 @@ impl Journal {
                     );
                 }
                 let position = self.enqueue(records);
-                Ok(Outcome {
+                Ok(Staged::Done(Outcome {
                     position,
                     room_id: Some(room),
                     event_ids: vec![event_id],
                     ..Outcome::default()
-                })
+                }))
             }
             Ok(Checked::SoftFail(pdu, before)) => {
                 let pdu = Arc::new(pdu);
@@ -103,12 +106,12 @@ impl Journal {
                 let position = self.enqueue(vec![rec]);
                 // Accepted as far as the origin is concerned (spec: soft-failed events
                 // are not rejected).
-                Ok(Outcome {
+                Ok(Staged::Done(Outcome {
                     position,
                     room_id: Some(room),
                     event_ids: vec![event_id],
                     ..Outcome::default()
-                })
+                }))
             }
             Err((event_id, err)) => {
                 let fact = Fact::RemotePduRejected {
@@ -120,10 +123,9 @@ impl Journal {
                 let payload =
                     serde_json::to_vec(&fact).map_err(|e| JournalError::BadJson(e.to_string()))?;
                 let position = self.enqueue(vec![self.base_record(cmd, RecordKind::Fact, payload)]);
-                drop(agg);
-                // The rejection is on disk before the origin hears of it.
-                self.wait_durable(position).await?;
-                Err(err)
+                // The rejection is on disk before the origin hears of it (the caller
+                // waits for `position`).
+                Ok(Staged::Refused(err, position))
             }
         }
     }
