@@ -455,6 +455,197 @@ async fn an_idle_tick_with_200_pending_delays_reads_no_row() {
     ts.stop().await;
 }
 
+/// The deadlines of the user's scheduled delays, by delay id.
+async fn deadlines(c: &Client) -> std::collections::HashMap<String, u64> {
+    list(c)
+        .await
+        .iter()
+        .map(|d| {
+            (
+                d["delay_id"].as_str().unwrap().to_owned(),
+                d["running_since"].as_u64().unwrap() + d["delay"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn fsyncs(ts: &TestServer) -> u64 {
+    ts.server
+        .journal
+        .stats()
+        .fsyncs
+        .load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The loss in docs/benchmarks.md (1,000 delays due within 2 s fired up to 9.5 s late):
+/// the worker appended each due event and its `DelayedEventSent` fact as separate
+/// commands, each waiting for its own fsync (80 fsyncs for 40 due delays). One tick now
+/// fires everything due as one journal run of events and one of their outcomes: two
+/// fsyncs, whatever the number due (up to the per-tick bound).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forty_delays_due_at_once_fire_in_one_tick_with_two_fsyncs() {
+    let ts = start().await;
+    let alice = ts.register("alice").await;
+    let room = alice.create_room(json!({})).await;
+    // Far off, so the worker never fires them: the test's tick does, at their deadline.
+    let mut ids = Vec::new();
+    for i in 0..40u64 {
+        ids.push(schedule_message(&alice, &room, &format!("m{i}"), 600_000 + i).await);
+    }
+    let due = deadlines(&alice).await;
+    let last = ids.iter().map(|id| due[id]).max().unwrap();
+    // Scheduled in this order, each a millisecond later: due in this order.
+    let mut by_deadline = ids.clone();
+    by_deadline.sort_by_key(|id| (due[id], id.clone()));
+    assert_eq!(by_deadline, ids);
+
+    let before = fsyncs(&ts);
+    assert_eq!(spindle_api::delayed::tick(&ts.server.state, last).await, 40);
+    assert_eq!(
+        fsyncs(&ts) - before,
+        2,
+        "one run of events, one of outcomes"
+    );
+    assert!(list(&alice).await.is_empty());
+
+    // In the room, in deadline order, each the event its delay names, as alice.
+    let page = alice.messages(&room, "dir=b&limit=100").await;
+    let mut fired: Vec<Value> = page["chunk"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["type"] == "m.room.message")
+        .cloned()
+        .collect();
+    fired.reverse();
+    let bodies: Vec<&str> = fired
+        .iter()
+        .map(|e| e["content"]["body"].as_str().unwrap())
+        .collect();
+    let expected: Vec<String> = (0..40).map(|i| format!("m{i}")).collect();
+    assert_eq!(bodies, expected);
+    for (ev, id) in fired.iter().zip(&ids) {
+        let d = alice.get(&format!("{DE}/{id}")).await.ok();
+        assert_eq!(d["event_id"], ev["event_id"], "{id}");
+        assert_eq!(ev["sender"], alice.user_id);
+        assert_eq!(ev["unsigned"]["org.matrix.msc4140.delay_id"], json!(id));
+        assert_eq!(
+            ev["content"],
+            json!({ "msgtype": "m.text", "body": ev["content"]["body"] })
+        );
+        assert!(ev["origin_server_ts"].as_u64().unwrap() >= due[id]);
+    }
+    // Nothing left to fire, and nothing written for it.
+    let before = fsyncs(&ts);
+    assert_eq!(spindle_api::delayed::tick(&ts.server.state, last).await, 0);
+    assert_eq!(fsyncs(&ts) - before, 0);
+    ts.stop().await;
+}
+
+/// Delayed state events for one (room, type, state key) due in the same tick: a run
+/// holds one of them, the earliest; the next tick sees what it did. Bob's, due after
+/// alice's first, is cancelled by it (someone else set the state first) and never
+/// sent; alice's second, same sender, fires after her first and ends as the state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delayed_state_events_for_one_slot_due_in_one_tick_fire_as_if_one_at_a_time() {
+    let ts = start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    let room = alice
+        .create_room(json!({
+            "preset": "public_chat",
+            "power_level_content_override": { "users": { alice.user_id.clone(): 100, bob.user_id.clone(): 100 } },
+        }))
+        .await;
+    bob.join(&room).await;
+    let status = "org.example.status";
+    let first = schedule_state(&alice, &room, status, json!({ "v": "alice" }), 600_000).await;
+    let other = schedule_state(
+        &alice,
+        &room,
+        "org.example.other",
+        json!({ "v": "o" }),
+        600_001,
+    )
+    .await;
+    let bobs = schedule_state(&bob, &room, status, json!({ "v": "bob" }), 600_002).await;
+    let second = schedule_state(&alice, &room, status, json!({ "v": "alice2" }), 600_003).await;
+    let mut due = deadlines(&alice).await;
+    due.extend(deadlines(&bob).await);
+    let now = *due.values().max().unwrap();
+    assert!(due[&first] < due[&other] && due[&other] < due[&bobs] && due[&bobs] < due[&second]);
+
+    let before = fsyncs(&ts);
+    // alice's first status and her other slot; bob's and alice's second wait.
+    assert_eq!(spindle_api::delayed::tick(&ts.server.state, now).await, 2);
+    assert_eq!(fsyncs(&ts) - before, 2);
+    let pending: Vec<Value> = list(&alice).await;
+    assert_eq!(pending.len(), 1);
+    assert_eq!(pending[0]["delay_id"], json!(second));
+    // Bob's was cancelled when alice's first was applied: finalised, no event.
+    let b = bob.get(&format!("{DE}/{bobs}")).await.ok();
+    assert!(b.get("origin_server_ts").is_some(), "{b}");
+    assert!(b.get("event_id").is_none(), "{b}");
+    bob.post(&format!("{DE}/{bobs}/send"), &json!({}))
+        .await
+        .expect_err(409, "M_UNKNOWN");
+
+    let before = fsyncs(&ts);
+    assert_eq!(spindle_api::delayed::tick(&ts.server.state, now).await, 1);
+    assert_eq!(fsyncs(&ts) - before, 2);
+    assert_eq!(spindle_api::delayed::tick(&ts.server.state, now).await, 0);
+    assert!(list(&alice).await.is_empty());
+
+    // The room saw alice's two status events in order, the other slot, never bob's.
+    let page = alice.messages(&room, "dir=b&limit=100").await;
+    let mut fired: Vec<(String, String, Value)> = page["chunk"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["type"] == status || e["type"] == "org.example.other")
+        .map(|e| {
+            (
+                e["type"].as_str().unwrap().to_owned(),
+                e["event_id"].as_str().unwrap().to_owned(),
+                e["content"].clone(),
+            )
+        })
+        .collect();
+    fired.reverse();
+    let event_of = |c: &Client, id: &str| {
+        let path = format!("{DE}/{id}");
+        async move {
+            c.get(&path).await.ok()["event_id"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        }
+    };
+    assert_eq!(
+        fired,
+        [
+            (
+                status.to_owned(),
+                event_of(&alice, &first).await,
+                json!({ "v": "alice" })
+            ),
+            (
+                "org.example.other".to_owned(),
+                event_of(&alice, &other).await,
+                json!({ "v": "o" })
+            ),
+            (
+                status.to_owned(),
+                event_of(&alice, &second).await,
+                json!({ "v": "alice2" })
+            ),
+        ]
+    );
+    let path = format!("/_matrix/client/v3/rooms/{}/state/{status}", enc(&room));
+    assert_eq!(alice.get(&path).await.ok(), json!({ "v": "alice2" }));
+    ts.stop().await;
+}
+
 /// A running `spindle --config FILE` (a real process, so a restart is a restart).
 struct Proc {
     child: Child,

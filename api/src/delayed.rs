@@ -16,11 +16,25 @@
 //! Scheduling, restarting, cancelling and sending are journal facts; the
 //! `delayed_events` projection is the heap. [`run_worker`] fires what is due: it sleeps
 //! until the earliest deadline (kept in memory by the projection, so an idle tick reads
-//! nothing), sends each due event as its owner with transaction id `delay/{delay_id}` (a retry
-//! after a crash between the event and its `DelayedEventSent` fact returns the same
-//! event instead of sending twice), then journals the outcome. An error at the deadline
-//! finalises the delay with that error (the MSC: not retried); an error on `send`
-//! answers the client and keeps the delay scheduled.
+//! nothing), then fires everything due (at most [`FIRE_BATCH`]) as two journal runs
+//! ([`spindle_journal::Journal::submit_batch`], one fsync each): the events, each as
+//! its owner with transaction id `delay/{delay_id}` (a retry after a crash between the
+//! event and its `DelayedEventSent` fact returns the same event instead of sending
+//! twice), then their outcomes. An error at the deadline finalises the delay with that
+//! error (the MSC: not retried); an error on `send` answers the client and keeps the
+//! delay scheduled.
+//!
+//! A delayed state event is cancelled when someone else sets the same (type, state key)
+//! in the room before it fires (Synapse's rule, and the MSC's "delayed state events are
+//! cancelled by a more recent state event"; the current MSC text moved it to the
+//! alternatives, Synapse keeps it): the projection does it when it applies that event.
+//! Firing a tick's due events as one run must not fire one that an earlier event of
+//! the same run would have cancelled, so a run holds at most one delayed state event
+//! per (room, type, state key): the earliest due (deadline, then delay id). The others
+//! stay scheduled for the next tick, which runs as soon as this one's outcomes are
+//! applied: by then the projection has cancelled those from another user, and those
+//! from the same user fire in deadline order (the later deadline's content ends as the
+//! current state), exactly as firing one at a time would.
 
 use axum::{
     Json, Router,
@@ -29,7 +43,7 @@ use axum::{
     routing::{get, post},
 };
 use serde_json::{Value, json};
-use spindle_journal::{CommandBody, EventSpec, Fact};
+use spindle_journal::{CommandBody, EventSpec, Fact, Outcome};
 use spindle_projections::delayed::{DelayStatus, DelayedEvent};
 
 use crate::{
@@ -45,8 +59,9 @@ pub const DELAY_PARAM: &str = "org.matrix.msc4140.delay";
 /// from it for `unsigned.org.matrix.msc4140.delay_id` ([`crate::read::render`]).
 pub const DELAY_TXN_PREFIX: &str = "delay/";
 
-/// Due delayed events fired per tick at most.
-const FIRE_BATCH: usize = 100;
+/// Due delayed events fired per tick at most (one journal run of events, one of their
+/// outcomes).
+pub const FIRE_BATCH: usize = 100;
 
 const PREFIX: &str = "/_matrix/client/unstable/org.matrix.msc4140";
 
@@ -233,7 +248,7 @@ async fn act(s: &AppState, d: DelayedEvent, action: &str) -> ApiResult<Json<Valu
             ts: crate::now_ms(),
         },
         _ => {
-            fire(s, &d, true).await?;
+            fire(s, &d).await?;
             return Ok(Json(json!({})));
         }
     };
@@ -248,31 +263,23 @@ async fn act(s: &AppState, d: DelayedEvent, action: &str) -> ApiResult<Json<Valu
     Ok(Json(json!({})))
 }
 
-/// Sends a delayed event as its owner and journals the outcome. `by_action`: an error
-/// is answered and the delay stays scheduled; otherwise (its deadline) the error
-/// finalises it.
-async fn fire(s: &AppState, d: &DelayedEvent, by_action: bool) -> ApiResult<()> {
-    let r = Requester {
-        user_id: d.user_id.clone(),
-        device_id: d.device_id.clone().unwrap_or_default(),
-        token_hash: String::new(),
-
-        appservice: None,
-    };
+/// The event a delayed event sends.
+fn event_spec(d: &DelayedEvent) -> EventSpec {
     let redacts = (d.event_type == "m.room.redaction")
         .then(|| d.content["redacts"].as_str().map(str::to_owned))
         .flatten();
-    let spec = EventSpec {
+    EventSpec {
         kind: d.event_type.clone(),
         state_key: d.state_key.clone(),
         content: d.content.clone(),
         redacts,
-    };
-    let txn = format!("{DELAY_TXN_PREFIX}{}", d.delay_id);
-    let sent = crate::rooms::send_spec(s, &r, &d.room_id, spec, Some(txn)).await;
+    }
+}
+
+/// The `DelayedEventSent` fact recording how sending `d` went.
+fn outcome_fact(d: &DelayedEvent, sent: ApiResult<Outcome>) -> Fact {
     let (event_id, error) = match sent {
         Ok(o) => (o.event_ids.first().map(|e| e.to_string()), None),
-        Err(e) if by_action => return Err(e),
         Err(e) => {
             tracing::info!(delay_id = %d.delay_id, errcode = e.errcode, error = %e.error, "delayed event could not be sent");
             (
@@ -281,12 +288,27 @@ async fn fire(s: &AppState, d: &DelayedEvent, by_action: bool) -> ApiResult<()> 
             )
         }
     };
-    let fact = Fact::DelayedEventSent {
+    Fact::DelayedEventSent {
         delay_id: d.delay_id.clone(),
         event_id,
         error,
         ts: crate::now_ms(),
+    }
+}
+
+/// The `send` action: sends a delayed event as its owner now and journals the
+/// outcome. An error is answered and the delay stays scheduled.
+async fn fire(s: &AppState, d: &DelayedEvent) -> ApiResult<()> {
+    let r = Requester {
+        user_id: d.user_id.clone(),
+        device_id: d.device_id.clone().unwrap_or_default(),
+        token_hash: String::new(),
+
+        appservice: None,
     };
+    let txn = format!("{DELAY_TXN_PREFIX}{}", d.delay_id);
+    let o = crate::rooms::send_spec(s, &r, &d.room_id, event_spec(d), Some(txn)).await?;
+    let fact = outcome_fact(d, Ok(o));
     let o = s
         .submit(
             &d.user_id,
@@ -298,24 +320,97 @@ async fn fire(s: &AppState, d: &DelayedEvent, by_action: bool) -> ApiResult<()> 
     Ok(())
 }
 
-/// One tick: fires every delayed event due at `now_ms` (at most [`FIRE_BATCH`]), then
-/// refreshes the earliest deadline (also when nothing turned out to be due: the
-/// earliest one was cancelled or restarted). Returns how many were fired. Reads no
-/// store row before the earliest deadline.
-pub async fn tick(s: &AppState, now_ms: u64) -> usize {
-    let heap = &s.projections.delayed;
-    if now_ms < heap.next_due() {
-        return 0;
+/// Which of a tick's due delays (earliest first) go into this tick's run: all but a
+/// delayed state event whose (room, type, state key) an earlier one of the run already
+/// sets (see the module docs: it waits for the next tick).
+fn one_per_state_slot(due: Vec<DelayedEvent>) -> Vec<DelayedEvent> {
+    let mut slots = std::collections::HashSet::new();
+    due.into_iter()
+        .filter(|d| match &d.state_key {
+            Some(k) => slots.insert((d.room_id.clone(), d.event_type.clone(), k.clone())),
+            None => true,
+        })
+        .collect()
+}
+
+/// Fires due delays as one run of events and one run of their outcomes (one fsync
+/// each), then waits once for the projections to apply the outcomes. Returns how many
+/// were finalised (sent, or failed and finalised with the error).
+async fn fire_due(s: &AppState, due: Vec<DelayedEvent>) -> usize {
+    let mut sent: Vec<Option<ApiResult<Outcome>>> = Vec::with_capacity(due.len());
+    let mut commands = Vec::with_capacity(due.len());
+    for d in &due {
+        let txn = format!("{DELAY_TXN_PREFIX}{}", d.delay_id);
+        match crate::rooms::send_command(&d.room_id, event_spec(d), Some(txn), None) {
+            Ok(body) => {
+                commands.push((
+                    d.user_id.clone(),
+                    Some(d.device_id.clone().unwrap_or_default()),
+                    body,
+                ));
+                sent.push(None);
+            }
+            Err(e) => sent.push(Some(Err(e))),
+        }
     }
+    let mut appended = s.submit_batch(commands).await.into_iter();
+    let facts = due
+        .iter()
+        .zip(sent)
+        .map(|(d, sent)| {
+            let sent = sent.unwrap_or_else(|| {
+                appended
+                    .next()
+                    .expect("one result per command")
+                    .map_err(crate::rooms::unknown_room_as_forbidden)
+            });
+            (
+                d.user_id.clone(),
+                d.device_id.clone(),
+                CommandBody::Fact {
+                    fact: outcome_fact(d, sent),
+                },
+            )
+        })
+        .collect();
     let mut fired = 0;
-    for d in heap.due(now_ms, FIRE_BATCH) {
-        match fire(s, &d, false).await {
-            Ok(()) => fired += 1,
+    let mut last = 0;
+    for (d, journaled) in due.iter().zip(s.submit_batch(facts).await) {
+        match journaled {
+            Ok(o) => {
+                fired += 1;
+                last = last.max(o.position);
+            }
             Err(e) => {
                 tracing::warn!(delay_id = %d.delay_id, error = %e.error, "delayed event outcome not journaled; retrying")
             }
         }
     }
+    if fired > 0
+        && let Err(e) = s.wait_for(last).await
+    {
+        tracing::warn!(error = %e.error, "delayed events: projections behind after firing");
+    }
+    fired
+}
+
+/// One tick: fires the delayed events due at `now_ms` (at most [`FIRE_BATCH`], and at
+/// most one delayed state event per (room, type, state key): see the module docs) as
+/// one journal run of events and one of their outcomes, then refreshes the earliest
+/// deadline (also when nothing turned out to be due: the earliest one was cancelled or
+/// restarted). Returns how many were finalised. Reads no store row before the
+/// earliest deadline.
+pub async fn tick(s: &AppState, now_ms: u64) -> usize {
+    let heap = &s.projections.delayed;
+    if now_ms < heap.next_due() {
+        return 0;
+    }
+    let due = one_per_state_slot(heap.due(now_ms, FIRE_BATCH));
+    let fired = if due.is_empty() {
+        0
+    } else {
+        fire_due(s, due).await
+    };
     heap.refresh_next_due();
     fired
 }

@@ -300,6 +300,45 @@ impl AppState {
         Ok(self.journal.submit(cmd).await?)
     }
 
+    /// [`AppState::submit`] for a run of commands, `(principal, device id, body)` each,
+    /// appended with one durable write ([`Journal::submit_batch`]): one result per
+    /// command, in the order given; a command that fails (signing, or any refusal of
+    /// the journal) fails alone. Returns once every accepted command is durable.
+    pub async fn submit_batch(
+        &self,
+        commands: Vec<(String, Option<String>, CommandBody)>,
+    ) -> Vec<ApiResult<Outcome>> {
+        let mut results: Vec<Option<ApiResult<Outcome>>> = Vec::with_capacity(commands.len());
+        let mut signed = Vec::with_capacity(commands.len());
+        for (principal, device_id, body) in commands {
+            let envelope = CommandEnvelope {
+                principal,
+                device_id,
+                issued_at: now_ms(),
+                body,
+            };
+            match SignedCommand::sign(&self.key, envelope) {
+                Ok(cmd) => {
+                    signed.push(cmd);
+                    results.push(None);
+                }
+                Err(e) => results.push(Some(Err(MatrixError::bad_json(e)))),
+            }
+        }
+        let mut appended = self.journal.submit_batch(signed).await.into_iter();
+        results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    appended
+                        .next()
+                        .expect("one journal result per signed command")
+                        .map_err(MatrixError::from)
+                })
+            })
+            .collect()
+    }
+
     /// [`AppState::submit`], then waits until every projection has applied the
     /// command: for writes whose effect the same handler reads (profile propagation),
     /// or that must hold before the answer leaves (a logout revokes its token, a login

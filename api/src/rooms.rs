@@ -117,6 +117,21 @@ async fn send_checked(
     txn_id: Option<String>,
     precondition: Option<MembershipPrecondition>,
 ) -> ApiResult<Outcome> {
+    let body = send_command(room_id, event, txn_id, precondition)?;
+    s.submit(&r.user_id, Some(&r.device_id), body)
+        .await
+        .map_err(unknown_room_as_forbidden)
+}
+
+/// The command that sends one event, after the checks the journal does not make (a
+/// valid room id, a state key of at most 255 bytes: 400 `M_INVALID_PARAM` / 413
+/// `M_TOO_LARGE`).
+pub(crate) fn send_command(
+    room_id: &str,
+    event: EventSpec,
+    txn_id: Option<String>,
+    precondition: Option<MembershipPrecondition>,
+) -> ApiResult<CommandBody> {
     valid_room_id(room_id)?;
     if event.state_key.as_ref().is_some_and(|k| k.len() > 255) {
         return Err(MatrixError::new(
@@ -125,22 +140,21 @@ async fn send_checked(
             "state_key is longer than 255 bytes",
         ));
     }
-    let body = CommandBody::SendEvent {
+    Ok(CommandBody::SendEvent {
         room_id: room_id.to_owned(),
         event,
         txn_id,
         precondition,
-    };
-    // An unknown room answers like a room the user is not in, so existence does not leak.
-    s.submit(&r.user_id, Some(&r.device_id), body)
-        .await
-        .map_err(|e| {
-            if e.errcode == "M_NOT_FOUND" {
-                MatrixError::forbidden("Unknown room or not a member of it")
-            } else {
-                e
-            }
-        })
+    })
+}
+
+/// An unknown room answers like a room the user is not in, so existence does not leak.
+pub(crate) fn unknown_room_as_forbidden(e: MatrixError) -> MatrixError {
+    if e.errcode == "M_NOT_FOUND" {
+        MatrixError::forbidden("Unknown room or not a member of it")
+    } else {
+        e
+    }
 }
 
 /// The membership transitions the endpoints allow (spec: kick needs the target in the
