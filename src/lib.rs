@@ -3,6 +3,7 @@
 
 pub mod appservice;
 pub mod config;
+pub mod federation_edus;
 mod ops;
 pub mod push_gateway;
 mod reactor;
@@ -247,7 +248,12 @@ impl Server {
             projections.clone(),
             config.federation.clone(),
         )
-        .map_err(|e| anyhow!("federation: {e}"))?;
+        .map_err(|e| anyhow!("federation: {e}"))?
+        .with_ephemeral(std::sync::Arc::new(federation_edus::Sink {
+            typing: state.typing.clone(),
+            presence: state.presence.clone(),
+            projections: projections.clone(),
+        }));
         // `[rate_limits.federation_origin]`: the api crate keeps the limiters; the
         // federation crate counts each authenticated request against its origin.
         let limits = state.rate_limits.clone();
@@ -273,6 +279,17 @@ impl Server {
         } else {
             None
         };
+        if let Some(sender) = &sender {
+            tokio::spawn(federation_edus::run_feed(
+                sender.clone(),
+                projections.clone(),
+                state.typing.clone(),
+                state.presence.clone(),
+                config.server_name.clone(),
+                config.federation.presence && config.presence.enabled,
+                shutdown_rx.clone(),
+            ));
+        }
         let push_sender = if config.push.enabled {
             Some(
                 push_gateway::PushSender::start(

@@ -822,3 +822,136 @@ async fn a_restricted_room_vouches_for_members_of_its_allowed_rooms_and_counters
         "{v}"
     );
 }
+
+impl Harness {
+    /// The `/sync` answer for `token` (`since` from an earlier one, or a full sync).
+    async fn sync(&self, token: &str, since: Option<&str>) -> Value {
+        let path = match since {
+            Some(s) => format!("/_matrix/client/v3/sync?timeout=0&since={}", enc(s)),
+            None => "/_matrix/client/v3/sync?timeout=0".to_owned(),
+        };
+        let (status, v) = self
+            .client(reqwest::Method::GET, &path, Some(token), None)
+            .await;
+        assert_eq!(status, 200, "{v}");
+        v
+    }
+
+    /// A `/send` transaction from `remote.test` carrying only `edus`.
+    async fn send_edus(&self, txn: &str, edus: Value) {
+        let body = json!({ "origin": REMOTE, "origin_server_ts": 1, "pdus": [], "edus": edus });
+        let (status, v) = self
+            .fed(
+                reqwest::Method::PUT,
+                &format!("/_matrix/federation/v1/send/{txn}"),
+                Some(body),
+                None,
+            )
+            .await;
+        assert_eq!((status, &v), (200, &json!({ "pdus": {} })));
+    }
+}
+
+#[tokio::test]
+async fn inbound_typing_receipts_presence_and_to_device_reach_our_users_with_one_fsync() {
+    let h = Harness::start().await;
+    let token = h.register("alice").await;
+    let (_, who) = h
+        .client(
+            reqwest::Method::GET,
+            "/_matrix/client/v3/account/whoami",
+            Some(&token),
+            None,
+        )
+        .await;
+    let device = who["device_id"].as_str().unwrap().to_owned();
+    let (room, last) = h.public_room(&token, 2).await;
+    let bob = "@bob:remote.test";
+    h.remote_join(&room, bob).await;
+    h.quiesce().await;
+    let since = h.sync(&token, None).await["next_batch"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let alice = "@alice:localhost:8008";
+    let fsyncs = &h.server.journal.stats().fsyncs;
+    let before = fsyncs.load(Ordering::SeqCst);
+    h.send_edus(
+        "e1",
+        json!([
+            { "edu_type": "m.typing", "content": { "room_id": room, "user_id": bob, "typing": true } },
+            // Not the origin's user, and a user not in the room: both dropped.
+            { "edu_type": "m.typing", "content": { "room_id": room, "user_id": "@eve:elsewhere.test", "typing": true } },
+            { "edu_type": "m.typing", "content": { "room_id": room, "user_id": "@carol:remote.test", "typing": true } },
+            { "edu_type": "m.receipt", "content": { &room: {
+                "m.read": {
+                    bob: { "event_ids": [last], "data": { "ts": 1_700_000_000_123u64 } },
+                    "@carol:remote.test": { "event_ids": [last], "data": { "ts": 1 } },
+                },
+                "m.read.private": { bob: { "event_ids": [last], "data": { "ts": 2 } } },
+            }}},
+            { "edu_type": "m.direct_to_device", "content": {
+                "sender": bob, "type": "m.test", "message_id": "m1",
+                "messages": {
+                    alice: { &device: { "n": 1 } },
+                    "@zed:elsewhere.test": { "D": { "n": 2 } },
+                },
+            }},
+            { "edu_type": "m.presence", "content": { "push": [
+                { "user_id": bob, "presence": "online", "status_msg": "on a train",
+                  "last_active_ago": 1000, "currently_active": true },
+                { "user_id": "@eve:elsewhere.test", "presence": "online", "last_active_ago": 0 },
+            ]}},
+            { "edu_type": "m.device_list_update", "content": {} },
+            { "edu_type": "org.example.unknown", "content": {} },
+        ]),
+    )
+    .await;
+    // One receipt and one to-device message journaled: one run, one fsync.
+    assert_eq!(fsyncs.load(Ordering::SeqCst) - before, 1);
+    // The same message id again, in a retry under a new transaction id: not delivered
+    // twice (and nothing new is written).
+    h.send_edus(
+        "e2",
+        json!([{ "edu_type": "m.direct_to_device", "content": {
+            "sender": bob, "type": "m.test", "message_id": "m1",
+            "messages": { alice: { &device: { "n": 1 } } },
+        }}]),
+    )
+    .await;
+    assert_eq!(fsyncs.load(Ordering::SeqCst) - before, 1);
+    h.quiesce().await;
+    let v = h.sync(&token, Some(&since)).await;
+    let joined = &v["rooms"]["join"][&room];
+    let ephemeral = joined["ephemeral"]["events"].as_array().unwrap();
+    let typing = ephemeral.iter().find(|e| e["type"] == "m.typing").unwrap();
+    assert_eq!(typing["content"]["user_ids"], json!([bob]));
+    let receipt = ephemeral.iter().find(|e| e["type"] == "m.receipt").unwrap();
+    assert_eq!(
+        receipt["content"],
+        json!({ &last: { "m.read": { bob: { "ts": 1_700_000_000_123u64 } } } })
+    );
+    let to_device = v["to_device"]["events"].as_array().unwrap();
+    assert_eq!(
+        to_device,
+        &vec![json!({ "sender": bob, "type": "m.test", "content": { "n": 1 } })]
+    );
+    let presence = v["presence"]["events"].as_array().unwrap();
+    assert_eq!(presence.len(), 1, "{presence:?}");
+    assert_eq!(presence[0]["sender"], bob);
+    assert_eq!(presence[0]["content"]["presence"], "online");
+    assert_eq!(presence[0]["content"]["status_msg"], "on a train");
+    // Typing stops when the origin says so.
+    let since = v["next_batch"].as_str().unwrap().to_owned();
+    h.send_edus(
+        "e3",
+        json!([{ "edu_type": "m.typing", "content": { "room_id": room, "user_id": bob, "typing": false } }]),
+    )
+    .await;
+    let v = h.sync(&token, Some(&since)).await;
+    let ephemeral = v["rooms"]["join"][&room]["ephemeral"]["events"]
+        .as_array()
+        .unwrap();
+    let typing = ephemeral.iter().find(|e| e["type"] == "m.typing").unwrap();
+    assert_eq!(typing["content"]["user_ids"], json!([]));
+}

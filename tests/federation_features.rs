@@ -1310,3 +1310,238 @@ async fn well_known_follows_redirects_on_https_and_stops_at_a_loop() {
         ]
     );
 }
+
+impl Node {
+    /// The device id of `token`.
+    async fn device_of(&self, token: &str) -> String {
+        let (_, v) = self
+            .client(
+                reqwest::Method::GET,
+                "/_matrix/client/v3/account/whoami",
+                Some(token),
+                None,
+            )
+            .await;
+        v["device_id"].as_str().unwrap().to_owned()
+    }
+
+    /// Incremental syncs from `since` until `found` picks something out of one (10 s at
+    /// most); returns it and the next `since`.
+    async fn sync_until(
+        &self,
+        token: &str,
+        since: &str,
+        found: impl Fn(&Value) -> Option<Value>,
+    ) -> (Value, String) {
+        let mut since = since.to_owned();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            let (status, v) = self
+                .client(
+                    reqwest::Method::GET,
+                    &format!("/_matrix/client/v3/sync?timeout=500&since={}", enc(&since)),
+                    Some(token),
+                    None,
+                )
+                .await;
+            assert_eq!(status, 200, "{v}");
+            since = v["next_batch"].as_str().unwrap().to_owned();
+            if let Some(hit) = found(&v) {
+                return (hit, since);
+            }
+            assert!(std::time::Instant::now() < deadline, "not seen in 10 s");
+        }
+    }
+
+    async fn typing(&self, token: &str, room: &str, who: &str, on: bool) {
+        let (status, v) = self
+            .client(
+                reqwest::Method::PUT,
+                &format!("/_matrix/client/v3/rooms/{}/typing/{}", enc(room), enc(who)),
+                Some(token),
+                Some(json!({ "typing": on, "timeout": 30000 })),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+    }
+
+    async fn since(&self, token: &str) -> String {
+        let (_, v) = self
+            .client(
+                reqwest::Method::GET,
+                "/_matrix/client/v3/sync?timeout=0",
+                Some(token),
+                None,
+            )
+            .await;
+        v["next_batch"].as_str().unwrap().to_owned()
+    }
+}
+
+/// The content of the room's ephemeral event of `kind` in a sync answer, if any.
+fn ephemeral(v: &Value, room: &str, kind: &str) -> Option<Value> {
+    v["rooms"]["join"][room]["ephemeral"]["events"]
+        .as_array()?
+        .iter()
+        .find(|e| e["type"] == kind)
+        .map(|e| e["content"].clone())
+}
+
+#[tokio::test]
+async fn typing_receipts_presence_and_to_device_cross_between_servers_both_ways() {
+    let a = Node::federating(|_| {}).await;
+    let b = Node::federating(|_| {}).await;
+    let alice = a.register("alice").await;
+    let bob = b.register("bob").await;
+    let (alice_id, bob_id) = (format!("@alice:{}", a.name), format!("@bob:{}", b.name));
+    let bob_device = b.device_of(&bob).await;
+    let room = a
+        .create_room(&alice, json!({ "preset": "public_chat" }))
+        .await;
+    let (status, v) = b
+        .client(
+            reqwest::Method::POST,
+            &format!(
+                "/_matrix/client/v3/join/{}?server_name={}",
+                enc(&room),
+                enc(&a.name)
+            ),
+            Some(&bob),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let mut msgs = Vec::new();
+    for i in 0..2 {
+        let (status, v) = a
+            .client(
+                reqwest::Method::PUT,
+                &format!(
+                    "/_matrix/client/v3/rooms/{}/send/m.room.message/m{i}",
+                    enc(&room)
+                ),
+                Some(&alice),
+                Some(json!({ "msgtype": "m.text", "body": format!("m{i}") })),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+        msgs.push(v["event_id"].as_str().unwrap().to_owned());
+    }
+    let a_since = a.since(&alice).await;
+    // Bob's server has both messages before anything is asserted about them.
+    let b_since = b.since(&bob).await;
+    let (_, b_since) = b
+        .sync_until(&bob, &b_since, |v| {
+            b.server
+                .projections
+                .timeline
+                .event(&msgs[1])
+                .map(|_| v.clone())
+        })
+        .await;
+
+    // Typing, A -> B, then B -> A.
+    a.typing(&alice, &room, &alice_id, true).await;
+    let (seen, b_since) = b
+        .sync_until(&bob, &b_since, |v| ephemeral(v, &room, "m.typing"))
+        .await;
+    assert_eq!(seen["user_ids"], json!([alice_id]));
+    a.typing(&alice, &room, &alice_id, false).await;
+    let (seen, b_since) = b
+        .sync_until(&bob, &b_since, |v| ephemeral(v, &room, "m.typing"))
+        .await;
+    assert_eq!(seen["user_ids"], json!([]));
+    b.typing(&bob, &room, &bob_id, true).await;
+    let (seen, a_since) = a
+        .sync_until(&alice, &a_since, |v| {
+            ephemeral(v, &room, "m.typing").filter(|c| c["user_ids"] != json!([]))
+        })
+        .await;
+    assert_eq!(seen["user_ids"], json!([bob_id]));
+
+    // Receipts, B -> A: the private one stays home, the public one crosses.
+    for (kind, event) in [("m.read.private", &msgs[0]), ("m.read", &msgs[1])] {
+        let (status, v) = b
+            .client(
+                reqwest::Method::POST,
+                &format!(
+                    "/_matrix/client/v3/rooms/{}/receipt/{kind}/{}",
+                    enc(&room),
+                    enc(event)
+                ),
+                Some(&bob),
+                Some(json!({})),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+    }
+    let (seen, _) = a
+        .sync_until(&alice, &a_since, |v| ephemeral(v, &room, "m.receipt"))
+        .await;
+    let receipts = seen.as_object().unwrap();
+    assert_eq!(
+        receipts.keys().collect::<Vec<_>>(),
+        vec![&msgs[1]],
+        "{seen}"
+    );
+    let ts = &seen[&msgs[1]]["m.read"][&bob_id]["ts"];
+    assert!(ts.as_u64().is_some(), "{seen}");
+
+    // To-device, A -> B's device.
+    let (status, v) = a
+        .client(
+            reqwest::Method::PUT,
+            "/_matrix/client/v3/sendToDevice/m.test/t1",
+            Some(&alice),
+            Some(json!({ "messages": { &bob_id: { &bob_device: { "secret": 42 } } } })),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let (seen, _) = b
+        .sync_until(&bob, &b_since, |v| {
+            v["to_device"]["events"]
+                .as_array()
+                .filter(|e| !e.is_empty())
+                .map(|e| json!(e))
+        })
+        .await;
+    assert_eq!(
+        seen,
+        json!([{ "sender": alice_id, "type": "m.test", "content": { "secret": 42 } }])
+    );
+
+    // Presence, A -> B.
+    let (status, v) = a
+        .client(
+            reqwest::Method::PUT,
+            &format!("/_matrix/client/v3/presence/{}/status", enc(&alice_id)),
+            Some(&alice),
+            Some(json!({ "presence": "online", "status_msg": "lunch" })),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let (status, v) = b
+        .client(
+            reqwest::Method::GET,
+            "/_matrix/client/v3/sync?timeout=0",
+            Some(&bob),
+            None,
+        )
+        .await;
+    assert_eq!(status, 200);
+    let since = v["next_batch"].as_str().unwrap().to_owned();
+    let found = |v: &Value| {
+        v["presence"]["events"]
+            .as_array()?
+            .iter()
+            .find(|e| e["sender"] == alice_id.as_str() && e["content"]["status_msg"] == "lunch")
+            .cloned()
+    };
+    let seen = match found(&v) {
+        Some(s) => s,
+        None => b.sync_until(&bob, &since, found).await.0,
+    };
+    assert_eq!(seen["content"]["presence"], "online");
+    let sender = &a.server.federation_sender.as_ref().unwrap().stats;
+    assert!(sender.edus.load(std::sync::atomic::Ordering::Relaxed) >= 4);
+}

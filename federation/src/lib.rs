@@ -12,12 +12,14 @@
 //! - **Reads** ([`reads`], [`queries`]): events, state, auth chains, backfill, missing
 //!   events, alias and profile queries, from the projections only, each checking that
 //!   the asking server may see the room.
-//! - **The sender** ([`sender`]): a journal consumer that delivers our events to every
-//!   other server in the room, one queue per destination, with retries.
+//! - **The sender** ([`sender`]): a journal consumer that delivers our events,
+//!   public receipts and to-device messages to every other server concerned, one
+//!   queue per destination, with retries; typing and presence ride along from memory.
+//! - **EDUs** ([`edus`]): typing, receipts, presence and to-device messages both ways.
 //!
-//! What it is not (yet): EDUs are accepted and ignored; remote room joins from the
-//! Client-Server API, remote invites and forks that need state resolution are not
-//! served (see docs/federation.md for the list).
+//! What it is not (yet): device list and cross-signing update EDUs are ignored, and
+//! joins take the full state (no partial-state joins); docs/federation.md keeps the
+//! list.
 //!
 //! Invariant: `federation` never imports `api`; both read projections and submit
 //! commands to the journal.
@@ -27,6 +29,7 @@ pub mod auth;
 pub mod backfill;
 pub mod client;
 pub mod directory;
+pub mod edus;
 pub mod error;
 pub mod invites;
 pub mod joins;
@@ -94,6 +97,11 @@ pub struct FederationConfig {
     /// remote event forking from further back is resolved against the current state
     /// (SPEC §4b "Forks"). Memory: one persistent-map path per event and room.
     pub fork_window: usize,
+    /// Exchange presence with other servers: send our users' presence to the servers
+    /// that share a room with them, and accept theirs. Off: no `m.presence` EDU is sent,
+    /// and those received are dropped (presence is much of the EDU traffic of big
+    /// rooms; many servers turn it off).
+    pub presence: bool,
 }
 
 impl Default for FederationConfig {
@@ -116,6 +124,7 @@ impl Default for FederationConfig {
             retry_initial_ms: 1_000,
             retry_max_ms: 3_600_000,
             fork_window: spindle_journal::fork::DEFAULT_FORK_WINDOW,
+            presence: true,
         }
     }
 }
@@ -142,6 +151,9 @@ pub struct FedState {
     /// the origin; `Some(retry_after_ms)` refuses it with 429 `M_LIMIT_EXCEEDED`.
     /// `None`: no limit.
     pub origin_limit: Option<OriginLimit>,
+    /// Where typing and presence EDUs from other servers go (the api crate's in-memory
+    /// state, wired by the binary); `None`: they are dropped.
+    pub ephemeral: Option<Arc<dyn edus::EphemeralSink>>,
 }
 
 /// See [`FedState::origin_limit`].
@@ -170,6 +182,7 @@ impl FedState {
             config: Arc::new(config),
             txns: Arc::default(),
             origin_limit: None,
+            ephemeral: None,
         })
     }
 
@@ -177,6 +190,13 @@ impl FedState {
     /// [`FedState::origin_limit`]).
     pub fn with_origin_limit(mut self, limit: OriginLimit) -> FedState {
         self.origin_limit = Some(limit);
+        self
+    }
+
+    /// The same state with typing and presence EDUs from other servers handed to
+    /// `sink` (see [`FedState::ephemeral`]).
+    pub fn with_ephemeral(mut self, sink: Arc<dyn edus::EphemeralSink>) -> FedState {
+        self.ephemeral = Some(sink);
         self
     }
 
@@ -205,6 +225,37 @@ impl FedState {
         let cmd = SignedCommand::sign(&self.key, envelope)
             .map_err(spindle_journal::JournalError::BadJson)?;
         self.journal.submit(cmd).await
+    }
+
+    /// [`FedState::submit_journal`] for a run of commands with one durable write
+    /// ([`spindle_journal::Journal::submit_batch`]): one result per command, in order.
+    pub async fn submit_journal_batch(
+        &self,
+        principal: &str,
+        bodies: Vec<CommandBody>,
+    ) -> Vec<Result<Outcome, spindle_journal::JournalError>> {
+        let mut results = Vec::with_capacity(bodies.len());
+        let mut signed = Vec::with_capacity(bodies.len());
+        for body in bodies {
+            let envelope = CommandEnvelope {
+                principal: principal.to_owned(),
+                device_id: None,
+                issued_at: now_ms(),
+                body,
+            };
+            match SignedCommand::sign(&self.key, envelope) {
+                Ok(cmd) => {
+                    signed.push(cmd);
+                    results.push(None);
+                }
+                Err(e) => results.push(Some(Err(spindle_journal::JournalError::BadJson(e)))),
+            }
+        }
+        let mut appended = self.journal.submit_batch(signed).await.into_iter();
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| appended.next().expect("one result per signed command")))
+            .collect()
     }
 
     /// Waits (bounded, 10 s) until the projections have applied `position`.

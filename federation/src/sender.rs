@@ -3,13 +3,17 @@
 //!
 //! Shape: one worker per destination server, each with its own durable cursor (a
 //! journal position, in `<data>/consumers/federation-sender.json`). A worker reads the
-//! journal after its cursor, keeps the events it must deliver (sent by one of our users,
-//! in a room where the destination has a joined member, or a membership event naming
-//! one of the destination's users), and sends them in transactions of at most 50 PDUs.
+//! journal after its cursor, keeps what it must deliver ([`crate::edus::outbound_of`]:
+//! events sent by one of our users in a room where the destination has a joined
+//! member, or a membership event naming one of the destination's users; our users'
+//! public receipts in such rooms; to-device messages to the destination's users), and
+//! sends them in transactions of at most 50 PDUs and 100 EDUs. Typing and presence,
+//! which live in memory, are queued per destination ([`FederationSender::queue_edu`],
+//! at most [`MAX_QUEUED_EDUS`], oldest dropped first) and ride in the next transaction,
+//! which is sent at once when nothing else is pending.
 //! The cursor moves only after the destination acknowledged the transaction, so
 //! nothing is lost across a restart of either side; a retried transaction keeps its
-//! transaction id (derived from the positions it covers), so the receiver can drop a
-//! duplicate. A failing destination is retried with exponential backoff from
+//! transaction id and body, so the receiver can drop a duplicate. A failing destination is retried with exponential backoff from
 //! `retry_initial_ms` up to `retry_max_ms`, then caught up from its cursor. Memory per
 //! destination is one batch; the journal is the queue.
 //!
@@ -17,14 +21,31 @@
 //! worker the first time an event must reach a server with no worker yet (its cursor
 //! starts just before that event).
 
-use std::{collections::HashMap, path::Path, sync::Arc, time::Duration};
+use std::{
+    collections::{HashMap, VecDeque},
+    path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
 
+use serde_json::Value;
 use spindle_journal::consumer::Cursors;
 
-use crate::{FedState, server_of, transactions::urlencode};
+use crate::{FedState, edus::Outbound, server_of, transactions::urlencode};
 
 /// Most PDUs per transaction (spec).
 pub const MAX_TXN_PDUS: usize = 50;
+
+/// Most EDUs per transaction (spec).
+pub const MAX_TXN_EDUS: usize = 100;
+
+/// Most in-memory EDUs (typing, presence) waiting for one destination; when full, the
+/// oldest is dropped (they are best effort, and a destination that is down for long
+/// would only get stale ones).
+pub const MAX_QUEUED_EDUS: usize = 100;
 
 /// Records read from the journal per step.
 const READ_BATCH: usize = 256;
@@ -39,8 +60,20 @@ pub struct SenderStats {
     pub transactions: std::sync::atomic::AtomicU64,
     /// PDUs in acknowledged transactions.
     pub pdus: std::sync::atomic::AtomicU64,
+    /// EDUs in acknowledged transactions.
+    pub edus: std::sync::atomic::AtomicU64,
+    /// In-memory EDUs dropped because their destination's queue was full.
+    pub edus_dropped: std::sync::atomic::AtomicU64,
     /// Failed attempts.
     pub failures: std::sync::atomic::AtomicU64,
+}
+
+/// How a destination's worker is woken.
+struct Worker {
+    /// Cuts a failing destination's backoff short.
+    wake: tokio::sync::watch::Sender<()>,
+    /// An in-memory EDU was queued (does not cut a backoff short).
+    queued: Arc<tokio::sync::Notify>,
 }
 
 /// The running sender.
@@ -48,7 +81,15 @@ pub struct SenderStats {
 pub struct FederationSender {
     st: FedState,
     cursors: Arc<parking_lot::Mutex<Cursors>>,
-    workers: Arc<parking_lot::Mutex<HashMap<String, tokio::sync::watch::Sender<()>>>>,
+    workers: Arc<parking_lot::Mutex<HashMap<String, Worker>>>,
+    /// In-memory EDUs waiting per destination.
+    queued: Arc<parking_lot::Mutex<HashMap<String, VecDeque<Value>>>>,
+    /// Where the dispatcher's next read starts: a worker started for an in-memory EDU
+    /// starts here, so it still sees every record the dispatcher has not looked at.
+    dispatched: Arc<AtomicU64>,
+    /// Makes transaction ids unique across transactions that cover the same journal
+    /// range (EDU-only ones) and across restarts: starts at the start-up time in ms.
+    txn_seq: Arc<AtomicU64>,
     /// Counters.
     pub stats: Arc<SenderStats>,
 }
@@ -69,6 +110,9 @@ impl FederationSender {
             st,
             cursors: Arc::new(parking_lot::Mutex::new(cursors)),
             workers: Arc::default(),
+            queued: Arc::default(),
+            dispatched: Arc::new(AtomicU64::new(start)),
+            txn_seq: Arc::new(AtomicU64::new(crate::now_ms())),
             stats: Arc::default(),
         };
         for (dest, cursor) in stored {
@@ -79,40 +123,90 @@ impl FederationSender {
         Ok(sender)
     }
 
-    /// The destinations of one record, if it is one of our events.
-    async fn destinations(&self, rec: &spindle_journal::StoredRecord) -> Vec<String> {
-        let Some(pdu) = rec.pdu() else {
-            return Vec::new();
-        };
+    /// What a record sends and to which servers (see [`crate::edus::outbound_of`]).
+    async fn outbound(
+        &self,
+        rec: &spindle_journal::StoredRecord,
+    ) -> Option<(Outbound, Vec<String>)> {
         let ours = self.st.server_name();
-        if server_of(pdu.sender.as_str()) != Some(ours) {
-            return Vec::new();
+        let out = crate::edus::outbound_of(rec, ours)?;
+        let dests = match &out {
+            Outbound::Pdu(pdu) => {
+                let mut dests = self.other_servers(pdu.room_id.as_str()).await;
+                if pdu.kind.to_string() == "m.room.member"
+                    && let Some(target) = pdu.state_key.as_deref().and_then(server_of)
+                    && target != ours
+                    && !dests.iter().any(|s| s == target)
+                {
+                    // Invites go through `/invite`; a kick, ban or leave still reaches
+                    // the server of the member it removes.
+                    let membership = pdu
+                        .content_value()
+                        .get("membership")
+                        .and_then(|m| m.as_str())
+                        .map(str::to_owned);
+                    if membership.as_deref() != Some("invite") {
+                        dests.push(target.to_owned());
+                    }
+                }
+                dests
+            }
+            Outbound::Receipt { room_id, .. } => self.other_servers(room_id).await,
+            Outbound::ToDevice(per_server) => per_server.iter().map(|(s, _)| s.clone()).collect(),
+        };
+        (!dests.is_empty()).then_some((out, dests))
+    }
+
+    /// The servers other than ours with a user joined to the room.
+    pub async fn other_servers(&self, room_id: &str) -> Vec<String> {
+        let ours = self.st.server_name();
+        let mut servers = self.st.journal.servers_in_room(room_id).await;
+        servers.retain(|s| s != ours);
+        servers
+    }
+
+    /// Queues an in-memory EDU (typing, presence) for `dest` and wakes its worker
+    /// (starting one if there is none). At most [`MAX_QUEUED_EDUS`] wait per
+    /// destination: the oldest goes first.
+    pub fn queue_edu(&self, dest: &str, edu: Value) {
+        if dest == self.st.server_name() {
+            return;
         }
-        let mut out: Vec<String> = self
-            .st
-            .journal
-            .servers_in_room(pdu.room_id.as_str())
-            .await
-            .into_iter()
-            .filter(|s| s != ours)
-            .collect();
-        if pdu.kind.to_string() == "m.room.member"
-            && let Some(target) = pdu.state_key.as_deref().and_then(server_of)
-            && target != ours
-            && !out.iter().any(|s| s == target)
         {
-            // Invites go through `/invite`; a kick, ban or leave still reaches the
-            // server of the member it removes.
-            let membership = pdu
-                .content_value()
-                .get("membership")
-                .and_then(|m| m.as_str())
-                .map(str::to_owned);
-            if membership.as_deref() != Some("invite") {
-                out.push(target.to_owned());
+            let mut queued = self.queued.lock();
+            let q = queued.entry(dest.to_owned()).or_default();
+            if q.len() >= MAX_QUEUED_EDUS {
+                q.pop_front();
+                self.stats.edus_dropped.fetch_add(1, Ordering::Relaxed);
+            }
+            q.push_back(edu);
+        }
+        let notify = self.workers.lock().get(dest).map(|w| w.queued.clone());
+        if let Some(n) = notify {
+            n.notify_one();
+        } else {
+            self.spawn_worker(dest.to_owned(), self.dispatched.load(Ordering::Acquire));
+        }
+    }
+
+    /// [`FederationSender::queue_edu`] to every other server with a member in the room.
+    pub async fn queue_room_edu(&self, room_id: &str, edu: Value) {
+        for dest in self.other_servers(room_id).await {
+            self.queue_edu(&dest, edu.clone());
+        }
+    }
+
+    /// Takes up to `room` queued EDUs for `dest`.
+    fn take_queued(&self, dest: &str, into: &mut Vec<Value>) {
+        let mut queued = self.queued.lock();
+        if let Some(q) = queued.get_mut(dest) {
+            while into.len() < MAX_TXN_EDUS {
+                match q.pop_front() {
+                    Some(e) => into.push(e),
+                    None => break,
+                }
             }
         }
-        out
     }
 
     async fn dispatch(self, mut after: u64) {
@@ -129,7 +223,7 @@ impl FederationSender {
             };
             let last = batch.last().map(|r| r.position()).unwrap_or(after);
             for rec in &batch {
-                for dest in self.destinations(rec).await {
+                for dest in self.outbound(rec).await.map(|o| o.1).unwrap_or_default() {
                     let known = self.workers.lock().contains_key(&dest);
                     if !known {
                         self.spawn_worker(dest, rec.position() - 1);
@@ -137,6 +231,7 @@ impl FederationSender {
                 }
             }
             after = last;
+            self.dispatched.store(after, Ordering::Release);
             // Only where to look for new destinations: saved now and then (a restart
             // from an older position finds the same destinations again).
             if last_saved.elapsed() >= IDLE_SAVE_INTERVAL {
@@ -150,18 +245,57 @@ impl FederationSender {
 
     fn spawn_worker(&self, dest: String, cursor: u64) {
         let (tx, rx) = tokio::sync::watch::channel(());
-        self.workers.lock().insert(dest.clone(), tx);
+        let queued = Arc::new(tokio::sync::Notify::new());
+        {
+            let mut workers = self.workers.lock();
+            if workers.contains_key(&dest) {
+                return;
+            }
+            workers.insert(
+                dest.clone(),
+                Worker {
+                    wake: tx,
+                    queued: queued.clone(),
+                },
+            );
+        }
         if let Err(e) = self.cursors.lock().set(&dest, cursor) {
             tracing::warn!(error = %e, "federation sender: cursor not saved");
         }
         let s = self.clone();
-        tokio::spawn(async move { s.run_worker(dest, cursor, rx).await });
+        tokio::spawn(async move { s.run_worker(dest, cursor, rx, queued).await });
     }
 
     /// Wakes a destination's worker now (its backoff is cut short).
     pub fn wake(&self, dest: &str) {
-        if let Some(tx) = self.workers.lock().get(dest) {
-            let _ = tx.send(());
+        if let Some(w) = self.workers.lock().get(dest) {
+            let _ = w.wake.send(());
+        }
+    }
+
+    /// Appends what `rec` sends to `dest` to the transaction being collected.
+    async fn collect(
+        &self,
+        rec: &spindle_journal::StoredRecord,
+        dest: &str,
+        pdus: &mut Vec<Value>,
+        edus: &mut Vec<Value>,
+    ) {
+        let Some((out, dests)) = self.outbound(rec).await else {
+            return;
+        };
+        if !dests.iter().any(|d| d == dest) {
+            return;
+        }
+        match out {
+            Outbound::Pdu(p) => pdus.push(p.federation_json()),
+            Outbound::Receipt { edu, .. } => edus.push(edu),
+            Outbound::ToDevice(per_server) => edus.extend(
+                per_server
+                    .into_iter()
+                    .filter(|(s, _)| s == dest)
+                    .map(|(_, e)| e),
+            ),
         }
     }
 
@@ -170,16 +304,34 @@ impl FederationSender {
         dest: String,
         mut cursor: u64,
         mut wake: tokio::sync::watch::Receiver<()>,
+        queued: Arc<tokio::sync::Notify>,
     ) {
         let cfg = self.st.config.clone();
         let mut backoff_ms = cfg.retry_initial_ms;
         let mut idle_saved = std::time::Instant::now();
         loop {
-            // Collect up to 50 PDUs for this destination after the cursor.
+            // Collect up to 50 PDUs and 100 EDUs for this destination: what the journal
+            // holds after the cursor, then the queued in-memory EDUs. Waits while there
+            // is nothing.
             let mut pdus = Vec::new();
+            let mut edus = Vec::new();
             let mut covered = cursor;
             loop {
-                let batch = match self.st.journal.next_after(covered, READ_BATCH).await {
+                let ready = self.st.journal.durable_head() > covered;
+                let batch = if ready {
+                    self.st.journal.next_after(covered, READ_BATCH).await
+                } else {
+                    self.take_queued(&dest, &mut edus);
+                    if !edus.is_empty() {
+                        break;
+                    }
+                    tokio::select! {
+                        b = self.st.journal.next_after(covered, READ_BATCH) => b,
+                        // An in-memory EDU was queued: collect again.
+                        _ = queued.notified() => continue,
+                    }
+                };
+                let batch = match batch {
                     Ok(b) if b.is_empty() => return,
                     Ok(b) => b,
                     Err(e) => {
@@ -189,17 +341,14 @@ impl FederationSender {
                     }
                 };
                 for rec in &batch {
-                    if pdus.len() >= MAX_TXN_PDUS {
+                    if pdus.len() >= MAX_TXN_PDUS || edus.len() >= MAX_TXN_EDUS {
                         break;
                     }
-                    if self.destinations(rec).await.iter().any(|d| *d == dest)
-                        && let Some(p) = rec.pdu()
-                    {
-                        pdus.push(p.federation_json());
-                    }
+                    self.collect(rec, &dest, &mut pdus, &mut edus).await;
                     covered = rec.position();
                 }
-                if !pdus.is_empty() {
+                if !pdus.is_empty() || !edus.is_empty() {
+                    self.take_queued(&dest, &mut edus);
                     break;
                 }
                 // Nothing for this destination in the batch: move on without sending,
@@ -213,48 +362,53 @@ impl FederationSender {
                     }
                 }
             }
-            let txn_id = format!("{}-{}", cursor + 1, covered);
+            let seq = self.txn_seq.fetch_add(1, Ordering::Relaxed);
+            let txn_id = format!("{}-{}.{seq}", cursor + 1, covered);
             let body = serde_json::json!({
                 "origin": self.st.server_name(),
                 "origin_server_ts": crate::now_ms(),
                 "pdus": pdus,
-                "edus": [],
+                "edus": edus,
             });
             let path = format!("/_matrix/federation/v1/send/{}", urlencode(&txn_id));
-            match self
-                .st
-                .client
-                .request(reqwest::Method::PUT, &dest, &path, Some(&body))
-                .await
-            {
-                Ok(answer) => {
-                    if let Some(results) = answer.get("pdus").and_then(|p| p.as_object()) {
-                        for (id, r) in results {
-                            if let Some(err) = r.get("error") {
-                                tracing::info!(destination = %dest, event_id = %id, error = %err, "destination refused a PDU");
+            // The same transaction (id and body) until the destination acknowledges it.
+            loop {
+                match self
+                    .st
+                    .client
+                    .request(reqwest::Method::PUT, &dest, &path, Some(&body))
+                    .await
+                {
+                    Ok(answer) => {
+                        if let Some(results) = answer.get("pdus").and_then(|p| p.as_object()) {
+                            for (id, r) in results {
+                                if let Some(err) = r.get("error") {
+                                    tracing::info!(destination = %dest, event_id = %id, error = %err, "destination refused a PDU");
+                                }
                             }
                         }
+                        self.stats.transactions.fetch_add(1, Ordering::Relaxed);
+                        self.stats
+                            .pdus
+                            .fetch_add(pdus.len() as u64, Ordering::Relaxed);
+                        self.stats
+                            .edus
+                            .fetch_add(edus.len() as u64, Ordering::Relaxed);
+                        cursor = covered;
+                        if let Err(e) = self.cursors.lock().set(&dest, cursor) {
+                            tracing::warn!(error = %e, "federation sender: cursor not saved");
+                        }
+                        backoff_ms = cfg.retry_initial_ms;
+                        break;
                     }
-                    self.stats
-                        .transactions
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    self.stats
-                        .pdus
-                        .fetch_add(pdus.len() as u64, std::sync::atomic::Ordering::Relaxed);
-                    cursor = covered;
-                    if let Err(e) = self.cursors.lock().set(&dest, cursor) {
-                        tracing::warn!(error = %e, "federation sender: cursor not saved");
+                    Err(e) => {
+                        self.stats.failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(destination = %dest, error = %e, retry_in_ms = backoff_ms, "federation transaction failed");
+                        let _ =
+                            tokio::time::timeout(Duration::from_millis(backoff_ms), wake.changed())
+                                .await;
+                        backoff_ms = (backoff_ms.saturating_mul(2)).min(cfg.retry_max_ms.max(1));
                     }
-                    backoff_ms = cfg.retry_initial_ms;
-                }
-                Err(e) => {
-                    self.stats
-                        .failures
-                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tracing::info!(destination = %dest, error = %e, retry_in_ms = backoff_ms, "federation transaction failed");
-                    let _ = tokio::time::timeout(Duration::from_millis(backoff_ms), wake.changed())
-                        .await;
-                    backoff_ms = (backoff_ms.saturating_mul(2)).min(cfg.retry_max_ms.max(1));
                 }
             }
         }

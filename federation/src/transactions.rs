@@ -5,7 +5,8 @@
 //! has one entry per PDU (`{}` accepted, `{"error": ...}` refused). A PDU whose
 //! `prev_events` are unknown here makes us ask the origin for the gap
 //! (`/get_missing_events`, at most [`MISSING_EVENTS_LIMIT`] events), ingest what comes
-//! back oldest first, and try once more. EDUs are accepted and not acted on yet.
+//! back oldest first, and try once more. The EDUs are acted on after the PDUs
+//! ([`crate::edus::ingest`]).
 //!
 //! Limits: at most 50 PDUs and 100 EDUs per transaction (400 `M_BAD_JSON` otherwise);
 //! the same (origin, txn id) answers the remembered result without reprocessing
@@ -238,6 +239,9 @@ pub(crate) async fn send(
                 Err(e) => serde_json::json!({ "error": e }),
             },
         );
+    }
+    if let Some(edus) = edus {
+        crate::edus::ingest(&st, &signed.origin, edus).await;
     }
     let answer = serde_json::json!({ "pdus": results });
     st.txns.lock().put(key, answer.clone());

@@ -1,0 +1,328 @@
+//! EDUs over federation (spec: server-server API, "Typing Notifications", "Receipts",
+//! "Presence", "Send-to-device messaging"), both ways.
+//!
+//! **Inbound** (`edus` of `PUT /send/{txnId}`, [`ingest`]): each EDU is checked
+//! against the origin (its user or sender must be a user of the origin; a room-scoped
+//! one needs that user joined to the room here and the origin allowed by the room's
+//! server ACL) and then:
+//! - `m.typing`: handed to the [`EphemeralSink`] (in memory, never journaled, like
+//!   local typing), expiring after [`REMOTE_TYPING_TIMEOUT_MS`] unless the origin
+//!   refreshes or stops it first;
+//! - `m.presence`: each entry of `push` handed to the sink, when `[federation]
+//!   presence` is on;
+//! - `m.receipt`: public (`m.read`) receipts become [`Fact::ReceiptSet`] records
+//!   (any other receipt type is dropped: private receipts never cross servers);
+//! - `m.direct_to_device`: the messages for our users become a [`Fact::ToDeviceSent`]
+//!   record keyed by (sender, `message_id`), so a repeat is dropped by the journal's
+//!   transaction index.
+//!
+//! The journal records of one transaction's EDUs go in one
+//! [`spindle_journal::Journal::submit_batch`] run (one fsync). A bad EDU is dropped
+//! and logged; it never fails the transaction (the spec gives EDUs no per-item
+//! result).
+//!
+//! **Outbound**: receipts and to-device messages are journal facts, so the federation
+//! sender reads them from the journal like PDUs ([`outbound_of`]): durable, retried,
+//! delivered after a restart. Typing and presence are in memory; the binary feeds them
+//! to [`crate::sender::FederationSender::queue_edu`].
+
+use std::collections::BTreeMap;
+
+use serde_json::{Value, json};
+use spindle_journal::{CommandBody, Fact, StoredRecord};
+
+use crate::{FedState, server_of};
+
+/// How long a remote user's typing notice lasts without a refresh, ms (Synapse's
+/// federation typing timeout: the origin sends `typing: false` when its user stops).
+pub const REMOTE_TYPING_TIMEOUT_MS: u64 = 60_000;
+
+/// Prefix of the transaction id under which a remote to-device message is journaled:
+/// `fed/{message_id}`, unique per sender with an empty sender device.
+pub const TO_DEVICE_TXN_PREFIX: &str = "fed/";
+
+/// Where in-memory EDUs from other servers go (implemented by the binary over the api
+/// crate's typing and presence state).
+pub trait EphemeralSink: Send + Sync {
+    /// A remote user started (`typing`) or stopped typing in a room; `timeout_ms`
+    /// bounds how long the notice lasts without a refresh.
+    fn typing(&self, room_id: &str, user_id: &str, typing: bool, timeout_ms: u64);
+    /// A remote user's presence: `presence` is `online`, `unavailable` or `offline`;
+    /// `last_active_ago` in ms; `status_msg` replaces the user's status message.
+    fn presence(
+        &self,
+        user_id: &str,
+        presence: &str,
+        status_msg: Option<String>,
+        last_active_ago: u64,
+    );
+}
+
+/// Whether `user_id` is a user of `origin` joined to `room_id` here, and `origin` may
+/// take part in the room under its server ACL.
+fn joined_from(st: &FedState, origin: &str, room_id: &str, user_id: &str) -> bool {
+    server_of(user_id) == Some(origin)
+        && crate::acl::allowed(st, room_id, origin)
+        && st
+            .projections
+            .membership
+            .get(room_id, user_id)
+            .is_some_and(|m| m.membership == "join")
+}
+
+/// Acts on the EDUs of one transaction from `origin` (see the module docs). Never
+/// fails: a bad EDU is logged and dropped.
+pub async fn ingest(st: &FedState, origin: &str, edus: &[Value]) {
+    let mut facts = Vec::new();
+    for edu in edus {
+        let kind = edu.get("edu_type").and_then(|v| v.as_str()).unwrap_or("");
+        let content = edu.get("content").unwrap_or(&Value::Null);
+        match kind {
+            "m.typing" => typing(st, origin, content),
+            "m.presence" => presence(st, origin, content),
+            "m.receipt" => facts.extend(receipts(st, origin, content)),
+            "m.direct_to_device" => facts.extend(to_device(st, origin, content)),
+            // Device list and cross-signing updates, and anything unknown: ignored.
+            _ => tracing::debug!(origin, edu_type = kind, "EDU ignored"),
+        }
+    }
+    if facts.is_empty() {
+        return;
+    }
+    let bodies = facts
+        .into_iter()
+        .map(|fact| CommandBody::Fact { fact })
+        .collect();
+    for r in st.submit_journal_batch(origin, bodies).await {
+        if let Err(e) = r {
+            tracing::info!(origin, error = %e, "an EDU was not journaled");
+        }
+    }
+}
+
+fn typing(st: &FedState, origin: &str, c: &Value) {
+    let (Some(room_id), Some(user_id), Some(on)) = (
+        c.get("room_id").and_then(|v| v.as_str()),
+        c.get("user_id").and_then(|v| v.as_str()),
+        c.get("typing").and_then(|v| v.as_bool()),
+    ) else {
+        tracing::debug!(origin, "m.typing EDU without room_id, user_id or typing");
+        return;
+    };
+    if !joined_from(st, origin, room_id, user_id) {
+        tracing::debug!(
+            origin,
+            room_id,
+            user_id,
+            "m.typing for a user not joined from the origin"
+        );
+        return;
+    }
+    if let Some(sink) = &st.ephemeral {
+        sink.typing(room_id, user_id, on, REMOTE_TYPING_TIMEOUT_MS);
+    }
+}
+
+fn presence(st: &FedState, origin: &str, c: &Value) {
+    if !st.config.presence {
+        return;
+    }
+    let Some(sink) = &st.ephemeral else {
+        return;
+    };
+    let entries = c.get("push").and_then(|v| v.as_array());
+    for p in entries.into_iter().flatten() {
+        let (Some(user_id), Some(state)) = (
+            p.get("user_id").and_then(|v| v.as_str()),
+            p.get("presence").and_then(|v| v.as_str()),
+        ) else {
+            continue;
+        };
+        if server_of(user_id) != Some(origin)
+            || !matches!(state, "online" | "unavailable" | "offline")
+        {
+            continue;
+        }
+        let status_msg = p
+            .get("status_msg")
+            .and_then(|v| v.as_str())
+            .map(|m| m.chars().take(1024).collect());
+        let ago = p
+            .get("last_active_ago")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(0);
+        sink.presence(user_id, state, status_msg, ago);
+    }
+}
+
+/// `m.receipt` content: room id -> receipt type -> user id -> `{event_ids, data}`.
+fn receipts(st: &FedState, origin: &str, c: &Value) -> Vec<Fact> {
+    let mut out = Vec::new();
+    let Some(rooms) = c.as_object() else {
+        return out;
+    };
+    for (room_id, by_type) in rooms {
+        // Only public read receipts cross servers; `m.read.private` never should.
+        let Some(users) = by_type.get("m.read").and_then(|v| v.as_object()) else {
+            continue;
+        };
+        for (user_id, r) in users {
+            if !joined_from(st, origin, room_id, user_id) {
+                continue;
+            }
+            let Some(event_id) = r
+                .get("event_ids")
+                .and_then(|v| v.as_array())
+                .and_then(|ids| ids.iter().rev().find_map(|e| e.as_str()))
+            else {
+                continue;
+            };
+            let data = r.get("data");
+            out.push(Fact::ReceiptSet {
+                user_id: user_id.clone(),
+                room_id: room_id.clone(),
+                event_id: event_id.to_owned(),
+                receipt_type: "m.read".into(),
+                thread_id: data
+                    .and_then(|d| d.get("thread_id"))
+                    .and_then(|v| v.as_str())
+                    .map(str::to_owned),
+                ts: data
+                    .and_then(|d| d.get("ts"))
+                    .and_then(|v| v.as_u64())
+                    .unwrap_or_else(crate::now_ms),
+            });
+        }
+    }
+    out
+}
+
+/// `m.direct_to_device` content: `{sender, type, message_id, messages}`.
+fn to_device(st: &FedState, origin: &str, c: &Value) -> Option<Fact> {
+    let sender = c.get("sender").and_then(|v| v.as_str())?;
+    let event_type = c.get("type").and_then(|v| v.as_str())?;
+    let message_id = c.get("message_id").and_then(|v| v.as_str())?;
+    if server_of(sender) != Some(origin) || event_type.is_empty() || message_id.is_empty() {
+        tracing::debug!(origin, "m.direct_to_device EDU refused");
+        return None;
+    }
+    let ours = st.server_name();
+    let mut messages = BTreeMap::new();
+    for (user, devices) in c.get("messages").and_then(|v| v.as_object())? {
+        if server_of(user) != Some(ours) {
+            continue;
+        }
+        let Some(devices) = devices.as_object() else {
+            continue;
+        };
+        let devices: BTreeMap<String, Value> = devices
+            .iter()
+            .filter(|(_, content)| content.is_object())
+            .map(|(d, content)| (d.clone(), content.clone()))
+            .collect();
+        if !devices.is_empty() {
+            messages.insert(user.clone(), devices);
+        }
+    }
+    if messages.is_empty() {
+        return None;
+    }
+    Some(Fact::ToDeviceSent {
+        sender: sender.to_owned(),
+        sender_device: String::new(),
+        event_type: event_type.to_owned(),
+        txn_id: format!("{TO_DEVICE_TXN_PREFIX}{message_id}"),
+        messages,
+    })
+}
+
+/// What a journal record sends over federation, if anything: our users' PDUs, public
+/// receipts and to-device messages to remote users. The sender asks per record.
+pub enum Outbound {
+    /// A PDU of one of our users, to every other server in the room (and to the
+    /// server of a member it removes).
+    Pdu(spindle_core::pdu::Pdu),
+    /// A public read receipt of one of our users, to every other server in the room.
+    Receipt {
+        /// The room.
+        room_id: String,
+        /// The EDU, the same for every destination.
+        edu: Value,
+    },
+    /// A to-device message from one of our users: per destination server, the EDU
+    /// carrying only that server's recipients.
+    ToDevice(Vec<(String, Value)>),
+}
+
+/// The federation side of a record (see [`Outbound`]); `None` for records that send
+/// nothing. Reads nothing from the store.
+pub fn outbound_of(rec: &StoredRecord, ours: &str) -> Option<Outbound> {
+    if let Some(pdu) = rec.pdu() {
+        return (server_of(pdu.sender.as_str()) == Some(ours)).then_some(Outbound::Pdu(pdu));
+    }
+    match rec.fact()? {
+        Fact::ReceiptSet {
+            user_id,
+            room_id,
+            event_id,
+            receipt_type,
+            thread_id,
+            ts,
+        } if receipt_type == "m.read" && server_of(&user_id) == Some(ours) => {
+            let mut data = json!({ "ts": ts });
+            if let Some(t) = thread_id {
+                data["thread_id"] = json!(t);
+            }
+            let edu = json!({
+                "edu_type": "m.receipt",
+                "content": { &room_id: { "m.read": { &user_id: {
+                    "event_ids": [event_id],
+                    "data": data,
+                }}}},
+            });
+            Some(Outbound::Receipt { room_id, edu })
+        }
+        Fact::ToDeviceSent {
+            sender,
+            event_type,
+            messages,
+            ..
+        } if server_of(&sender) == Some(ours) => {
+            let mut by_server: BTreeMap<String, serde_json::Map<String, Value>> = BTreeMap::new();
+            for (user, devices) in messages {
+                match server_of(&user) {
+                    Some(s) if s != ours => {
+                        by_server
+                            .entry(s.to_owned())
+                            .or_default()
+                            .insert(user, json!(devices));
+                    }
+                    _ => {}
+                }
+            }
+            if by_server.is_empty() {
+                return None;
+            }
+            // Unique per origin and stable across retries: the record's position.
+            let message_id = rec.position().to_string();
+            Some(Outbound::ToDevice(
+                by_server
+                    .into_iter()
+                    .map(|(server, messages)| {
+                        let edu = json!({
+                            "edu_type": "m.direct_to_device",
+                            "content": {
+                                "sender": sender,
+                                "type": event_type,
+                                "message_id": message_id,
+                                "messages": messages,
+                            },
+                        });
+                        (server, edu)
+                    })
+                    .collect(),
+            ))
+        }
+        _ => None,
+    }
+}
