@@ -675,6 +675,106 @@ def test_restricted_joins_through_a_space_both_ways(world):
     wait_until("alice's message on Synapse", lambda: hello in ids(bob.messages(room)))
 
 
+class Syncer:
+    """Incremental /sync for one client, from the moment it is made."""
+
+    def __init__(self, client: Client):
+        self.client = client
+        self.since = client.call("GET", "/_matrix/client/v3/sync?timeout=0")["next_batch"]
+
+    def until(self, what: str, pick, timeout: float = 30.0):
+        """Syncs until `pick(answer)` returns something, and returns that."""
+        def step():
+            out = self.client.call("GET", f"/_matrix/client/v3/sync?timeout=1000&since={q(self.since)}")
+            self.since = out["next_batch"]
+            return pick(out)
+        return wait_until(what, step, timeout=timeout, interval=0.05)
+
+
+def room_ephemeral(room: str, kind: str):
+    def pick(sync: dict):
+        events = sync.get("rooms", {}).get("join", {}).get(room, {}).get("ephemeral", {}).get("events", [])
+        return next((e["content"] for e in events if e["type"] == kind), None)
+    return pick
+
+
+def presence_of(user: str, status: str):
+    def pick(sync: dict):
+        return next((e["content"] for e in sync.get("presence", {}).get("events", [])
+                     if e["sender"] == user and e["content"].get("status_msg") == status), None)
+    return pick
+
+
+def to_device(kind: str):
+    def pick(sync: dict):
+        return [e for e in sync.get("to_device", {}).get("events", []) if e["type"] == kind] or None
+    return pick
+
+
+def test_typing_receipts_presence_and_to_device_both_ways(world):
+    """The EDUs that make a chat feel alive cross both ways within seconds: typing
+    (start and stop), public read receipts (a private one stays home), presence with a
+    status message, and to-device messages to one device."""
+    alice, bob, spindle = world["alice"], world["bob"], world["spindle"]
+    room = alice.call("POST", "/_matrix/client/v3/createRoom", {"preset": "public_chat", "name": "Alive"})["room_id"]
+    bob.call("POST", f"/_matrix/client/v3/join/{q(room)}?server_name={q(spindle.server_name)}", {})
+    wait_until("bob in the room on Spindle", lambda: alice.membership(room, bob.user_id) == "join")
+    first, second = alice.send(room, "one"), alice.send(room, "two")
+    wait_until("alice's messages on Synapse", lambda: {first, second} <= set(ids(bob.messages(room))))
+    on_spindle, on_synapse = Syncer(alice), Syncer(bob)
+
+    def typing(client: Client, on: bool):
+        client.call("PUT", f"/_matrix/client/v3/rooms/{q(room)}/typing/{q(client.user_id)}",
+                    {"typing": on, "timeout": 30000})
+
+    # Typing, Spindle -> Synapse and back, then stopping.
+    typing(alice, True)
+    assert on_synapse.until("alice typing on Synapse", room_ephemeral(room, "m.typing"))["user_ids"] == [alice.user_id]
+    typing(alice, False)
+    on_synapse.until("alice stopped typing on Synapse",
+                     lambda s: (c := room_ephemeral(room, "m.typing")(s)) is not None and c["user_ids"] == [])
+    typing(bob, True)
+    on_spindle.until("bob typing on Spindle",
+                     lambda s: (c := room_ephemeral(room, "m.typing")(s)) is not None and c["user_ids"] == [bob.user_id])
+    typing(bob, False)
+    on_spindle.until("bob stopped typing on Spindle",
+                     lambda s: (c := room_ephemeral(room, "m.typing")(s)) is not None and c["user_ids"] == [])
+
+    # Read receipts: Synapse -> Spindle and Spindle -> Synapse; private ones stay home.
+    bob.call("POST", f"/_matrix/client/v3/rooms/{q(room)}/receipt/m.read.private/{q(first)}", {})
+    bob.call("POST", f"/_matrix/client/v3/rooms/{q(room)}/receipt/m.read/{q(second)}", {})
+    got = on_spindle.until("bob's receipt on Spindle",
+                           lambda s: (c := room_ephemeral(room, "m.receipt")(s)) and c.get(second) and c)
+    assert bob.user_id in got[second]["m.read"]
+    assert first not in got
+    reply = bob.send(room, "three")
+    wait_until("bob's message on Spindle", lambda: reply in ids(alice.messages(room)))
+    alice.call("POST", f"/_matrix/client/v3/rooms/{q(room)}/receipt/m.read/{q(reply)}", {})
+    got = on_synapse.until("alice's receipt on Synapse",
+                           lambda s: (c := room_ephemeral(room, "m.receipt")(s)) and c.get(reply) and c)
+    assert alice.user_id in got[reply]["m.read"]
+
+    # Presence with a status message, both ways.
+    alice.call("PUT", f"/_matrix/client/v3/presence/{q(alice.user_id)}/status",
+               {"presence": "online", "status_msg": "from spindle"})
+    assert on_synapse.until("alice's presence on Synapse", presence_of(alice.user_id, "from spindle"))["presence"] == "online"
+    bob.call("PUT", f"/_matrix/client/v3/presence/{q(bob.user_id)}/status",
+             {"presence": "unavailable", "status_msg": "from synapse"})
+    assert on_spindle.until("bob's presence on Spindle", presence_of(bob.user_id, "from synapse"))["presence"] == "unavailable"
+
+    # To-device messages to one named device, both ways.
+    bob_device = bob.call("GET", "/_matrix/client/v3/account/whoami")["device_id"]
+    alice_device = alice.call("GET", "/_matrix/client/v3/account/whoami")["device_id"]
+    alice.call("PUT", f"/_matrix/client/v3/sendToDevice/org.example.ping/p{time.time_ns()}",
+               {"messages": {bob.user_id: {bob_device: {"n": 1}}}})
+    got = on_synapse.until("alice's to-device message on Synapse", to_device("org.example.ping"))
+    assert [(e["sender"], e["content"]) for e in got] == [(alice.user_id, {"n": 1})]
+    bob.call("PUT", f"/_matrix/client/v3/sendToDevice/org.example.pong/p{time.time_ns()}",
+             {"messages": {alice.user_id: {alice_device: {"n": 2}}}})
+    got = on_spindle.until("bob's to-device message on Spindle", to_device("org.example.pong"))
+    assert [(e["sender"], e["content"]) for e in got] == [(bob.user_id, {"n": 2})]
+
+
 def test_remote_leave_reaches_spindle(world):
     alice, bob, room = world["alice"], world["bob"], world["room"]
     bob.call("POST", f"/_matrix/client/v3/rooms/{q(room)}/leave", {})
