@@ -853,7 +853,7 @@ impl Harness {
 }
 
 #[tokio::test]
-async fn inbound_typing_receipts_presence_and_to_device_reach_our_users_with_one_fsync() {
+async fn inbound_edus_reach_our_users_and_their_journal_records_take_one_fsync() {
     let h = Harness::start().await;
     let token = h.register("alice").await;
     let (_, who) = h
@@ -902,12 +902,17 @@ async fn inbound_typing_receipts_presence_and_to_device_reach_our_users_with_one
                   "last_active_ago": 1000, "currently_active": true },
                 { "user_id": "@eve:elsewhere.test", "presence": "online", "last_active_ago": 0 },
             ]}},
-            { "edu_type": "m.device_list_update", "content": {} },
+            { "edu_type": "m.device_list_update", "content": {
+                "user_id": bob, "device_id": "PHONE", "stream_id": 7, "prev_id": [6],
+            }},
+            // Nobody here shares a room with carol: dropped.
+            { "edu_type": "m.signing_key_update", "content": { "user_id": "@carol:remote.test" } },
             { "edu_type": "org.example.unknown", "content": {} },
         ]),
     )
     .await;
-    // One receipt and one to-device message journaled: one run, one fsync.
+    // One receipt, one to-device message and one device list change journaled: one
+    // run, one fsync.
     assert_eq!(fsyncs.load(Ordering::SeqCst) - before, 1);
     // The same message id again, in a retry under a new transaction id: not delivered
     // twice (and nothing new is written).
@@ -936,6 +941,7 @@ async fn inbound_typing_receipts_presence_and_to_device_reach_our_users_with_one
         to_device,
         &vec![json!({ "sender": bob, "type": "m.test", "content": { "n": 1 } })]
     );
+    assert_eq!(v["device_lists"]["changed"], json!([bob]), "{v}");
     let presence = v["presence"]["events"].as_array().unwrap();
     assert_eq!(presence.len(), 1, "{presence:?}");
     assert_eq!(presence[0]["sender"], bob);

@@ -1475,7 +1475,7 @@ async fn typing_receipts_presence_and_to_device_cross_between_servers_both_ways(
             .await;
         assert_eq!(status, 200, "{v}");
     }
-    let (seen, _) = a
+    let (seen, a_since) = a
         .sync_until(&alice, &a_since, |v| ephemeral(v, &room, "m.receipt"))
         .await;
     let receipts = seen.as_object().unwrap();
@@ -1509,6 +1509,26 @@ async fn typing_receipts_presence_and_to_device_cross_between_servers_both_ways(
         seen,
         json!([{ "sender": alice_id, "type": "m.test", "content": { "secret": 42 } }])
     );
+
+    // Bob renaming his device reaches alice's server as a device list update.
+    let (status, v) = b
+        .client(
+            reqwest::Method::PUT,
+            &format!("/_matrix/client/v3/devices/{}", enc(&bob_device)),
+            Some(&bob),
+            Some(json!({ "display_name": "Bob's phone" })),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let (changed, _) = a
+        .sync_until(&alice, &a_since, |v| {
+            v["device_lists"]["changed"]
+                .as_array()
+                .filter(|c| !c.is_empty())
+                .map(|c| json!(c))
+        })
+        .await;
+    assert_eq!(changed, json!([bob_id]));
 
     // Presence, A -> B.
     let (status, v) = a

@@ -14,16 +14,25 @@
 //!   (any other receipt type is dropped: private receipts never cross servers);
 //! - `m.direct_to_device`: the messages for our users become a [`Fact::ToDeviceSent`]
 //!   record keyed by (sender, `message_id`), so a repeat is dropped by the journal's
-//!   transaction index.
+//!   transaction index;
+//! - `m.device_list_update` and `m.signing_key_update` for a user of the origin who
+//!   shares a room with us become a [`Fact::RemoteDeviceListChanged`] record: our
+//!   users hear of it in `device_lists.changed` and query the keys again, which asks
+//!   the origin (no copy of remote device lists is kept, so `prev_id` chains and gaps
+//!   do not matter here).
 //!
 //! The journal records of one transaction's EDUs go in one
 //! [`spindle_journal::Journal::submit_batch`] run (one fsync). A bad EDU is dropped
 //! and logged; it never fails the transaction (the spec gives EDUs no per-item
 //! result).
 //!
-//! **Outbound**: receipts and to-device messages are journal facts, so the federation
-//! sender reads them from the journal like PDUs ([`outbound_of`]): durable, retried,
-//! delivered after a restart. Typing and presence are in memory; the binary feeds them
+//! **Outbound**: receipts, to-device messages and device list changes are journal
+//! facts, so the federation sender reads them from the journal like PDUs
+//! ([`outbound_of`]): durable, retried, delivered after a restart. A device list
+//! change of one of our users goes to every server sharing a room with the user as
+//! `m.device_list_update` (`stream_id`: the record's position; `prev_id` empty, which
+//! makes the receiver fetch `/user/devices` again, as Synapse does for an update it
+//! cannot chain), and new master or self-signing keys as `m.signing_key_update`. Typing and presence are in memory; the binary feeds them
 //! to [`crate::sender::FederationSender::queue_edu`].
 
 use std::collections::BTreeMap;
@@ -82,7 +91,10 @@ pub async fn ingest(st: &FedState, origin: &str, edus: &[Value]) {
             "m.presence" => presence(st, origin, content),
             "m.receipt" => facts.extend(receipts(st, origin, content)),
             "m.direct_to_device" => facts.extend(to_device(st, origin, content)),
-            // Device list and cross-signing updates, and anything unknown: ignored.
+            "m.device_list_update" | "m.signing_key_update" => {
+                facts.extend(device_list(st, origin, kind, content))
+            }
+            // Anything unknown: ignored.
             _ => tracing::debug!(origin, edu_type = kind, "EDU ignored"),
         }
     }
@@ -236,6 +248,31 @@ fn to_device(st: &FedState, origin: &str, c: &Value) -> Option<Fact> {
     })
 }
 
+/// `m.device_list_update` / `m.signing_key_update` content: `user_id` (and
+/// `stream_id` for the first).
+fn device_list(st: &FedState, origin: &str, kind: &str, c: &Value) -> Option<Fact> {
+    let user_id = c.get("user_id").and_then(|v| v.as_str())?;
+    let shares = st
+        .projections
+        .membership
+        .rooms_of(user_id)
+        .iter()
+        .any(|(_, m)| m.membership == "join");
+    if server_of(user_id) != Some(origin) || !shares {
+        tracing::debug!(
+            origin,
+            user_id,
+            edu_type = kind,
+            "device list update refused"
+        );
+        return None;
+    }
+    Some(Fact::RemoteDeviceListChanged {
+        user_id: user_id.to_owned(),
+        stream_id: c.get("stream_id").and_then(|v| v.as_u64()).unwrap_or(0),
+    })
+}
+
 /// What a journal record sends over federation, if anything: our users' PDUs, public
 /// receipts and to-device messages to remote users. The sender asks per record.
 pub enum Outbound {
@@ -252,6 +289,28 @@ pub enum Outbound {
     /// A to-device message from one of our users: per destination server, the EDU
     /// carrying only that server's recipients.
     ToDevice(Vec<(String, Value)>),
+    /// A device list or cross-signing change of one of our users, to every server
+    /// sharing a room with the user.
+    User {
+        /// The user.
+        user_id: String,
+        /// The EDUs, the same for every destination.
+        edus: Vec<Value>,
+    },
+}
+
+/// An `m.device_list_update` EDU for one of our devices (see the module docs).
+fn device_list_update(user_id: &str, device_id: &str, stream_id: u64, extra: Value) -> Value {
+    let mut content = json!({
+        "user_id": user_id,
+        "device_id": device_id,
+        "stream_id": stream_id,
+        "prev_id": [],
+    });
+    if let (Some(c), Some(extra)) = (content.as_object_mut(), extra.as_object()) {
+        c.extend(extra.clone());
+    }
+    json!({ "edu_type": "m.device_list_update", "content": content })
 }
 
 /// The federation side of a record (see [`Outbound`]); `None` for records that send
@@ -322,6 +381,93 @@ pub fn outbound_of(rec: &StoredRecord, ours: &str) -> Option<Outbound> {
                     })
                     .collect(),
             ))
+        }
+        Fact::DeviceKeysUploaded {
+            user_id,
+            device_id,
+            device_keys,
+        } if server_of(&user_id) == Some(ours) => {
+            let edu = device_list_update(
+                &user_id,
+                &device_id,
+                rec.position(),
+                json!({ "keys": device_keys }),
+            );
+            Some(Outbound::User {
+                user_id,
+                edus: vec![edu],
+            })
+        }
+        Fact::DeviceCreated {
+            user_id,
+            device_id,
+            display_name,
+        }
+        | Fact::DeviceRenamed {
+            user_id,
+            device_id,
+            display_name,
+        } if server_of(&user_id) == Some(ours) => {
+            let extra = match display_name {
+                Some(n) => json!({ "device_display_name": n }),
+                None => json!({}),
+            };
+            let edu = device_list_update(&user_id, &device_id, rec.position(), extra);
+            Some(Outbound::User {
+                user_id,
+                edus: vec![edu],
+            })
+        }
+        Fact::DeviceDeleted { user_id, device_id } if server_of(&user_id) == Some(ours) => {
+            let edu = device_list_update(
+                &user_id,
+                &device_id,
+                rec.position(),
+                json!({ "deleted": true }),
+            );
+            Some(Outbound::User {
+                user_id,
+                edus: vec![edu],
+            })
+        }
+        Fact::CrossSigningKeysUploaded {
+            user_id,
+            master_key,
+            self_signing_key,
+            ..
+        } if server_of(&user_id) == Some(ours) => {
+            // The user-signing key is private to the user: never sent.
+            let mut content = json!({ "user_id": user_id });
+            if let Some(k) = master_key {
+                content["master_key"] = k;
+            }
+            if let Some(k) = self_signing_key {
+                content["self_signing_key"] = k;
+            }
+            if content.as_object().is_some_and(|c| c.len() == 1) {
+                return None;
+            }
+            Some(Outbound::User {
+                user_id,
+                edus: vec![json!({ "edu_type": "m.signing_key_update", "content": content })],
+            })
+        }
+        Fact::SignaturesUploaded { signatures } => {
+            // A user's signature on one of their own devices (self-signing) changes that
+            // device's keys as others see them; the receiver fetches them again.
+            let mut own: BTreeMap<String, std::collections::BTreeSet<String>> = BTreeMap::new();
+            for sig in signatures {
+                if sig.user_id == sig.signer && server_of(&sig.user_id) == Some(ours) {
+                    own.entry(sig.user_id).or_default().insert(sig.key_id);
+                }
+            }
+            // One record signs for one user in practice (the uploader); the first is kept.
+            let (user_id, keys) = own.into_iter().next()?;
+            let edus = keys
+                .iter()
+                .map(|k| device_list_update(&user_id, k, rec.position(), json!({})))
+                .collect();
+            Some(Outbound::User { user_id, edus })
         }
         _ => None,
     }

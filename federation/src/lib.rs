@@ -13,13 +13,14 @@
 //!   events, alias and profile queries, from the projections only, each checking that
 //!   the asking server may see the room.
 //! - **The sender** ([`sender`]): a journal consumer that delivers our events,
-//!   public receipts and to-device messages to every other server concerned, one
-//!   queue per destination, with retries; typing and presence ride along from memory.
-//! - **EDUs** ([`edus`]): typing, receipts, presence and to-device messages both ways.
+//!   public receipts, to-device messages and device list changes to every other
+//!   server concerned, one queue per destination, with retries; typing and presence
+//!   ride along from memory.
+//! - **EDUs** ([`edus`]): typing, receipts, presence, to-device messages, device list
+//!   and cross-signing updates, both ways.
 //!
-//! What it is not (yet): device list and cross-signing update EDUs are ignored, and
-//! joins take the full state (no partial-state joins); docs/federation.md keeps the
-//! list.
+//! What it is not (yet): joins take the full state (no partial-state joins), and
+//! other servers' device lists are not cached; docs/federation.md keeps the list.
 //!
 //! Invariant: `federation` never imports `api`; both read projections and submit
 //! commands to the journal.

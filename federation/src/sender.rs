@@ -153,6 +153,15 @@ impl FederationSender {
             }
             Outbound::Receipt { room_id, .. } => self.other_servers(room_id).await,
             Outbound::ToDevice(per_server) => per_server.iter().map(|(s, _)| s.clone()).collect(),
+            Outbound::User { user_id, .. } => {
+                let mut dests = std::collections::BTreeSet::new();
+                for (room, m) in self.st.projections.membership.rooms_of(user_id) {
+                    if m.membership == "join" {
+                        dests.extend(self.other_servers(&room).await);
+                    }
+                }
+                dests.into_iter().collect()
+            }
         };
         (!dests.is_empty()).then_some((out, dests))
     }
@@ -296,6 +305,7 @@ impl FederationSender {
                     .filter(|(s, _)| s == dest)
                     .map(|(_, e)| e),
             ),
+            Outbound::User { edus: more, .. } => edus.extend(more),
         }
     }
 

@@ -324,6 +324,12 @@ pub enum Fact {
     },
     /// A device was deleted; its tokens are revoked with it.
     DeviceDeleted { user_id: String, device_id: String },
+    /// Another server said a user of its own changed their device list or
+    /// cross-signing keys (`m.device_list_update` or `m.signing_key_update` EDU, spec:
+    /// server-server API "Device Management"): everyone here who shares a room with
+    /// the user hears of it in `device_lists.changed` and asks for the keys again.
+    /// `stream_id` is the origin's, as sent (0 for a cross-signing update).
+    RemoteDeviceListChanged { user_id: String, stream_id: u64 },
     /// A device was used at `ts` (ms since the Unix epoch, the server's clock when the
     /// API saw the request) from `ip` with `user_agent`. Journaled when the address or
     /// the user agent changes (at most once a minute per device) and otherwise at most

@@ -5,7 +5,9 @@
 //!
 //! A user's device list *changes* when a device is added, renamed or deleted, when a
 //! device's keys are uploaded or changed, and when the user's cross-signing keys or a
-//! signature by the user on their own keys arrives. Everyone who shares a room with
+//! signature by the user on their own keys arrives; for a user of another server, when
+//! its server says so ([`Fact::RemoteDeviceListChanged`]: the keys themselves are not
+//! kept here, a query asks that server). Everyone who shares a room with
 //! the user must hear of it, so a change is logged once per room the user is joined to (this
 //! projection keeps joined memberships itself, from member events): a syncing user
 //! then scans only the logs of their own rooms from their token, never other users'
@@ -594,7 +596,9 @@ impl Projection for DeviceKeys {
             // A new device, and a new display name (part of what /keys/query shows),
             // change the device list whether or not the device has keys yet (as
             // Synapse: clients re-query and see the device appear).
-            Fact::DeviceCreated { user_id, .. } | Fact::DeviceRenamed { user_id, .. } => {
+            Fact::DeviceCreated { user_id, .. }
+            | Fact::DeviceRenamed { user_id, .. }
+            | Fact::RemoteDeviceListChanged { user_id, .. } => {
                 self.log_keys_change(ctx, &user_id, position);
             }
             Fact::CrossSigningKeysUploaded {
