@@ -1565,3 +1565,84 @@ async fn typing_receipts_presence_and_to_device_cross_between_servers_both_ways(
     let sender = &a.server.federation_sender.as_ref().unwrap().stats;
     assert!(sender.edus.load(std::sync::atomic::Ordering::Relaxed) >= 4);
 }
+
+#[tokio::test]
+async fn create_room_invites_users_of_other_servers_through_their_servers() {
+    let a = Node::federating(|_| {}).await;
+    let b = Node::federating(|_| {}).await;
+    let alice = a.register("alice").await;
+    let bob = b.register("bob").await;
+    let bob_id = format!("@bob:{}", b.name);
+    let b_since = b.since(&bob).await;
+    let room = a
+        .create_room(
+            &alice,
+            json!({ "preset": "trusted_private_chat", "is_direct": true, "invite": [bob_id] }),
+        )
+        .await;
+    // Bob's server has the invite, flagged direct.
+    let (invite, _) = b
+        .sync_until(&bob, &b_since, |v| v["rooms"]["invite"].get(&room).cloned())
+        .await;
+    let own = invite["invite_state"]["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["type"] == "m.room.member" && e["state_key"] == bob_id.as_str())
+        .cloned()
+        .unwrap();
+    assert_eq!(own["content"]["membership"], "invite");
+    assert_eq!(own["content"]["is_direct"], true);
+    let head = a.server.journal.durable_head();
+    assert!(
+        a.server
+            .projections
+            .runtime
+            .wait_for(head, std::time::Duration::from_secs(10))
+            .await
+    );
+    let members = |user: &str| {
+        a.server
+            .projections
+            .membership
+            .get(&room, user)
+            .map(|m| m.membership)
+    };
+    assert_eq!(members(&bob_id).as_deref(), Some("invite"));
+
+    // Trusted private chat: the invitee gets the creator's power.
+    let (_, pl) = a
+        .client(
+            reqwest::Method::GET,
+            &format!(
+                "/_matrix/client/v3/rooms/{}/state/m.room.power_levels/",
+                enc(&room)
+            ),
+            Some(&alice),
+            None,
+        )
+        .await;
+    assert_eq!(pl["users"][&bob_id], 100, "{pl}");
+    // An invitee whose server cannot be reached: the invite is withdrawn and the room
+    // still made.
+    let nobody = "@nobody:localhost:1";
+    let other = a
+        .create_room(
+            &alice,
+            json!({ "preset": "private_chat", "invite": [nobody] }),
+        )
+        .await;
+    let head = a.server.journal.durable_head();
+    assert!(
+        a.server
+            .projections
+            .runtime
+            .wait_for(head, std::time::Duration::from_secs(10))
+            .await
+    );
+    let m = a.server.projections.membership.get(&other, nobody).unwrap();
+    assert_eq!(
+        (m.membership.as_str(), m.sender.as_str()),
+        ("leave", format!("@alice:{}", a.name).as_str())
+    );
+}

@@ -389,12 +389,24 @@ async fn membership(
     action: &str,
     reason: Option<String>,
 ) -> ApiResult<Outcome> {
-    valid_user_id(target)?;
     let membership = match action {
         "kick" | "unban" => "leave",
         other => other,
     };
     let content = member_content(s, target, membership, reason);
+    membership_event(s, r, room_id, target, action, content).await
+}
+
+/// [`membership`] with the member event's content given.
+async fn membership_event(
+    s: &AppState,
+    r: &Requester,
+    room_id: &str,
+    target: &str,
+    action: &str,
+    content: Value,
+) -> ApiResult<Outcome> {
+    valid_user_id(target)?;
     send_checked(
         s,
         r,
@@ -469,17 +481,30 @@ pub(crate) async fn create_room(
             .collect::<ApiResult<_>>()?,
         Some(_) => return Err(MatrixError::bad_json("invite must be a list of user ids")),
     };
+    // Users of this server are invited in the creating command; users of other
+    // servers right after it, through their servers (`/invite`).
+    let local_suffix = format!(":{}", s.server_name());
+    let (invites, remote_invites): (Vec<String>, Vec<String>) = invites
+        .into_iter()
+        .partition(|u| u.ends_with(&local_suffix));
     for u in &invites {
         valid_user_id(u)?;
-        if !u.ends_with(&format!(":{}", s.server_name())) {
-            return Err(MatrixError::forbidden(format!(
-                "Inviting {u} needs federation, which is not served yet"
-            )));
-        }
         if !crate::appservice::local_user_exists(&s, u).await? {
             return Err(MatrixError::not_found(format!("Unknown user {u}")));
         }
     }
+    for u in &remote_invites {
+        valid_user_id(u)?;
+    }
+    let fed = match (&s.federation, remote_invites.is_empty()) {
+        (_, true) => None,
+        (Some(fed), false) => Some(fed.clone()),
+        (None, false) => {
+            return Err(MatrixError::forbidden(
+                "Inviting users on other servers needs federation, which is disabled here",
+            ));
+        }
+    };
     let is_direct = body
         .get("is_direct")
         .and_then(|v| v.as_bool())
@@ -549,7 +574,7 @@ pub(crate) async fn create_room(
         users.insert(r.user_id.clone(), json!(100));
     }
     if preset == "trusted_private_chat" {
-        for u in &invites {
+        for u in invites.iter().chain(&remote_invites) {
             users.insert(u.clone(), json!(100));
         }
     }
@@ -682,6 +707,17 @@ pub(crate) async fn create_room(
     if visibility == "public" {
         // Spec: `visibility: public` publishes the room in the room directory.
         crate::directory::publish(&s, &r, &room_id, true).await?;
+    }
+    if let Some(fed) = fed {
+        // The room exists now whatever the invitees' servers say: an invite they
+        // refuse or cannot take is withdrawn (`invite_remote`) and logged, and the room
+        // is still answered (Synapse fails the request instead, leaving the client a
+        // room it was not told about).
+        for u in &remote_invites {
+            if let Err(e) = invite_remote(&s, &fed, &r, &room_id, u, None, is_direct).await {
+                tracing::info!(room_id, invitee = %u, errcode = e.errcode, error = %e.error, "createRoom: a remote invite failed");
+            }
+        }
     }
     Ok(Json(json!({ "room_id": room_id })))
 }
@@ -965,7 +1001,7 @@ async fn invite(
                 "Inviting users on other servers needs federation, which is disabled here",
             ));
         };
-        return invite_remote(&s, &fed, &r, &room_id, &target, reason).await;
+        return invite_remote(&s, &fed, &r, &room_id, &target, reason, false).await;
     }
     membership(&s, &r, &room_id, &target, "invite", reason).await?;
     Ok(Json(json!({})))
@@ -974,6 +1010,7 @@ async fn invite(
 /// Invites a user of another server: the invite is appended here, then the invitee's
 /// server countersigns it (`/invite`). If that server refuses or cannot be reached,
 /// the invite is withdrawn again (when the inviter may) and its answer passed on.
+/// `is_direct`: the invite's `is_direct` flag (a direct chat made by `createRoom`).
 async fn invite_remote(
     s: &AppState,
     fed: &spindle_federation::FedState,
@@ -981,8 +1018,13 @@ async fn invite_remote(
     room_id: &str,
     target: &str,
     reason: Option<String>,
+    is_direct: bool,
 ) -> ApiResult<Json<Value>> {
-    let outcome = membership(s, r, room_id, target, "invite", reason).await?;
+    let mut content = member_content(s, target, "invite", reason);
+    if is_direct {
+        content["is_direct"] = json!(true);
+    }
+    let outcome = membership_event(s, r, room_id, target, "invite", content).await?;
     let Some(event_id) = outcome.event_ids.last() else {
         return Ok(Json(json!({})));
     };
