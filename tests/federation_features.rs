@@ -435,7 +435,7 @@ async fn the_hierarchy_shows_a_server_only_the_rooms_it_may_preview() {
     assert_eq!(state_keys, want);
     assert_eq!(room_ids(&v["children"]), vec![lobby.clone()]);
     assert_eq!(v["children"][0]["name"], "Lobby");
-    assert_eq!(v["children"][0]["room_version"].as_str().is_some(), true);
+    assert!(v["children"][0]["room_version"].as_str().is_some());
     assert_eq!(v["inaccessible_children"], json!([secret]));
     // suggested_only: only the lobby's child event.
     let (status, v) = n

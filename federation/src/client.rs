@@ -277,13 +277,16 @@ pub fn pick_srv(records: &[SrvRecord]) -> Option<SrvRecord> {
 /// Most SRV answers kept in memory (one per remote host).
 pub const SRV_CACHE_MAX: usize = 10_000;
 
+/// A cached lookup answer (`None`: there was none) and when it expires.
+type Cached<T> = (Option<T>, Instant);
+
 /// Splits `host[:port]` (IPv6 literals in brackets).
 fn split_host_port(name: &str) -> (String, Option<u16>) {
-    if let Some(rest) = name.strip_prefix('[') {
-        if let Some((host, tail)) = rest.split_once(']') {
-            let port = tail.strip_prefix(':').and_then(|p| p.parse().ok());
-            return (format!("[{host}]"), port);
-        }
+    if let Some(rest) = name.strip_prefix('[')
+        && let Some((host, tail)) = rest.split_once(']')
+    {
+        let port = tail.strip_prefix(':').and_then(|p| p.parse().ok());
+        return (format!("[{host}]"), port);
     }
     match name.rsplit_once(':') {
         Some((h, p)) if !h.contains(':') => (h.to_owned(), p.parse().ok()),
@@ -310,9 +313,9 @@ pub struct FederationClient {
     well_known_port: u16,
     key: Arc<ServerKey>,
     policy: Arc<IpPolicy>,
-    well_known: Arc<parking_lot::Mutex<HashMap<String, (Option<String>, Instant)>>>,
+    well_known: Arc<parking_lot::Mutex<HashMap<String, Cached<String>>>>,
     srv: Arc<dyn SrvResolver>,
-    srv_cache: Arc<parking_lot::Mutex<HashMap<String, (Option<SrvRecord>, Instant)>>>,
+    srv_cache: Arc<parking_lot::Mutex<HashMap<String, Cached<SrvRecord>>>>,
     srv_targets: SrvTargets,
 }
 

@@ -70,9 +70,7 @@ pub(crate) async fn make_join(
     }
     let (version, event) = template(&st, &signed.origin, &room_id, &user_id, content).await?;
     // Without `ver` the asking server supports only version 1 (spec).
-    if !versions.iter().any(|v| *v == version)
-        || spindle_core::room_version::rules(&version).is_none()
-    {
+    if !versions.contains(&version) || spindle_core::room_version::rules(&version).is_none() {
         return Err(FedError::new(
             axum::http::StatusCode::BAD_REQUEST,
             "M_INCOMPATIBLE_ROOM_VERSION",

@@ -81,7 +81,7 @@ pub(crate) async fn make_knock(
         )
         .with_room_version(&version));
     }
-    if !versions.iter().any(|v| *v == version) {
+    if !versions.contains(&version) {
         return Err(FedError::new(
             axum::http::StatusCode::BAD_REQUEST,
             "M_INCOMPATIBLE_ROOM_VERSION",

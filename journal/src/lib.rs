@@ -524,7 +524,7 @@ impl RoomAggregate {
             return (Vec::new(), 1);
         }
         let mut ext = self.extremities.clone();
-        ext.sort_by(|a, b| b.1.cmp(&a.1));
+        ext.sort_by_key(|e| std::cmp::Reverse(e.1));
         ext.truncate(MAX_PREV_EVENTS);
         let depth = ext.iter().map(|(_, d)| *d).max().unwrap_or(0) + 1;
         (ext.into_iter().map(|(id, _)| id).collect(), depth)

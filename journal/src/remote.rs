@@ -38,6 +38,9 @@ fn reject(reason: impl Into<String>) -> JournalError {
     JournalError::Forbidden(reason.into())
 }
 
+/// A backfilled PDU that was refused: its event id when it had one, and why.
+type RefusedPdu = (Option<String>, String);
+
 impl Journal {
     /// Checks a remote PDU and appends it (see the module docs). `expect_event_id` is
     /// the id the request named (`send_join`, `invite`): a PDU hashing to another id is
@@ -259,8 +262,7 @@ impl Journal {
         let Some(agg) = self.inner.rooms.lock().get(&room).cloned() else {
             return Vec::new();
         };
-        let servers = agg.lock().await.joined_servers.keys().cloned().collect();
-        servers
+        agg.lock().await.joined_servers.keys().cloned().collect()
     }
 
     /// The room's version, if the room exists here.
@@ -707,8 +709,7 @@ impl Journal {
                 }
             }
         }
-        let mut batch: Vec<Result<Arc<Pdu>, (Option<String>, String)>> =
-            Vec::with_capacity(pdus.len());
+        let mut batch: Vec<Result<Arc<Pdu>, RefusedPdu>> = Vec::with_capacity(pdus.len());
         for v in pdus {
             // Already in the timeline (a retry, or the event the request started from):
             // nothing to verify.

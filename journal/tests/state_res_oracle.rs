@@ -249,7 +249,7 @@ fn side(
         let pick = rng.random_range(0..if matches!(mix, Mix::WithPower) { 9 } else { 7 });
         let ev = match pick {
             0 => room.event(
-                &[head.clone()],
+                std::slice::from_ref(&head),
                 CAROL,
                 "m.room.message",
                 None,
@@ -516,7 +516,7 @@ fn v1_resolution_orders_topics_by_depth_and_power_levels_by_auth() {
     let (mut room, head) = base("1", &mut rng);
     let msg = |room: &mut Room, prev: &OwnedEventId, rng: &mut StdRng| {
         room.event(
-            &[prev.clone()],
+            std::slice::from_ref(prev),
             CAROL,
             "m.room.message",
             None,
@@ -542,7 +542,7 @@ fn v1_resolution_orders_topics_by_depth_and_power_levels_by_auth() {
         .unwrap();
     let topic_a = room
         .event(
-            &[head.clone()],
+            std::slice::from_ref(&head),
             ALICE,
             "m.room.topic",
             Some(""),
