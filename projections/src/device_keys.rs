@@ -121,6 +121,7 @@ pub struct DeviceKeys {
     user_log: Table,
     room_last: LastChange,
     user_last: LastChange,
+    device_last: LastChange,
 }
 
 fn algorithm_of(key_id: &str) -> &str {
@@ -148,6 +149,7 @@ impl DeviceKeys {
             user_log: t("user_log")?,
             room_last: LastChange::default(),
             user_last: LastChange::default(),
+            device_last: LastChange::default(),
         })
     }
 
@@ -195,6 +197,39 @@ impl DeviceKeys {
             .collect()
     }
 
+    /// `key` (a device's keys, `key_id` its device id, or the master key, `key_id` its
+    /// public key) with the uploaded signatures on it merged into `signatures`: the
+    /// owner's own for everyone, another signer's only when that signer is `viewer`
+    /// (spec: a signature by a user-signing key is visible to its maker only; over
+    /// federation there is no viewer, so only the owner's own are shown).
+    pub fn with_signatures(
+        &self,
+        user_id: &str,
+        key_id: &str,
+        viewer: Option<&str>,
+        mut key: Value,
+    ) -> Value {
+        for (signer, signer_key, sig) in self.signatures_on(user_id, key_id) {
+            if signer != user_id && Some(signer.as_str()) != viewer {
+                continue;
+            }
+            let Some(m) = key.as_object_mut() else {
+                break;
+            };
+            let sigs = m
+                .entry("signatures")
+                .or_insert_with(|| Value::Object(Default::default()));
+            if let Some(by) = sigs.as_object_mut().map(|sigs| {
+                sigs.entry(signer)
+                    .or_insert_with(|| Value::Object(Default::default()))
+            }) && let Some(by) = by.as_object_mut()
+            {
+                by.insert(signer_key, Value::String(sig));
+            }
+        }
+        key
+    }
+
     /// One device's signed device keys (one point read).
     pub fn device_key(&self, user_id: &str, device_id: &str) -> Option<Value> {
         serde_json::from_slice(&self.keys.get(&key::join(&[user_id, device_id]))?).ok()
@@ -237,6 +272,39 @@ impl DeviceKeys {
     /// Position of the latest own entry of a user (memory after the first ask).
     pub fn user_last_change(&self, user_id: &str) -> u64 {
         self.user_last.get(user_id, &self.user_log)
+    }
+
+    /// The version of a user's device list (spec: server-server API, `stream_id` of
+    /// `GET /user/devices/{userId}` and of `m.device_list_update`): the journal
+    /// position of the latest record that changed the user's devices, their keys or
+    /// their cross-signing keys (a [`RoomLogKind::Keys`] entry of `user_log`), 0 when
+    /// none did. It only grows, and an `m.device_list_update` EDU sent for a change
+    /// carries the position of the record that made it, so the two agree. Joins,
+    /// leaves and signatures on other users' keys do not count.
+    ///
+    /// Memory after the first ask; the first ask reads the user's own log backwards,
+    /// a page at a time, down to the latest such entry.
+    pub fn device_list_stream_id(&self, user_id: &str) -> u64 {
+        const PAGE: usize = 64;
+        self.device_last.get_or_find(user_id, || {
+            let start = key::prefix(&[user_id]);
+            let mut end = start.clone();
+            *end.last_mut().expect("non-empty") = 1;
+            loop {
+                let page = self.user_log.scan_range(&start, &end, true, PAGE);
+                for (k, v) in &page {
+                    if serde_json::from_slice::<UserLogEntry>(v)
+                        .is_ok_and(|e| e.kind == RoomLogKind::Keys)
+                    {
+                        return key::trailing_pos(k);
+                    }
+                }
+                match page.last() {
+                    Some((k, _)) if page.len() == PAGE => end = k.clone(),
+                    _ => return 0,
+                }
+            }
+        })
     }
 
     /// Whether anything in `joined_rooms` or the user's own log changed after `after`
@@ -370,6 +438,8 @@ impl DeviceKeys {
             },
             position,
         );
+        let (last, k) = (self.device_last.clone(), user_id.to_owned());
+        ctx.after_commit(move || last.bump(k, position));
         let prefix = key::prefix(&[user_id]);
         for (k, _) in ctx.scan_prefix(&self.joined, &prefix) {
             let room = suffix(&k, &prefix);

@@ -366,17 +366,25 @@ impl LastChange {
     /// The latest position logged under `k` (0 if none): memory, or one reverse seek
     /// the first time.
     pub fn get(&self, k: &str, table: &Table) -> u64 {
+        self.get_or_find(k, || {
+            let start = key::prefix(&[k]);
+            let mut end = start.clone();
+            *end.last_mut().expect("non-empty") = 1;
+            table
+                .scan_range(&start, &end, true, 1)
+                .first()
+                .map(|(k, _)| key::trailing_pos(k))
+                .unwrap_or(0)
+        })
+    }
+
+    /// The position remembered under `k`, or `find()` (a read of the committed
+    /// tables, 0 if nothing) the first time. For logs where not every row counts.
+    pub fn get_or_find(&self, k: &str, find: impl FnOnce() -> u64) -> u64 {
         if let Some(v) = self.map.read().get(k) {
             return *v;
         }
-        let start = key::prefix(&[k]);
-        let mut end = start.clone();
-        *end.last_mut().expect("non-empty") = 1;
-        let found = table
-            .scan_range(&start, &end, true, 1)
-            .first()
-            .map(|(k, _)| key::trailing_pos(k))
-            .unwrap_or(0);
+        let found = find();
         let mut map = self.map.write();
         let entry = map.entry(k.to_owned()).or_insert(found);
         *entry = (*entry).max(found);
