@@ -12,6 +12,9 @@
 //! - **Reads** ([`reads`], [`queries`]): events, state, auth chains, backfill, missing
 //!   events, alias and profile queries, from the projections only, each checking that
 //!   the asking server may see the room.
+//! - **End-to-end encryption** ([`e2ee`]): our users' device and cross-signing keys,
+//!   key claims through the journal, device lists with their `stream_id`; and the
+//!   calls that ask other servers for theirs.
 //! - **The sender** ([`sender`]): a journal consumer that delivers our events,
 //!   public receipts, to-device messages and device list changes to every other
 //!   server concerned, one queue per destination, with retries; typing and presence
@@ -30,6 +33,7 @@ pub mod auth;
 pub mod backfill;
 pub mod client;
 pub mod directory;
+pub mod e2ee;
 pub mod edus;
 pub mod error;
 pub mod invites;
@@ -397,6 +401,18 @@ pub fn router(st: FedState) -> Router {
         .route(
             "/_matrix/federation/v1/hierarchy/{room_id}",
             get(spaces::hierarchy),
+        )
+        .route(
+            "/_matrix/federation/v1/user/keys/query",
+            post(e2ee::query_keys),
+        )
+        .route(
+            "/_matrix/federation/v1/user/keys/claim",
+            post(e2ee::claim_keys),
+        )
+        .route(
+            "/_matrix/federation/v1/user/devices/{user_id}",
+            get(e2ee::user_devices),
         );
     if !well_known.is_empty() {
         r = r.route(
