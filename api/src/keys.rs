@@ -3,10 +3,16 @@
 //!
 //! Uploads become journal facts; claims are decided by the journal at append time
 //! (each one-time key is handed out at most once, whatever the concurrency); reads come
-//! from the `device_keys` projection. There is no federation yet: users of other
-//! servers are reported under `failures`.
+//! from the `device_keys` projection. Users of other servers are asked of their server
+//! over federation (spec: "/keys/query" and "/keys/claim" with remote users): one
+//! request per server, all at once, bounded by the request's `timeout`; a server that
+//! fails, is too slow, or cannot be asked (federation off) is listed under `failures`,
+//! and an answer is kept only for that server's own users.
 
-use std::collections::BTreeMap;
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    time::Duration,
+};
 
 use axum::{
     Json, Router,
@@ -26,6 +32,11 @@ use crate::{
 pub const MAX_USERS_PER_REQUEST: usize = 1000;
 /// Most (device, key) entries one `/keys/claim` or `/keys/upload` may carry.
 pub const MAX_KEYS_PER_REQUEST: usize = 1000;
+/// How long `/keys/query` and `/keys/claim` wait for other servers when the request
+/// names no `timeout`, ms (the spec's recommended default).
+pub const REMOTE_TIMEOUT_MS_DEFAULT: u64 = 10_000;
+/// The longest `timeout` a request may ask for, ms (longer ones are clamped).
+pub const REMOTE_TIMEOUT_MS_MAX: u64 = 60_000;
 
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
@@ -186,33 +197,95 @@ async fn upload(
     })))
 }
 
-/// The failure entry for a server we cannot reach (no federation yet).
-fn unreachable(server: &str) -> Value {
-    json!({
-        "errcode": "M_UNRECOGNIZED",
-        "error": format!("{server} cannot be reached: federation is not supported yet"),
-    })
+/// The request's `timeout` (ms, default [`REMOTE_TIMEOUT_MS_DEFAULT`], at most
+/// [`REMOTE_TIMEOUT_MS_MAX`]). Not a non-negative integer: 400 `M_INVALID_PARAM`.
+fn remote_timeout(body: &Map<String, Value>) -> ApiResult<Duration> {
+    let ms = match body.get("timeout") {
+        None | Some(Value::Null) => REMOTE_TIMEOUT_MS_DEFAULT,
+        Some(v) => v
+            .as_u64()
+            .ok_or_else(|| MatrixError::invalid_param("timeout must be a non-negative integer"))?,
+    };
+    Ok(Duration::from_millis(ms.min(REMOTE_TIMEOUT_MS_MAX)))
 }
 
-/// Merges uploaded signatures into a key object: the owner's own (self-signing key on
-/// devices, devices on the master key) for everyone, other signers' only for the
-/// signer itself (spec: a user-signing signature is visible to its maker).
-fn with_signatures(s: &AppState, user_id: &str, key_id: &str, viewer: &str, mut v: Value) -> Value {
-    for (signer, signer_key, sig) in s.projections.device_keys.signatures_on(user_id, key_id) {
-        if signer != user_id && signer != viewer {
+/// A `failures` entry (Synapse's shape: `{"status", "message"}`).
+fn failure(status: u16, message: impl Into<String>) -> Value {
+    json!({ "status": status, "message": message.into() })
+}
+
+/// Asks every server in `by_server` (server -> the request's map of that server's
+/// users) with `ask`, all at once, and waits at most `timeout` for all of them. Returns
+/// the answers by server; every server that failed, did not answer in time or could
+/// not be asked gets a `failures` entry instead (federation off: all of them).
+async fn ask_servers<T, F, Fut>(
+    s: &AppState,
+    by_server: BTreeMap<String, Map<String, Value>>,
+    timeout: Duration,
+    failures: &mut Map<String, Value>,
+    ask: F,
+) -> Vec<(String, T)>
+where
+    T: Send + 'static,
+    F: Fn(spindle_federation::FedState, String, Map<String, Value>) -> Fut,
+    Fut: Future<Output = Result<T, spindle_federation::client::ClientError>> + Send + 'static,
+{
+    let mut answers = Vec::new();
+    if by_server.is_empty() {
+        return answers;
+    }
+    let Some(fed) = &s.federation else {
+        for server in by_server.into_keys() {
+            failures.insert(
+                server,
+                failure(503, "federation is disabled on this server"),
+            );
+        }
+        return answers;
+    };
+    let mut pending = BTreeSet::new();
+    let mut tasks = tokio::task::JoinSet::new();
+    for (server, users) in by_server {
+        if ruma::ServerName::parse(&server).is_err() {
+            failures.insert(server, failure(400, "not a valid server name"));
             continue;
         }
-        if let Some(m) = v.as_object_mut() {
-            let sigs = m.entry("signatures").or_insert_with(|| json!({}));
-            if let Some(sigs) = sigs.as_object_mut() {
-                let by = sigs.entry(signer).or_insert_with(|| json!({}));
-                if let Some(by) = by.as_object_mut() {
-                    by.insert(signer_key, json!(sig));
+        pending.insert(server.clone());
+        let call = ask(fed.clone(), server.clone(), users);
+        tasks.spawn(async move { (server, call.await) });
+    }
+    let deadline = tokio::time::Instant::now() + timeout;
+    while !pending.is_empty() {
+        match tokio::time::timeout_at(deadline, tasks.join_next()).await {
+            Ok(Some(Ok((server, result)))) => {
+                pending.remove(&server);
+                match result {
+                    Ok(answer) => answers.push((server, answer)),
+                    Err(e) => {
+                        tracing::debug!(%server, error = %e, "remote key request failed");
+                        failures.insert(server, spindle_federation::e2ee::failure(&e));
+                    }
                 }
             }
+            // A task that panicked: its server is still pending and listed below.
+            Ok(Some(Err(_))) => continue,
+            Ok(None) | Err(_) => break,
         }
     }
-    v
+    // Dropping the set cancels the requests still running.
+    for server in pending {
+        let message = format!("no answer within {} ms", timeout.as_millis());
+        failures.insert(server, failure(503, message));
+    }
+    answers
+}
+
+/// A key object with the uploaded signatures `viewer` may see merged in
+/// ([`spindle_projections::device_keys::DeviceKeys::with_signatures`]).
+fn with_signatures(s: &AppState, user_id: &str, key_id: &str, viewer: &str, v: Value) -> Value {
+    s.projections
+        .device_keys
+        .with_signatures(user_id, key_id, Some(viewer), v)
 }
 
 /// The device keys of one local user as `/keys/query` shows them to `viewer`: each
@@ -249,8 +322,11 @@ pub fn query_user_devices(
 }
 
 /// `POST /_matrix/client/v3/keys/query`: the device keys of the named users (all
-/// devices when the list is empty). Users of other servers go under `failures`; an
-/// unknown local user gets an empty device map.
+/// devices when the list is empty), their master and self-signing keys, and the
+/// requester's own user-signing key. Users of other servers are asked of their server
+/// (`user/keys/query`, see the module doc); a server that cannot answer within
+/// `timeout` ms (default 10,000) is under `failures`. An unknown local user gets an
+/// empty device map.
 async fn query(
     State(s): State<AppState>,
     r: Requester,
@@ -266,10 +342,12 @@ async fn query(
             "at most {MAX_USERS_PER_REQUEST} users per query"
         )));
     }
+    let timeout = remote_timeout(&body)?;
     let mut device_keys = Map::new();
     let mut failures = Map::new();
     let (mut master_keys, mut self_signing_keys, mut user_signing_keys) =
         (Map::new(), Map::new(), Map::new());
+    let mut remote: BTreeMap<String, Map<String, Value>> = BTreeMap::new();
     for (user_id, devices) in wanted {
         let devices: Vec<String> = match devices {
             Value::Array(a) => a
@@ -289,7 +367,10 @@ async fn query(
             )));
         };
         if server != s.server_name() {
-            failures.insert(server.to_owned(), unreachable(server));
+            remote
+                .entry(server.to_owned())
+                .or_default()
+                .insert(user_id.clone(), json!(devices));
             continue;
         }
         device_keys.insert(
@@ -314,6 +395,21 @@ async fn query(
             user_signing_keys.insert(user_id.clone(), usk);
         }
     }
+    let answers = ask_servers(
+        &s,
+        remote,
+        timeout,
+        &mut failures,
+        |fed, server, users| async move {
+            spindle_federation::e2ee::query_remote(&fed, &server, users).await
+        },
+    )
+    .await;
+    for (_, answer) in answers {
+        device_keys.extend(answer.device_keys);
+        master_keys.extend(answer.master_keys);
+        self_signing_keys.extend(answer.self_signing_keys);
+    }
     Ok(Json(json!({
         "device_keys": device_keys,
         "failures": failures,
@@ -326,6 +422,9 @@ async fn query(
 /// `POST /_matrix/client/v3/keys/claim`: one key per (user, device, algorithm): an
 /// unclaimed one-time key, or the device's fallback key when none is left. The journal
 /// picks the keys when it appends the claim, so concurrent claims never share a key.
+/// Keys of other servers' users are claimed from their server (`user/keys/claim`),
+/// at the same time; a server that cannot answer within `timeout` ms (default 10,000)
+/// is under `failures`.
 async fn claim(
     State(s): State<AppState>,
     r: Requester,
@@ -336,8 +435,11 @@ async fn claim(
             .ok_or_else(|| MatrixError::bad_json("one_time_keys is required"))?,
         "one_time_keys",
     )?;
+    let timeout = remote_timeout(&body)?;
     let mut requests = Vec::new();
     let mut failures = Map::new();
+    let mut remote: BTreeMap<String, Map<String, Value>> = BTreeMap::new();
+    let mut remote_devices = 0;
     for (user_id, devices) in wanted {
         let devices = object(devices, "one_time_keys values")?;
         let Some(server) = server_of(user_id) else {
@@ -345,14 +447,19 @@ async fn claim(
                 "{user_id:?} is not a user id"
             )));
         };
+        if devices.values().any(|a| !a.is_string()) {
+            return Err(MatrixError::bad_json("algorithms must be strings"));
+        }
         if server != s.server_name() {
-            failures.insert(server.to_owned(), unreachable(server));
+            remote_devices += devices.len();
+            remote
+                .entry(server.to_owned())
+                .or_default()
+                .insert(user_id.clone(), Value::Object(devices.clone()));
             continue;
         }
         for (device_id, algorithm) in devices {
-            let algorithm = algorithm
-                .as_str()
-                .ok_or_else(|| MatrixError::bad_json("algorithms must be strings"))?;
+            let algorithm = algorithm.as_str().unwrap_or_default();
             requests.push(KeyClaimRequest {
                 user_id: user_id.clone(),
                 device_id: device_id.clone(),
@@ -360,20 +467,36 @@ async fn claim(
             });
         }
     }
-    if requests.len() > MAX_KEYS_PER_REQUEST {
+    if requests.len() + remote_devices > MAX_KEYS_PER_REQUEST {
         return Err(MatrixError::invalid_param(format!(
             "at most {MAX_KEYS_PER_REQUEST} devices per claim"
         )));
     }
     let mut one_time_keys: BTreeMap<String, BTreeMap<String, Map<String, Value>>> = BTreeMap::new();
-    if !requests.is_empty() {
-        let outcome = s
-            .submit(
-                &r.user_id,
-                Some(&r.device_id),
-                CommandBody::ClaimOneTimeKeys { requests },
-            )
-            .await?;
+    // Remote servers are asked while the journal decides the local claim.
+    let remote_claims = ask_servers(
+        &s,
+        remote,
+        timeout,
+        &mut failures,
+        |fed, server, users| async move {
+            spindle_federation::e2ee::claim_remote(&fed, &server, users).await
+        },
+    );
+    let local_claim = async {
+        if requests.is_empty() {
+            return Ok(None);
+        }
+        s.submit(
+            &r.user_id,
+            Some(&r.device_id),
+            CommandBody::ClaimOneTimeKeys { requests },
+        )
+        .await
+        .map(Some)
+    };
+    let (answers, outcome) = tokio::join!(remote_claims, local_claim);
+    if let Some(outcome) = outcome? {
         for c in outcome.claimed {
             one_time_keys
                 .entry(c.claim.user_id)
@@ -381,6 +504,19 @@ async fn claim(
                 .entry(c.claim.device_id)
                 .or_default()
                 .insert(c.claim.key_id, c.key);
+        }
+    }
+    for (_, claimed) in answers {
+        for (user_id, devices) in claimed {
+            let Value::Object(devices) = devices else {
+                continue;
+            };
+            let mine = one_time_keys.entry(user_id).or_default();
+            for (device_id, keys) in devices {
+                if let Value::Object(keys) = keys {
+                    mine.insert(device_id, keys);
+                }
+            }
         }
     }
     Ok(Json(
