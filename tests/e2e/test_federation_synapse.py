@@ -782,3 +782,73 @@ def test_remote_leave_reaches_spindle(world):
     # Spindle stops sending to a server with nobody left in the room: a message now is
     # not an error anywhere.
     alice.send(room, "after bob left")
+
+
+def canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def upload_olm_keys(client: Client, otks: int) -> tuple[str, dict, dict, dict]:
+    """Uploads real olm device keys, `otks` signed one-time keys and a signed fallback key
+    for `client`'s device; returns the device id, the device keys, the one-time keys and
+    the fallback key (each as uploaded)."""
+    import olm
+
+    device = client.call("GET", "/_matrix/client/v3/account/whoami")["device_id"]
+    account = olm.Account()
+
+    def signed(obj):
+        sig = account.sign(canonical(obj))
+        return {**obj, "signatures": {client.user_id: {f"ed25519:{device}": sig}}}
+
+    identity = account.identity_keys
+    device_keys = signed({
+        "user_id": client.user_id, "device_id": device,
+        "algorithms": ["m.olm.v1.curve25519-aes-sha2", "m.megolm.v1.aes-sha2"],
+        "keys": {f"curve25519:{device}": identity["curve25519"], f"ed25519:{device}": identity["ed25519"]},
+    })
+    account.generate_one_time_keys(otks)
+    one_time = {f"signed_curve25519:{kid}": signed({"key": k}) for kid, k in account.one_time_keys["curve25519"].items()}
+    account.generate_fallback_key()
+    fb_id, fb_key = next(iter(account.fallback_key["curve25519"].items()))
+    fallback = {f"signed_curve25519:{fb_id}": signed({"key": fb_key, "fallback": True})}
+    out = client.call("POST", "/_matrix/client/v3/keys/upload", {
+        "device_keys": device_keys, "one_time_keys": one_time, "fallback_keys": fallback,
+    })
+    assert out["one_time_key_counts"]["signed_curve25519"] == otks
+    return device, device_keys, one_time, fallback
+
+
+def test_device_keys_are_queried_and_claimed_across_servers_both_ways(world):
+    """A Spindle user asks for a Synapse user's device keys and claims their one-time
+    keys (Spindle's /keys/query and /keys/claim fan out to Synapse's user/keys/query and
+    user/keys/claim), and the other way round (Synapse asks Spindle's). Each one-time key
+    comes out once, then the fallback key."""
+    spindle, synapse = world["spindle"], world["synapse"]
+    carol = Client(spindle.base_url)
+    carol.register("carol")
+    dave = Client(synapse.base_url)
+    dave.register("dave")
+    carol_dev, carol_keys, carol_otks, carol_fb = upload_olm_keys(carol, 2)
+    dave_dev, dave_keys, dave_otks, dave_fb = upload_olm_keys(dave, 2)
+
+    for asker, owner, dev, keys in ((carol, dave, dave_dev, dave_keys), (dave, carol, carol_dev, carol_keys)):
+        got = asker.call("POST", "/_matrix/client/v3/keys/query", {"device_keys": {owner.user_id: []}})
+        assert got["failures"] == {}, got
+        assert list(got["device_keys"][owner.user_id]) == [dev], got
+        served = got["device_keys"][owner.user_id][dev]
+        for field in ("user_id", "device_id", "algorithms", "keys", "signatures"):
+            assert served[field] == keys[field], (field, served)
+
+    for asker, owner, dev, otks, fb in ((carol, dave, dave_dev, dave_otks, dave_fb), (dave, carol, carol_dev, carol_otks, carol_fb)):
+        claimed = []
+        for _ in range(4):
+            out = asker.call("POST", "/_matrix/client/v3/keys/claim", {
+                "one_time_keys": {owner.user_id: {dev: "signed_curve25519"}},
+            })
+            assert out["failures"] == {}, out
+            [(key_id, key)] = out["one_time_keys"][owner.user_id][dev].items()
+            claimed.append((key_id, key))
+        # Both one-time keys once each (in any order), then the fallback key, twice.
+        assert sorted(claimed[:2]) == sorted(otks.items()), claimed
+        assert claimed[2:] == list(fb.items()) * 2, claimed
