@@ -12,8 +12,8 @@ to m.room.create (backfill), 60 messages each way arrive with the same event ids
 level given to the remote user lets them change the topic, kick and ban of the remote
 user hold on both sides, Synapse stopped while Spindle sends 5 messages has them all
 after it restarts, both servers sending at once converge on the same events and state,
-both setting the topic at once converge on one topic (state resolution), and a remote
-leave.
+both setting the topic at once converge on one topic (state resolution), a remote
+leave, and device keys queried and one-time keys claimed across the servers both ways.
 """
 
 from __future__ import annotations
