@@ -13,11 +13,15 @@ level given to the remote user lets them change the topic, kick and ban of the r
 user hold on both sides, Synapse stopped while Spindle sends 5 messages has them all
 after it restarts, both servers sending at once converge on the same events and state,
 both setting the topic at once converge on one topic (state resolution), a remote
-leave, and device keys queried and one-time keys claimed across the servers both ways.
+leave, device keys queried and one-time keys claimed across the servers both ways,
+typing, receipts, presence and to-device messages both ways, and a matrix-nio client
+with encryption on each server decrypting the other's messages in one encrypted room
+(also on a second device added later on Synapse).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -852,3 +856,128 @@ def test_device_keys_are_queried_and_claimed_across_servers_both_ways(world):
         # Both one-time keys once each (in any order), then the fallback key, twice.
         assert sorted(claimed[:2]) == sorted(otks.items()), claimed
         assert claimed[2:] == list(fb.items()) * 2, claimed
+# -- end-to-end encryption across the two servers (issue 13) ------------------------
+
+
+async def _nio_settle(c, what: str):
+    """One sync, then what nio's sync_forever does after each: upload, query and claim
+    keys, and send the queued to-device messages."""
+    from nio import KeysQueryResponse, KeysUploadResponse, SyncResponse
+
+    resp = await asyncio.wait_for(c.sync(timeout=0, full_state=True), 30)
+    assert isinstance(resp, SyncResponse), f"{what}: {resp}"
+    if c.should_upload_keys:
+        up = await c.keys_upload()
+        assert isinstance(up, KeysUploadResponse), f"{what}: keys_upload {up}"
+    if c.should_query_keys:
+        kq = await c.keys_query()
+        assert isinstance(kq, KeysQueryResponse), f"{what}: keys_query {kq}"
+    if c.should_claim_keys:
+        await c.keys_claim(c.get_users_for_key_claiming())
+    await c.send_to_device_messages()
+    return resp
+
+
+async def _nio_decrypts(c, room: str, event_id: str, what: str, rounds: int = 60):
+    """Syncs `c` until it holds `event_id` decrypted; returns its body."""
+    from nio import MegolmEvent, RoomMessageText
+
+    seen = None
+    for _ in range(rounds):
+        resp = await _nio_settle(c, what)
+        joined = resp.rooms.join.get(room)
+        for e in joined.timeline.events if joined else []:
+            if e.event_id == event_id:
+                seen = e
+        if isinstance(seen, MegolmEvent):
+            try:
+                seen = c.decrypt_event(seen)
+            except Exception:  # the room key has not arrived yet
+                pass
+        if isinstance(seen, RoomMessageText):
+            return seen.body
+        await asyncio.sleep(0.25)
+    raise AssertionError(f"{what}: not decrypted (last seen: {seen!r})")
+
+
+def test_encrypted_room_across_servers_decrypts_both_ways_and_on_a_new_device(world, tmp_path):
+    """A matrix-nio client with encryption on each server, in one encrypted room: each
+    decrypts the other's messages (keys queried and one-time keys claimed over
+    federation, room keys sent as Olm-encrypted to-device messages across servers), and
+    after the Synapse user logs in on a second device, the Spindle user's next message
+    decrypts there too (the new device reached Spindle as a device list update)."""
+    asyncio.run(_encrypted_across_servers(world, tmp_path))
+
+
+async def _encrypted_across_servers(world, tmp_path):
+    from nio import AsyncClient, AsyncClientConfig, JoinResponse, LoginResponse, RegisterResponse, RoomCreateResponse, RoomSendResponse
+
+    spindle, synapse = world["spindle"], world["synapse"]
+    run = f"{time.time_ns() % 10**8}"
+    clients = []
+
+    def client(base_url: str, name: str, user: str = "") -> AsyncClient:
+        store = tmp_path / name
+        store.mkdir()
+        cfg = AsyncClientConfig(encryption_enabled=True, store_sync_tokens=False, max_timeouts=2, request_timeout=30)
+        c = AsyncClient(base_url, user=user, store_path=str(store), config=cfg)
+        clients.append(c)
+        return c
+
+    try:
+        a = client(spindle.base_url, "a")
+        b = client(synapse.base_url, "b")
+        for c, name in ((a, f"enca{run}"), (b, f"encb{run}")):
+            reg = await c.register(name, "pw-" + name, device_name=f"{name} nio")
+            assert isinstance(reg, RegisterResponse), f"register {name}: {reg}"
+            await _nio_settle(c, f"{name} first sync")
+            await _nio_settle(c, f"{name} second sync")
+        created = await a.room_create(
+            name="secret across servers", invite=[b.user_id],
+            initial_state=[{"type": "m.room.encryption", "state_key": "", "content": {"algorithm": "m.megolm.v1.aes-sha2"}}],
+        )
+        assert isinstance(created, RoomCreateResponse), created
+        room = created.room_id
+        bob = Client(synapse.base_url)
+        bob.token = b.access_token
+        wait_until("the invite on Synapse",
+                   lambda: room in bob.call("GET", "/_matrix/client/v3/sync?timeout=0").get("rooms", {}).get("invite", {}))
+        joined = await b.join(room)
+        assert isinstance(joined, JoinResponse), joined
+        alice = Client(spindle.base_url)
+        alice.token = a.access_token
+        wait_until("bob's join on Spindle", lambda: alice.membership(room, b.user_id) == "join")
+        for _ in range(3):
+            await _nio_settle(a, "A learns B's devices")
+            await _nio_settle(b, "B learns A's devices")
+        assert b.device_id in a.device_store[b.user_id], "A has B's device from Synapse"
+        assert a.device_id in b.device_store[a.user_id], "B has A's device from Spindle"
+
+        # Spindle -> Synapse.
+        sent = await a.room_send(room, "m.room.message", {"msgtype": "m.text", "body": f"to synapse {run}"}, ignore_unverified_devices=True)
+        assert isinstance(sent, RoomSendResponse), sent
+        assert await _nio_decrypts(b, room, sent.event_id, "B decrypts A") == f"to synapse {run}"
+        # Synapse -> Spindle.
+        sent = await b.room_send(room, "m.room.message", {"msgtype": "m.text", "body": f"to spindle {run}"}, ignore_unverified_devices=True)
+        assert isinstance(sent, RoomSendResponse), sent
+        assert await _nio_decrypts(a, room, sent.event_id, "A decrypts B") == f"to spindle {run}"
+
+        # B logs in on a second device; Spindle hears of it and A's next message reaches it.
+        b2 = client(synapse.base_url, "b2", user=b.user_id)
+        login = await b2.login(f"pw-encb{run}", device_name="b2 nio")
+        assert isinstance(login, LoginResponse), login
+        await _nio_settle(b2, "B2 first sync")
+        await _nio_settle(b2, "B2 second sync")
+        for _ in range(60):
+            await _nio_settle(a, "A learns of B2")
+            if b2.device_id in a.device_store[b.user_id]:
+                break
+            await asyncio.sleep(0.25)
+        assert b2.device_id in a.device_store[b.user_id], "B's new device reached Spindle"
+        sent = await a.room_send(room, "m.room.message", {"msgtype": "m.text", "body": f"to both devices {run}"}, ignore_unverified_devices=True)
+        assert isinstance(sent, RoomSendResponse), sent
+        assert await _nio_decrypts(b2, room, sent.event_id, "B2 decrypts A") == f"to both devices {run}"
+        assert await _nio_decrypts(b, room, sent.event_id, "B decrypts A again") == f"to both devices {run}"
+    finally:
+        for c in clients:
+            await c.close()
