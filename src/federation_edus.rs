@@ -118,7 +118,8 @@ pub async fn run_feed(
         }
         let (changed, upto) = presence.changed_after(before);
         seen = seen.max(upto);
-        if !send_presence {
+        // Finding a user's rooms is a store read: none until this server federates.
+        if !send_presence || !sender.federates() {
             continue;
         }
         let now_ms = spindle_api::now_ms();

@@ -153,6 +153,10 @@ impl FederationSender {
             }
             Outbound::Receipt { room_id, .. } => self.other_servers(room_id).await,
             Outbound::ToDevice(per_server) => per_server.iter().map(|(s, _)| s.clone()).collect(),
+            // Only once this server federates with anyone: finding the user's rooms is
+            // a store read, and a server that never federated has no one to tell (a
+            // server that meets the user later asks for the devices itself).
+            Outbound::User { .. } if !self.federates() => Vec::new(),
             Outbound::User { user_id, .. } => {
                 let mut dests = std::collections::BTreeSet::new();
                 for (room, m) in self.st.projections.membership.rooms_of(user_id) {
@@ -164,6 +168,12 @@ impl FederationSender {
             }
         };
         (!dests.is_empty()).then_some((out, dests))
+    }
+
+    /// Whether any destination has a worker (this server has sent, or has had to
+    /// send, something to another server since its cursors were first written).
+    pub fn federates(&self) -> bool {
+        !self.workers.lock().is_empty()
     }
 
     /// The servers other than ours with a user joined to the room.
