@@ -75,7 +75,6 @@ impl EphemeralSink for Sink {
 /// `[presence] enabled` both on.
 pub async fn run_feed(
     sender: FederationSender,
-    projections: Projections,
     typing: Typing,
     presence: Presence,
     server_name: String,
@@ -116,15 +115,16 @@ pub async fn run_feed(
                 typists.insert(room_id, now);
             }
         }
-        let (changed, upto) = presence.changed_after(before);
+        let (changed, upto) = presence.changed_after_with_rooms(before);
         seen = seen.max(upto);
-        // Finding a user's rooms is a store read: none until this server federates.
-        if !send_presence || !sender.federates() {
+        if !send_presence {
             continue;
         }
         let now_ms = spindle_api::now_ms();
         let mut per_dest: BTreeMap<String, Vec<Value>> = BTreeMap::new();
-        for (user, _) in changed.into_iter().filter(|(u, _)| ours(u)) {
+        // The rooms each change was recorded under are the user's joined rooms at the
+        // change (kept in memory by the presence state: no store read here).
+        for (user, rooms) in changed.into_iter().filter(|(u, _)| ours(u)) {
             let Some(c) = presence.content(&user, now_ms) else {
                 continue;
             };
@@ -138,7 +138,7 @@ pub async fn run_feed(
                 entry["status_msg"] = m.clone();
             }
             let mut dests = BTreeSet::new();
-            for room in joined_rooms(&projections, &user) {
+            for room in rooms {
                 dests.extend(sender.other_servers(&room).await);
             }
             for d in dests {

@@ -282,7 +282,6 @@ impl Server {
         if let Some(sender) = &sender {
             tokio::spawn(federation_edus::run_feed(
                 sender.clone(),
-                projections.clone(),
                 state.typing.clone(),
                 state.presence.clone(),
                 config.server_name.clone(),

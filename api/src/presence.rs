@@ -180,6 +180,30 @@ impl Presence {
         (self.changed_users(&rooms, Some(after)), upto)
     }
 
+    /// Users whose presence changed after counter value `after`, each with every room
+    /// the change was recorded under (the user's joined rooms at the change), sorted,
+    /// and the highest counter value among those changes (`after` when none): the
+    /// federation feed's input. Memory only: one pass over the rooms with a change
+    /// after `after`.
+    pub fn changed_after_with_rooms(&self, after: u64) -> (Vec<(String, Vec<String>)>, u64) {
+        let inner = self.inner.lock();
+        let mut upto = after;
+        let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (room, r) in inner.rooms.iter().filter(|(_, r)| r.serial > after) {
+            upto = upto.max(r.serial);
+            for (user, serial) in &r.users {
+                if *serial > after {
+                    out.entry(user.clone()).or_default().push(room.clone());
+                }
+            }
+        }
+        let mut out: Vec<(String, Vec<String>)> = out.into_iter().collect();
+        for (_, rooms) in &mut out {
+            rooms.sort();
+        }
+        (out, upto)
+    }
+
     /// The content of a user's `m.presence` event (or `/status` answer), if known.
     pub fn content(&self, user_id: &str, now: u64) -> Option<Value> {
         let inner = self.inner.lock();
