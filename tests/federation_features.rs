@@ -1497,7 +1497,7 @@ async fn typing_receipts_presence_and_to_device_cross_between_servers_both_ways(
         )
         .await;
     assert_eq!(status, 200, "{v}");
-    let (seen, _) = b
+    let (seen, b_since) = b
         .sync_until(&bob, &b_since, |v| {
             v["to_device"]["events"]
                 .as_array()
@@ -1529,6 +1529,27 @@ async fn typing_receipts_presence_and_to_device_cross_between_servers_both_ways(
         })
         .await;
     assert_eq!(changed, json!([bob_id]));
+    // And the other way: alice was in the room before bob's server joined (her
+    // membership came to it as imported state), and her rename still reaches bob.
+    let alice_device = a.device_of(&alice).await;
+    let (status, v) = a
+        .client(
+            reqwest::Method::PUT,
+            &format!("/_matrix/client/v3/devices/{}", enc(&alice_device)),
+            Some(&alice),
+            Some(json!({ "display_name": "Alice's laptop" })),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let (changed, _) = b
+        .sync_until(&bob, &b_since, |v| {
+            v["device_lists"]["changed"]
+                .as_array()
+                .filter(|c| c.iter().any(|u| u == alice_id.as_str()))
+                .map(|c| json!(c))
+        })
+        .await;
+    assert_eq!(changed, json!([alice_id]));
 
     // Presence, A -> B.
     let (status, v) = a

@@ -494,7 +494,7 @@ impl DeviceKeys {
     }
 
     fn apply_member(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
-        let pdu = record.pdu().ok_or("unreadable PDU")?;
+        let pdu = record.room_pdu().ok_or("unreadable PDU")?;
         if pdu.kind.to_string() != "m.room.member" {
             return Ok(());
         }
@@ -578,7 +578,10 @@ impl Projection for DeviceKeys {
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
-        if record.is_event() {
+        // Outliers (the state imported on a remote join) and resolved state carry
+        // memberships too: without them the members already in a room we joined over
+        // federation would never be logged, and their device changes never heard of.
+        if record.applies_to_state() {
             return self.apply_member(ctx, record);
         }
         let Some(fact) = record.fact() else {
