@@ -279,6 +279,12 @@ impl Server {
         } else {
             None
         };
+        if config.federation.enabled {
+            // Rooms joined with partial state before a restart go on fetching their
+            // members (MSC3902).
+            let fed = fed.clone();
+            tokio::spawn(async move { spindle_federation::partial::resume(&fed).await });
+        }
         if let Some(sender) = &sender {
             tokio::spawn(federation_edus::run_feed(
                 sender.clone(),

@@ -177,12 +177,23 @@ impl Harness {
     /// Signs `template` as `remote.test` and sends it to `send_join` (v2): the signed
     /// join, the status and the answer.
     async fn send_join(&self, room: &str, version: &str, template: Value) -> (Pdu, u16, Value) {
+        self.send_join_with(room, version, template, "").await
+    }
+
+    /// [`Harness::send_join`] with a query string (`"?omit_members=true"`).
+    async fn send_join_with(
+        &self,
+        room: &str,
+        version: &str,
+        template: Value,
+        query: &str,
+    ) -> (Pdu, u16, Value) {
         let pdu = Pdu::sign_template(template, version, &self.remote, 1_700_000_000_000).unwrap();
         let (status, v) = self
             .fed(
                 reqwest::Method::PUT,
                 &format!(
-                    "/_matrix/federation/v2/send_join/{}/{}",
+                    "/_matrix/federation/v2/send_join/{}/{}{query}",
                     enc(room),
                     enc(pdu.event_id.as_str())
                 ),
@@ -960,4 +971,110 @@ async fn inbound_edus_reach_our_users_and_their_journal_records_take_one_fsync()
         .unwrap();
     let typing = ephemeral.iter().find(|e| e["type"] == "m.typing").unwrap();
     assert_eq!(typing["content"]["user_ids"], json!([]));
+}
+
+/// The (type, state key) pairs of a `send_join` answer's `state`, sorted.
+fn slots(joined: &Value) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = joined["state"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["type"].as_str().unwrap().to_owned(),
+                e["state_key"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Spec: `send_join` v2 `omit_members` (MSC3706), the resident side of partial-state
+/// joins. The counting guard: a reduced answer holds the same number of state events
+/// and auth events whatever the member count, and no member events but the heroes'
+/// when the room has no name (then exactly `min(5, others)` of them).
+#[tokio::test]
+async fn send_join_with_omit_members_answers_a_state_that_does_not_grow_with_the_members() {
+    let h = Harness::start().await;
+    let owner = h.register("owner").await;
+    let mut tokens = Vec::new();
+    for i in 0..11 {
+        tokens.push(h.register(&format!("member{i}")).await);
+    }
+    // Two named rooms (2 and 12 members) and two unnamed ones (2 and 12 members).
+    let mut answers = Vec::new();
+    for (named, members) in [(true, 1usize), (true, 11), (false, 1), (false, 11)] {
+        let body = if named {
+            json!({ "preset": "public_chat", "name": "Big" })
+        } else {
+            json!({ "preset": "public_chat" })
+        };
+        let room = h.create_room(&owner, body).await;
+        for t in tokens.iter().take(members) {
+            let (status, v) = h
+                .client(
+                    reqwest::Method::POST,
+                    &format!("/_matrix/client/v3/rooms/{}/join", enc(&room)),
+                    Some(t),
+                    Some(json!({})),
+                )
+                .await;
+            assert_eq!(status, 200, "{v}");
+        }
+        let user = format!("@joiner{}:{REMOTE}", answers.len());
+        let (status, made) = h.make_join(&room, &user).await;
+        assert_eq!(status, 200, "{made}");
+        let version = made["room_version"].as_str().unwrap().to_owned();
+        let (_, status, joined) = h
+            .send_join_with(&room, &version, made["event"].clone(), "?omit_members=true")
+            .await;
+        assert_eq!(status, 200, "{joined}");
+        assert_eq!(joined["members_omitted"], json!(true));
+        assert_eq!(joined["servers_in_room"], json!(["localhost:8008", REMOTE]));
+        answers.push(joined);
+    }
+    let count = |v: &Value, k: &str| v[k].as_array().unwrap().len();
+    let members = |v: &Value| {
+        slots(v)
+            .into_iter()
+            .filter(|(t, _)| t == "m.room.member")
+            .count()
+    };
+    // Named rooms: no member events at all, and the same answer size for 2 and 12.
+    assert_eq!(members(&answers[0]), 0);
+    assert_eq!(members(&answers[1]), 0);
+    assert_eq!(slots(&answers[0]), slots(&answers[1]));
+    assert_eq!(
+        count(&answers[0], "auth_chain"),
+        count(&answers[1], "auth_chain")
+    );
+    // Unnamed rooms: the heroes' member events, at most 5 (the owner and one member;
+    // then five of the twelve).
+    assert_eq!(members(&answers[2]), 2);
+    assert_eq!(members(&answers[3]), 5);
+    assert_eq!(
+        count(&answers[2], "state"),
+        slots(&answers[0]).len() - 1 + 2
+    );
+    assert_eq!(
+        count(&answers[3], "state"),
+        slots(&answers[0]).len() - 1 + 5
+    );
+    // Without the flag the whole member list comes: 12 members, none omitted.
+    let room = h
+        .create_room(&owner, json!({ "preset": "public_chat", "name": "Full" }))
+        .await;
+    for t in &tokens {
+        h.client(
+            reqwest::Method::POST,
+            &format!("/_matrix/client/v3/rooms/{}/join", enc(&room)),
+            Some(t),
+            Some(json!({})),
+        )
+        .await;
+    }
+    let full = h.remote_join(&room, "@full:remote.test").await;
+    assert_eq!(full["members_omitted"], json!(false));
+    assert_eq!(members(&full), 12);
 }

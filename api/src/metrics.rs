@@ -48,6 +48,9 @@ pub struct Metrics {
     journal_head: Gauge,
     journal_appended: Gauge,
     journal_fsyncs: Gauge,
+    partial_joins: Gauge,
+    partial_completed: Gauge,
+    partial_sends: Gauge,
     forks: Family<Labels, Gauge>,
     snapshots: Family<Labels, Gauge>,
     snapshot_position: Gauge,
@@ -120,6 +123,21 @@ impl Metrics {
             &mut registry,
             "journal_fsyncs",
             "fsyncs of the journal since start; appended/fsyncs is the mean group-commit batch",
+        );
+        let partial_joins = gauge(
+            &mut registry,
+            "federation_partial_state_joins_total",
+            "Remote joins since start answered without member events: rooms that became partial-state (MSC3902)",
+        );
+        let partial_completed = gauge(
+            &mut registry,
+            "federation_partial_state_completed_total",
+            "Partial-state rooms whose full state was imported since start",
+        );
+        let partial_sends = gauge(
+            &mut registry,
+            "federation_partial_state_sends_total",
+            "Events our users sent since start into a room whose state was partial",
         );
         let forks = Family::<Labels, Gauge>::default();
         registry.register(
@@ -233,6 +251,9 @@ impl Metrics {
             journal_head,
             journal_appended,
             journal_fsyncs,
+            partial_joins,
+            partial_completed,
+            partial_sends,
             forks,
             snapshots,
             snapshot_position,
@@ -280,6 +301,12 @@ impl Metrics {
             .set(stats.appended.load(Ordering::Relaxed) as i64);
         self.journal_fsyncs
             .set(stats.fsyncs.load(Ordering::Relaxed) as i64);
+        self.partial_joins
+            .set(stats.partial_state_joins.load(Ordering::Relaxed) as i64);
+        self.partial_completed
+            .set(stats.partial_state_completed.load(Ordering::Relaxed) as i64);
+        self.partial_sends
+            .set(stats.partial_state_sends.load(Ordering::Relaxed) as i64);
         for (case, n) in [
             ("linear", &stats.forks_linear),
             ("merged", &stats.forks_merged),

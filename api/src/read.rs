@@ -756,6 +756,8 @@ async fn members(
     {
         return Err(MatrixError::forbidden("You are not joined to this room"));
     }
+    // A partial-state room answers once its member list is complete (MSC3902).
+    s.wait_for_full_state(&room_id).await?;
     let mut root = readable_root(&s, &room_id, &access)
         .ok_or_else(|| MatrixError::forbidden("Room state unavailable"))?;
     if let Some(at) = q.get("at") {

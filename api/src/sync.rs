@@ -585,7 +585,16 @@ impl Ctx<'_> {
                     .is_none_or(|m| m != "join")
             }
         });
-        let full = since.is_none() || self.full_state || newly_joined;
+        // A partial-state room whose full state arrived since the token (MSC3902) sends
+        // its whole state again: the member list the client could not have yet.
+        let completed = since.is_some_and(|sp| {
+            self.s
+                .projections
+                .state
+                .completed_at(room)
+                .is_some_and(|c| c > sp && c <= self.upto)
+        });
+        let full = since.is_none() || self.full_state || newly_joined || completed;
         // `full_state` resends the state but the timeline still starts at `since`
         // (spec: "The timeline will still be limited by the since parameter").
         let after = if since.is_none() || newly_joined {

@@ -107,6 +107,7 @@ async fn receive_invite(
             pdu: signed.clone(),
             keys,
             event_id: Some(event_id.to_owned()),
+            auth_events: Vec::new(),
         }
     } else {
         CommandBody::RemoteOutlier {

@@ -198,6 +198,7 @@ pub(crate) async fn template(
     if st.journal.room_version(room_id).await.is_none() {
         return Err(FedError::not_found("unknown room"));
     }
+    reads::refuse_partial(st, room_id).await?;
     Ok(st
         .journal
         .membership_template(room_id, user_id, content, crate::now_ms())
@@ -237,6 +238,7 @@ pub(crate) async fn submit_membership(
     if field("room_id") != room_id {
         return Err(FedError::bad_json("the event is for another room"));
     }
+    reads::refuse_partial(st, room_id).await?;
     let pdu = if membership == "join" {
         countersign_restricted_join(st, room_id, pdu).await?
     } else {
@@ -251,6 +253,7 @@ pub(crate) async fn submit_membership(
                 pdu: pdu.clone(),
                 keys,
                 event_id: Some(event_id.to_owned()),
+                auth_events: Vec::new(),
             },
         )
         .await?;
@@ -259,37 +262,80 @@ pub(crate) async fn submit_membership(
     Ok((pdu, ids))
 }
 
+/// Heroes whose member events a reduced `send_join` answer keeps (spec: `send_join`
+/// `omit_members`, as `m.heroes` counts them).
+const OMIT_MEMBERS_HEROES: usize = 5;
+
 async fn send_join(
     st: &FedState,
     signed: &Signed,
     room_id: &str,
     event_id: &str,
+    omit_members: bool,
 ) -> FedResult<serde_json::Value> {
-    let (event, state_ids) = submit_membership(st, signed, room_id, event_id, "join").await?;
-    let state: Vec<_> = state_ids
-        .iter()
-        .filter_map(|id| reads::load(st, id))
-        .collect();
-    let chain = reads::auth_chain(st, &state);
+    let (event, _) = submit_membership(st, signed, room_id, event_id, "join").await?;
+    let entries = reads::state_entries_before(st, event_id).unwrap_or_default();
+    let ids: Vec<&str> = if omit_members {
+        // MSC3706: the state without member events, except the heroes' when the room
+        // has neither a name nor a canonical alias (the joiner names the room from
+        // them); nothing here grows with the member count.
+        let named = entries
+            .iter()
+            .any(|(t, _, _)| t == "m.room.name" || t == "m.room.canonical_alias");
+        let joiner = event
+            .get("state_key")
+            .and_then(|k| k.as_str())
+            .unwrap_or("");
+        let heroes: Vec<String> = if named {
+            Vec::new()
+        } else {
+            st.projections
+                .room_summary
+                .heroes(room_id, joiner, OMIT_MEMBERS_HEROES)
+        };
+        entries
+            .iter()
+            .filter(|(t, k, _)| t != "m.room.member" || heroes.contains(k))
+            .map(|(_, _, id)| id.as_str())
+            .collect()
+    } else {
+        entries.iter().map(|(_, _, id)| id.as_str()).collect()
+    };
+    let state: Vec<_> = ids.iter().filter_map(|id| reads::load(st, id)).collect();
+    // The chain covers the join too: the joiner authorizes its own join with it.
+    let mut roots = state.clone();
+    roots.extend(reads::load(st, event_id));
+    let chain = reads::auth_chain(st, &roots);
     Ok(serde_json::json!({
         "origin": st.server_name(),
         "event": event,
         "state": reads::pdus_json(&state),
         "auth_chain": reads::pdus_json(&chain),
-        "members_omitted": false,
+        "members_omitted": omit_members,
         "servers_in_room": reads::servers_in_room(st, room_id),
     }))
 }
 
+/// The query of `send_join` v2 (spec: `omit_members`, MSC3706).
+#[derive(serde::Deserialize, Default)]
+pub(crate) struct SendJoinQuery {
+    #[serde(default)]
+    omit_members: Option<String>,
+}
+
 /// `PUT /_matrix/federation/v2/send_join/{roomId}/{eventId}`: appends the join and
-/// answers the state before it with its auth chain (`omit_members` is accepted and the
-/// full member list sent anyway: `members_omitted: false`).
+/// answers the state before it with its auth chain; with `omit_members=true` the
+/// member events are left out (`members_omitted: true`, MSC3706) but for the heroes'.
 pub(crate) async fn send_join_v2(
     State(st): State<FedState>,
     Path((room_id, event_id)): Path<(String, String)>,
+    axum::extract::Query(q): axum::extract::Query<SendJoinQuery>,
     signed: Signed,
 ) -> FedResult<Json<serde_json::Value>> {
-    Ok(Json(send_join(&st, &signed, &room_id, &event_id).await?))
+    let omit = q.omit_members.as_deref() == Some("true");
+    Ok(Json(
+        send_join(&st, &signed, &room_id, &event_id, omit).await?,
+    ))
 }
 
 /// `PUT /_matrix/federation/v1/send_join/{roomId}/{eventId}`: the same, in the v1
@@ -299,7 +345,7 @@ pub(crate) async fn send_join_v1(
     Path((room_id, event_id)): Path<(String, String)>,
     signed: Signed,
 ) -> FedResult<Json<serde_json::Value>> {
-    let body = send_join(&st, &signed, &room_id, &event_id).await?;
+    let body = send_join(&st, &signed, &room_id, &event_id, false).await?;
     Ok(Json(serde_json::json!([200, body])))
 }
 

@@ -42,6 +42,7 @@ pub mod keys;
 pub mod knocks;
 pub mod media;
 pub mod outbound;
+pub mod partial;
 pub mod queries;
 pub mod reads;
 pub mod sender;
@@ -107,6 +108,10 @@ pub struct FederationConfig {
     /// and those received are dropped (presence is much of the EDU traffic of big
     /// rooms; many servers turn it off).
     pub presence: bool,
+    /// Wait this long (ms) after a partial-state join before fetching the room's full
+    /// state (MSC3902). 0, the default, fetches at once; tests set it to observe the
+    /// partial state.
+    pub partial_state_resync_delay_ms: u64,
 }
 
 impl Default for FederationConfig {
@@ -130,6 +135,7 @@ impl Default for FederationConfig {
             retry_max_ms: 3_600_000,
             fork_window: spindle_journal::fork::DEFAULT_FORK_WINDOW,
             presence: true,
+            partial_state_resync_delay_ms: 0,
         }
     }
 }

@@ -9,14 +9,14 @@
 //! become outlier records, the join the room's first timeline event here).
 
 use spindle_core::pdu::Pdu;
-use spindle_journal::{CommandBody, remote::VerifyKeys};
+use spindle_journal::CommandBody;
 
 use crate::{
     FedState,
     client::ClientError,
     error::{FedError, FedResult},
     server_of,
-    transactions::{urlencode, verify_keys_for},
+    transactions::urlencode,
 };
 
 /// Maps an outbound failure to the error the local client gets: the remote's own
@@ -173,10 +173,15 @@ pub async fn join_remote(
         }
         let pdu = Pdu::sign_template(template, &version, &st.key, crate::now_ms())
             .map_err(|e| FedError::bad_json(format!("the join template is invalid: {e}")))?;
+        // A room new here is joined with partial state (MSC3902): the resident may
+        // leave the members out, and they are fetched in the background ([`partial`]).
+        // A room known here (joined before) is joined with its full state.
+        let omit = st.journal.room_version(room_id).await.is_none();
         let path = format!(
-            "/_matrix/federation/v2/send_join/{}/{}",
+            "/_matrix/federation/v2/send_join/{}/{}{}",
             urlencode(room_id),
-            urlencode(pdu.event_id.as_str())
+            urlencode(pdu.event_id.as_str()),
+            if omit { "?omit_members=true" } else { "" }
         );
         let body = pdu.federation_json();
         let joined = match st
@@ -199,22 +204,32 @@ pub async fn join_remote(
                 .unwrap_or_default()
         };
         let (state, auth_chain) = (list("state"), list("auth_chain"));
+        let partial_state = (omit
+            && joined.get("members_omitted").and_then(|m| m.as_bool()) == Some(true))
+        .then(|| {
+            let mut servers: Vec<String> = list("servers_in_room")
+                .iter()
+                .filter_map(|s| s.as_str().map(str::to_owned))
+                .collect();
+            if !servers.iter().any(|s| s == server) {
+                servers.push(server.clone());
+            }
+            servers
+        });
         // The resident may countersign the join (restricted rooms); keep its copy then.
         let join = joined
             .get("event")
             .filter(|e| e.is_object())
             .cloned()
             .unwrap_or(body);
-        let mut keys = VerifyKeys::new();
-        for p in state
-            .iter()
-            .chain(auth_chain.iter())
-            .chain(std::iter::once(&join))
-        {
-            for (server, k) in verify_keys_for_cached(st, p, &keys).await {
-                keys.insert(server, k);
-            }
-        }
+        let keys = crate::partial::keys_for_all(
+            st,
+            state
+                .iter()
+                .chain(auth_chain.iter())
+                .chain(std::iter::once(&join)),
+        )
+        .await;
         let outcome = st
             .submit_journal(
                 user_id,
@@ -225,28 +240,23 @@ pub async fn join_remote(
                     state,
                     join,
                     keys,
+                    partial_state: partial_state.clone(),
                 },
             )
             .await
             .map_err(FedError::from)?;
         st.wait_for(outcome.position).await?;
+        if let Some(servers) = partial_state {
+            tracing::info!(room = %room_id, via = %server, servers = servers.len(), "joined with partial state; fetching the members in the background");
+            crate::partial::spawn_resync(
+                st.clone(),
+                room_id.to_owned(),
+                pdu.event_id.to_string(),
+                servers,
+                Some(server.clone()),
+            );
+        }
         return Ok(pdu.event_id.to_string());
     }
     Err(last)
-}
-
-/// The keys of a PDU's signers that `keys` does not hold yet.
-async fn verify_keys_for_cached(
-    st: &FedState,
-    pdu: &serde_json::Value,
-    keys: &VerifyKeys,
-) -> VerifyKeys {
-    let missing = pdu
-        .get("signatures")
-        .and_then(|s| s.as_object())
-        .is_some_and(|s| s.keys().any(|k| !keys.contains_key(k)));
-    if !missing {
-        return VerifyKeys::new();
-    }
-    verify_keys_for(st, pdu).await
 }

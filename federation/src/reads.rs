@@ -195,6 +195,15 @@ pub(crate) fn state_before(st: &FedState, event_id: &str) -> Option<Vec<String>>
     )
 }
 
+/// The state before `event_id` as (event type, state key, event id), in key order.
+pub(crate) fn state_entries_before(
+    st: &FedState,
+    event_id: &str,
+) -> Option<Vec<(String, String, String)>> {
+    let roots = st.projections.state.event_roots(event_id)?;
+    Some(st.projections.state.entries(roots.before))
+}
+
 /// The auth chain of `events`: every event reachable through `auth_events`, not
 /// including `events` themselves unless reached. Bounded by [`MAX_CHAIN_EVENTS`].
 pub(crate) fn auth_chain(st: &FedState, events: &[Arc<Pdu>]) -> Vec<Arc<Pdu>> {
@@ -256,14 +265,26 @@ fn event_in_room(reader: &Reader<'_>, event_id: &str) -> FedResult<Arc<Pdu>> {
         .ok_or_else(|| FedError::forbidden("you may not see this room"))
 }
 
+/// 404 for a room whose state here is partial (MSC3902): this server cannot vouch for
+/// its state yet (Synapse answers the same).
+pub(crate) async fn refuse_partial(st: &FedState, room_id: &str) -> FedResult<()> {
+    if st.journal.is_partial_state(room_id).await {
+        return Err(FedError::not_found(
+            "this server is still fetching the room's state (partial-state join); ask another",
+        ));
+    }
+    Ok(())
+}
+
 /// `GET /_matrix/federation/v1/state/{roomId}?event_id=`: the state before the event
-/// and its auth chain, as PDUs.
+/// and its auth chain, as PDUs. 404 while the room's state is partial here.
 pub(crate) async fn state(
     State(st): State<FedState>,
     Path(room_id): Path<String>,
     Query(q): Query<AtEvent>,
     signed: Signed,
 ) -> FedResult<Json<serde_json::Value>> {
+    refuse_partial(&st, &room_id).await?;
     event_in_room(&Reader::new(&st, &signed.origin, &room_id), &q.event_id)?;
     let ids = state_before(&st, &q.event_id).unwrap_or_default();
     let pdus = load_all(&st, &ids);
@@ -281,6 +302,7 @@ pub(crate) async fn state_ids(
     Query(q): Query<AtEvent>,
     signed: Signed,
 ) -> FedResult<Json<serde_json::Value>> {
+    refuse_partial(&st, &room_id).await?;
     event_in_room(&Reader::new(&st, &signed.origin, &room_id), &q.event_id)?;
     let ids = state_before(&st, &q.event_id).unwrap_or_default();
     let pdus = load_all(&st, &ids);

@@ -31,7 +31,7 @@ pub const TXN_CACHE_MAX: usize = 10_000;
 /// Most events asked for when filling a gap before a PDU.
 pub const MISSING_EVENTS_LIMIT: usize = 20;
 /// Most servers whose keys are fetched for one PDU.
-const MAX_SIGNERS: usize = 5;
+pub(crate) const MAX_SIGNERS: usize = 5;
 
 /// Remembered `/send` results by (origin, txn id), oldest evicted first.
 #[derive(Default)]
@@ -106,8 +106,16 @@ pub async fn ingest(
         event_id_of(pdu, &version).ok_or("the PDU is not valid JSON for its room version")?;
     let submit = |p: serde_json::Value| {
         let room_id = room_id.clone();
+        let version = version.clone();
         async move {
-            let keys = verify_keys_for(st, &p).await;
+            let mut keys = verify_keys_for(st, &p).await;
+            // A partial-state room lacks most members: fetch the auth events it needs.
+            let id = event_id_of(&p, &version).unwrap_or_default();
+            let (auth_events, more) =
+                crate::partial::fetch_auth_events(st, origin, &room_id, &id, &p).await;
+            for (server, k) in more {
+                keys.entry(server).or_insert(k);
+            }
             st.submit_journal(
                 origin,
                 CommandBody::RemotePdu {
@@ -115,6 +123,7 @@ pub async fn ingest(
                     pdu: p,
                     keys,
                     event_id: None,
+                    auth_events,
                 },
             )
             .await

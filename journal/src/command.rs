@@ -68,12 +68,32 @@ pub enum CommandBody {
     /// chain and state as outlier records (state and memberships, not timeline), then
     /// the join as the room's first timeline event here. A room already known here
     /// gets only the events it lacks.
+    ///
+    /// `partial_state` (MSC3902) is set when the resident omitted the member events
+    /// (`members_omitted: true`) and holds its `servers_in_room`: the join is then
+    /// followed by a [`crate::Fact::RoomStatePartial`] record, and the room's full state
+    /// comes later with [`CommandBody::CompletePartialState`].
     ImportRemoteRoom {
         room_id: String,
         room_version: String,
         auth_chain: Vec<serde_json::Value>,
         state: Vec<serde_json::Value>,
         join: serde_json::Value,
+        keys: crate::remote::VerifyKeys,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        partial_state: Option<Vec<String>>,
+    },
+    /// Complete a partial-state room (MSC3902): `state` and `auth_chain` are a
+    /// resident's answer to `/state?event_id=` at our join. Each PDU is verified and
+    /// authorized against its own auth events; the state events whose slot the room
+    /// has no value for yet become outlier records (a slot already set was set by the
+    /// partial state or by an event after the join, which is newer); the auth chain is
+    /// used for authorization only. Then a [`crate::Fact::RoomStateCompleted`]. A room
+    /// that is not partial gets nothing.
+    CompletePartialState {
+        room_id: String,
+        state: Vec<serde_json::Value>,
+        auth_chain: Vec<serde_json::Value>,
         keys: crate::remote::VerifyKeys,
     },
     /// Keep a membership event of a room this server is not in as an outlier (spec:
@@ -95,12 +115,20 @@ pub enum CommandBody {
     /// the verify keys (server -> key id -> unpadded base64) the federation layer
     /// fetched for the servers that must have signed it; `event_id`, when the request
     /// named one (`send_join`), must match the PDU's reference hash.
+    ///
+    /// `auth_events` matter only while the room's state is partial (MSC3902): the
+    /// PDU's auth events the room does not hold (a member we have not heard of yet),
+    /// fetched with `/event_auth`. They are verified and authorized by their own auth
+    /// events, then used to authorize the PDU, which is checked against its auth events
+    /// alone (the partial state cannot judge it); they are not appended.
     RemotePdu {
         room_id: String,
         pdu: serde_json::Value,
         keys: crate::remote::VerifyKeys,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         event_id: Option<String>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        auth_events: Vec<serde_json::Value>,
     },
     /// History from before this server's first event in a room, fetched with
     /// `/backfill` (spec: server-server API, "Backfilling and retrieving missing

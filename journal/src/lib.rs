@@ -243,6 +243,17 @@ struct RoomAggregate {
     window: Option<fork::ForkWindow>,
     /// Size of [`RoomAggregate::window`] when one is opened.
     window_cap: usize,
+    /// Set while the room's state here is partial ([`Fact::RoomStatePartial`] until
+    /// [`Fact::RoomStateCompleted`]).
+    partial: Option<PartialState>,
+}
+
+/// What the journal keeps of a partial-state room (MSC3902): our join and the servers
+/// the resident named in its `send_join` answer.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct PartialState {
+    pub(crate) join_event_id: OwnedEventId,
+    pub(crate) servers_in_room: Vec<String>,
 }
 
 /// The digest [`RoomAggregate::known`] keeps of an event id.
@@ -274,7 +285,23 @@ impl RoomAggregate {
             joined_servers: std::collections::BTreeMap::new(),
             window: None,
             window_cap,
+            partial: None,
         }
+    }
+
+    /// The servers this room's events go to: those with a member joined here, and
+    /// while the state is partial the servers the resident named as well.
+    fn destinations(&self) -> Vec<String> {
+        let mut out: Vec<String> = self.joined_servers.keys().cloned().collect();
+        if let Some(p) = &self.partial {
+            for s in &p.servers_in_room {
+                if !self.joined_servers.contains_key(s) {
+                    out.push(s.clone());
+                }
+            }
+            out.sort();
+        }
+        out
     }
 
     /// Makes `pdu` the current value of its state slot, keeping
@@ -592,6 +619,26 @@ pub(crate) fn replay_into(
                 Some(Fact::AccountRegistered { user_id, .. }) => {
                     models.users.insert(user_id);
                 }
+                Some(Fact::RoomStatePartial {
+                    room_id,
+                    join_event_id,
+                    servers_in_room,
+                }) => {
+                    let room = OwnedRoomId::try_from(room_id).map_err(|_| "bad room id")?;
+                    let join = OwnedEventId::try_from(join_event_id).map_err(|_| "bad event id")?;
+                    if let Some(agg) = models.rooms.get_mut(&room) {
+                        agg.partial = Some(PartialState {
+                            join_event_id: join,
+                            servers_in_room,
+                        });
+                    }
+                }
+                Some(Fact::RoomStateCompleted { room_id }) => {
+                    let room = OwnedRoomId::try_from(room_id).map_err(|_| "bad room id")?;
+                    if let Some(agg) = models.rooms.get_mut(&room) {
+                        agg.partial = None;
+                    }
+                }
                 Some(Fact::AliasSet { alias, room_id, .. }) => {
                     models.aliases.insert(alias, room_id);
                 }
@@ -765,6 +812,14 @@ pub struct JournalStats {
     pub snapshot_duration_ms: AtomicU64,
     /// How long restoring the write models at open took (snapshot load + replay), ms.
     pub restore_duration_ms: AtomicU64,
+    /// Remote joins since start that came back with the member events omitted: rooms
+    /// that became partial-state ([`Fact::RoomStatePartial`], MSC3902).
+    pub partial_state_joins: AtomicU64,
+    /// Partial-state rooms whose full state was imported since start
+    /// ([`Fact::RoomStateCompleted`]).
+    pub partial_state_completed: AtomicU64,
+    /// Events our users sent since start into a room whose state was partial.
+    pub partial_state_sends: AtomicU64,
 }
 
 impl JournalStats {
@@ -1216,9 +1271,19 @@ impl Journal {
                 state,
                 join,
                 keys,
+                partial_state,
             } => {
-                self.import_remote_room(cmd, room_id, room_version, auth_chain, state, join, keys)
-                    .await?
+                self.import_remote_room(
+                    cmd,
+                    room_id,
+                    room_version,
+                    auth_chain,
+                    state,
+                    join,
+                    keys,
+                    partial_state.as_deref(),
+                )
+                .await?
             }
             CommandBody::RemoteOutlier {
                 room_id,
@@ -1248,10 +1313,20 @@ impl Journal {
                 pdu,
                 keys,
                 event_id,
+                auth_events,
             } => {
                 return self
-                    .ingest_remote(cmd, room_id, pdu, keys, event_id.as_deref())
+                    .ingest_remote(cmd, room_id, pdu, keys, event_id.as_deref(), auth_events)
                     .await;
+            }
+            CommandBody::CompletePartialState {
+                room_id,
+                state,
+                auth_chain,
+                keys,
+            } => {
+                self.complete_partial_state(cmd, room_id, state, auth_chain, keys)
+                    .await?
             }
             CommandBody::CreateRoom {
                 room_version,
@@ -1891,6 +1966,12 @@ impl Journal {
             );
         }
         let event_id = pdu.event_id.clone();
+        if agg.partial.is_some() {
+            self.inner
+                .stats
+                .partial_state_sends
+                .fetch_add(1, Ordering::Relaxed);
+        }
         // A local event names every extremity: it never forks, nothing is resolved.
         agg.apply(Arc::new(pdu), &self.inner.stats);
         Ok(Outcome {

@@ -330,6 +330,21 @@ pub enum Fact {
     /// the user hears of it in `device_lists.changed` and asks for the keys again.
     /// `stream_id` is the origin's, as sent (0 for a cross-signing update).
     RemoteDeviceListChanged { user_id: String, stream_id: u64 },
+    /// Our user joined a room another server hosts and the resident answered
+    /// `send_join` without the room's member events (MSC3706/MSC3902, spec:
+    /// server-server API `send_join` `omit_members`): from this record on the room's
+    /// state here is *partial*. Events are authorized against their own auth events,
+    /// our events go to `servers_in_room` as well as to the servers of members we know,
+    /// and the full state is fetched in the background. Appended right after the join.
+    RoomStatePartial {
+        room_id: String,
+        join_event_id: String,
+        servers_in_room: Vec<String>,
+    },
+    /// The full state of a partial-state room ([`Fact::RoomStatePartial`]) has been
+    /// imported: the member events it lacked were appended as outlier records just
+    /// before this one. From here on the room is like any other.
+    RoomStateCompleted { room_id: String },
     /// A device was used at `ts` (ms since the Unix epoch, the server's clock when the
     /// API saw the request) from `ip` with `user_agent`. Journaled when the address or
     /// the user agent changes (at most once a minute per device) and otherwise at most

@@ -25,7 +25,8 @@ use ruma::{CanonicalJsonValue, OwnedEventId, OwnedRoomId};
 use spindle_core::{canonical, pdu::Pdu, room_version};
 
 use crate::{
-    Fact, Journal, JournalError, Outcome, RecordKind, RoomAggregate, SignedCommand, Staged,
+    Fact, Journal, JournalError, Outcome, PartialState, RecordKind, RoomAggregate, SignedCommand,
+    Staged,
 };
 
 /// The keys a remote PDU is verified with: server name -> key id -> unpadded base64
@@ -53,6 +54,7 @@ impl Journal {
         pdu: &serde_json::Value,
         keys: &VerifyKeys,
         expect_event_id: Option<&str>,
+        auth_events: &[serde_json::Value],
     ) -> Result<Staged, JournalError> {
         let room = OwnedRoomId::try_from(room_id)
             .map_err(|_| JournalError::UnknownRoom(room_id.to_owned()))?;
@@ -64,7 +66,16 @@ impl Journal {
             .cloned()
             .ok_or_else(|| JournalError::UnknownRoom(room_id.to_owned()))?;
         let mut agg = agg.lock().await;
-        match check_remote(&agg, &room, pdu, keys, expect_event_id, &self.inner.stats) {
+        let checked = check_remote(
+            &agg,
+            &room,
+            pdu,
+            keys,
+            expect_event_id,
+            auth_events,
+            &self.inner.stats,
+        );
+        match checked {
             Ok(Checked::Known(event_id)) => Ok(Staged::Done(Outcome {
                 position: self.durable_head(),
                 room_id: Some(room),
@@ -152,6 +163,7 @@ fn check_remote(
     pdu: &serde_json::Value,
     keys: &VerifyKeys,
     expect_event_id: Option<&str>,
+    fetched_auth: &[serde_json::Value],
     stats: &crate::JournalStats,
 ) -> Result<Checked, CheckError> {
     let rules = room_version::rules(&agg.version).ok_or_else(|| {
@@ -211,6 +223,9 @@ fn check_remote(
             "prev event {missing} is not known here"
         ))));
     }
+    if agg.partial.is_some() {
+        return check_partial(agg, room, parsed, fetched_auth, keys).map_err(fail);
+    }
     // Auth rules: state-independent against the named auth events, state-dependent
     // against the room state before the event (the current state unless it forks the
     // room: then the resolution of the states after its `prev_events`, see `fork`).
@@ -252,9 +267,140 @@ fn check_remote(
     Ok(Checked::Accept(parsed, before))
 }
 
+/// A remote PDU in a partial-state room (MSC3902): the partial state lacks most
+/// members, so it cannot judge the event; the event is authorized against its own auth
+/// events (from the room's auth history, or fetched: `fetched_auth`, each verified and
+/// authorized by its own auth events first), and there is no soft-fail check. The full
+/// state arrives with [`crate::CommandBody::CompletePartialState`].
+fn check_partial(
+    agg: &RoomAggregate,
+    room: &OwnedRoomId,
+    parsed: Pdu,
+    fetched_auth: &[serde_json::Value],
+    keys: &VerifyKeys,
+) -> Result<Checked, JournalError> {
+    if fetched_auth.len() > MAX_FETCHED_AUTH_EVENTS {
+        return Err(JournalError::TooLarge(format!(
+            "at most {MAX_FETCHED_AUTH_EVENTS} fetched auth events"
+        )));
+    }
+    let create = agg
+        .state
+        .get(&("m.room.create".to_owned(), String::new()))
+        .cloned();
+    let mut fetched: Vec<Arc<Pdu>> = fetched_auth
+        .iter()
+        .filter_map(|v| verify_pdu(v, &agg.version, room, keys).ok())
+        .filter(|p| !agg.auth_history.contains_key(&p.event_id))
+        .map(Arc::new)
+        .collect();
+    fetched.sort_by(|a, b| {
+        a.depth
+            .cmp(&b.depth)
+            .then_with(|| a.event_id.cmp(&b.event_id))
+    });
+    let mut accepted: HashMap<OwnedEventId, Arc<Pdu>> = HashMap::new();
+    for p in fetched {
+        let ok = authorize_by_lookup(
+            &agg.version,
+            &p,
+            |id| agg.auth_history.get(id).or_else(|| accepted.get(id)),
+            create.as_ref(),
+        );
+        match ok {
+            Ok(()) => {
+                accepted.insert(p.event_id.clone(), p);
+            }
+            Err(e) => tracing::info!(%room, error = %e, "a fetched auth event was refused"),
+        }
+    }
+    authorize_by_lookup(
+        &agg.version,
+        &parsed,
+        |id| agg.auth_history.get(id).or_else(|| accepted.get(id)),
+        create.as_ref(),
+    )
+    .map_err(|e| reject(format!("auth rules (partial state): {e}")))?;
+    Ok(Checked::Accept(parsed, agg.state.clone()))
+}
+
+/// Most auth events a [`crate::CommandBody::RemotePdu`] may bring for a partial-state
+/// room (an event's auth chain through a member we do not know is a handful).
+pub const MAX_FETCHED_AUTH_EVENTS: usize = 100;
+
+/// A partial-state room as [`Journal::partial_state_rooms`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartialStateRoom {
+    /// The room.
+    pub room_id: String,
+    /// Our user's join, the event the full state is asked for at.
+    pub join_event_id: String,
+    /// The servers the resident named in its `send_join` answer.
+    pub servers_in_room: Vec<String>,
+}
+
+impl Journal {
+    /// Rooms whose state here is partial (MSC3902), in room id order: what the
+    /// background resync works through after a start-up.
+    pub async fn partial_state_rooms(&self) -> Vec<PartialStateRoom> {
+        let rooms: Vec<(OwnedRoomId, Arc<tokio::sync::Mutex<RoomAggregate>>)> = self
+            .inner
+            .rooms
+            .lock()
+            .iter()
+            .map(|(id, a)| (id.clone(), a.clone()))
+            .collect();
+        let mut out = Vec::new();
+        for (id, agg) in rooms {
+            if let Some(p) = &agg.lock().await.partial {
+                out.push(PartialStateRoom {
+                    room_id: id.to_string(),
+                    join_event_id: p.join_event_id.to_string(),
+                    servers_in_room: p.servers_in_room.clone(),
+                });
+            }
+        }
+        out.sort_by(|a, b| a.room_id.cmp(&b.room_id));
+        out
+    }
+
+    /// Whether the room's state here is partial (MSC3902); `false` for an unknown room.
+    pub async fn is_partial_state(&self, room_id: &str) -> bool {
+        let Ok(room) = OwnedRoomId::try_from(room_id) else {
+            return false;
+        };
+        let Some(agg) = self.inner.rooms.lock().get(&room).cloned() else {
+            return false;
+        };
+        agg.lock().await.partial.is_some()
+    }
+
+    /// Of `event_ids`, those the room's auth history does not hold (what a remote PDU
+    /// in a partial-state room needs fetched); all of them for an unknown room.
+    pub async fn unknown_auth_events(&self, room_id: &str, event_ids: &[String]) -> Vec<String> {
+        let agg = OwnedRoomId::try_from(room_id)
+            .ok()
+            .and_then(|room| self.inner.rooms.lock().get(&room).cloned());
+        let Some(agg) = agg else {
+            return event_ids.to_vec();
+        };
+        let agg = agg.lock().await;
+        event_ids
+            .iter()
+            .filter(|id| {
+                OwnedEventId::try_from(id.as_str())
+                    .map_or(true, |id| !agg.auth_history.contains_key(&id))
+            })
+            .cloned()
+            .collect()
+    }
+}
+
 impl Journal {
     /// The servers with a user joined to the room now (from the write model: no store
-    /// read), in name order; empty for an unknown room.
+    /// read), in name order; empty for an unknown room. While the room's state is
+    /// partial, the servers the resident named in `send_join` are included (MSC3902:
+    /// our events must reach members we do not know yet).
     pub async fn servers_in_room(&self, room_id: &str) -> Vec<String> {
         let Ok(room) = OwnedRoomId::try_from(room_id) else {
             return Vec::new();
@@ -262,7 +408,7 @@ impl Journal {
         let Some(agg) = self.inner.rooms.lock().get(&room).cloned() else {
             return Vec::new();
         };
-        agg.lock().await.joined_servers.keys().cloned().collect()
+        agg.lock().await.destinations()
     }
 
     /// The room's version, if the room exists here.
@@ -425,12 +571,21 @@ fn authorize_by_auth_events(
     known: &HashMap<OwnedEventId, Arc<Pdu>>,
     create: Option<&Arc<Pdu>>,
 ) -> Result<(), String> {
+    authorize_by_lookup(version, pdu, |id| known.get(id), create)
+}
+
+/// [`authorize_by_auth_events`] with the auth events found by `lookup`.
+fn authorize_by_lookup<'a>(
+    version: &str,
+    pdu: &Pdu,
+    lookup: impl Fn(&OwnedEventId) -> Option<&'a Arc<Pdu>>,
+    create: Option<&'a Arc<Pdu>>,
+) -> Result<(), String> {
     let rules = room_version::rules(version).ok_or("unsupported room version")?;
     let mut auth_map: HashMap<OwnedEventId, &Pdu> = HashMap::new();
     for id in &pdu.auth_events {
-        let ev = known
-            .get(id)
-            .ok_or_else(|| format!("auth event {id} of {} is missing", pdu.event_id))?;
+        let ev =
+            lookup(id).ok_or_else(|| format!("auth event {id} of {} is missing", pdu.event_id))?;
         auth_map.insert(id.clone(), &**ev);
     }
     if let Some(c) = create {
@@ -458,6 +613,7 @@ impl Journal {
         state: &[serde_json::Value],
         join: &serde_json::Value,
         keys: &VerifyKeys,
+        partial_state: Option<&[String]>,
     ) -> Result<Outcome, JournalError> {
         if room_version::rules(version).is_none() {
             return Err(JournalError::UnsupportedRoomVersion(version.to_owned()));
@@ -565,16 +721,173 @@ impl Journal {
             records.push(rec);
         }
         records.push(self.event_record(cmd, &join, None));
+        // A partial-state join (MSC3902); a room already known here was joined with its
+        // full state before and stays complete.
+        let partial = match partial_state {
+            Some(servers) if agg.partial.is_none() && agg.extremities.is_empty() => {
+                let mut servers: Vec<String> = servers.iter().take(10_000).cloned().collect();
+                servers.sort();
+                servers.dedup();
+                let fact = Fact::RoomStatePartial {
+                    room_id: room_id.to_owned(),
+                    join_event_id: join.event_id.to_string(),
+                    servers_in_room: servers.clone(),
+                };
+                let payload =
+                    serde_json::to_vec(&fact).map_err(|e| JournalError::BadJson(e.to_string()))?;
+                records.push(self.base_record(cmd, RecordKind::Fact, payload));
+                Some(PartialState {
+                    join_event_id: join.event_id.clone(),
+                    servers_in_room: servers,
+                })
+            }
+            _ => None,
+        };
         for p in new_events {
             agg.apply_outlier(p);
         }
         let position = self.enqueue(records);
         let event_id = join.event_id.clone();
         agg.apply(Arc::new(join), &self.inner.stats);
+        if partial.is_some() {
+            agg.partial = partial;
+            self.inner
+                .stats
+                .partial_state_joins
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         Ok(Outcome {
             position,
             room_id: Some(room),
             event_ids: vec![event_id],
+            ..Outcome::default()
+        })
+    }
+}
+
+impl Journal {
+    /// [`crate::CommandBody::CompletePartialState`]: see its docs. Verification runs
+    /// before the room lock is taken (a 5,000-member state is thousands of signature
+    /// checks; sends to the room go on meanwhile).
+    pub(crate) async fn complete_partial_state(
+        &self,
+        cmd: &SignedCommand,
+        room_id: &str,
+        state: &[serde_json::Value],
+        auth_chain: &[serde_json::Value],
+        keys: &VerifyKeys,
+    ) -> Result<Outcome, JournalError> {
+        let room = OwnedRoomId::try_from(room_id)
+            .map_err(|_| JournalError::UnknownRoom(room_id.to_owned()))?;
+        if auth_chain.len() + state.len() > 200_000 {
+            return Err(JournalError::TooLarge(
+                "the room's state is too large to import".into(),
+            ));
+        }
+        let agg_arc = self
+            .inner
+            .rooms
+            .lock()
+            .get(&room)
+            .cloned()
+            .ok_or_else(|| JournalError::UnknownRoom(room_id.to_owned()))?;
+        let version = agg_arc.lock().await.version.clone();
+        let mut verified: HashMap<OwnedEventId, Arc<Pdu>> = HashMap::new();
+        let mut state_ids: std::collections::HashSet<OwnedEventId> =
+            std::collections::HashSet::new();
+        for (in_state, list) in [(false, auth_chain), (true, state)] {
+            for v in list {
+                match verify_pdu(v, &version, &room, keys) {
+                    Ok(p) => {
+                        if in_state {
+                            state_ids.insert(p.event_id.clone());
+                        }
+                        verified.insert(p.event_id.clone(), Arc::new(p));
+                    }
+                    Err(e) => {
+                        tracing::info!(%room, error = %e, "a resynced PDU failed verification")
+                    }
+                }
+            }
+        }
+        let mut agg = agg_arc.lock().await;
+        if agg.partial.is_none() {
+            return Ok(Outcome {
+                position: self.durable_head(),
+                room_id: Some(room),
+                ..Outcome::default()
+            });
+        }
+        let create = agg
+            .state
+            .get(&("m.room.create".to_owned(), String::new()))
+            .cloned();
+        let mut order: Vec<Arc<Pdu>> = verified.into_values().collect();
+        order.sort_by(|a, b| {
+            a.depth
+                .cmp(&b.depth)
+                .then_with(|| a.event_id.cmp(&b.event_id))
+        });
+        // Authorize in depth order against what is already accepted (the room's auth
+        // history, then the batch itself).
+        let mut accepted: HashMap<OwnedEventId, Arc<Pdu>> = HashMap::new();
+        let mut fill: Vec<Arc<Pdu>> = Vec::new();
+        let mut refused = 0usize;
+        for p in order {
+            if agg.auth_history.contains_key(&p.event_id) {
+                continue;
+            }
+            let ok = authorize_by_lookup(
+                &version,
+                &p,
+                |id| agg.auth_history.get(id).or_else(|| accepted.get(id)),
+                create.as_ref(),
+            );
+            match ok {
+                Ok(()) => {
+                    if state_ids.contains(&p.event_id)
+                        && let Some(sk) = &p.state_key
+                        && !agg.knows(p.event_id.as_str())
+                        && !agg.state.contains_key(&(p.kind.to_string(), sk.clone()))
+                    {
+                        fill.push(p.clone());
+                    }
+                    accepted.insert(p.event_id.clone(), p);
+                }
+                Err(e) => {
+                    refused += 1;
+                    tracing::debug!(%room, error = %e, "a resynced PDU was refused")
+                }
+            }
+        }
+        let mut records = Vec::with_capacity(fill.len() + 1);
+        for p in &fill {
+            let mut rec = self.event_record(cmd, p, None);
+            rec.kind = RecordKind::Outlier;
+            records.push(rec);
+        }
+        let fact = Fact::RoomStateCompleted {
+            room_id: room_id.to_owned(),
+        };
+        let payload =
+            serde_json::to_vec(&fact).map_err(|e| JournalError::BadJson(e.to_string()))?;
+        records.push(self.base_record(cmd, RecordKind::Fact, payload));
+        tracing::info!(
+            %room, added = fill.len(), refused,
+            "the room's full state is imported; it is no longer partial"
+        );
+        let position = self.enqueue(records);
+        for p in fill {
+            agg.apply_outlier(p);
+        }
+        agg.partial = None;
+        self.inner
+            .stats
+            .partial_state_completed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Outcome {
+            position,
+            room_id: Some(room),
             ..Outcome::default()
         })
     }

@@ -60,8 +60,9 @@ use crate::{
 /// field added to [`RoomAggregate`], ...): older snapshots are then ignored. Format 1
 /// (before the fork window, without the magic prefix) is never read.
 /// Format 2 held every transaction id (memory and start-up time grew with history);
-/// format 3 holds none ([`crate::txn`]).
-pub const SNAPSHOT_FORMAT: u32 = 3;
+/// format 3 holds none ([`crate::txn`]); format 4 adds each room's partial-state
+/// marker (MSC3902).
+pub const SNAPSHOT_FORMAT: u32 = 4;
 
 /// The first bytes of every snapshot (followed by [`SNAPSHOT_FORMAT`], u32 BE).
 const SNAPSHOT_MAGIC: &[u8; 8] = b"spndlsnp";
@@ -437,6 +438,7 @@ struct RoomOut<'a> {
     joined_servers: &'a BTreeMap<String, u32>,
     window: Option<(usize, Vec<WindowEventOut<'a>>)>,
     window_cap: usize,
+    partial: Option<&'a crate::PartialState>,
 }
 
 #[derive(Deserialize)]
@@ -454,6 +456,7 @@ struct RoomIn {
     joined_servers: BTreeMap<String, u32>,
     window: Option<(usize, Vec<WindowEventIn>)>,
     window_cap: usize,
+    partial: Option<crate::PartialState>,
 }
 
 /// Indexes PDUs for [`RoomOut::pdus`].
@@ -523,6 +526,7 @@ fn room_out(agg: &RoomAggregate) -> RoomOut<'_> {
         joined_servers: &agg.joined_servers,
         window,
         window_cap: agg.window_cap,
+        partial: agg.partial.as_ref(),
     }
 }
 
@@ -593,6 +597,7 @@ fn room_in(room_id: &OwnedRoomId, r: RoomIn) -> Result<RoomAggregate, String> {
         joined_servers: r.joined_servers,
         window,
         window_cap: r.window_cap,
+        partial: r.partial,
     })
 }
 
@@ -683,6 +688,12 @@ pub(crate) fn digest(mut rooms: Vec<(&OwnedRoomId, &RoomAggregate)>, sets: Sets<
             sorted(a.outliers.iter().collect())
         ));
         put(&format!("servers {:?}", a.joined_servers));
+        if let Some(p) = &a.partial {
+            put(&format!(
+                "partial {} {:?}",
+                p.join_event_id, p.servers_in_room
+            ));
+        }
         if let Some(w) = &a.window {
             put(&format!("window {} {}", w.cap(), w.len()));
             for (id, after, replaced) in w.entries() {

@@ -172,6 +172,7 @@ impl World {
                     pdu,
                     keys,
                     event_id: None,
+                    auth_events: Vec::new(),
                 },
             ))
             .await?;
@@ -277,6 +278,7 @@ async fn bad_signatures_wrong_ids_unknown_prevs_and_failed_auth_are_refused_and_
                 pdu: join.clone(),
                 keys: keys_of(&w.remote),
                 event_id: Some("$notthisone".into()),
+                auth_events: Vec::new(),
             },
         ))
         .await
@@ -350,6 +352,7 @@ async fn bad_signatures_wrong_ids_unknown_prevs_and_failed_auth_are_refused_and_
                 pdu: join,
                 keys: keys_of(&w.remote),
                 event_id: None,
+                auth_events: Vec::new(),
             },
         ))
         .await
@@ -788,6 +791,7 @@ async fn a_message_from_a_user_banned_on_another_branch_is_soft_failed() {
                 pdu: bob_msg,
                 keys: keys_of(&w.remote),
                 event_id: None,
+                auth_events: Vec::new(),
             },
         ))
         .await

@@ -487,6 +487,7 @@ impl Federated {
                 pdu,
                 keys: keys_of(&self.remote),
                 event_id: None,
+                auth_events: Vec::new(),
             },
         ))
         .await

@@ -12,6 +12,9 @@
 //! lazy-loading sync list a room's state without walking its members: a room with
 //! 10,000 members costs the same as one with 10 (BRIEF §4, lazy members).
 //! - `rooms`: room id -> [`RoomMeta`] JSON
+//! - `partial`: room id -> `p` while the room's state here is partial (a partial-state
+//!   join, MSC3902; [`spindle_journal::Fact::RoomStatePartial`]), then the position BE
+//!   u64 of the [`spindle_journal::Fact::RoomStateCompleted`] record
 //!
 //! Point lookups read one path of the trie (depth + 1 node reads); nothing here
 //! materializes a whole room's state unless asked for all of it.
@@ -84,6 +87,7 @@ pub struct State {
     current: Table,
     current_others: Table,
     rooms: Table,
+    partial: Table,
 }
 
 fn root_from(bytes: &[u8]) -> Option<Root> {
@@ -99,7 +103,23 @@ impl State {
             current: db.table("state", "current")?,
             current_others: db.table("state", "current_others")?,
             rooms: db.table("state", "rooms")?,
+            partial: db.table("state", "partial")?,
         })
+    }
+
+    /// Whether the room's state here is partial (MSC3902): joined with the members
+    /// left out, the full state not imported yet.
+    pub fn is_partial(&self, room_id: &str) -> bool {
+        self.partial
+            .get(room_id.as_bytes())
+            .is_some_and(|v| v.as_slice() == b"p")
+    }
+
+    /// The position at which a partial-state room's full state was imported, if it was
+    /// ever partial and is complete now.
+    pub fn completed_at(&self, room_id: &str) -> Option<u64> {
+        let v = self.partial.get(room_id.as_bytes())?;
+        Some(u64::from_be_bytes(v.as_slice().try_into().ok()?))
     }
 
     /// The room's metadata, if the room exists.
@@ -285,10 +305,26 @@ impl Projection for State {
             self.current.clone(),
             self.current_others.clone(),
             self.rooms.clone(),
+            self.partial.clone(),
         ]
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
+        match record.fact() {
+            Some(spindle_journal::Fact::RoomStatePartial { room_id, .. }) => {
+                ctx.put(&self.partial, room_id.into_bytes(), b"p".to_vec());
+                return Ok(());
+            }
+            Some(spindle_journal::Fact::RoomStateCompleted { room_id }) => {
+                ctx.put(
+                    &self.partial,
+                    room_id.into_bytes(),
+                    record.position().to_be_bytes().to_vec(),
+                );
+                return Ok(());
+            }
+            _ => {}
+        }
         // Outliers (state imported on a remote join) and resolved state count too.
         if !record.applies_to_state() {
             return Ok(());
