@@ -1668,3 +1668,215 @@ async fn create_room_invites_users_of_other_servers_through_their_servers() {
         ("leave", format!("@alice:{}", a.name).as_str())
     );
 }
+
+impl Node {
+    /// `POST /join/{room}?server_name=` as `token`: the status and the answer.
+    async fn join_via(&self, token: &str, room: &str, via: &str) -> (u16, Value) {
+        self.client(
+            reqwest::Method::POST,
+            &format!(
+                "/_matrix/client/v3/join/{}?server_name={}",
+                enc(room),
+                enc(via)
+            ),
+            Some(token),
+            Some(json!({})),
+        )
+        .await
+    }
+
+    /// Sends a text message; returns its event id.
+    async fn say(&self, token: &str, room: &str, txn: &str, body: &str) -> String {
+        let (status, v) = self
+            .client(
+                reqwest::Method::PUT,
+                &format!(
+                    "/_matrix/client/v3/rooms/{}/send/m.room.message/{txn}",
+                    enc(room)
+                ),
+                Some(token),
+                Some(json!({ "msgtype": "m.text", "body": body })),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+        v["event_id"].as_str().unwrap().to_owned()
+    }
+
+    /// The sorted user ids of `/joined_members` (answers from partial state).
+    async fn joined_ids(&self, token: &str, room: &str) -> Vec<String> {
+        let (status, v) = self
+            .client(
+                reqwest::Method::GET,
+                &format!("/_matrix/client/v3/rooms/{}/joined_members", enc(room)),
+                Some(token),
+                None,
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+        let mut ids: Vec<String> = v["joined"].as_object().unwrap().keys().cloned().collect();
+        ids.sort();
+        ids
+    }
+
+    fn partial_stats(&self) -> (u64, u64, u64) {
+        let s = self.server.journal.stats();
+        let l = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        (
+            l(&s.partial_state_joins),
+            l(&s.partial_state_completed),
+            l(&s.partial_state_sends),
+        )
+    }
+}
+
+/// MSC3902 (joining server) against MSC3706 (resident), both Spindle: bob on B joins
+/// alice's six-member room on A with partial state. The resync is held back (delay of
+/// an hour) so the partial state can be looked at, then run by hand.
+#[tokio::test]
+async fn a_partial_state_join_sends_at_once_accepts_unknown_members_and_completes() {
+    let a = Node::federating(|_| {}).await;
+    let b = Node::federating(|c| c.federation.partial_state_resync_delay_ms = 3_600_000).await;
+    let alice = a.register("alice").await;
+    let room = a
+        .create_room(
+            &alice,
+            json!({ "preset": "public_chat", "name": "Partial" }),
+        )
+        .await;
+    let mut members = vec![format!("@alice:{}", a.name)];
+    let mut tokens = Vec::new();
+    for i in 0..5 {
+        let t = a.register(&format!("m{i}")).await;
+        let (status, v) = a.join_via(&t, &room, &a.name).await;
+        assert_eq!(status, 200, "{v}");
+        members.push(format!("@m{i}:{}", a.name));
+        tokens.push(t);
+    }
+    let bob = b.register("bob").await;
+    let bob_id = format!("@bob:{}", b.name);
+    let (status, v) = b.join_via(&bob, &room, &a.name).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(b.server.journal.is_partial_state(&room).await);
+    assert!(b.server.projections.state.is_partial(&room));
+    assert_eq!(b.partial_stats(), (1, 0, 0));
+    // Partial: the creator (its join is in the power levels' auth chain) and bob.
+    let mut partial = vec![format!("@alice:{}", a.name), bob_id.clone()];
+    partial.sort();
+    assert_eq!(b.joined_ids(&bob, &room).await, partial);
+    // Bob sends at once; the event reaches A although B knows few of its members.
+    let sent = b.say(&bob, &room, "p1", "hello while partial").await;
+    assert_eq!(b.partial_stats(), (1, 0, 1));
+    // m3, unknown to B, speaks: B fetches m3's join through /event_auth and accepts it.
+    let m3_said = a.say(&tokens[3], &room, "m3", "hi bob").await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let ids = |v: &Value| -> Vec<String> {
+        v["chunk"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["event_id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    loop {
+        let (_, v) = b
+            .client(
+                reqwest::Method::GET,
+                &format!(
+                    "/_matrix/client/v3/rooms/{}/messages?dir=b&limit=5",
+                    enc(&room)
+                ),
+                Some(&bob),
+                None,
+            )
+            .await;
+        if ids(&v).contains(&m3_said) {
+            assert_eq!(ids(&v)[..2], [m3_said.clone(), sent.clone()]);
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "m3's message did not reach B: {v}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let (_, v) = a
+        .client(
+            reqwest::Method::GET,
+            &format!(
+                "/_matrix/client/v3/rooms/{}/event/{}",
+                enc(&room),
+                enc(&sent)
+            ),
+            Some(&alice),
+            None,
+        )
+        .await;
+    assert_eq!(v["content"]["body"], "hello while partial", "{v}");
+    // While partial, B lets no other server join through it.
+    let stranger = ServerKey::generate(REMOTE);
+    b.pin(&stranger);
+    let path = format!(
+        "/_matrix/federation/v1/make_join/{}/{}?ver=10",
+        enc(&room),
+        enc("@x:remote.test")
+    );
+    let (status, v) = b.fed(&stranger, reqwest::Method::GET, &path, None).await;
+    assert_eq!(
+        (status, v["errcode"].as_str()),
+        (404, Some("M_NOT_FOUND")),
+        "{v}"
+    );
+    let since = b.since(&bob).await;
+    // The resync, by hand: A's /state at bob's join.
+    let join_id = b.server.journal.partial_state_rooms().await[0]
+        .join_event_id
+        .clone();
+    spindle_federation::partial::resync(
+        &b.server.federation,
+        &room,
+        &join_id,
+        vec![a.name.clone()],
+        None,
+    )
+    .await;
+    assert!(!b.server.journal.is_partial_state(&room).await);
+    assert_eq!(b.partial_stats(), (1, 1, 1));
+    let mut all = members.clone();
+    all.push(bob_id.clone());
+    all.sort();
+    let (status, v) = b
+        .client(
+            reqwest::Method::GET,
+            &format!(
+                "/_matrix/client/v3/rooms/{}/members?membership=join",
+                enc(&room)
+            ),
+            Some(&bob),
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let mut listed: Vec<String> = v["chunk"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["state_key"].as_str().unwrap().to_owned())
+        .collect();
+    listed.sort();
+    assert_eq!(listed, all);
+    assert_eq!(b.joined_ids(&bob, &room).await, all);
+    // The next sync resends the room's whole state: the members B did not have.
+    let (state, _) = b
+        .sync_until(&bob, &since, |v| {
+            let events = v["rooms"]["join"][&room]["state"]["events"].as_array()?;
+            let mut m: Vec<String> = events
+                .iter()
+                .filter(|e| e["type"] == "m.room.member")
+                .map(|e| e["state_key"].as_str().unwrap().to_owned())
+                .collect();
+            m.sort();
+            (!m.is_empty()).then(|| json!(m))
+        })
+        .await;
+    assert_eq!(state, json!(all));
+}

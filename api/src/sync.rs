@@ -631,7 +631,18 @@ impl Ctx<'_> {
         let (timeline, limited) = self.timeline(room, &access, after, self.upto);
         let lazy = self.filter.state.lazy_load_members;
         let state = if full {
-            let roots = self.roots_before(room, &timeline, self.upto);
+            let mut roots = self.roots_before(room, &timeline, self.upto);
+            if completed {
+                // The member events the resync added come after the room's last event
+                // (outlier records): the state at an event does not hold them, the
+                // current state does.
+                let state = &self.s.projections.state;
+                if let (Some(all), Some(others)) =
+                    (state.current_root(room), state.current_others_root(room))
+                {
+                    roots = (all, others);
+                }
+            }
             self.state_events(roots, &timeline, lazy)
         } else if limited {
             let from = self.root_at(room, after);

@@ -44,8 +44,8 @@ pub async fn resume(st: &FedState) {
     }
 }
 
-/// Spawns [`resync`] for one room. `first` is the server to ask first (the resident
-/// that answered `send_join`).
+/// Spawns [`resync`] for one room, after `[federation] partial_state_resync_delay_ms`.
+/// `first` is the server to ask first (the resident that answered `send_join`).
 pub fn spawn_resync(
     st: FedState,
     room_id: String,
@@ -54,6 +54,10 @@ pub fn spawn_resync(
     first: Option<String>,
 ) {
     tokio::spawn(async move {
+        let delay = Duration::from_millis(st.config.partial_state_resync_delay_ms);
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         resync(&st, &room_id, &join_event_id, servers, first).await;
     });
 }
@@ -67,10 +71,6 @@ pub async fn resync(
     servers: Vec<String>,
     first: Option<String>,
 ) {
-    let delay = Duration::from_millis(st.config.partial_state_resync_delay_ms);
-    if !delay.is_zero() {
-        tokio::time::sleep(delay).await;
-    }
     let mut order: Vec<String> = Vec::new();
     if let Some(f) = first {
         order.push(f);

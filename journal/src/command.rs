@@ -86,9 +86,10 @@ pub enum CommandBody {
     /// Complete a partial-state room (MSC3902): `state` and `auth_chain` are a
     /// resident's answer to `/state?event_id=` at our join. Each PDU is verified and
     /// authorized against its own auth events; the state events whose slot the room
-    /// has no value for yet become outlier records (a slot already set was set by the
-    /// partial state or by an event after the join, which is newer); the auth chain is
-    /// used for authorization only. Then a [`crate::Fact::RoomStateCompleted`]. A room
+    /// has no value for yet become outlier records, or [`crate::RecordKind::StateResolved`]
+    /// records when the room already holds the event (backfilled history) (a slot
+    /// already set was set by the partial state or by an event after the join, which is
+    /// newer); the auth chain is used for authorization only. Then a [`crate::Fact::RoomStateCompleted`]. A room
     /// that is not partial gets nothing.
     CompletePartialState {
         room_id: String,

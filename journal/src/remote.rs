@@ -831,39 +831,43 @@ impl Journal {
         // Authorize in depth order against what is already accepted (the room's auth
         // history, then the batch itself).
         let mut accepted: HashMap<OwnedEventId, Arc<Pdu>> = HashMap::new();
-        let mut fill: Vec<Arc<Pdu>> = Vec::new();
+        // (event, already known here): a known one (backfilled history, an outlier) is
+        // made current with a `StateResolved` record, a new one is an outlier.
+        let mut fill: Vec<(Arc<Pdu>, bool)> = Vec::new();
         let mut refused = 0usize;
         for p in order {
-            if agg.auth_history.contains_key(&p.event_id) {
-                continue;
-            }
-            let ok = authorize_by_lookup(
-                &version,
-                &p,
-                |id| agg.auth_history.get(id).or_else(|| accepted.get(id)),
-                create.as_ref(),
-            );
-            match ok {
-                Ok(()) => {
-                    if state_ids.contains(&p.event_id)
-                        && let Some(sk) = &p.state_key
-                        && !agg.knows(p.event_id.as_str())
-                        && !agg.state.contains_key(&(p.kind.to_string(), sk.clone()))
-                    {
-                        fill.push(p.clone());
-                    }
-                    accepted.insert(p.event_id.clone(), p);
-                }
-                Err(e) => {
+            let known_auth = agg.auth_history.contains_key(&p.event_id);
+            if !known_auth {
+                let ok = authorize_by_lookup(
+                    &version,
+                    &p,
+                    |id| agg.auth_history.get(id).or_else(|| accepted.get(id)),
+                    create.as_ref(),
+                );
+                if let Err(e) = ok {
                     refused += 1;
-                    tracing::debug!(%room, error = %e, "a resynced PDU was refused")
+                    tracing::debug!(%room, error = %e, "a resynced PDU was refused");
+                    continue;
                 }
+            }
+            if state_ids.contains(&p.event_id)
+                && let Some(sk) = &p.state_key
+                && !agg.state.contains_key(&(p.kind.to_string(), sk.clone()))
+            {
+                fill.push((p.clone(), agg.knows(p.event_id.as_str())));
+            }
+            if !known_auth {
+                accepted.insert(p.event_id.clone(), p);
             }
         }
         let mut records = Vec::with_capacity(fill.len() + 1);
-        for p in &fill {
+        for (p, known) in &fill {
             let mut rec = self.event_record(cmd, p, None);
-            rec.kind = RecordKind::Outlier;
+            rec.kind = if *known {
+                RecordKind::StateResolved
+            } else {
+                RecordKind::Outlier
+            };
             records.push(rec);
         }
         let fact = Fact::RoomStateCompleted {
@@ -877,8 +881,12 @@ impl Journal {
             "the room's full state is imported; it is no longer partial"
         );
         let position = self.enqueue(records);
-        for p in fill {
-            agg.apply_outlier(p);
+        for (p, known) in fill {
+            if known {
+                agg.set_state(p);
+            } else {
+                agg.apply_outlier(p);
+            }
         }
         agg.partial = None;
         self.inner

@@ -147,6 +147,11 @@ impl State {
         root_from(&self.current.get(room_id.as_bytes())?)
     }
 
+    /// The room's current root of the state without `m.room.member`.
+    pub fn current_others_root(&self, room_id: &str) -> Option<Root> {
+        root_from(&self.current_others.get(room_id.as_bytes())?)
+    }
+
     /// Every state root recorded for an event (one point read).
     pub fn event_roots(&self, event_id: &str) -> Option<EventRoots> {
         let v = self.event_roots.get(event_id.as_bytes())?;
