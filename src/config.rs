@@ -984,7 +984,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 144);
+        assert_eq!(want.len(), 145);
     }
 
     #[test]

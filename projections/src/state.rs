@@ -88,6 +88,10 @@ pub struct State {
     current_others: Table,
     rooms: Table,
     partial: Table,
+    /// The `partial` table in memory (rooms ever joined with partial state are few):
+    /// room id -> `None` while partial, `Some(position)` once complete. `/sync` asks
+    /// for every joined room, so this is never a store read.
+    partial_rooms: parking_lot::RwLock<std::collections::HashMap<String, Option<u64>>>,
 }
 
 fn root_from(bytes: &[u8]) -> Option<Root> {
@@ -104,22 +108,23 @@ impl State {
             current_others: db.table("state", "current_others")?,
             rooms: db.table("state", "rooms")?,
             partial: db.table("state", "partial")?,
+            partial_rooms: Default::default(),
         })
     }
 
     /// Whether the room's state here is partial (MSC3902): joined with the members
     /// left out, the full state not imported yet.
     pub fn is_partial(&self, room_id: &str) -> bool {
-        self.partial
-            .get(room_id.as_bytes())
-            .is_some_and(|v| v.as_slice() == b"p")
+        self.partial_rooms
+            .read()
+            .get(room_id)
+            .is_some_and(|c| c.is_none())
     }
 
     /// The position at which a partial-state room's full state was imported, if it was
     /// ever partial and is complete now.
     pub fn completed_at(&self, room_id: &str) -> Option<u64> {
-        let v = self.partial.get(room_id.as_bytes())?;
-        Some(u64::from_be_bytes(v.as_slice().try_into().ok()?))
+        *self.partial_rooms.read().get(room_id)?
     }
 
     /// The room's metadata, if the room exists.
@@ -204,6 +209,17 @@ impl State {
 }
 
 impl Projection for State {
+    fn reload(&self) {
+        let mut m = self.partial_rooms.write();
+        m.clear();
+        for (k, v) in self.partial.scan_prefix(&[], usize::MAX) {
+            let done = <[u8; 8]>::try_from(v.as_slice())
+                .ok()
+                .map(u64::from_be_bytes);
+            m.insert(String::from_utf8_lossy(&k).into_owned(), done);
+        }
+    }
+
     fn name(&self) -> &'static str {
         "state"
     }
@@ -316,11 +332,17 @@ impl Projection for State {
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
         match record.fact() {
+            // The memory copy changes with the staged write: a batch applied again
+            // after a failed commit writes the same values.
             Some(spindle_journal::Fact::RoomStatePartial { room_id, .. }) => {
+                self.partial_rooms.write().insert(room_id.clone(), None);
                 ctx.put(&self.partial, room_id.into_bytes(), b"p".to_vec());
                 return Ok(());
             }
             Some(spindle_journal::Fact::RoomStateCompleted { room_id }) => {
+                self.partial_rooms
+                    .write()
+                    .insert(room_id.clone(), Some(record.position()));
                 ctx.put(
                     &self.partial,
                     room_id.into_bytes(),
