@@ -1762,7 +1762,17 @@ async fn a_partial_state_join_sends_at_once_accepts_unknown_members_and_complete
     // Partial: the creator (its join is in the power levels' auth chain) and bob.
     let mut partial = vec![format!("@alice:{}", a.name), bob_id.clone()];
     partial.sort();
-    assert_eq!(b.joined_ids(&bob, &room).await, partial);
+    let mut held: Vec<String> = b
+        .server
+        .projections
+        .membership
+        .members(&room)
+        .into_iter()
+        .filter(|(_, m)| m.membership == "join")
+        .map(|(u, _)| u)
+        .collect();
+    held.sort();
+    assert_eq!(held, partial);
     // Bob sends at once; the event reaches A although B knows few of its members.
     let sent = b.say(&bob, &room, "p1", "hello while partial").await;
     assert_eq!(b.partial_stats(), (1, 0, 1));
@@ -1827,18 +1837,58 @@ async fn a_partial_state_join_sends_at_once_accepts_unknown_members_and_complete
         "{v}"
     );
     let since = b.since(&bob).await;
-    // The resync, by hand: A's /state at bob's join.
+    // The resync, by hand: A's /state at bob's join. A `/joined_members` and a
+    // long-polling `/sync` asked while the room is partial answer once it completes:
+    // the first with every member, the second woken by the completion (a liveness
+    // bound of 20 s against the poll's 60 s, not a speed check).
     let join_id = b.server.journal.partial_state_rooms().await[0]
         .join_event_id
         .clone();
-    spindle_federation::partial::resync(
-        &b.server.federation,
-        &room,
-        &join_id,
-        vec![a.name.clone()],
-        None,
-    )
-    .await;
+    let joined_path = format!("/_matrix/client/v3/rooms/{}/joined_members", enc(&room));
+    let long_poll = async {
+        let mut since = since.clone();
+        loop {
+            let (status, v) = b
+                .client(
+                    reqwest::Method::GET,
+                    &format!(
+                        "/_matrix/client/v3/sync?timeout=60000&since={}",
+                        enc(&since)
+                    ),
+                    Some(&bob),
+                    None,
+                )
+                .await;
+            assert_eq!(status, 200, "{v}");
+            since = v["next_batch"].as_str().unwrap().to_owned();
+            if v["rooms"]["join"][&room]["state"]["events"]
+                .as_array()
+                .is_some_and(|e| !e.is_empty())
+            {
+                return v;
+            }
+        }
+    };
+    let ((waited_status, waited), polled, ()) =
+        tokio::time::timeout(std::time::Duration::from_secs(20), async {
+            tokio::join!(
+                b.client(reqwest::Method::GET, &joined_path, Some(&bob), None),
+                long_poll,
+                async {
+                    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+                    spindle_federation::partial::resync(
+                        &b.server.federation,
+                        &room,
+                        &join_id,
+                        vec![a.name.clone()],
+                        None,
+                    )
+                    .await;
+                }
+            )
+        })
+        .await
+        .expect("/joined_members or the long-poll did not answer after the completion");
     assert!(!b.server.journal.is_partial_state(&room).await);
     assert_eq!(b.partial_stats(), (1, 1, 1));
     let mut all = members.clone();
@@ -1865,18 +1915,24 @@ async fn a_partial_state_join_sends_at_once_accepts_unknown_members_and_complete
     listed.sort();
     assert_eq!(listed, all);
     assert_eq!(b.joined_ids(&bob, &room).await, all);
-    // The next sync resends the room's whole state: the members B did not have.
-    let (state, _) = b
-        .sync_until(&bob, &since, |v| {
-            let events = v["rooms"]["join"][&room]["state"]["events"].as_array()?;
-            let mut m: Vec<String> = events
-                .iter()
-                .filter(|e| e["type"] == "m.room.member")
-                .map(|e| e["state_key"].as_str().unwrap().to_owned())
-                .collect();
-            m.sort();
-            (!m.is_empty()).then(|| json!(m))
-        })
-        .await;
-    assert_eq!(state, json!(all));
+    assert_eq!(waited_status, 200, "{waited}");
+    let mut waited: Vec<String> = waited["joined"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .cloned()
+        .collect();
+    waited.sort();
+    assert_eq!(waited, all);
+    // The sync after the completion resends the room's whole state: the members B did
+    // not have.
+    let mut state: Vec<String> = polled["rooms"]["join"][&room]["state"]["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["type"] == "m.room.member")
+        .map(|e| e["state_key"].as_str().unwrap().to_owned())
+        .collect();
+    state.sort();
+    assert_eq!(state, all);
 }

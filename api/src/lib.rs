@@ -408,6 +408,14 @@ impl AppState {
     pub fn server_name(&self) -> &str {
         &self.config.server_name
     }
+
+    /// Whether `user_id` (`@localpart:server_name`) names a user of this server: the
+    /// part after the first `:` is our server name. Not a validity check.
+    pub fn is_local_user(&self, user_id: &str) -> bool {
+        user_id
+            .split_once(':')
+            .is_some_and(|(_, server)| server == self.server_name())
+    }
 }
 
 /// Milliseconds since the Unix epoch.

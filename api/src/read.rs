@@ -217,6 +217,9 @@ async fn get_state(
     {
         return Err(MatrixError::forbidden("You are not joined to this room"));
     }
+    // The whole state includes every member: a partial-state room answers once it is
+    // complete (MSC3902; Synapse waits the same way).
+    s.wait_for_full_state(&room_id).await?;
     let root = readable_root(&s, &room_id, &access)
         .ok_or_else(|| MatrixError::forbidden("Room state unavailable"))?;
     let events: Vec<Value> = s
@@ -246,6 +249,11 @@ async fn state_event(
         && !crate::visibility::world_readable(&s, &room_id)
     {
         return Err(MatrixError::forbidden("You are not joined to this room"));
+    }
+    // A remote user's member event may be one the partial state left out (MSC3902):
+    // wait for the full state. Every other slot is complete in partial state.
+    if event_type == "m.room.member" && !s.is_local_user(&state_key) {
+        s.wait_for_full_state(&room_id).await?;
     }
     let root = readable_root(&s, &room_id, &access)
         .ok_or_else(|| MatrixError::forbidden("Room state unavailable"))?;
@@ -813,6 +821,8 @@ async fn joined_members(
     if !access.joined() && !crate::visibility::world_readable(&s, &room_id) {
         return Err(MatrixError::forbidden("You are not joined to this room"));
     }
+    // The full member list, so a partial-state room answers once complete (MSC3902).
+    s.wait_for_full_state(&room_id).await?;
     let mut joined = serde_json::Map::new();
     for (user, m) in s.projections.membership.members(&room_id) {
         if m.membership == "join" {

@@ -918,6 +918,13 @@ pub(crate) fn has_updates(
         if s.typing.room_serial(room) > since.1 || p.receipts.last_change(room) > since.0 {
             return true;
         }
+        // A partial-state room that became complete: its whole state goes out (MSC3902).
+        if p.state
+            .completed_at(room)
+            .is_some_and(|c| c > since.0 && c <= upto)
+        {
+            return true;
+        }
     }
     s.config.presence_enabled && s.presence.changed_since(joined, since.1)
 }
