@@ -231,7 +231,9 @@ async fn public_rooms_post(
 /// or are joined to a room whose join rule is `public`; deactivated users never. A
 /// user matches when every word of `search_term` occurs (case-insensitive) in their
 /// user id or a display name of theirs. Results are ordered by user id; `limited`
-/// says more matched than `limit`.
+/// says more matched than `limit`. Remote users who share a room (or sit in a public
+/// one) are found too; their `display_name` and `avatar_url` are those of their
+/// member event, as Synapse shows them (issue 13, item 4).
 ///
 /// Cost: the members of the searcher's joined rooms and of up to
 /// [`USER_SEARCH_PUBLIC_ROOMS_MAX`] public-join rooms are read (membership rows carry
@@ -271,10 +273,13 @@ async fn search_users(
     );
     rooms.sort();
     rooms.dedup();
-    let mut matched = std::collections::BTreeSet::new();
+    // Matched users, each with the display name and avatar of the first member event
+    // that matched (what a remote user's entry shows: we keep no global profile of
+    // theirs).
+    let mut matched = std::collections::BTreeMap::new();
     for room in &rooms {
         for (user, m) in s.projections.membership.members(room) {
-            if m.membership != "join" || matched.contains(&user) {
+            if m.membership != "join" || matched.contains_key(&user) {
                 continue;
             }
             let hay = format!(
@@ -283,17 +288,19 @@ async fn search_users(
                 m.displayname.as_deref().unwrap_or("").to_lowercase()
             );
             if words.iter().all(|w| hay.contains(w.as_str())) {
-                matched.insert(user);
+                matched.insert(user, (m.displayname, m.avatar_url));
             }
         }
     }
     let mut results = Vec::new();
     let mut limited = false;
-    for user in matched {
-        if s.projections
-            .accounts
-            .user(&user)
-            .is_some_and(|a| a.deactivated)
+    for (user, (member_name, member_avatar)) in matched {
+        let local = s.is_local_user(&user);
+        if local
+            && s.projections
+                .accounts
+                .user(&user)
+                .is_some_and(|a| a.deactivated)
         {
             continue;
         }
@@ -301,12 +308,18 @@ async fn search_users(
             limited = true;
             break;
         }
-        let p = s.projections.accounts.profile(&user);
+        // A local user's global profile; a remote user's as their member event says.
+        let (displayname, avatar_url) = if local {
+            let p = s.projections.accounts.profile(&user);
+            (p.displayname, p.avatar_url)
+        } else {
+            (member_name, member_avatar)
+        };
         let mut entry = json!({ "user_id": user });
-        if let Some(d) = p.displayname {
+        if let Some(d) = displayname {
             entry["display_name"] = json!(d);
         }
-        if let Some(a) = p.avatar_url {
+        if let Some(a) = avatar_url {
             entry["avatar_url"] = json!(a);
         }
         results.push(entry);

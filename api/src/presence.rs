@@ -352,7 +352,8 @@ async fn put_status(
 }
 
 /// `GET /presence/{userId}/status`: one's own, or that of a user sharing a joined room
-/// (else 403); an unknown user is 404; a user who never set one is `offline`.
+/// (else 403), local or remote (remote presence arrives as `m.presence` EDUs); an
+/// unknown local user is 404; a user whose presence is unknown is `offline`.
 async fn get_status(
     State(s): State<AppState>,
     r: Requester,
@@ -361,7 +362,9 @@ async fn get_status(
     if ruma::UserId::parse(&user_id).is_err() {
         return Err(MatrixError::invalid_param("Invalid user id"));
     }
-    if s.projections.accounts.user(&user_id).is_none() {
+    // A remote user is known through the rooms we share (their presence arrives
+    // over federation); only a local name can be checked against the accounts.
+    if s.is_local_user(&user_id) && s.projections.accounts.user(&user_id).is_none() {
         return Err(MatrixError::not_found("Unknown user"));
     }
     if user_id != r.user_id {
