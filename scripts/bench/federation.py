@@ -30,23 +30,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent / "tests" / "e2e"))
 
 import conftest  # noqa: E402
-from test_federation_synapse import Client, Synapse, make_cert, q, wait_until  # noqa: E402
+from test_federation_synapse import Client, Synapse, make_cert, q, spindle_for_synapse  # noqa: E402
 
 
 def spindle_server(root: Path, cert: Path, key: Path):
-    fed, client = conftest.free_loopback_port(), conftest.free_loopback_port()
-    s = conftest.SpindleServer(os.environ["SPINDLE_BIN"], root, client)
-    s.server_name = f"localhost:{fed}"
-    s.extra_config = (
-        "\n[federation]\n"
-        f'tls_bind = "127.0.0.1:{fed}"\n'
-        f'tls_certificate_path = "{cert}"\n'
-        f'tls_private_key_path = "{key}"\n'
-        "dangerous_skip_tls_verification_for_tests = true\n"
-        'ip_range_allowlist = ["127.0.0.0/8"]\n'
-        "retry_initial_ms = 200\nretry_max_ms = 2000\n"
-    )
-    s.write_config()
+    s = spindle_for_synapse(os.environ["SPINDLE_BIN"], root, cert, key)
     s.start(timeout=60)
     return s
 

@@ -16,7 +16,10 @@ both setting the topic at once converge on one topic (state resolution), a remot
 leave, device keys queried and one-time keys claimed across the servers both ways,
 typing, receipts, presence and to-device messages both ways, and a matrix-nio client
 with encryption on each server decrypting the other's messages in one encrypted room
-(also on a second device added later on Synapse).
+(also on a second device added later on Synapse), remote presence read through
+`GET /presence`, and a Spindle user joining a Synapse room of 500 members with partial
+state (sending before the member list is complete; `/members` then lists all 501, and
+the remote members are in the user directory).
 """
 
 from __future__ import annotations
@@ -230,31 +233,51 @@ class Synapse:
         return f"--- {self.log} ---\n{_tail(self.log, 80)}"
 
 
-@pytest.fixture(scope="module")
-def servers(spindle_bin, tmp_path_factory):
-    root = tmp_path_factory.mktemp("federation")
-    cert, key = make_cert(root)
-    sp_fed, sp_client, sp_metrics = free_loopback_port(), free_loopback_port(), free_loopback_port()
-    spindle = SpindleServer(spindle_bin, root / "spindle", sp_client)
-    spindle.server_name = f"localhost:{sp_fed}"
+def spindle_for_synapse(binary: str, root: Path, cert: Path, key: Path, extra: str = "") -> SpindleServer:
+    """A Spindle configured to federate with the Synapses of this module (not started):
+    named `localhost:FED_PORT` with a TLS federation listener on that port, loopback
+    allowed, short retries, metrics on (`metrics_url`). `extra` is appended to the
+    `[federation]` section."""
+    fed, client, metrics = free_loopback_port(), free_loopback_port(), free_loopback_port()
+    spindle = SpindleServer(binary, root, client)
+    spindle.server_name = f"localhost:{fed}"
     spindle.extra_config = (
         "\n[federation]\n"
-        f'tls_bind = "127.0.0.1:{sp_fed}"\n'
+        f'tls_bind = "127.0.0.1:{fed}"\n'
         f'tls_certificate_path = "{cert}"\n'
         f'tls_private_key_path = "{key}"\n'
         "dangerous_skip_tls_verification_for_tests = true\n"
         'ip_range_allowlist = ["127.0.0.0/8", "::1/128"]\n'
         "retry_initial_ms = 200\n"
         "retry_max_ms = 2000\n"
+        + extra +
         "\n[metrics]\n"
         "enabled = true\n"
-        f'bind = "127.0.0.1:{sp_metrics}"\n'
+        f'bind = "127.0.0.1:{metrics}"\n'
     )
-    spindle.metrics_url = f"http://127.0.0.1:{sp_metrics}/metrics"
+    spindle.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
     spindle.write_config()
+    return spindle
+
+
+def metric(spindle: SpindleServer, name: str) -> float:
+    """One unlabelled sample of Spindle's /metrics (0 when absent)."""
+    with _OPENER.open(spindle.metrics_url, timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def servers(spindle_bin, tmp_path_factory):
+    root = tmp_path_factory.mktemp("federation")
+    cert, key = make_cert(root)
+    spindle = spindle_for_synapse(spindle_bin, root / "spindle", cert, key)
     _SERVERS.append(spindle)
     (root / "synapse").mkdir()
     synapse = Synapse(root / "synapse", free_loopback_port(), free_loopback_port(), cert, key)
+    synapse.cert, synapse.key = cert, key
     try:
         spindle.start()
         synapse.start()
@@ -765,6 +788,9 @@ def test_typing_receipts_presence_and_to_device_both_ways(world):
     bob.call("PUT", f"/_matrix/client/v3/presence/{q(bob.user_id)}/status",
              {"presence": "unavailable", "status_msg": "from synapse"})
     assert on_spindle.until("bob's presence on Spindle", presence_of(bob.user_id, "from synapse"))["presence"] == "unavailable"
+    # ... and Spindle answers for the remote user as for a local one (they share a room).
+    got = alice.call("GET", f"/_matrix/client/v3/presence/{q(bob.user_id)}/status")
+    assert (got["presence"], got["status_msg"]) == ("unavailable", "from synapse")
 
     # To-device messages to one named device, both ways.
     bob_device = bob.call("GET", "/_matrix/client/v3/account/whoami")["device_id"]
@@ -981,3 +1007,118 @@ async def _encrypted_across_servers(world, tmp_path):
     finally:
         for c in clients:
             await c.close()
+
+
+# -- a big room on Synapse, joined with partial state (issue 13, MSC3706/MSC3902) ---
+
+
+class SynapseAdmin(Client):
+    """A Synapse server admin (registered through the shared-secret admin API) who
+    makes users and puts them in rooms without UIA, password hashing or rate limits:
+    how a room of thousands of members is built in minutes."""
+
+    @classmethod
+    def register_on(cls, synapse: "Synapse", name: str = "admin") -> "SynapseAdmin":
+        import hashlib
+        import hmac
+
+        admin = cls(synapse.base_url)
+        nonce = admin.call("GET", "/_synapse/admin/v1/register")["nonce"]
+        password = "admin password"
+        mac = hmac.new(b"not-a-secret", b"\x00".join(
+            [nonce.encode(), name.encode(), password.encode(), b"admin"]), hashlib.sha1).hexdigest()
+        out = admin.call("POST", "/_synapse/admin/v1/register", {
+            "nonce": nonce, "username": name, "password": password, "admin": True, "mac": mac,
+        })
+        admin.token, admin.user_id = out["access_token"], out["user_id"]
+        return admin
+
+    def add_members(self, room_id: str, server_name: str, tag: str, n: int, threads: int = 4) -> list[str]:
+        """Creates `n` users `@{tag}-{i}:server` (display name `Member {tag} {i}`) and
+        joins each to `room_id` (public, or the admin is in it). Returns their ids."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(i: int) -> str:
+            user = f"@{tag}-{i}:{server_name}"
+            c = Client(self.base_url)
+            c.token = self.token
+            c.call("PUT", f"/_synapse/admin/v2/users/{q(user)}", {"displayname": f"Member {tag} {i}"}, expect=201)
+            c.call("POST", f"/_synapse/admin/v1/join/{q(room_id)}", {"user_id": user})
+            return user
+
+        with ThreadPoolExecutor(threads) as pool:
+            return list(pool.map(one, range(n)))
+
+
+def joined_user_ids(client: Client, room_id: str) -> list[str]:
+    chunk = client.call("GET", f"/_matrix/client/v3/rooms/{q(room_id)}/members", timeout=120)["chunk"]
+    return sorted(e["state_key"] for e in chunk if e["content"].get("membership") == "join")
+
+
+PARTIAL = ("joins", "completed", "sends")
+
+
+def partial_counts(spindle: SpindleServer) -> dict[str, int]:
+    return {k: int(metric(spindle, f"spindle_federation_partial_state_{k}_total")) for k in PARTIAL}
+
+
+@pytest.fixture(scope="module")
+def partial_spindle(spindle_bin, servers, tmp_path_factory):
+    """A second, empty Spindle whose partial-state resync waits 5 s after a join, so a
+    test can act inside the partial window without racing the resync."""
+    _, synapse = servers
+    root = tmp_path_factory.mktemp("partial")
+    spindle = spindle_for_synapse(spindle_bin, root, synapse.cert, synapse.key,
+                                  extra="partial_state_resync_delay_ms = 5000\n")
+    _SERVERS.append(spindle)
+    try:
+        spindle.start()
+        yield spindle
+    finally:
+        spindle.stop()
+        _SERVERS.remove(spindle)
+
+
+def test_spindle_user_joins_a_500_member_synapse_room_with_partial_state(servers, partial_spindle):
+    """A Spindle user joins a Synapse room of 500 members: the join asks `omit_members`
+    and the room is partial; the user reads the room and sends at once, the message
+    reaches Synapse with its event id, and `/members` (which waits for the resync)
+    then lists the same 501 joined users as Synapse does."""
+    _, synapse = servers
+    spindle = partial_spindle
+    admin = SynapseAdmin.register_on(synapse)
+    room = admin.call("POST", "/_matrix/client/v3/createRoom", {
+        "preset": "public_chat", "room_alias_name": "big500", "name": "Five hundred",
+    })["room_id"]
+    members = admin.add_members(room, synapse.server_name, "big", 499)
+    assert len(joined_user_ids(admin, room)) == 500
+    assert partial_counts(spindle) == {"joins": 0, "completed": 0, "sends": 0}
+
+    carol = Client(spindle.base_url)
+    carol.register("carol")
+    joined = carol.call("POST", f"/_matrix/client/v3/join/{q('#big500:' + synapse.server_name)}", {}, timeout=120)
+    assert joined["room_id"] == room
+    assert partial_counts(spindle) == {"joins": 1, "completed": 0, "sends": 0}
+    # Inside the partial window: the room's non-member state is whole, and a message
+    # goes out at once (counted as a send from partial state).
+    assert carol.state(room, "m.room.name")["name"] == "Five hundred"
+    sent = carol.send(room, "sent before the member list is complete")
+    assert partial_counts(spindle) == {"joins": 1, "completed": 0, "sends": 1}
+    wait_until("carol's message on Synapse", lambda: sent in ids(admin.messages(room, limit=50)), timeout=60)
+    # `/members` waits for the resync and then has every member, as Synapse does.
+    ours = joined_user_ids(carol, room)
+    assert partial_counts(spindle) == {"joins": 1, "completed": 1, "sends": 1}
+    theirs = joined_user_ids(admin, room)
+    assert len(ours) == 501
+    assert ours == theirs == sorted([admin.user_id, carol.user_id, *members])
+    listed = carol.call("GET", f"/_matrix/client/v3/rooms/{q(room)}/joined_members")["joined"]
+    assert sorted(listed) == ours
+    assert listed[members[7]] == {"display_name": "Member big 7"}
+    # The remote members are in Spindle's user directory, named as their member events say.
+    found = carol.call("POST", "/_matrix/client/v3/user_directory/search", {"search_term": "big 123"})
+    assert found == {"results": [{"user_id": members[123], "display_name": "Member big 123"}], "limited": False}
+    # After completion a member of Synapse's sends, and carol sees it.
+    reply = Client(synapse.base_url)
+    reply.token = admin.token
+    answer = reply.send(room, "welcome, carol")
+    wait_until("the admin's reply on Spindle", lambda: answer in ids(carol.messages(room, limit=50)), timeout=60)
