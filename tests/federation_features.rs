@@ -1737,10 +1737,16 @@ async fn a_partial_state_join_sends_at_once_accepts_unknown_members_and_complete
     let a = Node::federating(|_| {}).await;
     let b = Node::federating(|c| c.federation.partial_state_resync_delay_ms = 3_600_000).await;
     let alice = a.register("alice").await;
+    // Bob (on B) may kick: a moderator who does not know the room's members yet.
     let room = a
         .create_room(
             &alice,
-            json!({ "preset": "public_chat", "name": "Partial" }),
+            json!({
+                "preset": "public_chat", "name": "Partial",
+                "power_level_content_override": { "users": {
+                    format!("@alice:{}", a.name): 100, format!("@bob:{}", b.name): 50,
+                } },
+            }),
         )
         .await;
     let mut members = vec![format!("@alice:{}", a.name)];
@@ -1869,11 +1875,22 @@ async fn a_partial_state_join_sends_at_once_accepts_unknown_members_and_complete
             }
         }
     };
-    let ((waited_status, waited), polled, ()) =
+    // Bob kicks m4, whom the partial state does not know: the kick waits for the full
+    // state instead of failing its "is the target in the room" check.
+    let m4 = format!("@m4:{}", a.name);
+    let kick_path = format!("/_matrix/client/v3/rooms/{}/kick", enc(&room));
+    let kick_body = json!({ "user_id": m4 });
+    let ((waited_status, waited), polled, (kick_status, kicked), ()) =
         tokio::time::timeout(std::time::Duration::from_secs(20), async {
             tokio::join!(
                 b.client(reqwest::Method::GET, &joined_path, Some(&bob), None),
                 long_poll,
+                b.client(
+                    reqwest::Method::POST,
+                    &kick_path,
+                    Some(&bob),
+                    Some(kick_body)
+                ),
                 async {
                     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
                     spindle_federation::partial::resync(
@@ -1891,8 +1908,13 @@ async fn a_partial_state_join_sends_at_once_accepts_unknown_members_and_complete
         .expect("/joined_members or the long-poll did not answer after the completion");
     assert!(!b.server.journal.is_partial_state(&room).await);
     assert_eq!(b.partial_stats(), (1, 1, 1));
+    assert_eq!((kick_status, &kicked), (200, &json!({})));
+    // Everyone but m4, who was kicked; whether m4 is in the answers the kick raced
+    // with (`/joined_members` and the long-poll woke at the same completion) is left
+    // out of their checks.
     let mut all = members.clone();
     all.push(bob_id.clone());
+    all.retain(|u| *u != m4);
     all.sort();
     let (status, v) = b
         .client(
@@ -1922,6 +1944,7 @@ async fn a_partial_state_join_sends_at_once_accepts_unknown_members_and_complete
         .keys()
         .cloned()
         .collect();
+    waited.retain(|u| *u != m4);
     waited.sort();
     assert_eq!(waited, all);
     // The sync after the completion resends the room's whole state: the members B did
@@ -1932,6 +1955,7 @@ async fn a_partial_state_join_sends_at_once_accepts_unknown_members_and_complete
         .iter()
         .filter(|e| e["type"] == "m.room.member")
         .map(|e| e["state_key"].as_str().unwrap().to_owned())
+        .filter(|u| *u != m4)
         .collect();
     state.sort();
     assert_eq!(state, all);

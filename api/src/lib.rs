@@ -61,8 +61,10 @@ pub use error::{ApiResult, MatrixError};
 /// How long a request waits for the projections to catch up with acknowledged writes.
 pub const READ_YOUR_WRITES_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Longest a request that needs a room's full state (`/members`) waits while the state
-/// is partial ([`AppState::wait_for_full_state`]); Synapse waits without a bound.
+/// Longest a request that needs a room's full state (`/members`, `/joined_members`,
+/// the whole `/state`, a remote member's event, a membership change of a remote user)
+/// waits while the state is partial ([`AppState::wait_for_full_state`]); Synapse waits
+/// without a bound.
 pub const PARTIAL_STATE_WAIT: Duration = Duration::from_secs(60);
 
 /// API settings (a subset of the server config).
@@ -374,7 +376,7 @@ impl AppState {
     /// Waits while the room's state here is partial (a partial-state join, MSC3902:
     /// the state projection flips when it applies the completion), at most
     /// [`PARTIAL_STATE_WAIT`]: how `/members` answers the full member list, as the MSC
-    /// says. Returns at once for any other room. After the bound it returns anyway and
+    /// says (callers: see [`PARTIAL_STATE_WAIT`]). Returns at once for any other room. After the bound it returns anyway and
     /// the caller answers from the partial state.
     pub async fn wait_for_full_state(&self, room_id: &str) -> ApiResult<()> {
         let deadline = tokio::time::Instant::now() + PARTIAL_STATE_WAIT;

@@ -407,6 +407,12 @@ async fn membership_event(
     content: Value,
 ) -> ApiResult<Outcome> {
     valid_user_id(target)?;
+    // A remote target's current membership may be one the partial state left out
+    // (MSC3902): a kick, ban, unban or invite of them waits for the full state, as
+    // Synapse's membership changes do, rather than failing its auth check.
+    if target != r.user_id && !s.is_local_user(target) {
+        s.wait_for_full_state(room_id).await?;
+    }
     send_checked(
         s,
         r,
