@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{Client, TestKey, TestServer};
+use common::{Client, TestKey, TestServer, enc};
 use serde_json::{Value, json};
 
 const V3: &str = "/_matrix/client/v3";
@@ -589,5 +589,273 @@ async fn with_federation_off_remote_users_are_failures() {
             "one_time_keys": {},
             "failures": { "elsewhere.example": { "status": 503, "message": "federation is disabled on this server" } },
         })
+    );
+}
+
+/// Appends `fact` on `node` as its federation layer would and waits until the
+/// projections have it.
+async fn journal_fact(node: &Node, fact: spindle_journal::Fact) {
+    let out = node
+        .srv
+        .server
+        .federation
+        .submit_journal("remote.test", spindle_journal::CommandBody::Fact { fact })
+        .await
+        .unwrap();
+    assert!(
+        node.srv
+            .server
+            .projections
+            .runtime
+            .wait_for(out.position, std::time::Duration::from_secs(10))
+            .await
+    );
+}
+
+fn remote_update(
+    stream_id: u64,
+    device_id: &str,
+    prev_id: &[u64],
+    deleted: bool,
+) -> spindle_journal::Fact {
+    spindle_journal::Fact::RemoteDeviceListChanged {
+        user_id: "@u:remote.test".into(),
+        stream_id,
+        device: Some(spindle_journal::RemoteDeviceUpdate {
+            device_id: device_id.into(),
+            prev_id: prev_id.to_vec(),
+            deleted,
+            keys: (!deleted)
+                .then(|| json!({ "user_id": "@u:remote.test", "device_id": device_id })),
+            display_name: None,
+        }),
+        signing_keys: None,
+    }
+}
+
+fn remote_device(device_id: &str) -> spindle_journal::RemoteDevice {
+    spindle_journal::RemoteDevice {
+        device_id: device_id.into(),
+        keys: Some(json!({ "user_id": "@u:remote.test", "device_id": device_id })),
+        display_name: None,
+    }
+}
+
+/// The device ids and stream id of the fresh copy of `@u:remote.test`, if fresh.
+fn copy_of(node: &Node) -> Option<(u64, Vec<String>)> {
+    node.srv
+        .server
+        .projections
+        .device_keys
+        .remote_device_list("@u:remote.test")
+        .map(|l| {
+            (
+                l.stream_id,
+                l.devices.into_iter().map(|d| d.device_id).collect(),
+            )
+        })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_device_list_copy_follows_prev_id_chains_and_goes_stale_on_a_gap() {
+    let a = Node::start().await;
+    let resync =
+        |stream_id: u64, devices: &[&str]| spindle_journal::Fact::RemoteDeviceListResynced {
+            user_id: "@u:remote.test".into(),
+            stream_id,
+            devices: devices.iter().map(|d| remote_device(d)).collect(),
+            master_key: Some(json!({ "user_id": "@u:remote.test", "usage": ["master"], "n": 1 })),
+            self_signing_key: None,
+        };
+    // No copy: an update alone makes none.
+    journal_fact(&a, remote_update(5, "X", &[4], false)).await;
+    assert_eq!(copy_of(&a), None);
+    journal_fact(&a, resync(10, &["A"])).await;
+    assert_eq!(copy_of(&a), Some((10, vec!["A".into()])));
+    // Chains (prev_id at or below the copy's stream id): applied.
+    journal_fact(&a, remote_update(12, "B", &[10], false)).await;
+    assert_eq!(copy_of(&a), Some((12, vec!["A".into(), "B".into()])));
+    // Already held (stream id at or below the copy's): ignored.
+    journal_fact(&a, remote_update(11, "C", &[9], false)).await;
+    assert_eq!(copy_of(&a), Some((12, vec!["A".into(), "B".into()])));
+    // A deletion that chains.
+    journal_fact(&a, remote_update(15, "A", &[12], true)).await;
+    assert_eq!(copy_of(&a), Some((15, vec!["B".into()])));
+    // A signing key update replaces the master key of a fresh copy.
+    journal_fact(
+        &a,
+        spindle_journal::Fact::RemoteDeviceListChanged {
+            user_id: "@u:remote.test".into(),
+            stream_id: 0,
+            device: None,
+            signing_keys: Some(spindle_journal::RemoteSigningKeys {
+                master_key: Some(
+                    json!({ "user_id": "@u:remote.test", "usage": ["master"], "n": 2 }),
+                ),
+                self_signing_key: None,
+            }),
+        },
+    )
+    .await;
+    let list = a
+        .srv
+        .server
+        .projections
+        .device_keys
+        .remote_device_list("@u:remote.test")
+        .unwrap();
+    assert_eq!(list.master_key.unwrap()["n"], 2);
+    // A gap (prev_id 18 was never seen): stale, not served.
+    journal_fact(&a, remote_update(20, "D", &[18], false)).await;
+    assert_eq!(copy_of(&a), None);
+    let meta = |a: &Node| {
+        a.srv
+            .server
+            .projections
+            .device_keys
+            .remote_list_meta("@u:remote.test")
+            .unwrap()
+    };
+    assert_eq!(
+        meta(&a),
+        spindle_projections::device_keys::RemoteListMeta {
+            stream_id: 15,
+            stale: true,
+            seen: 20
+        }
+    );
+    // A resync answered before update 20 (stream 19) leaves the copy stale.
+    journal_fact(&a, resync(19, &["B"])).await;
+    assert_eq!(copy_of(&a), None);
+    assert_eq!(meta(&a).stream_id, 19);
+    // One at or after it is served.
+    journal_fact(&a, resync(21, &["B", "D"])).await;
+    assert_eq!(copy_of(&a), Some((21, vec!["B".into(), "D".into()])));
+    // An update without prev_id never chains.
+    journal_fact(&a, remote_update(22, "E", &[], false)).await;
+    assert_eq!(copy_of(&a), None);
+    // A record from before the copies existed (no change carried): stale as well.
+    journal_fact(&a, resync(23, &["B"])).await;
+    assert_eq!(copy_of(&a), Some((23, vec!["B".into()])));
+    let old: spindle_journal::Fact = serde_json::from_value(json!({
+        "type": "remote_device_list_changed", "user_id": "@u:remote.test", "stream_id": 24,
+    }))
+    .unwrap();
+    journal_fact(&a, old).await;
+    assert_eq!(copy_of(&a), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_users_keys_are_answered_from_the_copy_even_with_their_server_down() {
+    let (a, b) = (Node::start().await, Node::start().await);
+    let alice = a.register("alice", "ALICEPHONE").await;
+    let bob = b.register("bob", "BOBLAPTOP").await;
+    let (alice_keys, _) = upload_keys(&alice, &[]).await;
+    let room = alice
+        .post(
+            &format!("{V3}/createRoom"),
+            &json!({ "preset": "public_chat" }),
+        )
+        .await
+        .ok()["room_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    bob.post(
+        &format!("{V3}/join/{}?server_name={}", enc(&room), enc(&a.name)),
+        &json!({}),
+    )
+    .await
+    .ok();
+    let query = || async {
+        bob.post(
+            &format!("{V3}/keys/query"),
+            &json!({ "device_keys": { alice.user_id.clone(): [] } }),
+        )
+        .await
+        .ok()
+    };
+    // No copy yet: B asks A, and fetches alice's device list meanwhile.
+    let first = query().await;
+    assert_eq!(
+        first["device_keys"][&alice.user_id]["ALICEPHONE"]["keys"],
+        alice_keys["keys"]
+    );
+    let fresh = |want: &'static [&'static str]| {
+        let b = &b;
+        let user = alice.user_id.clone();
+        async move {
+            for _ in 0..100 {
+                if let Some(l) = b
+                    .srv
+                    .server
+                    .projections
+                    .device_keys
+                    .remote_device_list(&user)
+                {
+                    let ids: Vec<&str> = l.devices.iter().map(|d| d.device_id.as_str()).collect();
+                    if ids == want && l.devices.iter().all(|d| d.keys.is_some()) {
+                        return l;
+                    }
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            panic!("B never held a fresh copy with keys of {want:?}");
+        }
+    };
+    let copy = fresh(&["ALICEPHONE"]).await;
+    assert_eq!(
+        copy.devices[0].keys.as_ref().unwrap()["keys"],
+        alice_keys["keys"]
+    );
+    // Alice adds a device: A's updates (the new device, then its keys) reach B, each
+    // naming the previous change as `prev_id`, so B applies them to its copy without
+    // fetching the list again: the one fetch is still the first.
+    let tablet = a.login("alice", "ALICETABLET").await;
+    let (tablet_keys, _) = upload_keys(&tablet, &[]).await;
+    let copy = fresh(&["ALICEPHONE", "ALICETABLET"]).await;
+    assert_eq!(
+        copy.devices[1].keys.as_ref().unwrap()["keys"],
+        tablet_keys["keys"]
+    );
+    assert_eq!(
+        copy.stream_id,
+        a.srv
+            .server
+            .projections
+            .device_keys
+            .device_list_stream_id(&alice.user_id)
+    );
+    let records = b.srv.server.journal.next_after(0, 100_000).await.unwrap();
+    let kinds = |kind: &str| {
+        records
+            .iter()
+            .filter_map(|r| r.fact())
+            .filter(|f| serde_json::to_value(f).unwrap()["type"] == kind)
+            .count()
+    };
+    assert_eq!(kinds("remote_device_list_resynced"), 1);
+    assert_eq!(kinds("remote_device_list_changed"), 2);
+    // With A down, B answers from its copy: no failure, both devices.
+    let alice_id = alice.user_id.clone();
+    a.srv.stop().await;
+    let q = bob
+        .post(
+            &format!("{V3}/keys/query"),
+            &json!({ "device_keys": { alice_id.clone(): [] } }),
+        )
+        .await
+        .ok();
+    assert_eq!(q["failures"], json!({}));
+    let mut ids: Vec<&String> = q["device_keys"][&alice_id]
+        .as_object()
+        .unwrap()
+        .keys()
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["ALICEPHONE", "ALICETABLET"]);
+    assert_eq!(
+        q["device_keys"][&alice_id]["ALICETABLET"]["keys"],
+        tablet_keys["keys"]
     );
 }

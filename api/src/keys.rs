@@ -3,8 +3,12 @@
 //!
 //! Uploads become journal facts; claims are decided by the journal at append time
 //! (each one-time key is handed out at most once, whatever the concurrency); reads come
-//! from the `device_keys` projection. Users of other servers are asked of their server
-//! over federation (spec: "/keys/query" and "/keys/claim" with remote users): one
+//! from the `device_keys` projection. A user of another server whose device list we
+//! hold a fresh copy of (kept from their server's `m.device_list_update`s, see
+//! `spindle_federation::devices`) is answered from it; other remote users are asked
+//! of their server over federation (spec: "/keys/query" and "/keys/claim" with
+//! remote users), and a copy of those who share a room with us is fetched meanwhile:
+//! one
 //! request per server, all at once, bounded by the request's `timeout`; a server that
 //! fails, is too slow, or cannot be asked (federation off) is listed under `failures`,
 //! and an answer is kept only for that server's own users.
@@ -348,6 +352,7 @@ async fn query(
     let (mut master_keys, mut self_signing_keys, mut user_signing_keys) =
         (Map::new(), Map::new(), Map::new());
     let mut remote: BTreeMap<String, Map<String, Value>> = BTreeMap::new();
+    let mut untracked: Vec<String> = Vec::new();
     for (user_id, devices) in wanted {
         let devices: Vec<String> = match devices {
             Value::Array(a) => a
@@ -367,6 +372,32 @@ async fn query(
             )));
         };
         if server != s.server_name() {
+            // Our copy of their device list when it is fresh; else their server.
+            if let Some(list) = s.projections.device_keys.remote_device_list(user_id) {
+                let mut theirs = Map::new();
+                for d in list.devices {
+                    let Some(mut keys) = d.keys else { continue };
+                    if !devices.is_empty() && !devices.contains(&d.device_id) {
+                        continue;
+                    }
+                    if let (Some(name), Some(obj)) = (d.display_name, keys.as_object_mut()) {
+                        let unsigned = obj.entry("unsigned").or_insert_with(|| json!({}));
+                        if let Some(u) = unsigned.as_object_mut() {
+                            u.insert("device_display_name".into(), Value::String(name));
+                        }
+                    }
+                    theirs.insert(d.device_id, keys);
+                }
+                device_keys.insert(user_id.clone(), Value::Object(theirs));
+                if let Some(master) = list.master_key {
+                    master_keys.insert(user_id.clone(), master);
+                }
+                if let Some(ssk) = list.self_signing_key {
+                    self_signing_keys.insert(user_id.clone(), ssk);
+                }
+                continue;
+            }
+            untracked.push(user_id.clone());
             remote
                 .entry(server.to_owned())
                 .or_default()
@@ -394,6 +425,11 @@ async fn query(
         if let Some(usk) = cs.user_signing.filter(|_| *user_id == r.user_id) {
             user_signing_keys.insert(user_id.clone(), usk);
         }
+    }
+    // Users we share a room with but hold no fresh copy of: fetch their lists in the
+    // background, so the next query is answered here.
+    if let Some(fed) = &s.federation {
+        spindle_federation::devices::refresh_untracked(fed, &untracked);
     }
     let answers = ask_servers(
         &s,

@@ -16,10 +16,11 @@
 //!   record keyed by (sender, `message_id`), so a repeat is dropped by the journal's
 //!   transaction index;
 //! - `m.device_list_update` and `m.signing_key_update` for a user of the origin who
-//!   shares a room with us become a [`Fact::RemoteDeviceListChanged`] record: our
-//!   users hear of it in `device_lists.changed` and query the keys again, which asks
-//!   the origin (no copy of remote device lists is kept, so `prev_id` chains and gaps
-//!   do not matter here).
+//!   shares a room with us become a [`Fact::RemoteDeviceListChanged`] record carrying
+//!   the change: our users hear of it in `device_lists.changed` and query the keys
+//!   again, answered from our copy of the user's device list when it is fresh. An
+//!   update whose `prev_id` does not chain onto the copy (or with no copy yet) makes
+//!   us fetch the whole list (`/user/devices`, [`crate::devices`]).
 //!
 //! The journal records of one transaction's EDUs go in one
 //! [`spindle_journal::Journal::submit_batch`] run (one fsync). A bad EDU is dropped
@@ -30,9 +31,10 @@
 //! facts, so the federation sender reads them from the journal like PDUs
 //! ([`outbound_of`]): durable, retried, delivered after a restart. A device list
 //! change of one of our users goes to every server sharing a room with the user as
-//! `m.device_list_update` (`stream_id`: the record's position; `prev_id` empty, which
-//! makes the receiver fetch `/user/devices` again, as Synapse does for an update it
-//! cannot chain), and new master or self-signing keys as `m.signing_key_update`. Typing and presence are in memory; the binary feeds them
+//! `m.device_list_update` (`stream_id`: the record's position; `prev_id`: the
+//! position of the user's previous change, filled in by the sender once the device
+//! keys projection has it, else empty, which makes the receiver fetch `/user/devices`
+//! again), and new master or self-signing keys as `m.signing_key_update`. Typing and presence are in memory; the binary feeds them
 //! to [`crate::sender::FederationSender::queue_edu`].
 
 use std::collections::BTreeMap;
@@ -101,6 +103,7 @@ pub async fn ingest(st: &FedState, origin: &str, edus: &[Value]) {
     if facts.is_empty() {
         return;
     }
+    let resyncs = crate::devices::gaps(st, &facts);
     let bodies = facts
         .into_iter()
         .map(|fact| CommandBody::Fact { fact })
@@ -109,6 +112,11 @@ pub async fn ingest(st: &FedState, origin: &str, edus: &[Value]) {
         if let Err(e) = r {
             tracing::info!(origin, error = %e, "an EDU was not journaled");
         }
+    }
+    // Updates that do not chain onto our copy of a device list: fetch the whole list
+    // (after the updates are journaled, so the answer lands after them).
+    for user_id in resyncs {
+        crate::devices::spawn_resync(st.clone(), user_id);
     }
 }
 
@@ -267,9 +275,49 @@ fn device_list(st: &FedState, origin: &str, kind: &str, c: &Value) -> Option<Fac
         );
         return None;
     }
+    let stream_id = c.get("stream_id").and_then(|v| v.as_u64()).unwrap_or(0);
+    let (device, signing_keys) = if kind == "m.device_list_update" {
+        (device_update(user_id, c), None)
+    } else {
+        let key = |name: &str| c.get(name).filter(|v| v.is_object()).cloned();
+        (
+            None,
+            Some(spindle_journal::RemoteSigningKeys {
+                master_key: key("master_key"),
+                self_signing_key: key("self_signing_key"),
+            }),
+        )
+    };
     Some(Fact::RemoteDeviceListChanged {
         user_id: user_id.to_owned(),
-        stream_id: c.get("stream_id").and_then(|v| v.as_u64()).unwrap_or(0),
+        stream_id,
+        device,
+        signing_keys,
+    })
+}
+
+/// The change an `m.device_list_update` carries, if it names a device: `keys` kept
+/// only when they are an object naming this user and device (the client checks the
+/// signatures, as for keys the origin answers a query with).
+fn device_update(user_id: &str, c: &Value) -> Option<spindle_journal::RemoteDeviceUpdate> {
+    let device_id = c.get("device_id").and_then(|v| v.as_str())?;
+    let keys = c
+        .get("keys")
+        .filter(|k| crate::devices::keys_name(k, user_id, device_id))
+        .cloned();
+    Some(spindle_journal::RemoteDeviceUpdate {
+        device_id: device_id.to_owned(),
+        prev_id: c
+            .get("prev_id")
+            .and_then(|v| v.as_array())
+            .map(|a| a.iter().filter_map(|p| p.as_u64()).collect())
+            .unwrap_or_default(),
+        deleted: c.get("deleted").and_then(|v| v.as_bool()).unwrap_or(false),
+        keys,
+        display_name: c
+            .get("device_display_name")
+            .and_then(|v| v.as_str())
+            .map(str::to_owned),
     })
 }
 

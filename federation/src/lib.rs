@@ -32,6 +32,7 @@ pub mod acl;
 pub mod auth;
 pub mod backfill;
 pub mod client;
+pub mod devices;
 pub mod directory;
 pub mod e2ee;
 pub mod edus;
@@ -165,6 +166,9 @@ pub struct FedState {
     /// Where typing and presence EDUs from other servers go (the api crate's in-memory
     /// state, wired by the binary); `None`: they are dropped.
     pub ephemeral: Option<Arc<dyn edus::EphemeralSink>>,
+    /// Remote users whose device list is being fetched ([`devices::spawn_resync`]),
+    /// with whether another fetch was asked for meanwhile.
+    pub device_resyncs: Arc<parking_lot::Mutex<std::collections::HashMap<String, bool>>>,
 }
 
 /// See [`FedState::origin_limit`].
@@ -194,6 +198,7 @@ impl FedState {
             txns: Arc::default(),
             origin_limit: None,
             ephemeral: None,
+            device_resyncs: Arc::default(),
         })
     }
 

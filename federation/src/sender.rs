@@ -76,6 +76,10 @@ struct Worker {
     queued: Arc<tokio::sync::Notify>,
 }
 
+fn is_device_list_update(edu: &Value) -> bool {
+    edu.get("edu_type").and_then(|t| t.as_str()) == Some("m.device_list_update")
+}
+
 /// The running sender.
 #[derive(Clone)]
 pub struct FederationSender {
@@ -90,6 +94,9 @@ pub struct FederationSender {
     /// Makes transaction ids unique across transactions that cover the same journal
     /// range (EDU-only ones) and across restarts: starts at the start-up time in ms.
     txn_seq: Arc<AtomicU64>,
+    /// A record from another server (a PDU or EDU it sent us) has gone by: this server
+    /// federates even if it never had to send anything yet (see [`Self::federates`]).
+    met_remote: Arc<std::sync::atomic::AtomicBool>,
     /// Counters.
     pub stats: Arc<SenderStats>,
 }
@@ -113,6 +120,7 @@ impl FederationSender {
             queued: Arc::default(),
             dispatched: Arc::new(AtomicU64::new(start)),
             txn_seq: Arc::new(AtomicU64::new(crate::now_ms())),
+            met_remote: Arc::default(),
             stats: Arc::default(),
         };
         for (dest, cursor) in stored {
@@ -129,6 +137,12 @@ impl FederationSender {
         rec: &spindle_journal::StoredRecord,
     ) -> Option<(Outbound, Vec<String>)> {
         let ours = self.st.server_name();
+        // Records another server caused are journaled under its name as principal.
+        let principal = rec.principal();
+        if !principal.starts_with('@') && principal != ours && !principal.is_empty() {
+            self.met_remote
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         let out = crate::edus::outbound_of(rec, ours)?;
         let dests = match &out {
             Outbound::Pdu(pdu) => {
@@ -171,9 +185,12 @@ impl FederationSender {
     }
 
     /// Whether any destination has a worker (this server has sent, or has had to
-    /// send, something to another server since its cursors were first written).
+    /// send, something to another server since its cursors were first written), or
+    /// another server's record has gone by since start-up (a remote user joined one of
+    /// our rooms, and we have not sent them anything yet). Memory only.
     pub fn federates(&self) -> bool {
-        !self.workers.lock().is_empty()
+        self.met_remote.load(std::sync::atomic::Ordering::Relaxed)
+            || !self.workers.lock().is_empty()
     }
 
     /// The servers other than ours with a user joined to the room.
@@ -315,8 +332,41 @@ impl FederationSender {
                     .filter(|(s, _)| s == dest)
                     .map(|(_, e)| e),
             ),
-            Outbound::User { edus: more, .. } => edus.extend(more),
+            Outbound::User {
+                user_id,
+                edus: mut more,
+            } => {
+                if more.iter().any(is_device_list_update)
+                    && let Some(prev) = self.device_list_prev(&user_id, rec.position()).await
+                {
+                    for edu in more.iter_mut().filter(|e| is_device_list_update(e)) {
+                        edu["content"]["prev_id"] = serde_json::json!([prev]);
+                    }
+                }
+                edus.extend(more)
+            }
         }
+    }
+
+    /// The `prev_id` of the device list update made at `position`: the user's previous
+    /// change, once the device keys projection has applied everything before it
+    /// (bounded wait; `None` then, and for a user's first change: the receiver
+    /// fetches the whole list, which is always correct).
+    async fn device_list_prev(&self, user_id: &str, position: u64) -> Option<u64> {
+        let runtime = &self.st.projections.runtime;
+        if !runtime
+            .wait_for_projection("device_keys", position, Duration::from_secs(5))
+            .await
+        {
+            return None;
+        }
+        Some(
+            self.st
+                .projections
+                .device_keys
+                .device_list_stream_id_before(user_id, position),
+        )
+        .filter(|p| *p > 0)
     }
 
     async fn run_worker(

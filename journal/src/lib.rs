@@ -44,8 +44,8 @@ pub use command::{
     CommandBody, CommandEnvelope, EventSpec, KeyClaimRequest, MembershipPrecondition, SignedCommand,
 };
 pub use record::{
-    Fact, GENESIS_HASH, KeyClaim, RECORD_FORMAT, Record, RecordKind, SignatureAdded, StoredRecord,
-    record_hash,
+    Fact, GENESIS_HASH, KeyClaim, RECORD_FORMAT, Record, RecordKind, RemoteDevice,
+    RemoteDeviceUpdate, RemoteSigningKeys, SignatureAdded, StoredRecord, record_hash,
 };
 pub use store::{EncodedRecord, FjallStore, JournalStore};
 

@@ -329,7 +329,34 @@ pub enum Fact {
     /// server-server API "Device Management"): everyone here who shares a room with
     /// the user hears of it in `device_lists.changed` and asks for the keys again.
     /// `stream_id` is the origin's, as sent (0 for a cross-signing update).
-    RemoteDeviceListChanged { user_id: String, stream_id: u64 },
+    ///
+    /// `device` carries an `m.device_list_update`'s change and `signing_keys` an
+    /// `m.signing_key_update`'s keys; the device keys projection applies them to its
+    /// copy of the user's device list when they chain (`prev_id`), and marks the copy
+    /// stale when they do not (records written before the copy existed carry
+    /// neither: stale too).
+    RemoteDeviceListChanged {
+        user_id: String,
+        stream_id: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        device: Option<RemoteDeviceUpdate>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        signing_keys: Option<RemoteSigningKeys>,
+    },
+    /// The whole device list of another server's user, as its server answered
+    /// `GET /_matrix/federation/v1/user/devices/{userId}` (spec: server-server API
+    /// "Device Management"): fetched when an update did not chain onto our copy, or
+    /// when a key query met a user we share a room with but hold no copy of. Replaces
+    /// the copy; `stream_id` is the origin's, as of the answer.
+    RemoteDeviceListResynced {
+        user_id: String,
+        stream_id: u64,
+        devices: Vec<RemoteDevice>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        master_key: Option<serde_json::Value>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        self_signing_key: Option<serde_json::Value>,
+    },
     /// Our user joined a room another server hosts and the resident answered
     /// `send_join` without the room's member events (MSC3706/MSC3902, spec:
     /// server-server API `send_join` `omit_members`): from this record on the room's
@@ -735,6 +762,51 @@ pub struct SignatureAdded {
     pub signer_key_id: String,
     /// Unpadded base64 signature.
     pub signature: String,
+}
+
+/// One device's change in an `m.device_list_update` EDU (see
+/// [`Fact::RemoteDeviceListChanged`]).
+#[derive(serde::Serialize, serde::Deserialize, Debug, Clone, PartialEq)]
+pub struct RemoteDeviceUpdate {
+    /// The device.
+    pub device_id: String,
+    /// The origin's `stream_id`s of the updates this one follows (empty: unknown,
+    /// which never chains).
+    #[serde(default)]
+    pub prev_id: Vec<u64>,
+    /// The device was deleted.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub deleted: bool,
+    /// The device's signed `DeviceKeys`, when sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys: Option<serde_json::Value>,
+    /// `device_display_name`, when sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display_name: Option<String>,
+}
+
+/// The keys of an `m.signing_key_update` EDU (see [`Fact::RemoteDeviceListChanged`]).
+#[derive(serde::Serialize, serde::Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct RemoteSigningKeys {
+    /// The user's new master key, when sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub master_key: Option<serde_json::Value>,
+    /// The user's new self-signing key, when sent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub self_signing_key: Option<serde_json::Value>,
+}
+
+/// One device of a remote user's list (see [`Fact::RemoteDeviceListResynced`]).
+#[derive(serde::Serialize, serde::Deserialize, Debug, Clone, PartialEq)]
+pub struct RemoteDevice {
+    /// The device.
+    pub device_id: String,
+    /// Its signed `DeviceKeys`, if it has uploaded any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keys: Option<serde_json::Value>,
+    /// `device_display_name`, when the origin shows it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display_name: Option<String>,
 }
 
 /// One key handed out by a claim (see [`Fact::OneTimeKeysClaimed`]).

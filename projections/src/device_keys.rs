@@ -6,8 +6,7 @@
 //! A user's device list *changes* when a device is added, renamed or deleted, when a
 //! device's keys are uploaded or changed, and when the user's cross-signing keys or a
 //! signature by the user on their own keys arrives; for a user of another server, when
-//! its server says so ([`Fact::RemoteDeviceListChanged`]: the keys themselves are not
-//! kept here, a query asks that server). Everyone who shares a room with
+//! its server says so ([`Fact::RemoteDeviceListChanged`]). Everyone who shares a room with
 //! the user must hear of it, so a change is logged once per room the user is joined to (this
 //! projection keeps joined memberships itself, from member events): a syncing user
 //! then scans only the logs of their own rooms from their token, never other users'
@@ -30,12 +29,28 @@
 //! - `signatures`: user, 0x00, key id, 0x00, signer, 0x00, signer key id -> signature
 //!   (signatures uploaded on a device key or master key, merged in at query time so a
 //!   re-uploaded key keeps them)
+//! - `remote_lists`: user -> [`RemoteListMeta`] JSON (our copy of another server's
+//!   user's device list: the origin's `stream_id` it is current as of, and whether an
+//!   update failed to chain onto it)
+//! - `remote_devices`: user, 0x00, device -> [`RemoteDevice`] JSON
+//! - `remote_cross_signing`: user, 0x00, `master` | `self_signing` -> key JSON
+//!
+//! **Remote device lists** (spec: server-server API "Device Management"). A copy
+//! starts with a [`Fact::RemoteDeviceListResynced`] (the origin's `/user/devices`
+//! answer). An `m.device_list_update` then applies to it when it chains: its
+//! `prev_id`s are all at or below the copy's `stream_id` (the copy holds everything
+//! up to there); one at or below the copy's `stream_id` itself is already held; any
+//! other (a `prev_id` we never saw, or none) marks the copy stale, and a stale copy
+//! is not served until the next resync ([`remote_chain`] decides, for the ingest and
+//! for this projection alike). An `m.signing_key_update` replaces the cross-signing
+//! keys of a fresh copy. When the user leaves a room here the copy goes stale too
+//! (they may share no room any more; the next key query resyncs if they still do).
 
 use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use spindle_journal::{Fact, StoredRecord};
+use spindle_journal::{Fact, RemoteDevice, RemoteDeviceUpdate, RemoteSigningKeys, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -107,8 +122,66 @@ pub struct CrossSigningKeys {
     pub user_signing: Option<Value>,
 }
 
+/// What this server holds of another server's user's device list (a `remote_lists`
+/// row; see the module docs).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct RemoteListMeta {
+    /// The origin's `stream_id` the copy is current as of.
+    pub stream_id: u64,
+    /// An update did not chain onto the copy (or there is no copy yet): key queries
+    /// ask the origin until a resync replaces it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stale: bool,
+    /// The highest `stream_id` of any update heard of for the user: a resync answered
+    /// below it predates an update we had and leaves the copy stale.
+    #[serde(default)]
+    pub seen: u64,
+}
+
+/// How an `m.device_list_update` (origin `stream_id`, `prev_id`s) relates to our copy
+/// of the user's device list (`None`: no copy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteChain {
+    /// It follows what the copy holds: apply it.
+    Applies,
+    /// The copy already includes it (`stream_id` at or below the copy's).
+    Held,
+    /// It does not chain (no copy, a stale copy, a `prev_id` above the copy's
+    /// `stream_id`, or no `prev_id` at all): the list must be fetched again.
+    Gap,
+}
+
+/// See [`RemoteChain`]; one rule for the federation ingest (which resyncs on a gap)
+/// and for the projection (which marks the copy stale).
+pub fn remote_chain(meta: Option<&RemoteListMeta>, stream_id: u64, prev_id: &[u64]) -> RemoteChain {
+    match meta {
+        Some(m) if !m.stale && stream_id <= m.stream_id => RemoteChain::Held,
+        Some(m) if !m.stale && !prev_id.is_empty() && prev_id.iter().all(|p| *p <= m.stream_id) => {
+            RemoteChain::Applies
+        }
+        _ => RemoteChain::Gap,
+    }
+}
+
+/// A fresh copy of another server's user's device list (see
+/// [`DeviceKeys::remote_device_list`]).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RemoteDeviceList {
+    /// The origin's `stream_id` the copy is current as of.
+    pub stream_id: u64,
+    /// The devices, by device id.
+    pub devices: Vec<RemoteDevice>,
+    /// The user's master key, if the origin sent one.
+    pub master_key: Option<Value>,
+    /// The user's self-signing key, if the origin sent one.
+    pub self_signing_key: Option<Value>,
+}
+
 /// The device keys projection.
 pub struct DeviceKeys {
+    remote_lists: Table,
+    remote_devices: Table,
+    remote_cross_signing: Table,
     cross_signing: Table,
     signatures: Table,
     keys: Table,
@@ -137,6 +210,9 @@ impl DeviceKeys {
     pub fn open(db: &ProjectionDb) -> Result<DeviceKeys, String> {
         let t = |n: &str| db.table("device_keys", n);
         Ok(DeviceKeys {
+            remote_lists: t("remote_lists")?,
+            remote_devices: t("remote_devices")?,
+            remote_cross_signing: t("remote_cross_signing")?,
             cross_signing: t("cross_signing")?,
             signatures: t("signatures")?,
             keys: t("keys")?,
@@ -230,6 +306,182 @@ impl DeviceKeys {
         key
     }
 
+    /// Our copy's state for another server's user (one point read); `None`: no copy.
+    pub fn remote_list_meta(&self, user_id: &str) -> Option<RemoteListMeta> {
+        serde_json::from_slice(&self.remote_lists.get(user_id.as_bytes())?).ok()
+    }
+
+    /// Our copy of another server's user's device list, when it is fresh (a stale
+    /// copy or none: `None`, and a key query must ask the origin). Reads: one point
+    /// read, one scan of the user's devices, one of their two cross-signing keys.
+    pub fn remote_device_list(&self, user_id: &str) -> Option<RemoteDeviceList> {
+        let meta = self.remote_list_meta(user_id).filter(|m| !m.stale)?;
+        let prefix = key::prefix(&[user_id]);
+        let devices = self
+            .remote_devices
+            .scan_prefix(&prefix, usize::MAX)
+            .into_iter()
+            .filter_map(|(_, v)| serde_json::from_slice(&v).ok())
+            .collect();
+        let mut out = RemoteDeviceList {
+            stream_id: meta.stream_id,
+            devices,
+            ..Default::default()
+        };
+        for (k, v) in self.remote_cross_signing.scan_prefix(&prefix, 2) {
+            let v = serde_json::from_slice(&v).ok();
+            match suffix(&k, &prefix).as_str() {
+                "master" => out.master_key = v,
+                "self_signing" => out.self_signing_key = v,
+                _ => {}
+            }
+        }
+        Some(out)
+    }
+
+    fn put_remote_meta(&self, ctx: &mut ApplyCtx, user_id: &str, meta: &RemoteListMeta) {
+        ctx.put(
+            &self.remote_lists,
+            user_id.as_bytes().to_vec(),
+            serde_json::to_vec(meta).expect("rows serialize"),
+        );
+    }
+
+    fn remote_meta_in(&self, ctx: &ApplyCtx, user_id: &str) -> Option<RemoteListMeta> {
+        serde_json::from_slice(&ctx.get(&self.remote_lists, user_id.as_bytes())?).ok()
+    }
+
+    /// Marks our copy of the user's list stale, if we hold one.
+    fn remote_stale(&self, ctx: &mut ApplyCtx, user_id: &str) {
+        if let Some(mut meta) = self.remote_meta_in(ctx, user_id)
+            && !meta.stale
+        {
+            meta.stale = true;
+            self.put_remote_meta(ctx, user_id, &meta);
+        }
+    }
+
+    /// An update that did not chain: the copy (made if there is none) is stale and
+    /// remembers the update's `stream_id`.
+    fn remote_gap(&self, ctx: &mut ApplyCtx, user_id: &str, stream_id: u64) {
+        let mut meta = self.remote_meta_in(ctx, user_id).unwrap_or(RemoteListMeta {
+            stream_id: 0,
+            stale: true,
+            seen: 0,
+        });
+        meta.stale = true;
+        meta.seen = meta.seen.max(stream_id);
+        self.put_remote_meta(ctx, user_id, &meta);
+    }
+
+    fn put_remote_signing(
+        &self,
+        ctx: &mut ApplyCtx,
+        user_id: &str,
+        master: Option<&Value>,
+        self_signing: Option<&Value>,
+    ) {
+        for (kind, v) in [("master", master), ("self_signing", self_signing)] {
+            if let Some(v) = v {
+                ctx.put(
+                    &self.remote_cross_signing,
+                    key::join(&[user_id, kind]),
+                    serde_json::to_vec(v).expect("rows serialize"),
+                );
+            }
+        }
+    }
+
+    fn apply_remote_change(
+        &self,
+        ctx: &mut ApplyCtx,
+        user_id: &str,
+        stream_id: u64,
+        device: Option<&RemoteDeviceUpdate>,
+        signing: Option<&RemoteSigningKeys>,
+    ) {
+        let meta = self.remote_meta_in(ctx, user_id);
+        match (device, signing) {
+            (Some(d), _) => match remote_chain(meta.as_ref(), stream_id, &d.prev_id) {
+                RemoteChain::Applies => {
+                    let k = key::join(&[user_id, &d.device_id]);
+                    if d.deleted {
+                        ctx.delete(&self.remote_devices, k);
+                    } else {
+                        let row = RemoteDevice {
+                            device_id: d.device_id.clone(),
+                            keys: d.keys.clone(),
+                            display_name: d.display_name.clone(),
+                        };
+                        ctx.put(
+                            &self.remote_devices,
+                            k,
+                            serde_json::to_vec(&row).expect("rows serialize"),
+                        );
+                    }
+                    let seen = meta.map_or(0, |m| m.seen).max(stream_id);
+                    self.put_remote_meta(
+                        ctx,
+                        user_id,
+                        &RemoteListMeta {
+                            stream_id,
+                            stale: false,
+                            seen,
+                        },
+                    );
+                }
+                RemoteChain::Held => {}
+                RemoteChain::Gap => self.remote_gap(ctx, user_id, stream_id),
+            },
+            (None, Some(keys)) => {
+                if meta.is_some_and(|m| !m.stale) {
+                    self.put_remote_signing(
+                        ctx,
+                        user_id,
+                        keys.master_key.as_ref(),
+                        keys.self_signing_key.as_ref(),
+                    );
+                }
+            }
+            (None, None) => self.remote_stale(ctx, user_id),
+        }
+    }
+
+    fn apply_remote_resync(
+        &self,
+        ctx: &mut ApplyCtx,
+        user_id: &str,
+        stream_id: u64,
+        devices: &[RemoteDevice],
+        master: Option<&Value>,
+        self_signing: Option<&Value>,
+    ) {
+        let prefix = key::prefix(&[user_id]);
+        for t in [&self.remote_devices, &self.remote_cross_signing] {
+            for (k, _) in ctx.scan_prefix(t, &prefix) {
+                ctx.delete(t, k);
+            }
+        }
+        for d in devices {
+            ctx.put(
+                &self.remote_devices,
+                key::join(&[user_id, &d.device_id]),
+                serde_json::to_vec(d).expect("rows serialize"),
+            );
+        }
+        self.put_remote_signing(ctx, user_id, master, self_signing);
+        let seen = self.remote_meta_in(ctx, user_id).map_or(0, |m| m.seen);
+        self.put_remote_meta(
+            ctx,
+            user_id,
+            &RemoteListMeta {
+                stream_id,
+                stale: stream_id < seen,
+                seen: seen.max(stream_id),
+            },
+        );
+    }
+
     /// One device's signed device keys (one point read).
     pub fn device_key(&self, user_id: &str, device_id: &str) -> Option<Value> {
         serde_json::from_slice(&self.keys.get(&key::join(&[user_id, device_id]))?).ok()
@@ -305,6 +557,31 @@ impl DeviceKeys {
                 }
             }
         })
+    }
+
+    /// The position of the user's latest device list change before `before` (0: none):
+    /// the `prev_id` of the `m.device_list_update` sent for the change at `before`.
+    /// Exact only once this projection has applied everything before `before` (the
+    /// caller waits for that). Reads the user's own log backwards from `before`, a
+    /// page at a time, down to the latest such entry.
+    pub fn device_list_stream_id_before(&self, user_id: &str, before: u64) -> u64 {
+        const PAGE: usize = 64;
+        let start = key::prefix(&[user_id]);
+        let mut end = key::with_pos(&[user_id], before);
+        loop {
+            let page = self.user_log.scan_range(&start, &end, true, PAGE);
+            for (k, v) in &page {
+                if serde_json::from_slice::<UserLogEntry>(v)
+                    .is_ok_and(|e| e.kind == RoomLogKind::Keys)
+                {
+                    return key::trailing_pos(k);
+                }
+            }
+            match page.last() {
+                Some((k, _)) if page.len() == PAGE => end = k.clone(),
+                _ => return 0,
+            }
+        }
     }
 
     /// Whether anything in `joined_rooms` or the user's own log changed after `after`
@@ -534,6 +811,8 @@ impl DeviceKeys {
             (true, false) => {
                 ctx.delete(&self.joined, k);
                 ctx.delete(&self.room_members, key::join(&[&room, &user]));
+                // They may share no room with us any more (see the module docs).
+                self.remote_stale(ctx, &user);
                 self.log_room(
                     ctx,
                     &room,
@@ -564,6 +843,9 @@ impl Projection for DeviceKeys {
 
     fn tables(&self) -> Vec<Table> {
         vec![
+            self.remote_lists.clone(),
+            self.remote_devices.clone(),
+            self.remote_cross_signing.clone(),
             self.cross_signing.clone(),
             self.signatures.clone(),
             self.keys.clone(),
@@ -669,10 +951,41 @@ impl Projection for DeviceKeys {
             // A new device, and a new display name (part of what /keys/query shows),
             // change the device list whether or not the device has keys yet (as
             // Synapse: clients re-query and see the device appear).
-            Fact::DeviceCreated { user_id, .. }
-            | Fact::DeviceRenamed { user_id, .. }
-            | Fact::RemoteDeviceListChanged { user_id, .. } => {
+            Fact::DeviceCreated { user_id, .. } | Fact::DeviceRenamed { user_id, .. } => {
                 self.log_keys_change(ctx, &user_id, position);
+            }
+            Fact::RemoteDeviceListChanged {
+                user_id,
+                stream_id,
+                device,
+                signing_keys,
+            } => {
+                self.apply_remote_change(
+                    ctx,
+                    &user_id,
+                    stream_id,
+                    device.as_ref(),
+                    signing_keys.as_ref(),
+                );
+                self.log_keys_change(ctx, &user_id, position);
+            }
+            Fact::RemoteDeviceListResynced {
+                user_id,
+                stream_id,
+                devices,
+                master_key,
+                self_signing_key,
+            } => {
+                // Not logged as a change: the update that made us fetch it was (a
+                // client that asked meanwhile got the origin's own answer).
+                self.apply_remote_resync(
+                    ctx,
+                    &user_id,
+                    stream_id,
+                    &devices,
+                    master_key.as_ref(),
+                    self_signing_key.as_ref(),
+                );
             }
             Fact::CrossSigningKeysUploaded {
                 user_id,
