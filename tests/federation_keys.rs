@@ -751,6 +751,7 @@ async fn a_remote_users_keys_are_answered_from_the_copy_even_with_their_server_d
     let alice = a.register("alice", "ALICEPHONE").await;
     let bob = b.register("bob", "BOBLAPTOP").await;
     let (alice_keys, _) = upload_keys(&alice, &[]).await;
+    let (alice_master, ..) = cross_sign(&alice, &alice_keys).await;
     let room = alice
         .post(
             &format!("{V3}/createRoom"),
@@ -808,6 +809,39 @@ async fn a_remote_users_keys_are_answered_from_the_copy_even_with_their_server_d
         copy.devices[0].keys.as_ref().unwrap()["keys"],
         alice_keys["keys"]
     );
+    assert_eq!(copy.master_key.as_ref(), Some(&alice_master));
+    // Bob verifies alice: his user-signing key signs her master key from the copy; the
+    // signature is kept on B and shown in his key queries.
+    let (bm, bs, bu) = (TestKey::new(None), TestKey::new(None), TestKey::new(None));
+    bob.post(
+        &format!("{V3}/keys/device_signing/upload"),
+        &json!({
+            "master_key": cs_key(&bob.user_id, "master", &bm, &[]),
+            "self_signing_key": cs_key(&bob.user_id, "self_signing", &bs, &[&bm]),
+            "user_signing_key": cs_key(&bob.user_id, "user_signing", &bu, &[&bm]),
+        }),
+    )
+    .await
+    .ok();
+    let alice_master_public = alice_master["keys"]
+        .as_object()
+        .unwrap()
+        .values()
+        .next()
+        .unwrap()
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let signed = bu.sign(&bob.user_id, alice_master.clone());
+    let up = bob
+        .post(
+            &format!("{V3}/keys/signatures/upload"),
+            &json!({ alice.user_id.clone(): { alice_master_public: signed } }),
+        )
+        .await
+        .ok();
+    assert_eq!(up, json!({ "failures": {} }));
+    assert_eq!(query().await["master_keys"][&alice.user_id], signed);
     // Alice adds a device: A's updates (the new device, then its keys) reach B, each
     // naming the previous change as `prev_id`, so B applies them to its copy without
     // fetching the list again: the one fetch is still the first.
@@ -847,6 +881,7 @@ async fn a_remote_users_keys_are_answered_from_the_copy_even_with_their_server_d
         .await
         .ok();
     assert_eq!(q["failures"], json!({}));
+    assert_eq!(q["master_keys"][&alice_id], signed);
     let mut ids: Vec<&String> = q["device_keys"][&alice_id]
         .as_object()
         .unwrap()

@@ -214,7 +214,14 @@ fn signing_rule(
 ) -> Result<(Value, Vec<(String, String)>), MatrixError> {
     let keys = &s.projections.device_keys;
     let own = target_user == r.user_id;
-    let target_cs = keys.cross_signing_keys(target_user);
+    let mut target_cs = keys.cross_signing_keys(target_user);
+    // A remote user's master key: the one in our copy of their device list (the
+    // signature is kept here and shown in our key queries, as Synapse does).
+    if target_cs.master.is_none() && !s.is_local_user(target_user) {
+        target_cs.master = keys
+            .remote_device_list(target_user)
+            .and_then(|l| l.master_key);
+    }
     let is_master = target_cs
         .master
         .as_ref()

@@ -390,7 +390,15 @@ async fn query(
                 }
                 device_keys.insert(user_id.clone(), Value::Object(theirs));
                 if let Some(master) = list.master_key {
-                    master_keys.insert(user_id.clone(), master);
+                    // With the asker's own signature on it, if they uploaded one here
+                    // (their user-signing key verifying this remote user).
+                    let public = spindle_core::e2ee::cross_signing_public_key(&master)
+                        .map(|(_, p)| p)
+                        .unwrap_or_default();
+                    master_keys.insert(
+                        user_id.clone(),
+                        with_signatures(&s, user_id, &public, &r.user_id, master),
+                    );
                 }
                 if let Some(ssk) = list.self_signing_key {
                     self_signing_keys.insert(user_id.clone(), ssk);
@@ -443,7 +451,14 @@ async fn query(
     .await;
     for (_, answer) in answers {
         device_keys.extend(answer.device_keys);
-        master_keys.extend(answer.master_keys);
+        // With the asker's own signatures on them (kept here, as Synapse does).
+        master_keys.extend(answer.master_keys.into_iter().map(|(user, master)| {
+            let public = spindle_core::e2ee::cross_signing_public_key(&master)
+                .map(|(_, p)| p)
+                .unwrap_or_default();
+            let merged = with_signatures(&s, &user, &public, &r.user_id, master);
+            (user, merged)
+        }));
         self_signing_keys.extend(answer.self_signing_keys);
     }
     Ok(Json(json!({
