@@ -885,12 +885,12 @@ def test_device_keys_are_queried_and_claimed_across_servers_both_ways(world):
 # -- end-to-end encryption across the two servers (issue 13) ------------------------
 
 
-async def _nio_settle(c, what: str):
-    """One sync, then what nio's sync_forever does after each: upload, query and claim
-    keys, and send the queued to-device messages."""
+async def _nio_settle(c, what: str, timeout_ms: int = 0, full_state: bool = True):
+    """One sync (a long-poll of `timeout_ms`), then what nio's sync_forever does after
+    each: upload, query and claim keys, and send the queued to-device messages."""
     from nio import KeysQueryResponse, KeysUploadResponse, SyncResponse
 
-    resp = await asyncio.wait_for(c.sync(timeout=0, full_state=True), 30)
+    resp = await asyncio.wait_for(c.sync(timeout=timeout_ms, full_state=full_state), 30 + timeout_ms / 1000)
     assert isinstance(resp, SyncResponse), f"{what}: {resp}"
     if c.should_upload_keys:
         up = await c.keys_upload()
@@ -904,13 +904,15 @@ async def _nio_settle(c, what: str):
     return resp
 
 
-async def _nio_decrypts(c, room: str, event_id: str, what: str, rounds: int = 60):
-    """Syncs `c` until it holds `event_id` decrypted; returns its body."""
+async def _nio_decrypts(c, room: str, event_id: str, what: str, rounds: int = 60,
+                        timeout_ms: int = 0, pause: float = 0.25):
+    """Syncs `c` (long-polls of `timeout_ms`, `pause` s apart) until it holds `event_id`
+    decrypted; returns its body."""
     from nio import MegolmEvent, RoomMessageText
 
     seen = None
     for _ in range(rounds):
-        resp = await _nio_settle(c, what)
+        resp = await _nio_settle(c, what, timeout_ms=timeout_ms, full_state=timeout_ms == 0)
         joined = resp.rooms.join.get(room)
         for e in joined.timeline.events if joined else []:
             if e.event_id == event_id:
@@ -922,7 +924,7 @@ async def _nio_decrypts(c, room: str, event_id: str, what: str, rounds: int = 60
                 pass
         if isinstance(seen, RoomMessageText):
             return seen.body
-        await asyncio.sleep(0.25)
+        await asyncio.sleep(pause)
     raise AssertionError(f"{what}: not decrypted (last seen: {seen!r})")
 
 
