@@ -894,3 +894,117 @@ async fn a_remote_users_keys_are_answered_from_the_copy_even_with_their_server_d
         tablet_keys["keys"]
     );
 }
+
+/// Bob on B and alice on A share a room; B holds a fresh copy of alice's list. Returns
+/// (a, b, alice, bob, alice's device keys).
+async fn two_nodes_with_a_copy() -> (Node, Node, Client, Client, Value) {
+    let (a, b) = (Node::start().await, Node::start().await);
+    let alice = a.register("alice", "ALICEPHONE").await;
+    let bob = b.register("bob", "BOBLAPTOP").await;
+    let (alice_keys, _) = upload_keys(&alice, &[]).await;
+    let room = alice
+        .post(
+            &format!("{V3}/createRoom"),
+            &json!({ "preset": "public_chat" }),
+        )
+        .await
+        .ok()["room_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    bob.post(
+        &format!("{V3}/join/{}?server_name={}", enc(&room), enc(&a.name)),
+        &json!({}),
+    )
+    .await
+    .ok();
+    bob.post(
+        &format!("{V3}/keys/query"),
+        &json!({ "device_keys": { alice.user_id.clone(): [] } }),
+    )
+    .await
+    .ok();
+    for _ in 0..100 {
+        if b.srv
+            .server
+            .projections
+            .device_keys
+            .remote_device_list(&alice.user_id)
+            .is_some()
+        {
+            return (a, b, alice, bob, alice_keys);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("no copy");
+}
+
+/// Polls bob's key query for alice until `ok` holds (10 s), returning the last answer.
+async fn query_until(bob: &Client, alice: &str, ok: impl Fn(&Value) -> bool) -> Value {
+    let mut last = Value::Null;
+    for _ in 0..100 {
+        last = bob
+            .post(
+                &format!("{V3}/keys/query"),
+                &json!({ "device_keys": { alice: [] } }),
+            )
+            .await
+            .ok();
+        if ok(&last) {
+            return last;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    last
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rename_keeps_the_devices_keys_in_the_remote_copy() {
+    let (_a, b, alice, bob, alice_keys) = two_nodes_with_a_copy().await;
+    rename_device(&alice, "Alice's phone").await;
+    let q = query_until(&bob, &alice.user_id, |q| {
+        q["device_keys"][&alice.user_id]["ALICEPHONE"]["unsigned"]["device_display_name"]
+            == "Alice's phone"
+    })
+    .await;
+    assert_eq!(
+        q["device_keys"][&alice.user_id]["ALICEPHONE"],
+        with_display_name(alice_keys, "Alice's phone"),
+        "B's copy after alice renamed her device: {:?}",
+        b.srv
+            .server
+            .projections
+            .device_keys
+            .remote_device_list(&alice.user_id)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_self_signature_reaches_the_remote_copy() {
+    let (_a, _b, alice, bob, alice_keys) = two_nodes_with_a_copy().await;
+    let (_, _, _, signed) = cross_sign(&alice, &alice_keys).await;
+    let q = query_until(&bob, &alice.user_id, |q| {
+        q["device_keys"][&alice.user_id]["ALICEPHONE"] == signed
+    })
+    .await;
+    assert_eq!(q["device_keys"][&alice.user_id]["ALICEPHONE"], signed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_device_renamed_after_its_key_upload_keeps_its_keys_in_the_remote_copy() {
+    let (a, _b, alice, bob, _) = two_nodes_with_a_copy().await;
+    // Alice's tablet: created, keys uploaded, then renamed; each update chains onto
+    // the last, so B applies them to its copy without fetching the list.
+    let tablet = a.login("alice", "ALICETABLET").await;
+    let (tablet_keys, _) = upload_keys(&tablet, &[]).await;
+    rename_device(&tablet, "Tablet").await;
+    let q = query_until(&bob, &alice.user_id, |q| {
+        q["device_keys"][&alice.user_id]["ALICETABLET"]["unsigned"]["device_display_name"]
+            == "Tablet"
+    })
+    .await;
+    assert_eq!(
+        q["device_keys"][&alice.user_id]["ALICETABLET"],
+        with_display_name(tablet_keys, "Tablet")
+    );
+}

@@ -341,6 +341,7 @@ impl FederationSender {
                 {
                     for edu in more.iter_mut().filter(|e| is_device_list_update(e)) {
                         edu["content"]["prev_id"] = serde_json::json!([prev]);
+                        self.fill_device_state(&user_id, &mut edu["content"]);
                     }
                 }
                 edus.extend(more)
@@ -354,11 +355,14 @@ impl FederationSender {
     /// fetches the whole list, which is always correct).
     async fn device_list_prev(&self, user_id: &str, position: u64) -> Option<u64> {
         let runtime = &self.st.projections.runtime;
-        if !runtime
-            .wait_for_projection("device_keys", position, Duration::from_secs(5))
-            .await
-        {
-            return None;
+        // The accounts projection too: [`Self::fill_device_state`] reads device names.
+        for projection in ["device_keys", "accounts"] {
+            if !runtime
+                .wait_for_projection(projection, position, Duration::from_secs(5))
+                .await
+            {
+                return None;
+            }
         }
         Some(
             self.st
@@ -367,6 +371,52 @@ impl FederationSender {
                 .device_list_stream_id_before(user_id, position),
         )
         .filter(|p| *p > 0)
+    }
+
+    /// Puts the device's current `keys` (with the owner's signatures merged in) and
+    /// `device_display_name` into an `m.device_list_update` that names a `prev_id`:
+    /// the receiver then applies it to its copy as the device's whole state (spec:
+    /// an absent `keys` means the device has none, an absent name that it has
+    /// none), so an update made by a rename or a signature upload, which carries
+    /// neither, must not strip them. A deletion is left as it is. Two point reads.
+    fn fill_device_state(&self, user_id: &str, content: &mut Value) {
+        if content.get("deleted").and_then(Value::as_bool) == Some(true) {
+            return;
+        }
+        let Some(device_id) = content
+            .get("device_id")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+        else {
+            return;
+        };
+        let Some(c) = content.as_object_mut() else {
+            return;
+        };
+        let projections = &self.st.projections;
+        match projections.device_keys.device_key(user_id, &device_id) {
+            Some(keys) => {
+                let keys = projections
+                    .device_keys
+                    .with_signatures(user_id, &device_id, None, keys);
+                c.insert("keys".into(), keys);
+            }
+            None => {
+                c.remove("keys");
+            }
+        }
+        match projections
+            .accounts
+            .device(user_id, &device_id)
+            .and_then(|d| d.display_name)
+        {
+            Some(name) => {
+                c.insert("device_display_name".into(), Value::String(name));
+            }
+            None => {
+                c.remove("device_display_name");
+            }
+        }
     }
 
     async fn run_worker(
