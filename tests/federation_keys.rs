@@ -1049,3 +1049,76 @@ async fn after_we_leave_the_last_shared_room_the_copy_is_not_served() {
             .remote_device_list(&alice.user_id)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_device_list_updates_neither_fail_nor_poison_the_copy() {
+    // Here B (bob's server) sends A malformed and hostile EDUs about bob (and about
+    // users not his server's); A holds a copy of bob's list.
+    let (b, a, bob, alice, bob_keys) = two_nodes_with_a_copy().await;
+    let before = a
+        .srv
+        .server
+        .projections
+        .device_keys
+        .remote_device_list(&bob.user_id)
+        .unwrap();
+    let s = before.stream_id;
+    let upd = |c: Value| json!({ "edu_type": "m.device_list_update", "content": c });
+    let u = bob.user_id.clone();
+    let edus = vec![
+        upd(json!({ "user_id": u, "device_id": "X", "stream_id": s + 1, "prev_id": "nope" })),
+        upd(json!({ "user_id": u, "device_id": 5, "stream_id": "7", "prev_id": [s] })),
+        upd(
+            json!({ "user_id": u, "device_id": "Y", "stream_id": -3, "prev_id": [9007199254740991_u64, -1, "x"] }),
+        ),
+        upd(
+            json!({ "user_id": u, "device_id": "Z", "stream_id": s + 2, "prev_id": [s],
+            "keys": { "user_id": alice.user_id, "device_id": "Z" } }),
+        ),
+        upd(
+            json!({ "user_id": u, "device_id": "NOPE", "stream_id": s + 3, "prev_id": [s + 2], "deleted": true }),
+        ),
+        upd(
+            json!({ "user_id": alice.user_id, "device_id": "EVIL", "stream_id": 1, "prev_id": [] }),
+        ),
+        upd(json!({ "user_id": "@nobody:elsewhere.test", "device_id": "EVIL", "stream_id": 1 })),
+        upd(json!("not an object")),
+        json!({ "edu_type": "m.signing_key_update", "content": { "user_id": u, "master_key": "str" } }),
+        json!({ "edu_type": "m.signing_key_update", "content": { "user_id": u,
+            "master_key": { "user_id": alice.user_id, "usage": ["master"], "keys": {} } } }),
+    ];
+    let (status, v) = b
+        .ask(
+            &a,
+            reqwest::Method::PUT,
+            "/_matrix/federation/v1/send/hostile1",
+            Some(&json!({ "origin": b.name, "origin_server_ts": 1, "pdus": [], "edus": edus })),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let q = alice
+        .post(
+            &format!("{V3}/keys/query"),
+            &json!({ "device_keys": { bob.user_id.clone(): [], alice.user_id.clone(): [] } }),
+        )
+        .await
+        .ok();
+    // The first update did not chain: the copy is stale, and stays so (the origin's
+    // list is older than updates it claimed), so the query asked the origin, which
+    // answered the real keys; nothing was kept for our own user (who has none).
+    assert_eq!(
+        a.srv
+            .server
+            .projections
+            .device_keys
+            .remote_device_list(&bob.user_id),
+        None
+    );
+    assert_eq!(
+        q["device_keys"],
+        json!({ bob.user_id.clone(): { "ALICEPHONE": bob_keys }, alice.user_id.clone(): {} }),
+    );
+    assert_eq!(q["failures"], json!({}));
+    assert_eq!(q["master_keys"], json!({}));
+}
