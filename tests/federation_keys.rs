@@ -454,7 +454,8 @@ async fn user_devices_lists_keys_and_a_stream_id_that_grows_with_each_device_cha
     let (_, v) = b.ask(&a, reqwest::Method::GET, &path, None).await;
     assert_eq!(v["stream_id"].as_u64(), Some(third));
     let cold =
-        spindle_projections::device_keys::DeviceKeys::open(&a.srv.server.projections.db).unwrap();
+        spindle_projections::device_keys::DeviceKeys::open(&a.srv.server.projections.db, &a.name)
+            .unwrap();
     assert_eq!(cold.device_list_stream_id(&alice.user_id), third);
     assert_eq!(cold.device_list_stream_id(&a.uid("nobody")), 0);
 
@@ -721,7 +722,8 @@ async fn a_remote_device_list_copy_follows_prev_id_chains_and_goes_stale_on_a_ga
         spindle_projections::device_keys::RemoteListMeta {
             stream_id: 15,
             stale: true,
-            seen: 20
+            seen: 20,
+            devices: 1,
         }
     );
     // A resync answered before update 20 (stream 19) leaves the copy stale.
@@ -742,6 +744,19 @@ async fn a_remote_device_list_copy_follows_prev_id_chains_and_goes_stale_on_a_ga
     }))
     .unwrap();
     journal_fact(&a, old).await;
+    assert_eq!(copy_of(&a), None);
+    // The device cap: a fetch keeps the first 1,000; a chained update adding one more
+    // device makes the copy stale (it could not hold it), one changing a held device
+    // applies.
+    let many: Vec<String> = (0..1_001).map(|i| format!("D{i:04}")).collect();
+    let names: Vec<&str> = many.iter().map(String::as_str).collect();
+    journal_fact(&a, resync(30, &names)).await;
+    let (stream, held) = copy_of(&a).unwrap();
+    assert_eq!((stream, held.len()), (30, 1_000));
+    assert_eq!(held.last().map(String::as_str), Some("D0999"));
+    journal_fact(&a, remote_update(31, "D0005", &[30], false)).await;
+    assert_eq!(copy_of(&a).map(|(s, d)| (s, d.len())), Some((31, 1_000)));
+    journal_fact(&a, remote_update(32, "NEW", &[31], false)).await;
     assert_eq!(copy_of(&a), None);
 }
 
@@ -1009,11 +1024,11 @@ async fn a_new_device_renamed_after_its_key_upload_keeps_its_keys_in_the_remote_
     );
 }
 
-/// Review finding (not fixed): once no user of ours shares a room with alice, her
-/// server stops sending us her changes, but the copy stays fresh and is served (also
-/// after bob rejoins or starts a new room with her).
+/// Review finding: once no user of ours shares a room with alice, her server stops
+/// sending us her changes, so the copy must not be served (also after bob rejoins or
+/// starts a new room with her): the room losing its last local member makes the copies
+/// of its remote members stale.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "finding: a copy is served after our last shared room is left"]
 async fn after_we_leave_the_last_shared_room_the_copy_is_not_served() {
     let (a, b, alice, bob, _) = two_nodes_with_a_copy().await;
     let rooms = bob.get(&format!("{V3}/joined_rooms")).await.ok();
@@ -1038,6 +1053,14 @@ async fn after_we_leave_the_last_shared_room_the_copy_is_not_served() {
         .keys()
         .collect();
     ids.sort();
+    assert!(
+        b.srv
+            .server
+            .projections
+            .device_keys
+            .remote_device_list(&alice.user_id)
+            .is_none()
+    );
     assert_eq!(
         ids,
         ["ALICEPHONE", "ALICETABLET"],

@@ -19,9 +19,17 @@ use spindle_projections::device_keys::{RemoteChain, RemoteListMeta, remote_chain
 
 use crate::{FedState, server_of};
 
-/// Most devices taken from one `/user/devices` answer (the rest are dropped and
-/// logged); Synapse caps a user's devices at a few thousand as well.
-pub const MAX_REMOTE_DEVICES: usize = 1_000;
+pub use spindle_projections::device_keys::MAX_REMOTE_DEVICES;
+
+/// How long a key query waits before it asks for a user's list again
+/// ([`refresh_untracked`]): a copy that cannot become fresh (its server answers below
+/// an update it sent) costs at most one fetch per user per this long, not one per
+/// query.
+pub const QUERY_REFETCH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Users [`refresh_untracked`] remembers it fetched recently (the map is emptied when
+/// it grows past this).
+const MAX_RECENT_REFETCHES: usize = 10_000;
 
 /// Whether `keys` is a `DeviceKeys` object naming `user_id` and `device_id` (anything
 /// else from the origin is not kept).
@@ -62,6 +70,7 @@ pub fn gaps(st: &FedState, facts: &[Fact]) -> Vec<String> {
                     stream_id: 0,
                     stale: true,
                     seen: *stream_id,
+                    devices: 0,
                 });
                 if !out.contains(user_id) {
                     out.push(user_id.clone());
@@ -100,7 +109,8 @@ pub fn spawn_resync(st: FedState, user_id: String) {
 }
 
 /// Starts [`spawn_resync`] for each of `users` that has no fresh copy here and shares
-/// a room with us (a key query's remote users; the query itself asks the origin).
+/// a room with us (a key query's remote users; the query itself asks the origin), at
+/// most once per user per [`QUERY_REFETCH_INTERVAL`].
 pub fn refresh_untracked(st: &FedState, users: &[String]) {
     let mut seen = HashSet::new();
     for user in users {
@@ -115,9 +125,24 @@ pub fn refresh_untracked(st: &FedState, users: &[String]) {
         {
             continue;
         }
-        if shares_a_room(st, user) {
-            spawn_resync(st.clone(), user.clone());
+        if !shares_a_room(st, user) {
+            continue;
         }
+        {
+            let now = std::time::Instant::now();
+            let mut recent = st.device_refetched.lock();
+            if recent
+                .get(user.as_str())
+                .is_some_and(|t| now.duration_since(*t) < QUERY_REFETCH_INTERVAL)
+            {
+                continue;
+            }
+            if recent.len() >= MAX_RECENT_REFETCHES {
+                recent.clear();
+            }
+            recent.insert(user.clone(), now);
+        }
+        spawn_resync(st.clone(), user.clone());
     }
 }
 

@@ -279,7 +279,12 @@ fn device_list(st: &FedState, origin: &str, kind: &str, c: &Value) -> Option<Fac
     let (device, signing_keys) = if kind == "m.device_list_update" {
         (device_update(user_id, c), None)
     } else {
-        let key = |name: &str| c.get(name).filter(|v| v.is_object()).cloned();
+        // Only keys that name the user (a fetch drops others the same way).
+        let key = |name: &str| {
+            c.get(name)
+                .filter(|v| v.get("user_id").and_then(|u| u.as_str()) == Some(user_id))
+                .cloned()
+        };
         (
             None,
             Some(spindle_journal::RemoteSigningKeys {

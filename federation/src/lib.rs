@@ -169,6 +169,10 @@ pub struct FedState {
     /// Remote users whose device list is being fetched ([`devices::spawn_resync`]),
     /// with whether another fetch was asked for meanwhile.
     pub device_resyncs: Arc<parking_lot::Mutex<std::collections::HashMap<String, bool>>>,
+    /// When a key query last asked for each remote user's list
+    /// ([`devices::refresh_untracked`]).
+    pub device_refetched:
+        Arc<parking_lot::Mutex<std::collections::HashMap<String, std::time::Instant>>>,
 }
 
 /// See [`FedState::origin_limit`].
@@ -199,6 +203,7 @@ impl FedState {
             origin_limit: None,
             ephemeral: None,
             device_resyncs: Arc::default(),
+            device_refetched: Arc::default(),
         })
     }
 

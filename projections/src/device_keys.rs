@@ -44,7 +44,10 @@
 //! is not served until the next resync ([`remote_chain`] decides, for the ingest and
 //! for this projection alike). An `m.signing_key_update` replaces the cross-signing
 //! keys of a fresh copy. When the user leaves a room here the copy goes stale too
-//! (they may share no room any more; the next key query resyncs if they still do).
+//! (they may share no room any more; the next key query resyncs if they still do),
+//! and so do the copies of a room's remote members when the room loses its last
+//! local member or gains its first (`room_locals`: room -> u32 BE, joined local
+//! members), since their servers send us nothing while no local user shares a room.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -136,7 +139,15 @@ pub struct RemoteListMeta {
     /// below it predates an update we had and leaves the copy stale.
     #[serde(default)]
     pub seen: u64,
+    /// Devices in the copy (at most [`MAX_REMOTE_DEVICES`]: an update that would add
+    /// one more makes the copy stale instead).
+    #[serde(default)]
+    pub devices: u32,
 }
+
+/// Most devices a copy of one remote user's list holds (Synapse caps a user's devices
+/// at a few thousand too); a fetch keeps the first ones.
+pub const MAX_REMOTE_DEVICES: usize = 1_000;
 
 /// How an `m.device_list_update` (origin `stream_id`, `prev_id`s) relates to our copy
 /// of the user's device list (`None`: no copy).
@@ -179,7 +190,11 @@ pub struct RemoteDeviceList {
 
 /// The device keys projection.
 pub struct DeviceKeys {
+    /// Our server name: whose users are local (a copy of a remote user's list is only
+    /// current while one of them shares a room with the user).
+    server_name: String,
     remote_lists: Table,
+    room_locals: Table,
     remote_devices: Table,
     remote_cross_signing: Table,
     cross_signing: Table,
@@ -206,11 +221,13 @@ fn suffix(k: &[u8], prefix: &[u8]) -> String {
 }
 
 impl DeviceKeys {
-    /// Opens the tables.
-    pub fn open(db: &ProjectionDb) -> Result<DeviceKeys, String> {
+    /// Opens the tables for the server called `server_name`.
+    pub fn open(db: &ProjectionDb, server_name: &str) -> Result<DeviceKeys, String> {
         let t = |n: &str| db.table("device_keys", n);
         Ok(DeviceKeys {
+            server_name: server_name.to_owned(),
             remote_lists: t("remote_lists")?,
+            room_locals: t("room_locals")?,
             remote_devices: t("remote_devices")?,
             remote_cross_signing: t("remote_cross_signing")?,
             cross_signing: t("cross_signing")?,
@@ -339,6 +356,48 @@ impl DeviceKeys {
         Some(out)
     }
 
+    fn is_local(&self, user_id: &str) -> bool {
+        user_id
+            .split_once(':')
+            .is_some_and(|(_, server)| server == self.server_name)
+    }
+
+    /// A local member joined (`joined`) or left the room. When the room gains its
+    /// first local member or loses its last, our copies of its remote members' lists
+    /// go stale: while no local user shared the room, their servers had no reason to
+    /// send us their updates (a copy of a user still shared through another room is
+    /// refetched needlessly, which is harmless).
+    fn count_local(&self, ctx: &mut ApplyCtx, room: &str, joined: bool) {
+        let k = room.as_bytes().to_vec();
+        let before = ctx
+            .get(&self.room_locals, &k)
+            .and_then(|v| v.try_into().ok())
+            .map(u32::from_be_bytes)
+            .unwrap_or(0);
+        let after = if joined {
+            before + 1
+        } else {
+            before.saturating_sub(1)
+        };
+        if after == 0 {
+            ctx.delete(&self.room_locals, k);
+        } else {
+            ctx.put(&self.room_locals, k, after.to_be_bytes().to_vec());
+        }
+        if (before == 0) != (after == 0) {
+            let prefix = key::prefix(&[room]);
+            let members: Vec<String> = ctx
+                .scan_prefix(&self.room_members, &prefix)
+                .into_iter()
+                .map(|(k, _)| suffix(&k, &prefix))
+                .filter(|u| !self.is_local(u))
+                .collect();
+            for user in members {
+                self.remote_stale(ctx, &user);
+            }
+        }
+    }
+
     fn put_remote_meta(&self, ctx: &mut ApplyCtx, user_id: &str, meta: &RemoteListMeta) {
         ctx.put(
             &self.remote_lists,
@@ -368,6 +427,7 @@ impl DeviceKeys {
             stream_id: 0,
             stale: true,
             seen: 0,
+            devices: 0,
         });
         meta.stale = true;
         meta.seen = meta.seen.max(stream_id);
@@ -405,9 +465,21 @@ impl DeviceKeys {
             (Some(d), _) => match remote_chain(meta.as_ref(), stream_id, &d.prev_id) {
                 RemoteChain::Applies => {
                     let k = key::join(&[user_id, &d.device_id]);
+                    let known = ctx.get(&self.remote_devices, &k).is_some();
+                    let mut devices = meta.as_ref().map_or(0, |m| m.devices);
                     if d.deleted {
+                        if known {
+                            devices = devices.saturating_sub(1);
+                        }
                         ctx.delete(&self.remote_devices, k);
+                    } else if !known && devices as usize >= MAX_REMOTE_DEVICES {
+                        // One device too many: not kept, so the copy is incomplete.
+                        self.remote_gap(ctx, user_id, stream_id);
+                        return;
                     } else {
+                        if !known {
+                            devices += 1;
+                        }
                         let row = RemoteDevice {
                             device_id: d.device_id.clone(),
                             keys: d.keys.clone(),
@@ -427,6 +499,7 @@ impl DeviceKeys {
                             stream_id,
                             stale: false,
                             seen,
+                            devices,
                         },
                     );
                 }
@@ -462,7 +535,8 @@ impl DeviceKeys {
                 ctx.delete(t, k);
             }
         }
-        for d in devices {
+        let kept = &devices[..devices.len().min(MAX_REMOTE_DEVICES)];
+        for d in kept {
             ctx.put(
                 &self.remote_devices,
                 key::join(&[user_id, &d.device_id]),
@@ -478,6 +552,7 @@ impl DeviceKeys {
                 stream_id,
                 stale: stream_id < seen,
                 seen: seen.max(stream_id),
+                devices: kept.len() as u32,
             },
         );
     }
@@ -787,6 +862,9 @@ impl DeviceKeys {
         let k = key::join(&[&user, &room]);
         let was_joined = ctx.get(&self.joined, &k).is_some();
         let position = record.position();
+        if was_joined != joined_now && self.is_local(&user) {
+            self.count_local(ctx, &room, joined_now);
+        }
         match (was_joined, joined_now) {
             (false, true) => {
                 ctx.put(&self.joined, k, Vec::new());
@@ -844,6 +922,7 @@ impl Projection for DeviceKeys {
     fn tables(&self) -> Vec<Table> {
         vec![
             self.remote_lists.clone(),
+            self.room_locals.clone(),
             self.remote_devices.clone(),
             self.remote_cross_signing.clone(),
             self.cross_signing.clone(),

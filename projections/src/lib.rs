@@ -112,11 +112,17 @@ pub struct Projections {
     pub runtime: Runtime,
     /// The database (counters).
     pub db: ProjectionDb,
+    /// Our server name (the journal key's), for projections that tell local users apart.
+    pub server_name: String,
 }
 
 /// Opens a fresh instance of the projection called `name` on `db` (`None`: no such
 /// projection). Keep in step with [`Projections::start`].
-fn open_by_name(name: &str, db: &ProjectionDb) -> Option<Result<Arc<dyn Projection>, String>> {
+fn open_by_name(
+    name: &str,
+    db: &ProjectionDb,
+    server_name: &str,
+) -> Option<Result<Arc<dyn Projection>, String>> {
     fn arc<P: Projection>(p: Result<P, String>) -> Result<Arc<dyn Projection>, String> {
         p.map(|p| Arc::new(p) as Arc<dyn Projection>)
     }
@@ -133,7 +139,7 @@ fn open_by_name(name: &str, db: &ProjectionDb) -> Option<Result<Arc<dyn Projecti
         "audit" => arc(audit::Audit::open(db)),
         "directory" => arc(directory::Directory::open(db)),
         "event_times" => arc(directory::EventTimes::open(db)),
-        "device_keys" => arc(device_keys::DeviceKeys::open(db)),
+        "device_keys" => arc(device_keys::DeviceKeys::open(db, server_name)),
         "to_device" => arc(to_device::ToDevice::open(db)),
         "key_backup" => arc(key_backup::KeyBackup::open(db)),
         "media" => arc(media::Media::open(db)),
@@ -166,7 +172,7 @@ impl Projections {
         }
         let generation = self.runtime.next_generation(name);
         let db = self.db.for_generation(name, generation);
-        let shadow = open_by_name(name, &db)
+        let shadow = open_by_name(name, &db, &self.server_name)
             .ok_or_else(|| RebuildError::Unknown(name.to_owned()))?
             .map_err(RebuildError::Store)?;
         if shadow.name() != name {
@@ -203,7 +209,8 @@ impl Projections {
         let audit = Arc::new(audit::Audit::open(&db)?);
         let directory = Arc::new(directory::Directory::open(&db)?);
         let event_times = Arc::new(directory::EventTimes::open(&db)?);
-        let device_keys = Arc::new(device_keys::DeviceKeys::open(&db)?);
+        let server_name = journal.key().server_name().to_owned();
+        let device_keys = Arc::new(device_keys::DeviceKeys::open(&db, &server_name)?);
         let to_device = Arc::new(to_device::ToDevice::open(&db)?);
         let key_backup = Arc::new(key_backup::KeyBackup::open(&db)?);
         let media = Arc::new(media::Media::open(&db)?);
@@ -238,7 +245,8 @@ impl Projections {
             server_admin.clone(),
         ];
         debug_assert!(
-            all.iter().all(|p| open_by_name(p.name(), &db).is_some()),
+            all.iter()
+                .all(|p| open_by_name(p.name(), &db, &server_name).is_some()),
             "open_by_name knows every projection"
         );
         let runtime = Runtime::start(journal, db.clone(), all);
@@ -267,6 +275,7 @@ impl Projections {
             server_admin,
             runtime,
             db,
+            server_name,
         })
     }
 }
