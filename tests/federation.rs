@@ -375,6 +375,39 @@ async fn bad_transactions_get_matrix_errors_and_nothing_is_accepted() {
         )
         .await;
     assert_eq!((status, v["errcode"].as_str()), (400, Some("M_BAD_JSON")));
+    // `pdus` or `edus` that is not an array: 400, and nothing of the transaction is kept.
+    for (txn, body, error) in [
+        (
+            "t2a",
+            json!({ "origin": REMOTE, "origin_server_ts": 1, "pdus": "nope" }),
+            "pdus must be an array",
+        ),
+        (
+            "t2b",
+            json!({ "origin": REMOTE, "origin_server_ts": 1, "pdus": [bob_join.clone()], "edus": "nope" }),
+            "edus must be an array",
+        ),
+        (
+            "t2c",
+            json!({ "origin": REMOTE, "origin_server_ts": 1, "pdus": [], "edus": { "edu_type": "m.typing" } }),
+            "edus must be an array",
+        ),
+    ] {
+        let (status, v) = h
+            .fed(
+                reqwest::Method::PUT,
+                &format!("/_matrix/federation/v1/send/{txn}"),
+                Some(body),
+                None,
+            )
+            .await;
+        assert_eq!(
+            (status, v["errcode"].as_str(), v["error"].as_str()),
+            (400, Some("M_BAD_JSON"), Some(error)),
+            "{txn}"
+        );
+    }
+    assert_eq!(h.server.journal.durable_head(), head);
     // A PDU whose sender is not a user of the origin, one of an unknown room, one
     // that fails auth (a stranger's message): each refused in the per-PDU results.
     let mut foreign = bob_join.clone();
