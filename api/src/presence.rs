@@ -32,8 +32,8 @@ use crate::{
 /// A user counts as `currently_active` this long after their last action, ms.
 pub const CURRENTLY_ACTIVE_MS: u64 = 5 * 60_000;
 
-/// Longest `status_msg` accepted, bytes.
-pub const MAX_STATUS_MSG_BYTES: usize = 1024;
+/// Longest `status_msg` accepted, bytes (the cap inbound federation applies too).
+pub use spindle_federation::edus::MAX_STATUS_MSG_BYTES;
 
 #[derive(Debug, Clone)]
 struct UserPresence {

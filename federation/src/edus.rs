@@ -9,7 +9,8 @@
 //!   local typing), expiring after [`REMOTE_TYPING_TIMEOUT_MS`] unless the origin
 //!   refreshes or stops it first;
 //! - `m.presence`: each entry of `push` handed to the sink, when `[federation]
-//!   presence` is on;
+//!   presence` is on (a `status_msg` over [`MAX_STATUS_MSG_BYTES`] is cut at a
+//!   character boundary);
 //! - `m.receipt`: public (`m.read`) receipts become [`Fact::ReceiptSet`] records
 //!   (any other receipt type is dropped: private receipts never cross servers);
 //! - `m.direct_to_device`: the messages for our users become a [`Fact::ToDeviceSent`]
@@ -45,6 +46,25 @@ use crate::{FedState, server_of};
 /// How long a remote user's typing notice lasts without a refresh, ms (Synapse's
 /// federation typing timeout: the origin sends `typing: false` when its user stops).
 pub const REMOTE_TYPING_TIMEOUT_MS: u64 = 60_000;
+
+/// Longest presence `status_msg` kept, in bytes of UTF-8: the one cap shared by the
+/// Client-Server API (`PUT /presence/{userId}/status` refuses a longer one with 400) and
+/// inbound `m.presence` EDUs (a longer one is cut at the last character boundary at or
+/// below the cap: the presence itself is still worth having, and another server may cap
+/// differently).
+pub const MAX_STATUS_MSG_BYTES: usize = 1024;
+
+/// `msg` cut to at most [`MAX_STATUS_MSG_BYTES`] bytes, at a character boundary.
+pub fn truncate_status_msg(msg: &str) -> &str {
+    if msg.len() <= MAX_STATUS_MSG_BYTES {
+        return msg;
+    }
+    let mut end = MAX_STATUS_MSG_BYTES;
+    while !msg.is_char_boundary(end) {
+        end -= 1;
+    }
+    &msg[..end]
+}
 
 /// Prefix of the transaction id under which a remote to-device message is journaled:
 /// `fed/{message_id}`, unique per sender with an empty sender device.
@@ -158,7 +178,7 @@ fn presence(st: &FedState, origin: &str, c: &Value) {
         let status_msg = p
             .get("status_msg")
             .and_then(|v| v.as_str())
-            .map(|m| m.chars().take(1024).collect());
+            .map(|m| truncate_status_msg(m).to_owned());
         let ago = p
             .get("last_active_ago")
             .and_then(|v| v.as_u64())
@@ -470,5 +490,22 @@ pub fn outbound_of(rec: &StoredRecord, ours: &str) -> Option<Outbound> {
             Some(Outbound::User { user_id, edus })
         }
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_msg_is_cut_at_a_char_boundary_at_or_below_the_byte_cap() {
+        let at_cap = "é".repeat(512);
+        assert_eq!(at_cap.len(), 1024);
+        assert_eq!(truncate_status_msg(&at_cap), at_cap);
+        // 1,025 bytes: byte 1,024 is inside the last "é", so the cut keeps 1,023.
+        let over = format!("a{at_cap}");
+        assert_eq!(truncate_status_msg(&over), format!("a{}", "é".repeat(511)));
+        assert_eq!(truncate_status_msg(&over).len(), 1023);
+        assert_eq!(truncate_status_msg(&"x".repeat(1025)), "x".repeat(1024));
     }
 }
