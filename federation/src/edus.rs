@@ -334,8 +334,10 @@ fn device_list_update(user_id: &str, device_id: &str, stream_id: u64, extra: Val
 }
 
 /// The federation side of a record (see [`Outbound`]); `None` for records that send
-/// nothing. Reads nothing from the store.
-pub fn outbound_of(rec: &StoredRecord, ours: &str) -> Option<Outbound> {
+/// nothing. `device_names`: whether an `m.device_list_update` carries the device's
+/// display name (`[federation] allow_device_name_lookup_over_federation`). Reads
+/// nothing from the store.
+pub fn outbound_of(rec: &StoredRecord, ours: &str, device_names: bool) -> Option<Outbound> {
     if let Some(pdu) = rec.pdu() {
         return (server_of(pdu.sender.as_str()) == Some(ours)).then_some(Outbound::Pdu(pdu));
     }
@@ -428,9 +430,12 @@ pub fn outbound_of(rec: &StoredRecord, ours: &str) -> Option<Outbound> {
             device_id,
             display_name,
         } if server_of(&user_id) == Some(ours) => {
+            // Hidden names still send the update: the device is new, or the receiver
+            // re-fetches `/user/devices` and finds nothing changed (cheap, and it keeps
+            // `stream_id` the same whatever the setting).
             let extra = match display_name {
-                Some(n) => json!({ "device_display_name": n }),
-                None => json!({}),
+                Some(n) if device_names => json!({ "device_display_name": n }),
+                _ => json!({}),
             };
             let edu = device_list_update(&user_id, &device_id, rec.position(), extra);
             Some(Outbound::User {
@@ -507,5 +512,83 @@ mod tests {
         assert_eq!(truncate_status_msg(&over), format!("a{}", "é".repeat(511)));
         assert_eq!(truncate_status_msg(&over).len(), 1023);
         assert_eq!(truncate_status_msg(&"x".repeat(1025)), "x".repeat(1024));
+    }
+
+    fn fact_record(position: u64, fact: &Fact) -> StoredRecord {
+        use spindle_journal::record::{RECORD_FORMAT, Record, RecordKind};
+        let rec = Record {
+            format: RECORD_FORMAT,
+            position,
+            prev_hash: [0; 32],
+            appended_at: 1,
+            kind: RecordKind::Fact,
+            room_id: None,
+            event_id: None,
+            room_version: None,
+            principal: "@alice:ours.test".into(),
+            device_id: None,
+            txn_id: None,
+            command_signature: String::new(),
+            payload: serde_json::to_vec(fact).unwrap(),
+        };
+        StoredRecord::from_bytes(&rec.encode()).unwrap()
+    }
+
+    fn device_list_edus(out: Option<Outbound>) -> Vec<Value> {
+        match out {
+            Some(Outbound::User { user_id, edus }) => {
+                assert_eq!(user_id, "@alice:ours.test");
+                edus
+            }
+            _ => panic!("not a device list change"),
+        }
+    }
+
+    #[test]
+    fn device_list_updates_carry_the_display_name_only_when_allowed() {
+        let created = fact_record(
+            7,
+            &Fact::DeviceCreated {
+                user_id: "@alice:ours.test".into(),
+                device_id: "PHONE".into(),
+                display_name: Some("Alice's phone".into()),
+            },
+        );
+        let renamed = fact_record(
+            8,
+            &Fact::DeviceRenamed {
+                user_id: "@alice:ours.test".into(),
+                device_id: "PHONE".into(),
+                display_name: Some("Work phone".into()),
+            },
+        );
+        let edu = |stream_id: u64, name: Option<&str>| {
+            let mut content = json!({
+                "user_id": "@alice:ours.test",
+                "device_id": "PHONE",
+                "stream_id": stream_id,
+                "prev_id": [],
+            });
+            if let Some(n) = name {
+                content["device_display_name"] = json!(n);
+            }
+            json!({ "edu_type": "m.device_list_update", "content": content })
+        };
+        assert_eq!(
+            device_list_edus(outbound_of(&created, "ours.test", false)),
+            vec![edu(7, None)]
+        );
+        assert_eq!(
+            device_list_edus(outbound_of(&renamed, "ours.test", false)),
+            vec![edu(8, None)]
+        );
+        assert_eq!(
+            device_list_edus(outbound_of(&created, "ours.test", true)),
+            vec![edu(7, Some("Alice's phone"))]
+        );
+        assert_eq!(
+            device_list_edus(outbound_of(&renamed, "ours.test", true)),
+            vec![edu(8, Some("Work phone"))]
+        );
     }
 }

@@ -129,7 +129,8 @@ impl FederationSender {
         rec: &spindle_journal::StoredRecord,
     ) -> Option<(Outbound, Vec<String>)> {
         let ours = self.st.server_name();
-        let out = crate::edus::outbound_of(rec, ours)?;
+        let names = self.st.config.allow_device_name_lookup_over_federation;
+        let out = crate::edus::outbound_of(rec, ours, names)?;
         let dests = match &out {
             Outbound::Pdu(pdu) => {
                 let mut dests = self.other_servers(pdu.room_id.as_str()).await;
