@@ -284,6 +284,12 @@ pub(crate) fn sync_events(
 
 /// Applies `/sync`'s `set_presence` (default `online`; `offline` leaves the state
 /// alone, as the spec says). `joined_rooms` is the list the sync already read.
+///
+/// A default sync turns an `unavailable` set through `PUT /presence` back to `online`:
+/// the spec says a client that omits `set_presence` "is automatically marked as online
+/// when it uses this API", and Synapse (1.163, `handlers/presence.py` `set_state` with
+/// `is_sync`) does the same per device (only `busy`, not in the spec, survives a
+/// sync). A client that wants to stay idle syncs with `set_presence=unavailable`.
 pub(crate) fn on_sync(s: &AppState, user_id: &str, set_presence: Option<&str>, joined: &[String]) {
     if !s.config.presence_enabled {
         return;
