@@ -984,7 +984,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 145);
+        assert_eq!(want.len(), 146);
     }
 
     #[test]

@@ -375,6 +375,39 @@ async fn bad_transactions_get_matrix_errors_and_nothing_is_accepted() {
         )
         .await;
     assert_eq!((status, v["errcode"].as_str()), (400, Some("M_BAD_JSON")));
+    // `pdus` or `edus` that is not an array: 400, and nothing of the transaction is kept.
+    for (txn, body, error) in [
+        (
+            "t2a",
+            json!({ "origin": REMOTE, "origin_server_ts": 1, "pdus": "nope" }),
+            "pdus must be an array",
+        ),
+        (
+            "t2b",
+            json!({ "origin": REMOTE, "origin_server_ts": 1, "pdus": [bob_join.clone()], "edus": "nope" }),
+            "edus must be an array",
+        ),
+        (
+            "t2c",
+            json!({ "origin": REMOTE, "origin_server_ts": 1, "pdus": [], "edus": { "edu_type": "m.typing" } }),
+            "edus must be an array",
+        ),
+    ] {
+        let (status, v) = h
+            .fed(
+                reqwest::Method::PUT,
+                &format!("/_matrix/federation/v1/send/{txn}"),
+                Some(body),
+                None,
+            )
+            .await;
+        assert_eq!(
+            (status, v["errcode"].as_str(), v["error"].as_str()),
+            (400, Some("M_BAD_JSON"), Some(error)),
+            "{txn}"
+        );
+    }
+    assert_eq!(h.server.journal.durable_head(), head);
     // A PDU whose sender is not a user of the origin, one of an unknown room, one
     // that fails auth (a stranger's message): each refused in the per-PDU results.
     let mut foreign = bob_join.clone();
@@ -974,6 +1007,44 @@ async fn inbound_edus_reach_our_users_and_their_journal_records_take_one_fsync()
 }
 
 /// The (type, state key) pairs of a `send_join` answer's `state`, sorted.
+/// Inbound `m.presence` keeps a `status_msg` of up to 1,024 bytes (the cap the
+/// Client-Server API applies) whole and cuts a longer one at a character boundary.
+#[tokio::test]
+async fn inbound_presence_status_msg_is_capped_at_1024_bytes_on_a_char_boundary() {
+    let h = Harness::start().await;
+    let token = h.register("alice").await;
+    let (room, _) = h.public_room(&token, 1).await;
+    let bob = "@bob:remote.test";
+    h.remote_join(&room, bob).await;
+    h.quiesce().await;
+    let at_cap = "é".repeat(512);
+    assert_eq!(at_cap.len(), 1024);
+    let over = format!("a{at_cap}");
+    assert_eq!(over.len(), 1025);
+    let kept_of_over = format!("a{}", "é".repeat(511));
+    for (txn, sent, kept) in [("p1", &at_cap, &at_cap), ("p2", &over, &kept_of_over)] {
+        h.send_edus(
+            txn,
+            json!([{ "edu_type": "m.presence", "content": { "push": [
+                { "user_id": bob, "presence": "unavailable", "status_msg": sent, "last_active_ago": 5 },
+            ]}}]),
+        )
+        .await;
+        let (status, v) = h
+            .client(
+                reqwest::Method::GET,
+                &format!("/_matrix/client/v3/presence/{}/status", enc(bob)),
+                Some(&token),
+                None,
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["presence"], "unavailable", "{txn}");
+        assert_eq!(v["status_msg"].as_str(), Some(kept.as_str()), "{txn}");
+    }
+    assert_eq!(kept_of_over.len(), 1023);
+}
+
 fn slots(joined: &Value) -> Vec<(String, String)> {
     let mut out: Vec<(String, String)> = joined["state"]
         .as_array()

@@ -1615,6 +1615,29 @@ async fn create_room_invites_users_of_other_servers_through_their_servers() {
         .unwrap();
     assert_eq!(own["content"]["membership"], "invite");
     assert_eq!(own["content"]["is_direct"], true);
+    // The stripped state lists bob's own member event once, last (A leaves it out of
+    // `invite_room_state`; B adds it, as Synapse does).
+    let listed: Vec<(String, String)> = invite["invite_state"]["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["type"].as_str().unwrap().to_owned(),
+                e["state_key"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let alice_id = format!("@alice:{}", a.name);
+    assert_eq!(
+        listed,
+        vec![
+            ("m.room.create".to_owned(), String::new()),
+            ("m.room.join_rules".to_owned(), String::new()),
+            ("m.room.member".to_owned(), alice_id),
+            ("m.room.member".to_owned(), bob_id.clone()),
+        ]
+    );
     let head = a.server.journal.durable_head();
     assert!(
         a.server
@@ -1667,6 +1690,118 @@ async fn create_room_invites_users_of_other_servers_through_their_servers() {
         (m.membership.as_str(), m.sender.as_str()),
         ("leave", format!("@alice:{}", a.name).as_str())
     );
+}
+
+/// `createRoom` asks its remote invitees' servers at once (at most 8 at a time), not
+/// one after another: three servers that accept the connection and never answer see
+/// all three connections open together. Each is then cut; the invites are withdrawn in
+/// the order they were asked for.
+#[tokio::test]
+async fn create_room_asks_the_invitees_servers_at_once() {
+    use std::sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    };
+    let a = Node::federating(|_| {}).await;
+    let alice = a.register("alice").await;
+    // Three silent servers: each holds its connections until all three servers hold
+    // one (or 5 s pass), then drops them. `most`: the most servers holding a
+    // connection at once (servers, not connections: a client may retry on a server).
+    // `first`: how the first release came, 1 all three holding, 2 a server's 5 s ran
+    // out (asked one after another, the first server waits alone).
+    let open = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let first = Arc::new(AtomicUsize::new(0));
+    let (release, released) = tokio::sync::watch::channel(false);
+    let release = Arc::new(release);
+    let mut invitees = Vec::new();
+    for i in 0..3 {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        invitees.push(format!("@silent{i}:localhost:{port}"));
+        let (open, most, release) = (open.clone(), most.clone(), release.clone());
+        let first = first.clone();
+        let mut released = released.clone();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            loop {
+                tokio::select! {
+                    accepted = listener.accept() => {
+                        let Ok((conn, _)) = accepted else { return };
+                        held.push(conn);
+                        if held.len() == 1 {
+                            let now = open.fetch_add(1, Ordering::SeqCst) + 1;
+                            most.fetch_max(now, Ordering::SeqCst);
+                            if now >= 3 {
+                                let _ = first.compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst);
+                                release.send_replace(true);
+                            }
+                        }
+                    }
+                    _ = released.wait_for(|all| *all), if !held.is_empty() => {
+                        open.fetch_sub(1, Ordering::SeqCst);
+                        held.clear();
+                    }
+                    _ = tokio::time::sleep(std::time::Duration::from_secs(5)), if !held.is_empty() => {
+                        let _ = first.compare_exchange(0, 2, Ordering::SeqCst, Ordering::SeqCst);
+                        open.fetch_sub(1, Ordering::SeqCst);
+                        held.clear();
+                    }
+                }
+            }
+        });
+    }
+    let room = a
+        .create_room(
+            &alice,
+            json!({ "preset": "private_chat", "invite": invitees.clone() }),
+        )
+        .await;
+    assert_eq!(
+        (first.load(Ordering::SeqCst), most.load(Ordering::SeqCst)),
+        (1, 3)
+    );
+    let head = a.server.journal.durable_head();
+    assert!(
+        a.server
+            .projections
+            .runtime
+            .wait_for(head, std::time::Duration::from_secs(10))
+            .await
+    );
+    // Appended in the request's order, withdrawn in the request's order.
+    let (status, v) = a
+        .client(
+            reqwest::Method::GET,
+            &format!(
+                "/_matrix/client/v3/rooms/{}/messages?dir=b&limit=50",
+                enc(&room)
+            ),
+            Some(&alice),
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let mut changes: Vec<(String, String)> = v["chunk"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| {
+            e["type"] == "m.room.member" && e["state_key"] != json!(format!("@alice:{}", a.name))
+        })
+        .map(|e| {
+            (
+                e["state_key"].as_str().unwrap().to_owned(),
+                e["content"]["membership"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    changes.reverse();
+    let want: Vec<(String, String)> = ["invite", "leave"]
+        .iter()
+        .flat_map(|m| invitees.iter().map(move |u| (u.clone(), m.to_string())))
+        .collect();
+    assert_eq!(changes, want);
 }
 
 impl Node {

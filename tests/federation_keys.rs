@@ -48,7 +48,14 @@ struct Node {
 }
 
 impl Node {
+    /// A node with the default configuration (device names hidden from other servers).
     async fn start() -> Node {
+        Node::start_with_names(false).await
+    }
+
+    /// A node that shows (`allow_names`) or hides its users' device display names over
+    /// federation (`[federation] allow_device_name_lookup_over_federation`).
+    async fn start_with_names(allow_names: bool) -> Node {
         let certs = tempfile::tempdir().unwrap();
         let (cert, key) = make_cert(certs.path());
         let port = free_port();
@@ -60,6 +67,7 @@ impl Node {
             c.federation.tls_private_key_path = key;
             c.federation.dangerous_skip_tls_verification_for_tests = true;
             c.federation.ip_range_allowlist = vec!["127.0.0.0/8".into()];
+            c.federation.allow_device_name_lookup_over_federation = allow_names;
         })
         .await;
         Node {
@@ -234,7 +242,8 @@ fn with_display_name(mut keys: Value, name: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_of_a_remote_user_are_queried_from_their_server_with_exact_values() {
-    let (a, b) = (Node::start().await, Node::start().await);
+    // A shows device names to other servers (off by default; see the test after).
+    let (a, b) = (Node::start_with_names(true).await, Node::start().await);
     let alice = a.register("alice", "ALICEPHONE").await;
     let bob = b.register("bob", "BOBLAPTOP").await;
     let (alice_keys, _) = upload_keys(&alice, &[]).await;
@@ -327,6 +336,60 @@ async fn keys_of_a_remote_user_are_queried_from_their_server_with_exact_values()
     assert_eq!((status, v["errcode"].as_str()), (400, Some("M_BAD_JSON")));
 }
 
+/// By default (`allow_device_name_lookup_over_federation = false`, as in Synapse) no
+/// device display name leaves the server: not in `user/keys/query`, not in
+/// `user/devices`, so not in a remote client's `/keys/query` either. The owner still
+/// sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_display_names_stay_home_by_default() {
+    let (a, b) = (Node::start().await, Node::start().await);
+    let alice = a.register("alice", "ALICEPHONE").await;
+    let bob = b.register("bob", "BOBLAPTOP").await;
+    let (alice_keys, _) = upload_keys(&alice, &[]).await;
+    rename_device(&alice, "Alice's phone").await;
+
+    let (status, v) = b
+        .ask(
+            &a,
+            reqwest::Method::POST,
+            "/_matrix/federation/v1/user/keys/query",
+            Some(&json!({ "device_keys": { alice.user_id.clone(): [] } })),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        v,
+        json!({
+            "device_keys": { alice.user_id.clone(): { "ALICEPHONE": alice_keys.clone() } },
+            "master_keys": {},
+            "self_signing_keys": {},
+        })
+    );
+    let path = format!(
+        "/_matrix/federation/v1/user/devices/{}",
+        common::enc(&alice.user_id)
+    );
+    let (status, v) = b.ask(&a, reqwest::Method::GET, &path, None).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        v["devices"],
+        json!([{ "device_id": "ALICEPHONE", "keys": alice_keys.clone() }])
+    );
+    let q = bob
+        .post(
+            &format!("{V3}/keys/query"),
+            &json!({ "device_keys": { alice.user_id.clone(): [] } }),
+        )
+        .await
+        .ok();
+    assert_eq!(
+        q["device_keys"],
+        json!({ alice.user_id.clone(): { "ALICEPHONE": alice_keys } })
+    );
+    let own = alice.get(&format!("{V3}/devices/ALICEPHONE")).await.ok();
+    assert_eq!(own["display_name"], "Alice's phone");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_remote_claim_hands_out_each_one_time_key_once_then_the_fallback_key() {
     let (a, b) = (Node::start().await, Node::start().await);
@@ -381,7 +444,7 @@ async fn a_remote_claim_hands_out_each_one_time_key_once_then_the_fallback_key()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn user_devices_lists_keys_and_a_stream_id_that_grows_with_each_device_change() {
-    let (a, b) = (Node::start().await, Node::start().await);
+    let (a, b) = (Node::start_with_names(true).await, Node::start().await);
     let alice = a.register("alice", "ALICEPHONE").await;
     let (alice_keys, _) = upload_keys(&alice, &[]).await;
     let (master, ssk, _usk, alice_signed) = cross_sign(&alice, &alice_keys).await;
@@ -913,7 +976,11 @@ async fn a_remote_users_keys_are_answered_from_the_copy_even_with_their_server_d
 /// Bob on B and alice on A share a room; B holds a fresh copy of alice's list. Returns
 /// (a, b, alice, bob, alice's device keys).
 async fn two_nodes_with_a_copy() -> (Node, Node, Client, Client, Value) {
-    let (a, b) = (Node::start().await, Node::start().await);
+    // Names allowed over federation, so the copies' display names are checked too.
+    let (a, b) = (
+        Node::start_with_names(true).await,
+        Node::start_with_names(true).await,
+    );
     let alice = a.register("alice", "ALICEPHONE").await;
     let bob = b.register("bob", "BOBLAPTOP").await;
     let (alice_keys, _) = upload_keys(&alice, &[]).await;

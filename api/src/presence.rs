@@ -32,8 +32,8 @@ use crate::{
 /// A user counts as `currently_active` this long after their last action, ms.
 pub const CURRENTLY_ACTIVE_MS: u64 = 5 * 60_000;
 
-/// Longest `status_msg` accepted, bytes.
-pub const MAX_STATUS_MSG_BYTES: usize = 1024;
+/// Longest `status_msg` accepted, bytes (the cap inbound federation applies too).
+pub use spindle_federation::edus::MAX_STATUS_MSG_BYTES;
 
 #[derive(Debug, Clone)]
 struct UserPresence {
@@ -284,6 +284,12 @@ pub(crate) fn sync_events(
 
 /// Applies `/sync`'s `set_presence` (default `online`; `offline` leaves the state
 /// alone, as the spec says). `joined_rooms` is the list the sync already read.
+///
+/// A default sync turns an `unavailable` set through `PUT /presence` back to `online`:
+/// the spec says a client that omits `set_presence` "is automatically marked as online
+/// when it uses this API", and Synapse (1.163, `handlers/presence.py` `set_state` with
+/// `is_sync`) does the same per device (only `busy`, not in the spec, survives a
+/// sync). A client that wants to stay idle syncs with `set_presence=unavailable`.
 pub(crate) fn on_sync(s: &AppState, user_id: &str, set_presence: Option<&str>, joined: &[String]) {
     if !s.config.presence_enabled {
         return;

@@ -7,6 +7,7 @@ use axum::{
     http::StatusCode,
     routing::{get, post, put},
 };
+use futures_util::StreamExt;
 use ruma::room_version_rules::RoomVersionRules;
 use serde_json::{Value, json};
 use spindle_journal::{CommandBody, EventSpec, Fact, MembershipPrecondition, Outcome};
@@ -719,14 +720,46 @@ pub(crate) async fn create_room(
         // refuse or cannot take is withdrawn (`invite_remote`) and logged, and the room
         // is still answered (Synapse fails the request instead, leaving the client a
         // room it was not told about).
+        //
+        // The invites are appended in the request's order, their servers asked at
+        // most [`REMOTE_INVITES_IN_FLIGHT`] at a time (an unreachable server costs up
+        // to the connect timeout; one after another, n of them cost n times that), and
+        // the refused ones withdrawn in the request's order again: the room's log does
+        // not depend on which server answered first.
+        let mut appended = Vec::new();
         for u in &remote_invites {
-            if let Err(e) = invite_remote(&s, &fed, &r, &room_id, u, None, is_direct).await {
+            match append_remote_invite(&s, &r, &room_id, u, None, is_direct).await {
+                Ok(Some(invite)) => appended.push((u, invite)),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::info!(room_id, invitee = %u, errcode = e.errcode, error = %e.error, "createRoom: a remote invite failed");
+                }
+            }
+        }
+        // Owned futures (no closure over borrows in the stream's type: the handler's
+        // future must stay `Send` for every lifetime axum asks about).
+        let sends: Vec<_> = appended
+            .iter()
+            .map(|(_, (pdu, stripped))| {
+                let (fed, pdu, stripped) = (fed.clone(), pdu.clone(), stripped.clone());
+                async move { spindle_federation::invites::invite_remote(&fed, &pdu, stripped).await }
+            })
+            .collect();
+        let answers: Vec<_> = futures_util::stream::iter(sends)
+            .buffered(REMOTE_INVITES_IN_FLIGHT)
+            .collect()
+            .await;
+        for ((u, _), answer) in appended.iter().zip(answers) {
+            if let Err(e) = settle_remote_invite(&s, &r, &room_id, u, answer).await {
                 tracing::info!(room_id, invitee = %u, errcode = e.errcode, error = %e.error, "createRoom: a remote invite failed");
             }
         }
     }
     Ok(Json(json!({ "room_id": room_id })))
 }
+
+/// Most invitees' servers `createRoom` asks at once.
+pub const REMOTE_INVITES_IN_FLIGHT: usize = 8;
 
 /// Joins `room_id` as the requester, through `via` when this server is not in the
 /// room; rate limited per user (`rate_limits.joins`; a join of a room already joined
@@ -1026,13 +1059,34 @@ async fn invite_remote(
     reason: Option<String>,
     is_direct: bool,
 ) -> ApiResult<Json<Value>> {
+    let Some((pdu, stripped)) =
+        append_remote_invite(s, r, room_id, target, reason, is_direct).await?
+    else {
+        return Ok(Json(json!({})));
+    };
+    let answer = spindle_federation::invites::invite_remote(fed, &pdu, stripped).await;
+    settle_remote_invite(s, r, room_id, target, answer).await
+}
+
+/// The first half of [`invite_remote`]: appends the invite and returns it with the
+/// stripped state for the invitee's server (`None`: nothing was appended, the invite
+/// was already there). The stripped state leaves the invite itself out: the
+/// receiving server adds it (Synapse does, and so do we), so it would appear twice.
+async fn append_remote_invite(
+    s: &AppState,
+    r: &Requester,
+    room_id: &str,
+    target: &str,
+    reason: Option<String>,
+    is_direct: bool,
+) -> ApiResult<Option<(std::sync::Arc<spindle_core::pdu::Pdu>, Vec<Value>)>> {
     let mut content = member_content(s, target, "invite", reason);
     if is_direct {
         content["is_direct"] = json!(true);
     }
     let outcome = membership_event(s, r, room_id, target, "invite", content).await?;
     let Some(event_id) = outcome.event_ids.last() else {
-        return Ok(Json(json!({})));
+        return Ok(None);
     };
     s.wait_for(outcome.position).await?;
     let invite = s
@@ -1040,12 +1094,22 @@ async fn invite_remote(
         .timeline
         .event(event_id.as_str())
         .ok_or_else(|| MatrixError::internal("the invite was not applied"))?;
-    let membership_row = s.projections.membership.get(room_id, target);
-    let stripped = membership_row
-        .as_ref()
-        .and_then(|m| crate::sync::invite_state(s, m))
-        .unwrap_or_default();
-    match spindle_federation::invites::invite_remote(fed, &invite.pdu, stripped).await {
+    let mut stripped =
+        crate::sync::invite_state_of(&s.projections, event_id.as_str()).unwrap_or_default();
+    stripped.retain(|e| !(e["type"] == "m.room.member" && e["state_key"] == target));
+    Ok(Some((invite.pdu, stripped)))
+}
+
+/// The second half of [`invite_remote`]: on the invitee's server's refusal (or
+/// silence), withdraws the invite and passes the refusal on.
+async fn settle_remote_invite(
+    s: &AppState,
+    r: &Requester,
+    room_id: &str,
+    target: &str,
+    answer: spindle_federation::FedResult<()>,
+) -> ApiResult<Json<Value>> {
+    match answer {
         Ok(()) => Ok(Json(json!({}))),
         Err(e) => {
             let withdrawn = membership(s, r, room_id, target, "kick", None).await;

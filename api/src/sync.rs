@@ -798,9 +798,13 @@ pub fn invite_state_of(p: &spindle_projections::Projections, event_id: &str) -> 
             .and_then(|u| u.get("invite_room_state"))
             .and_then(|v| v.as_array())
     {
+        // The invite itself goes last, once: a server that listed it too (Spindle
+        // before 2026-12) would otherwise show the invitee's member event twice.
+        let own = invite.pdu.state_key.as_deref();
         let mut events: Vec<Value> = remote
             .iter()
             .filter(|e| e.get("type").is_some() && e.get("state_key").is_some())
+            .filter(|e| !(e["type"] == "m.room.member" && own.is_some_and(|k| e["state_key"] == k)))
             .take(64)
             .cloned()
             .collect();

@@ -1,6 +1,13 @@
 //! Typing notifications (spec: "Typing Notifications"). Ephemeral: kept in memory,
 //! never journaled (BRIEF §3.1 allows this). A separate counter orders typing changes
 //! for sync tokens.
+//!
+//! The counter is not stored, yet it must not go backwards across a restart: a client
+//! holding a token from before would otherwise see no typing or presence until the
+//! counter passed its old value again, and `next_batch` would decrease. It starts at the
+//! wall clock in microseconds ([`counter_seed`]), which exceeds every value a previous
+//! run handed out as long as that run averaged fewer than 1,000 changes per
+//! millisecond and the clock did not step back by more than the run's lead.
 
 use std::{
     collections::HashMap,
@@ -23,6 +30,16 @@ use crate::{
 /// Longest typing timeout honoured, ms.
 pub const MAX_TYPING_TIMEOUT_MS: u64 = 120_000;
 
+/// Counter changes per millisecond of wall clock the seed leaves room for.
+pub const COUNTER_CHANGES_PER_MS: u64 = 1_000;
+
+/// The counter's start value: the wall clock in ms times [`COUNTER_CHANGES_PER_MS`], so
+/// a restart starts above any value an earlier run reached (see the module docs).
+/// Below 2^63 until the year 294,000.
+pub fn counter_seed() -> u64 {
+    crate::now_ms().saturating_mul(COUNTER_CHANGES_PER_MS)
+}
+
 #[derive(Default)]
 struct RoomTyping {
     users: HashMap<String, Instant>,
@@ -44,11 +61,12 @@ impl Default for Typing {
 }
 
 impl Typing {
-    /// No typing yet; typing state of at most `max_rooms` rooms (at least 1).
+    /// No typing yet; typing state of at most `max_rooms` rooms (at least 1); the
+    /// counter starts at [`counter_seed`].
     pub fn with_limit(max_rooms: usize) -> Typing {
         Typing {
             rooms: Arc::default(),
-            counter: Arc::new(watch::channel(0).0),
+            counter: Arc::new(watch::channel(counter_seed()).0),
             max_rooms: max_rooms.max(1),
         }
     }
@@ -245,10 +263,31 @@ mod tests {
         t.set("!r3:x", "@u:x", true, long);
         assert_eq!(t.rooms_len(), 3);
         assert_eq!(t.users("!r3:x"), vec!["@u:x".to_owned()]);
+        // r1 was dropped: no state, serial 0 (below any counter value).
         assert_eq!(t.room_serial("!r1:x"), 0);
         assert_eq!(t.users("!r0:x"), vec!["@u:x".to_owned()]);
         // Stopping in a room with no state keeps none.
         t.set("!r9:x", "@u:x", false, long);
         assert_eq!(t.rooms_len(), 3);
+    }
+
+    #[tokio::test]
+    async fn a_new_counter_starts_above_every_value_an_earlier_one_handed_out() {
+        let before = crate::now_ms() * COUNTER_CHANGES_PER_MS;
+        let first = Typing::default();
+        assert!(first.current() >= before, "seeded from the clock");
+        // An earlier run that made fewer changes than 1,000 per ms of its life.
+        for _ in 0..500 {
+            first.next_serial();
+        }
+        let reached = first.current();
+        std::thread::sleep(Duration::from_millis(2));
+        let second = Typing::default();
+        assert!(
+            second.current() > reached,
+            "restart counter {} must exceed {reached}",
+            second.current()
+        );
+        assert_eq!(second.next_serial(), second.current());
     }
 }

@@ -4,7 +4,8 @@
 //!
 //! Served, from the `device_keys` and `accounts` projections only:
 //! - `POST /_matrix/federation/v1/user/keys/query`: device keys (with their owner's
-//!   uploaded signatures and `unsigned.device_display_name`), master and self-signing
+//!   uploaded signatures and, when `[federation] allow_device_name_lookup_over_federation`
+//!   is on, `unsigned.device_display_name`), master and self-signing
 //!   keys. Never user-signing keys: they are their owner's alone.
 //! - `POST /_matrix/federation/v1/user/keys/claim`: one key per (user, device,
 //!   algorithm), through the journal exactly as the Client-Server claim
@@ -51,13 +52,17 @@ fn required_object<'a>(body: &'a Option<Value>, field: &str) -> FedResult<&'a Ma
 }
 
 /// One local device's keys as other servers see them: the signed `DeviceKeys` with
-/// the owner's uploaded signatures merged in, and the display name (if any) under
+/// the owner's uploaded signatures merged in, and the display name (if any, and only
+/// with `[federation] allow_device_name_lookup_over_federation`) under
 /// `unsigned.device_display_name`.
 fn device_view(st: &FedState, user_id: &str, device_id: &str, keys: Value) -> Value {
     let mut keys = st
         .projections
         .device_keys
         .with_signatures(user_id, device_id, None, keys);
+    if !st.config.allow_device_name_lookup_over_federation {
+        return keys;
+    }
     let name = st
         .projections
         .accounts

@@ -9,7 +9,8 @@
 //!   local typing), expiring after [`REMOTE_TYPING_TIMEOUT_MS`] unless the origin
 //!   refreshes or stops it first;
 //! - `m.presence`: each entry of `push` handed to the sink, when `[federation]
-//!   presence` is on;
+//!   presence` is on (a `status_msg` over [`MAX_STATUS_MSG_BYTES`] is cut at a
+//!   character boundary);
 //! - `m.receipt`: public (`m.read`) receipts become [`Fact::ReceiptSet`] records
 //!   (any other receipt type is dropped: private receipts never cross servers);
 //! - `m.direct_to_device`: the messages for our users become a [`Fact::ToDeviceSent`]
@@ -47,6 +48,25 @@ use crate::{FedState, server_of};
 /// How long a remote user's typing notice lasts without a refresh, ms (Synapse's
 /// federation typing timeout: the origin sends `typing: false` when its user stops).
 pub const REMOTE_TYPING_TIMEOUT_MS: u64 = 60_000;
+
+/// Longest presence `status_msg` kept, in bytes of UTF-8: the one cap shared by the
+/// Client-Server API (`PUT /presence/{userId}/status` refuses a longer one with 400) and
+/// inbound `m.presence` EDUs (a longer one is cut at the last character boundary at or
+/// below the cap: the presence itself is still worth having, and another server may cap
+/// differently).
+pub const MAX_STATUS_MSG_BYTES: usize = 1024;
+
+/// `msg` cut to at most [`MAX_STATUS_MSG_BYTES`] bytes, at a character boundary.
+pub fn truncate_status_msg(msg: &str) -> &str {
+    if msg.len() <= MAX_STATUS_MSG_BYTES {
+        return msg;
+    }
+    let mut end = MAX_STATUS_MSG_BYTES;
+    while !msg.is_char_boundary(end) {
+        end -= 1;
+    }
+    &msg[..end]
+}
 
 /// Prefix of the transaction id under which a remote to-device message is journaled:
 /// `fed/{message_id}`, unique per sender with an empty sender device.
@@ -166,7 +186,7 @@ fn presence(st: &FedState, origin: &str, c: &Value) {
         let status_msg = p
             .get("status_msg")
             .and_then(|v| v.as_str())
-            .map(|m| m.chars().take(1024).collect());
+            .map(|m| truncate_status_msg(m).to_owned());
         let ago = p
             .get("last_active_ago")
             .and_then(|v| v.as_u64())
@@ -367,8 +387,10 @@ fn device_list_update(user_id: &str, device_id: &str, stream_id: u64, extra: Val
 }
 
 /// The federation side of a record (see [`Outbound`]); `None` for records that send
-/// nothing. Reads nothing from the store.
-pub fn outbound_of(rec: &StoredRecord, ours: &str) -> Option<Outbound> {
+/// nothing. `device_names`: whether an `m.device_list_update` carries the device's
+/// display name (`[federation] allow_device_name_lookup_over_federation`). Reads
+/// nothing from the store.
+pub fn outbound_of(rec: &StoredRecord, ours: &str, device_names: bool) -> Option<Outbound> {
     if let Some(pdu) = rec.pdu() {
         return (server_of(pdu.sender.as_str()) == Some(ours)).then_some(Outbound::Pdu(pdu));
     }
@@ -461,9 +483,12 @@ pub fn outbound_of(rec: &StoredRecord, ours: &str) -> Option<Outbound> {
             device_id,
             display_name,
         } if server_of(&user_id) == Some(ours) => {
+            // Hidden names still send the update: the device is new, or the receiver
+            // re-fetches `/user/devices` and finds nothing changed (cheap, and it keeps
+            // `stream_id` the same whatever the setting).
             let extra = match display_name {
-                Some(n) => json!({ "device_display_name": n }),
-                None => json!({}),
+                Some(n) if device_names => json!({ "device_display_name": n }),
+                _ => json!({}),
             };
             let edu = device_list_update(&user_id, &device_id, rec.position(), extra);
             Some(Outbound::User {
@@ -523,5 +548,100 @@ pub fn outbound_of(rec: &StoredRecord, ours: &str) -> Option<Outbound> {
             Some(Outbound::User { user_id, edus })
         }
         _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn status_msg_is_cut_at_a_char_boundary_at_or_below_the_byte_cap() {
+        let at_cap = "é".repeat(512);
+        assert_eq!(at_cap.len(), 1024);
+        assert_eq!(truncate_status_msg(&at_cap), at_cap);
+        // 1,025 bytes: byte 1,024 is inside the last "é", so the cut keeps 1,023.
+        let over = format!("a{at_cap}");
+        assert_eq!(truncate_status_msg(&over), format!("a{}", "é".repeat(511)));
+        assert_eq!(truncate_status_msg(&over).len(), 1023);
+        assert_eq!(truncate_status_msg(&"x".repeat(1025)), "x".repeat(1024));
+    }
+
+    fn fact_record(position: u64, fact: &Fact) -> StoredRecord {
+        use spindle_journal::record::{RECORD_FORMAT, Record, RecordKind};
+        let rec = Record {
+            format: RECORD_FORMAT,
+            position,
+            prev_hash: [0; 32],
+            appended_at: 1,
+            kind: RecordKind::Fact,
+            room_id: None,
+            event_id: None,
+            room_version: None,
+            principal: "@alice:ours.test".into(),
+            device_id: None,
+            txn_id: None,
+            command_signature: String::new(),
+            payload: serde_json::to_vec(fact).unwrap(),
+        };
+        StoredRecord::from_bytes(&rec.encode()).unwrap()
+    }
+
+    fn device_list_edus(out: Option<Outbound>) -> Vec<Value> {
+        match out {
+            Some(Outbound::User { user_id, edus }) => {
+                assert_eq!(user_id, "@alice:ours.test");
+                edus
+            }
+            _ => panic!("not a device list change"),
+        }
+    }
+
+    #[test]
+    fn device_list_updates_carry_the_display_name_only_when_allowed() {
+        let created = fact_record(
+            7,
+            &Fact::DeviceCreated {
+                user_id: "@alice:ours.test".into(),
+                device_id: "PHONE".into(),
+                display_name: Some("Alice's phone".into()),
+            },
+        );
+        let renamed = fact_record(
+            8,
+            &Fact::DeviceRenamed {
+                user_id: "@alice:ours.test".into(),
+                device_id: "PHONE".into(),
+                display_name: Some("Work phone".into()),
+            },
+        );
+        let edu = |stream_id: u64, name: Option<&str>| {
+            let mut content = json!({
+                "user_id": "@alice:ours.test",
+                "device_id": "PHONE",
+                "stream_id": stream_id,
+                "prev_id": [],
+            });
+            if let Some(n) = name {
+                content["device_display_name"] = json!(n);
+            }
+            json!({ "edu_type": "m.device_list_update", "content": content })
+        };
+        assert_eq!(
+            device_list_edus(outbound_of(&created, "ours.test", false)),
+            vec![edu(7, None)]
+        );
+        assert_eq!(
+            device_list_edus(outbound_of(&renamed, "ours.test", false)),
+            vec![edu(8, None)]
+        );
+        assert_eq!(
+            device_list_edus(outbound_of(&created, "ours.test", true)),
+            vec![edu(7, Some("Alice's phone"))]
+        );
+        assert_eq!(
+            device_list_edus(outbound_of(&renamed, "ours.test", true)),
+            vec![edu(8, Some("Work phone"))]
+        );
     }
 }

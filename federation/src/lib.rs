@@ -113,6 +113,12 @@ pub struct FederationConfig {
     /// state (MSC3902). 0, the default, fetches at once; tests set it to observe the
     /// partial state.
     pub partial_state_resync_delay_ms: u64,
+    /// Show our users' device display names to other servers (`user/keys/query`'s
+    /// `unsigned.device_display_name`, `user/devices/{userId}`'s
+    /// `device_display_name`, outbound `m.device_list_update` EDUs). Off by default,
+    /// as in Synapse: a device name often says more about its owner than they meant
+    /// to tell every server they share a room with.
+    pub allow_device_name_lookup_over_federation: bool,
 }
 
 impl Default for FederationConfig {
@@ -137,6 +143,7 @@ impl Default for FederationConfig {
             fork_window: spindle_journal::fork::DEFAULT_FORK_WINDOW,
             presence: true,
             partial_state_resync_delay_ms: 0,
+            allow_device_name_lookup_over_federation: false,
         }
     }
 }

@@ -143,7 +143,8 @@ impl FederationSender {
             self.met_remote
                 .store(true, std::sync::atomic::Ordering::Relaxed);
         }
-        let out = crate::edus::outbound_of(rec, ours)?;
+        let names = self.st.config.allow_device_name_lookup_over_federation;
+        let out = crate::edus::outbound_of(rec, ours, names)?;
         let dests = match &out {
             Outbound::Pdu(pdu) => {
                 let mut dests = self.other_servers(pdu.room_id.as_str()).await;
@@ -405,10 +406,13 @@ impl FederationSender {
                 c.remove("keys");
             }
         }
+        // The name only where `[federation] allow_device_name_lookup_over_federation`
+        // lets names leave the server.
         match projections
             .accounts
             .device(user_id, &device_id)
             .and_then(|d| d.display_name)
+            .filter(|_| self.st.config.allow_device_name_lookup_over_federation)
         {
             Some(name) => {
                 c.insert("device_display_name".into(), Value::String(name));

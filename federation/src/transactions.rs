@@ -206,7 +206,14 @@ pub(crate) async fn send(
         .get("pdus")
         .and_then(|v| v.as_array())
         .ok_or_else(|| FedError::bad_json("pdus must be an array"))?;
-    let edus = body.get("edus").and_then(|v| v.as_array());
+    // `edus` is optional (absent or null: none), but when given it is an array.
+    let edus = match body.get("edus") {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v) => Some(
+            v.as_array()
+                .ok_or_else(|| FedError::bad_json("edus must be an array"))?,
+        ),
+    };
     if pdus.len() > MAX_PDUS || edus.is_some_and(|e| e.len() > MAX_EDUS) {
         return Err(FedError::bad_json(format!(
             "a transaction carries at most {MAX_PDUS} PDUs and {MAX_EDUS} EDUs"
