@@ -91,8 +91,12 @@ pub struct State {
     /// The `partial` table in memory (rooms ever joined with partial state are few):
     /// room id -> `None` while partial, `Some(position)` once complete. `/sync` asks
     /// for every joined room, so this is never a store read.
-    partial_rooms: parking_lot::RwLock<std::collections::HashMap<String, Option<u64>>>,
+    partial_rooms: PartialRooms,
 }
+
+/// See [`State::partial_rooms`] (shared with the commit hook that flips a room).
+type PartialRooms =
+    std::sync::Arc<parking_lot::RwLock<std::collections::HashMap<String, Option<u64>>>>;
 
 fn root_from(bytes: &[u8]) -> Option<Root> {
     Root::from_bytes(bytes)
@@ -340,13 +344,18 @@ impl Projection for State {
                 return Ok(());
             }
             Some(spindle_journal::Fact::RoomStateCompleted { room_id }) => {
-                self.partial_rooms
-                    .write()
-                    .insert(room_id.clone(), Some(record.position()));
+                // Flipped in memory only once the batch is committed: a reader that
+                // sees the room complete (`/members` waits for exactly that) must also
+                // see the member slots the outliers before this record added.
+                let (rooms, position) = (self.partial_rooms.clone(), record.position());
+                let room = room_id.clone();
+                ctx.after_commit(move || {
+                    rooms.write().insert(room, Some(position));
+                });
                 ctx.put(
                     &self.partial,
                     room_id.into_bytes(),
-                    record.position().to_be_bytes().to_vec(),
+                    position.to_be_bytes().to_vec(),
                 );
                 return Ok(());
             }
