@@ -1554,7 +1554,7 @@ async fn typing_receipts_presence_and_to_device_cross_between_servers_both_ways(
         {
             seen.insert(u.as_str().unwrap().to_owned());
         }
-        seen.contains(&alice_id).then(|| json!(null))
+        seen.contains(&alice_id).then_some(Value::Null)
     })
     .await;
     let changed: Vec<String> = seen.into_inner().unwrap().into_iter().collect();

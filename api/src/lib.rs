@@ -387,6 +387,11 @@ impl AppState {
             }
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
+        // The state projection has the completion; the other projections (the member
+        // list of `/joined_members` is the membership projection's) catch up to it too.
+        if let Some(position) = self.projections.state.completed_at(room_id) {
+            self.wait_for(position).await?;
+        }
         Ok(())
     }
 
