@@ -33,6 +33,8 @@ pub struct Config {
     pub search: Search,
     /// The journal's write-model snapshots (start-up time).
     pub journal: JournalConfig,
+    /// Memory of the embedded storage engine (docs/operations.md, "Memory").
+    pub storage: Storage,
     /// Log filter (tracing `EnvFilter` syntax); `RUST_LOG` overrides it.
     pub log: String,
     /// Server admins (full user ids): they may use the admin API
@@ -662,6 +664,46 @@ pub struct Search {
     pub writer_heap_bytes: usize,
 }
 
+/// Memory of the embedded storage engine, fjall: applied to each of its two databases
+/// (`<data_dir>/journal` and `<data_dir>/projections`) separately, so the engine holds
+/// at most about `2 * (write_ahead_bytes + block_cache_bytes)` in memory. Bytes.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Storage {
+    /// Largest in-memory memtable of one keyspace before it is flushed to disk (at
+    /// least 1 MiB). Recorded per keyspace when the keyspace is created: a change
+    /// applies to new data directories and rebuilt projections.
+    pub memtable_bytes: u64,
+    /// Unflushed write-ahead log per database before the memtables holding its oldest
+    /// part are flushed: the bound on all memtables of a database together (at least
+    /// 64 MiB).
+    pub write_ahead_bytes: u64,
+    /// Block cache per database (recently read blocks of the tables on disk).
+    pub block_cache_bytes: u64,
+}
+
+impl Default for Storage {
+    fn default() -> Self {
+        let d = spindle_journal::StorageMemory::default();
+        Storage {
+            memtable_bytes: d.memtable_bytes,
+            write_ahead_bytes: d.write_ahead_bytes,
+            block_cache_bytes: d.block_cache_bytes,
+        }
+    }
+}
+
+impl Storage {
+    /// The settings as the stores take them.
+    pub fn to_memory(&self) -> spindle_journal::StorageMemory {
+        spindle_journal::StorageMemory {
+            memtable_bytes: self.memtable_bytes,
+            write_ahead_bytes: self.write_ahead_bytes,
+            block_cache_bytes: self.block_cache_bytes,
+        }
+    }
+}
+
 /// Journal settings: how often the write models are snapshotted (docs/operations.md
 /// "Start-up cost").
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -710,6 +752,7 @@ impl Default for Config {
             media: Media::default(),
             search: Search::default(),
             journal: JournalConfig::default(),
+            storage: Storage::default(),
             log: "info,fjall=warn,lsm_tree=warn,ruma_state_res=warn,tantivy=warn".into(),
             admins: Vec::new(),
             voip: Voip::default(),
@@ -823,6 +866,20 @@ impl Config {
                 "search.writer_heap_bytes must be at least {} (got {})",
                 spindle_projections::search::WRITER_HEAP_BYTES_MIN,
                 self.search.writer_heap_bytes
+            ));
+        }
+        if self.storage.memtable_bytes < spindle_journal::StorageMemory::MEMTABLE_MIN {
+            return Err(format!(
+                "storage.memtable_bytes must be at least {} (got {})",
+                spindle_journal::StorageMemory::MEMTABLE_MIN,
+                self.storage.memtable_bytes
+            ));
+        }
+        if self.storage.write_ahead_bytes < spindle_journal::StorageMemory::WRITE_AHEAD_MIN {
+            return Err(format!(
+                "storage.write_ahead_bytes must be at least {} (got {})",
+                spindle_journal::StorageMemory::WRITE_AHEAD_MIN,
+                self.storage.write_ahead_bytes
             ));
         }
         if self.registration.tokens.iter().any(|t| t.trim().is_empty()) {
@@ -984,7 +1041,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 146);
+        assert_eq!(want.len(), 149);
     }
 
     #[test]

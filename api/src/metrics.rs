@@ -68,6 +68,7 @@ pub struct Metrics {
     hashing_completed: Gauge,
     hashing_buffer_bytes: Gauge,
     rss_bytes: Gauge,
+    storage_memory: Family<Labels, Gauge>,
     cpu_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
 }
 
@@ -231,6 +232,12 @@ impl Metrics {
             "password_hashing_buffer_bytes",
             "Memory held by the hashing pool's argon2 buffers",
         );
+        let storage_memory = Family::<Labels, Gauge>::default();
+        registry.register(
+            "storage_memory_bytes",
+            "Memory the storage engine holds now, per database (journal, projections) and kind (memtables: unflushed writes; block_cache: cached table blocks)",
+            storage_memory.clone(),
+        );
         let rss_bytes = gauge(
             &mut registry,
             "process_resident_memory_bytes",
@@ -271,6 +278,7 @@ impl Metrics {
             hashing_completed,
             hashing_buffer_bytes,
             rss_bytes,
+            storage_memory,
             cpu_seconds,
         }
     }
@@ -389,6 +397,24 @@ impl Metrics {
         self.hashing_completed.set(s.hashing.completed() as i64);
         self.hashing_buffer_bytes
             .set(s.hashing.buffer_bytes() as i64);
+        let projections_use = s.projections.db.storage_use();
+        for (database, used) in [
+            ("journal", s.journal.storage_use()),
+            ("projections", Some(projections_use)),
+        ] {
+            let Some(used) = used else { continue };
+            for (kind, bytes) in [
+                ("memtables", used.write_buffer_bytes),
+                ("block_cache", used.block_cache_bytes),
+            ] {
+                self.storage_memory
+                    .get_or_create(&vec![
+                        ("database", database.to_owned()),
+                        ("kind", kind.to_owned()),
+                    ])
+                    .set(bytes as i64);
+            }
+        }
         if let Some(rss) = proc_rss_bytes() {
             self.rss_bytes.set(rss as i64);
         }

@@ -47,7 +47,7 @@ pub use record::{
     Fact, GENESIS_HASH, KeyClaim, RECORD_FORMAT, Record, RecordKind, RemoteDevice,
     RemoteDeviceUpdate, RemoteSigningKeys, SignatureAdded, StoredRecord, record_hash,
 };
-pub use store::{EncodedRecord, FjallStore, JournalStore};
+pub use store::{EncodedRecord, FjallStore, JournalStore, StorageMemory, StorageUse};
 
 /// Why a command was refused. Each maps to one Matrix error in the API.
 #[derive(Debug, thiserror::Error)]
@@ -1075,6 +1075,12 @@ impl Journal {
     /// Counters for counting tests.
     pub fn stats(&self) -> &JournalStats {
         &self.inner.stats
+    }
+
+    /// What the journal's store holds in memory now (memtables, block cache), if the
+    /// store reports it ([`JournalStore::memory_use`]).
+    pub fn storage_use(&self) -> Option<StorageUse> {
+        self.inner.store.memory_use()
     }
 
     /// Transaction ids in the hot set now, and its bound ([`txn`]).

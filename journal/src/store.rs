@@ -12,6 +12,75 @@ use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode};
 
 use crate::record::{RECORD_FORMAT, StoredRecord};
 
+/// Memory settings of one embedded fjall database (the journal's, the projections'),
+/// `[storage]` in the config (docs/operations.md, "Memory"). Bytes throughout.
+///
+/// fjall keeps every keyspace's recent writes in an in-memory memtable until it is
+/// flushed to a table on disk. Its defaults (64 MiB per memtable, flushes forced only
+/// once 512 MiB of its write-ahead log is unflushed) let a database of ~30 keyspaces
+/// hold hundreds of MiB of memtables that only a restart gives back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StorageMemory {
+    /// Largest memtable of a keyspace before it is flushed. Recorded per keyspace when
+    /// the keyspace is created (fjall persists it): changing it applies to keyspaces
+    /// created afterwards (a new data directory, a projection rebuild), while
+    /// [`StorageMemory::write_ahead_bytes`] bounds the older ones too.
+    pub memtable_bytes: u64,
+    /// Unflushed write-ahead log a database may keep before the memtables holding its
+    /// oldest part are flushed; this bounds the memtables of all keyspaces together.
+    /// At least 64 MiB (fjall's minimum).
+    pub write_ahead_bytes: u64,
+    /// Block cache of the database (recently read table blocks).
+    pub block_cache_bytes: u64,
+}
+
+impl StorageMemory {
+    /// fjall's minimum for [`StorageMemory::write_ahead_bytes`].
+    pub const WRITE_AHEAD_MIN: u64 = 64 * 1024 * 1024;
+    /// The smallest [`StorageMemory::memtable_bytes`] accepted (1 MiB).
+    pub const MEMTABLE_MIN: u64 = 1024 * 1024;
+
+    /// A `fjall` database builder for `dir` with these settings.
+    pub fn builder(&self, dir: &Path) -> fjall::DatabaseBuilder<Database> {
+        Database::builder(dir)
+            .max_journaling_size(self.write_ahead_bytes.max(Self::WRITE_AHEAD_MIN))
+            .cache_size(self.block_cache_bytes)
+    }
+
+    /// Options for a new keyspace with these settings.
+    pub fn keyspace(&self) -> KeyspaceCreateOptions {
+        KeyspaceCreateOptions::default().max_memtable_size(self.memtable_bytes)
+    }
+}
+
+impl Default for StorageMemory {
+    /// 8 MiB memtables, 64 MiB of write-ahead log, 32 MiB block cache.
+    fn default() -> Self {
+        StorageMemory {
+            memtable_bytes: 8 * 1024 * 1024,
+            write_ahead_bytes: Self::WRITE_AHEAD_MIN,
+            block_cache_bytes: 32 * 1024 * 1024,
+        }
+    }
+}
+
+/// Memory the storage engine holds now, bytes (the `spindle_storage_*` metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StorageUse {
+    /// Memtables of every keyspace, active and sealed, not yet flushed.
+    pub write_buffer_bytes: u64,
+    /// Block cache in use.
+    pub block_cache_bytes: u64,
+}
+
+/// What `db` holds in memory now. Reads fjall's unstable accessors (fjall 3.1).
+pub fn storage_use(db: &Database) -> StorageUse {
+    StorageUse {
+        write_buffer_bytes: db.write_buffer_size(),
+        block_cache_bytes: db.cache_size(),
+    }
+}
+
 /// One record ready to be written: its position, its room (for the per-room index)
 /// and its encoded envelope.
 #[derive(Debug, Clone)]
@@ -77,6 +146,10 @@ pub trait JournalStore: Send + Sync + 'static {
     fn delete_snapshot(&self) -> Result<(), String> {
         Ok(())
     }
+    /// What the store holds in memory now, if it knows (metrics only).
+    fn memory_use(&self) -> Option<StorageUse> {
+        None
+    }
 }
 
 /// The fjall-backed journal: keyspace `records` (position BE u64 -> rkyv record),
@@ -100,7 +173,12 @@ impl FjallStore {
     /// another record format with a message naming the way forward (format 1:
     /// `spindle journal migrate`).
     pub fn open(dir: &Path) -> Result<FjallStore, String> {
-        let store = Self::open_any_format(dir)?;
+        Self::open_with(dir, StorageMemory::default())
+    }
+
+    /// [`FjallStore::open`] with the given memory settings.
+    pub fn open_with(dir: &Path, memory: StorageMemory) -> Result<FjallStore, String> {
+        let store = Self::open_any_format_with(dir, memory)?;
         match store.stored_format()? {
             f if f == RECORD_FORMAT => Ok(store),
             1 => Err(format!(
@@ -120,21 +198,26 @@ impl FjallStore {
     /// Opens the journal database without checking its format (for `journal migrate`
     /// and `journal check`). A new, empty journal is marked with [`RECORD_FORMAT`].
     pub fn open_any_format(dir: &Path) -> Result<FjallStore, String> {
-        let db = Database::builder(dir)
+        Self::open_any_format_with(dir, StorageMemory::default())
+    }
+
+    fn open_any_format_with(dir: &Path, memory: StorageMemory) -> Result<FjallStore, String> {
+        let db = memory
+            .builder(dir)
             .manual_journal_persist(true)
             .open()
             .map_err(|e| e.to_string())?;
         let records = db
-            .keyspace("records", KeyspaceCreateOptions::default)
+            .keyspace("records", || memory.keyspace())
             .map_err(|e| e.to_string())?;
         let room_log = db
-            .keyspace("room_log", KeyspaceCreateOptions::default)
+            .keyspace("room_log", || memory.keyspace())
             .map_err(|e| e.to_string())?;
         let txn_ids = db
-            .keyspace("txn_ids", KeyspaceCreateOptions::default)
+            .keyspace("txn_ids", || memory.keyspace())
             .map_err(|e| e.to_string())?;
         let meta = db
-            .keyspace("meta", KeyspaceCreateOptions::default)
+            .keyspace("meta", || memory.keyspace())
             .map_err(|e| e.to_string())?;
         let store = FjallStore {
             db,
@@ -189,6 +272,10 @@ fn position_of(key: &[u8]) -> Result<u64, String> {
 }
 
 impl JournalStore for FjallStore {
+    fn memory_use(&self) -> Option<StorageUse> {
+        Some(storage_use(&self.db))
+    }
+
     fn append(&self, records: &[EncodedRecord]) -> Result<(), String> {
         let mut batch = self.db.batch();
         for r in records {

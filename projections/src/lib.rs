@@ -160,6 +160,8 @@ fn open_by_name(
 pub struct ProjectionOptions {
     /// The search index.
     pub search: search::SearchOptions,
+    /// Memory settings of the projections database (`[storage]`).
+    pub storage: spindle_journal::StorageMemory,
 }
 
 impl Projections {
@@ -196,7 +198,7 @@ impl Projections {
         journal: Journal,
         options: ProjectionOptions,
     ) -> Result<Projections, String> {
-        let db = ProjectionDb::open(dir)?;
+        let db = ProjectionDb::open_with(dir, options.storage)?;
         let timeline = Arc::new(timeline::Timeline::open(&db)?);
         let state = Arc::new(state::State::open(&db)?);
         let membership = Arc::new(membership::Memberships::open(&db)?);

@@ -27,6 +27,7 @@ use std::{
 };
 
 use fjall::{Database, Keyspace, KeyspaceCreateOptions};
+use spindle_journal::{StorageMemory, StorageUse};
 
 /// Store counters for counting tests (BRIEF §3.9): point reads and rows scanned.
 #[derive(Debug, Default)]
@@ -55,6 +56,8 @@ pub struct ProjectionDb {
     /// Tables of this projection are opened in this generation instead of the current
     /// one (a rebuild's handle, [`ProjectionDb::for_generation`]).
     shadow: Option<(Arc<str>, u32)>,
+    /// Settings new tables are created with.
+    memory: StorageMemory,
 }
 
 /// The keyspace name prefix of `projection`'s tables in `generation`.
@@ -85,12 +88,17 @@ impl ProjectionDb {
     /// individually: projections are rebuildable and each batch is atomic, so a crash
     /// only rewinds a checkpoint.
     pub fn open(dir: &Path) -> Result<ProjectionDb, String> {
-        let db = Database::builder(dir).open().map_err(|e| e.to_string())?;
+        Self::open_with(dir, StorageMemory::default())
+    }
+
+    /// [`ProjectionDb::open`] with the given memory settings (`[storage]`).
+    pub fn open_with(dir: &Path, memory: StorageMemory) -> Result<ProjectionDb, String> {
+        let db = memory.builder(dir).open().map_err(|e| e.to_string())?;
         let checkpoints = db
-            .keyspace("checkpoints", KeyspaceCreateOptions::default)
+            .keyspace("checkpoints", || memory.keyspace())
             .map_err(|e| e.to_string())?;
         let generations = db
-            .keyspace("generations", KeyspaceCreateOptions::default)
+            .keyspace("generations", || memory.keyspace())
             .map_err(|e| e.to_string())?;
         let pdb = ProjectionDb {
             db,
@@ -98,6 +106,7 @@ impl ProjectionDb {
             generations,
             stats: Arc::new(StoreStats::default()),
             shadow: None,
+            memory,
         };
         pdb.drop_stale_generations()?;
         Ok(pdb)
@@ -168,6 +177,11 @@ impl ProjectionDb {
         }
     }
 
+    /// What this database holds in memory now (memtables, block cache).
+    pub fn storage_use(&self) -> StorageUse {
+        spindle_journal::store::storage_use(&self.db)
+    }
+
     /// Opens one table of a projection (in its current generation).
     pub fn table(&self, projection: &str, name: &str) -> Result<Table, String> {
         let generation = match &self.shadow {
@@ -178,7 +192,7 @@ impl ProjectionDb {
             .db
             .keyspace(
                 &format!("{}{name}", keyspace_prefix(projection, generation)),
-                KeyspaceCreateOptions::default,
+                || self.memory.keyspace(),
             )
             .map_err(|e| e.to_string())?;
         Ok(Table {
@@ -583,6 +597,52 @@ pub mod key {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Waits (at most 30 s) until the memtables of `db` hold at most `bound` bytes and
+    /// returns what they hold then. Flushes run on fjall's workers, hence the wait.
+    fn memtables_settle(db: &ProjectionDb, bound: u64) -> u64 {
+        for _ in 0..300 {
+            let held = db.storage_use().write_buffer_bytes;
+            if held <= bound {
+                return held;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        db.storage_use().write_buffer_bytes
+    }
+
+    #[test]
+    fn tables_are_created_with_the_configured_memtable_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let memory = StorageMemory {
+            memtable_bytes: 1024 * 1024,
+            ..StorageMemory::default()
+        };
+        let db = ProjectionDb::open_with(dir.path(), memory).unwrap();
+        let table = db.table("p", "rows").unwrap();
+        // 24 MiB of rows: with fjall's own default (64 MiB memtables) every byte of it
+        // would still be in memory.
+        let value = vec![7u8; 4096];
+        for batch in 0..24u32 {
+            let ctx = ApplyCtx::new();
+            for i in 0..256u32 {
+                ctx.put(
+                    &table,
+                    format!("{batch:04}-{i:04}").into_bytes(),
+                    value.clone(),
+                );
+            }
+            ctx.commit(&db, "p", u64::from(batch) + 1).unwrap();
+        }
+        let held = memtables_settle(&db, 3 * 1024 * 1024);
+        assert!(
+            held <= 3 * 1024 * 1024,
+            "memtables hold {held} bytes after 24 MiB of writes with 1 MiB memtables"
+        );
+        // Nothing was lost to the flushes.
+        assert_eq!(table.get(b"0000-0000"), Some(value.clone()));
+        assert_eq!(table.get(b"0023-0255"), Some(value));
+    }
 
     #[test]
     fn staged_writes_read_back_within_the_batch_and_commit_atomically() {
