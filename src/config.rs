@@ -1041,7 +1041,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 149);
+        assert_eq!(want.len(), 150);
     }
 
     #[test]
