@@ -20,6 +20,10 @@ Phases, each sampled (RSS from /proc/PID/status every 0.5 s):
               and presence set by the same users
   after       30 s idle, then the final RSS
 
+At each mark the server's own memory figures are scraped from its metrics listener
+(spindle_storage_memory_bytes per database and kind, spindle_cache_entries per map), so
+the growth can be attributed and not only observed.
+
 Rate limits are lifted and argon2 runs with cheap parameters (m_cost 1024 KiB, t 1):
 the soak measures the maps that grow with users and traffic, not hashing, whose memory
 is bounded by the pool (docs/benchmarks.md "Login memory"). Talks to 127.0.0.1 only and
@@ -65,6 +69,7 @@ def rss_mib(pid):
 class Soak:
     def __init__(self, args):
         self.args = args
+        self.marks, self.memory = {}, {}
         self.samples = []  # (seconds since start, phase, MiB)
         self.phase = "start"
         self.t0 = time.monotonic()
@@ -109,6 +114,7 @@ class Soak:
         a = self.args
         work = tempfile.mkdtemp(prefix="spindle-soak-")
         port = free_port()
+        self.metrics_url = f"http://127.0.0.1:{free_port()}/metrics"
         self.base = f"http://127.0.0.1:{port}"
         cfg = os.path.join(work, "spindle.toml")
         with open(cfg, "w") as f:
@@ -118,6 +124,7 @@ class Soak:
                 '[registration]\nmode = "open"\n'
                 "[rate_limits]\nenabled = false\n"
                 "[password_hashing]\nm_cost_kib = 1024\nt_cost = 1\n"
+                f'[metrics]\nenabled = true\nbind = "{self.metrics_url.split("/")[2]}"\n'
                 f"{a.extra_toml}\n"
             )
         env = dict(os.environ)
@@ -146,11 +153,27 @@ class Soak:
             shutil.rmtree(work, ignore_errors=True)
         return self.report()
 
+    async def mark(self, http, name):
+        """Records the RSS now and the server's own memory metrics under `name`."""
+        self.marks[name] = rss_now(self)
+        figures = {}
+        try:
+            async with http.get(self.metrics_url) as r:
+                text = await r.text()
+            for line in text.splitlines():
+                if line.startswith(("spindle_storage_memory_bytes{", "spindle_cache_entries{")):
+                    key, value = line.rsplit(" ", 1)
+                    figures[key] = float(value)
+        except aiohttp.ClientError as e:
+            figures["error"] = str(e)
+        self.memory[name] = figures
+
     async def phases(self, http):
         a = self.args
         self.phase = "idle"
         await asyncio.sleep(5)
-        self.marks = {"idle": rss_now(self)}
+        self.marks, self.memory = {}, {}
+        await self.mark(http, "idle")
 
         self.phase = "register"
         tokens = [None] * a.users
@@ -171,7 +194,7 @@ class Soak:
             return job
 
         await self.pool([register(i) for i in range(a.users)], 16)
-        self.marks["after register+login"] = rss_now(self)
+        await self.mark(http, "after register+login")
 
         self.phase = "rooms"
         rooms = [None] * a.rooms
@@ -192,7 +215,7 @@ class Soak:
             return job
 
         await self.pool([join(i) for i in range(a.rooms, a.users)], 16)
-        self.marks["after rooms+joins"] = rss_now(self)
+        await self.mark(http, "after rooms+joins")
 
         self.phase = "messages"
         rng = random.Random(7)
@@ -211,7 +234,7 @@ class Soak:
             return job
 
         await self.pool([send(n) for n in range(a.messages)], 32)
-        self.marks["after messages"] = rss_now(self)
+        await self.mark(http, "after messages")
 
         self.phase = "sliding"
 
@@ -229,11 +252,11 @@ class Soak:
             return job
 
         await self.pool([sliding(i) for i in range(min(a.sliding, a.users))], 32)
-        self.marks["after sliding"] = rss_now(self)
+        await self.mark(http, "after sliding")
 
         self.phase = "after"
         await asyncio.sleep(30)
-        self.marks["30 s after"] = rss_now(self)
+        await self.mark(http, "30 s after")
 
     def report(self):
         peak = {}
@@ -242,6 +265,7 @@ class Soak:
         out = {
             "args": {k: v for k, v in vars(self.args).items() if k != "out"},
             "marks_mib": self.marks,
+            "memory_metrics": self.memory,
             "peak_mib_by_phase": peak,
             "peak_mib": max((m for _, _, m in self.samples), default=None),
             "errors": self.errors,
