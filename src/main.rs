@@ -8,6 +8,12 @@ use std::path::PathBuf;
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// jemalloc is the global allocator by default (the `jemalloc` feature), unless
+/// `--features mimalloc` asks for mimalloc; `--no-default-features` keeps glibc's.
+#[cfg(all(feature = "jemalloc", not(feature = "mimalloc")))]
+#[global_allocator]
+static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 use anyhow::{Context, anyhow};
 use clap::{Parser, Subcommand};
 use spindle::Config;

@@ -66,6 +66,20 @@ def rss_mib(pid):
     return None
 
 
+def rss_parts(pid):
+    """RssAnon (heap and other anonymous memory) and RssFile (mapped files, e.g. the
+    search index's segments) in MiB, from /proc/PID/status."""
+    parts = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("RssAnon:", "RssFile:")):
+                    parts[line.split(":")[0]] = round(int(line.split()[1]) / 1024, 1)
+    except FileNotFoundError:
+        pass
+    return parts
+
+
 class Soak:
     def __init__(self, args):
         self.args = args
@@ -141,6 +155,7 @@ class Soak:
                     except aiohttp.ClientError:
                         pass
                     await asyncio.sleep(0.1)
+                self.pid = proc.pid
                 sampler = asyncio.create_task(self.sampler(proc.pid))
                 await self.phases(http)
                 sampler.cancel()
@@ -156,7 +171,7 @@ class Soak:
     async def mark(self, http, name):
         """Records the RSS now and the server's own memory metrics under `name`."""
         self.marks[name] = rss_now(self)
-        figures = {}
+        figures = rss_parts(self.pid)
         try:
             async with http.get(self.metrics_url) as r:
                 text = await r.text()
