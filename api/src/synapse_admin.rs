@@ -401,6 +401,7 @@ async fn create_account(
         Some(Fact::AccountRegistered {
             user_id: user_id.to_owned(),
             password_hash,
+            guest: false,
         }),
         Some(Fact::ProfileSet {
             user_id: user_id.to_owned(),
@@ -1420,8 +1421,8 @@ async fn create_notice_room(
         user_id: creator.to_owned(),
         device_id: String::new(),
         token_hash: String::new(),
-
         appservice: None,
+        is_guest: false,
     };
     let body = json!({
         "preset": "public_chat",
