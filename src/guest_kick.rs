@@ -10,7 +10,12 @@
 //! command of the guest's own `leave` (as Synapse's `kick_guest_users` does: the guest
 //! is the sender, so no power level is needed). At least once: a leave repeated after
 //! a restart finds the guest gone and appends nothing (the membership precondition).
-//! Cost: one scan of the room's members per such change, which is rare.
+//!
+//! Cost: nothing on a server that never had a guest (the cursor file remembers whether
+//! an `AccountRegistered` with `guest: true` went by, so ordinary rooms' creation
+//! reads nothing here); else a change whose own content is `can_join` costs nothing,
+//! and any other change one state lookup and one scan of the room's members, which is
+//! rare. Records are searched as bytes before any is parsed.
 
 use std::path::Path;
 
@@ -26,6 +31,24 @@ const READ_BATCH: usize = 256;
 /// The event type whose changes the reactor watches.
 const GUEST_ACCESS: &str = "m.room.guest_access";
 
+/// The cursor-file entry that says whether a guest was ever registered (1) or not (0).
+const GUESTS_SEEN: &str = "guests_seen";
+
+/// Whether `needle` occurs in `haystack`.
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Whether a record registers a guest account.
+fn registers_guest(rec: &StoredRecord) -> bool {
+    !rec.carries_pdu()
+        && contains(rec.payload(), b"\"guest\":true")
+        && matches!(
+            rec.fact(),
+            Some(spindle_journal::Fact::AccountRegistered { guest: true, .. })
+        )
+}
+
 /// Starts the reactor (it runs until `shutdown` turns true). Errors on an unreadable
 /// cursor file.
 pub(crate) fn start(
@@ -37,8 +60,25 @@ pub(crate) fn start(
 ) -> Result<(), String> {
     let mut cursors = Cursors::open(consumers_dir, "guest-kick")?;
     let start = cursors.get("").unwrap_or_else(|| journal.durable_head());
+    let seen = cursors.get(GUESTS_SEEN);
     tokio::spawn(async move {
         let run = async {
+            // A cursor file made now (a new data directory, or the file removed): the
+            // accounts applied up to the start say whether guests exist; once.
+            let mut guests_seen = match seen {
+                Some(v) => v > 0,
+                None => {
+                    projections
+                        .runtime
+                        .wait_for(start, std::time::Duration::from_secs(60))
+                        .await;
+                    let any = projections.accounts.users().iter().any(|(_, a)| a.guest);
+                    if let Err(e) = cursors.set(GUESTS_SEEN, u64::from(any)) {
+                        tracing::warn!(error = %e, "guest-kick: cursor not saved");
+                    }
+                    any
+                }
+            };
             let mut after = start;
             while let Some(batch) = crate::reactor::read_applied(
                 &journal,
@@ -51,7 +91,14 @@ pub(crate) fn start(
             {
                 let mut rooms: Vec<String> = Vec::new();
                 for rec in &batch {
-                    if let Some(room) = guest_access_change(rec)
+                    if !guests_seen && registers_guest(rec) {
+                        guests_seen = true;
+                        if let Err(e) = cursors.set(GUESTS_SEEN, 1) {
+                            tracing::warn!(error = %e, "guest-kick: cursor not saved");
+                        }
+                    }
+                    if guests_seen
+                        && let Some(room) = guest_access_change(rec)
                         && !rooms.contains(&room)
                     {
                         rooms.push(room);
@@ -74,20 +121,17 @@ pub(crate) fn start(
     Ok(())
 }
 
-/// The room of a record that sets `m.room.guest_access` (any record applied to room
-/// state). The payload is searched for the type before a PDU is parsed, so other
-/// records cost one byte scan.
+/// The room of a record that sets `m.room.guest_access` to anything but `can_join`
+/// (any record applied to room state). The payload is searched for the type before a
+/// PDU is parsed, so other records cost one byte scan.
 fn guest_access_change(rec: &StoredRecord) -> Option<String> {
-    if !rec.applies_to_state()
-        || !rec
-            .payload()
-            .windows(GUEST_ACCESS.len())
-            .any(|w| w == GUEST_ACCESS.as_bytes())
-    {
+    if !rec.applies_to_state() || !contains(rec.payload(), GUEST_ACCESS.as_bytes()) {
         return None;
     }
     let pdu = rec.room_pdu()?;
-    (pdu.kind.to_string() == GUEST_ACCESS && pdu.state_key.as_deref() == Some(""))
+    (pdu.kind.to_string() == GUEST_ACCESS
+        && pdu.state_key.as_deref() == Some("")
+        && pdu.content_value()["guest_access"] != "can_join")
         .then(|| pdu.room_id.to_string())
 }
 
@@ -110,10 +154,7 @@ async fn kick_guests(journal: &Journal, projections: &Projections, server: &str,
     for (user_id, m) in projections.membership.members(room_id) {
         if m.membership != "join"
             || !user_id.ends_with(&suffix)
-            || !projections
-                .accounts
-                .user(&user_id)
-                .is_some_and(|a| a.guest)
+            || !projections.accounts.user(&user_id).is_some_and(|a| a.guest)
         {
             continue;
         }
@@ -141,7 +182,9 @@ async fn kick_guests(journal: &Journal, projections: &Projections, server: &str,
             Err(e) => Err(e.to_string()),
         };
         match result {
-            Ok(_) => tracing::info!(user = %user_id, room = %room_id, "guest-kick: guest left the room (guest access turned off)"),
+            Ok(_) => {
+                tracing::info!(user = %user_id, room = %room_id, "guest-kick: guest left the room (guest access turned off)")
+            }
             Err(e) => {
                 tracing::warn!(user = %user_id, room = %room_id, error = %e, "guest-kick: leave failed")
             }

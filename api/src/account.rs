@@ -391,9 +391,9 @@ async fn register(
         crate::appservice::check_user_not_exclusive(&s, &full_user_id(&s, &local), None)?;
         if upgrading.is_none()
             && s.projections
-            .accounts
-            .user(&full_user_id(&s, &local))
-            .is_some()
+                .accounts
+                .user(&full_user_id(&s, &local))
+                .is_some()
         {
             return Err(MatrixError::new(
                 StatusCode::BAD_REQUEST,
@@ -531,9 +531,8 @@ async fn register_guest(
             Err(e) => return Err(e),
         }
     }
-    let user_id = registered.ok_or_else(|| {
-        MatrixError::internal("No free guest user id found; try again")
-    })?;
+    let user_id = registered
+        .ok_or_else(|| MatrixError::internal("No free guest user id found; try again"))?;
     s.rate_limits.registration.record(&addr_key);
     let session = start_session(
         s,

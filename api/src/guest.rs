@@ -27,10 +27,19 @@ use crate::{ApiResult, AppState, MatrixError};
 pub const GUEST_ROUTES: &[(&str, &str)] = &[
     // Retrieving events and associated media.
     ("GET", "/_matrix/client/v3/rooms/{room_id}/state"),
-    ("GET", "/_matrix/client/v3/rooms/{room_id}/context/{event_id}"),
+    (
+        "GET",
+        "/_matrix/client/v3/rooms/{room_id}/context/{event_id}",
+    ),
     ("GET", "/_matrix/client/v3/rooms/{room_id}/event/{event_id}"),
-    ("GET", "/_matrix/client/v3/rooms/{room_id}/state/{event_type}"),
-    ("GET", "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/"),
+    (
+        "GET",
+        "/_matrix/client/v3/rooms/{room_id}/state/{event_type}",
+    ),
+    (
+        "GET",
+        "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/",
+    ),
     (
         "GET",
         "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/{state_key}",
@@ -40,12 +49,18 @@ pub const GUEST_ROUTES: &[(&str, &str)] = &[
     ("GET", "/_matrix/client/v3/rooms/{room_id}/initialSync"),
     ("GET", "/_matrix/client/v3/sync"),
     ("GET", "/_matrix/client/v3/events"),
-    ("GET", "/_matrix/client/v1/media/download/{server}/{media_id}"),
+    (
+        "GET",
+        "/_matrix/client/v1/media/download/{server}/{media_id}",
+    ),
     (
         "GET",
         "/_matrix/client/v1/media/download/{server}/{media_id}/{filename}",
     ),
-    ("GET", "/_matrix/client/v1/media/thumbnail/{server}/{media_id}"),
+    (
+        "GET",
+        "/_matrix/client/v1/media/thumbnail/{server}/{media_id}",
+    ),
     ("GET", "/_matrix/media/v3/download/{server}/{media_id}"),
     (
         "GET",
@@ -60,13 +75,22 @@ pub const GUEST_ROUTES: &[(&str, &str)] = &[
         "PUT",
         "/_matrix/client/v3/rooms/{room_id}/send/{event_type}/{txn_id}",
     ),
-    ("PUT", "/_matrix/client/v3/rooms/{room_id}/state/{event_type}"),
-    ("PUT", "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/"),
+    (
+        "PUT",
+        "/_matrix/client/v3/rooms/{room_id}/state/{event_type}",
+    ),
+    (
+        "PUT",
+        "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/",
+    ),
     (
         "PUT",
         "/_matrix/client/v3/rooms/{room_id}/state/{event_type}/{state_key}",
     ),
-    ("PUT", "/_matrix/client/v3/sendToDevice/{event_type}/{txn_id}"),
+    (
+        "PUT",
+        "/_matrix/client/v3/sendToDevice/{event_type}/{txn_id}",
+    ),
     // Their own account.
     ("PUT", "/_matrix/client/v3/profile/{user_id}/{field}"),
     ("GET", "/_matrix/client/v3/devices"),
@@ -137,7 +161,11 @@ pub fn room_allows_guests(s: &AppState, room_id: &str) -> bool {
 
 /// A guest's join: 403 `M_FORBIDDEN` unless the room allows guests to join (Synapse:
 /// "Guest access not allowed"). Full accounts pass.
-pub(crate) fn check_join(s: &AppState, r: &crate::extract::Requester, room_id: &str) -> ApiResult<()> {
+pub(crate) fn check_join(
+    s: &AppState,
+    r: &crate::extract::Requester,
+    room_id: &str,
+) -> ApiResult<()> {
     if r.is_guest && !room_allows_guests(s, room_id) {
         return Err(MatrixError::forbidden(
             "Guest access not allowed: this room's m.room.guest_access is not can_join",
