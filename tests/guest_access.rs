@@ -431,3 +431,82 @@ async fn a_guest_upgrades_to_a_full_account_keeping_its_user_id() {
     .expect_err(403, "M_FORBIDDEN");
     t.stop().await;
 }
+
+#[tokio::test]
+async fn a_guest_upgrades_with_its_token_as_authorization_too() {
+    let t = guest_server().await;
+    let guest = register_guest(&t, json!({})).await;
+    // Without `username` (taken as the guest's localpart) and without
+    // `guest_access_token`: the request's own guest token names the guest.
+    let done = guest
+        .post(
+            "/_matrix/client/v3/register",
+            &json!({ "password": "pw-guest", "auth": { "type": "m.login.dummy" },
+                     "device_id": "FULLDEV" }),
+        )
+        .await
+        .ok();
+    assert_eq!(done["user_id"], json!(guest.user_id));
+    assert_eq!(done["device_id"], "FULLDEV");
+    let whoami = guest
+        .with_token(done["access_token"].as_str())
+        .get("/_matrix/client/v3/account/whoami")
+        .await
+        .ok();
+    assert_eq!(
+        whoami,
+        json!({ "user_id": guest.user_id, "device_id": "FULLDEV", "is_guest": false })
+    );
+    // Both devices are the account's.
+    let devices = guest.get("/_matrix/client/v3/devices").await.ok();
+    let mut ids: Vec<&str> = devices["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["device_id"].as_str().unwrap())
+        .collect();
+    ids.sort();
+    let mut want = vec!["FULLDEV", guest.device_id.as_str()];
+    want.sort();
+    assert_eq!(ids, want);
+    t.stop().await;
+}
+
+#[tokio::test]
+async fn the_server_admin_api_shows_guests() {
+    let t = TestServer::start_with(|c| {
+        c.registration.allow_guest_access = true;
+        c.admins = vec![uid("admin")];
+    })
+    .await;
+    let admin = t.register("admin").await;
+    let guest = register_guest(&t, json!({})).await;
+    let list = admin.get("/_synapse/admin/v2/users").await.ok();
+    let flags: Vec<(String, bool)> = list["users"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|u| {
+            (
+                u["name"].as_str().unwrap().to_owned(),
+                u["is_guest"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        flags,
+        vec![(guest.user_id.clone(), true), (uid("admin"), false)]
+    );
+    let list = admin
+        .get("/_synapse/admin/v2/users?guests=false")
+        .await
+        .ok();
+    assert_eq!(list["total"], 1);
+    assert_eq!(list["users"][0]["name"], json!(uid("admin")));
+    let one = admin
+        .get(&format!("/_synapse/admin/v2/users/{}", enc(&guest.user_id)))
+        .await
+        .ok();
+    assert_eq!(one["is_guest"], true);
+    t.stop().await;
+}
