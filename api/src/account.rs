@@ -469,6 +469,9 @@ async fn register(
         )
         .await?;
     } else {
+        // The display name starts as the localpart, as Synapse sets it: clients show
+        // "The user has no displayname" errors otherwise. A fact of its own, so the
+        // audit trail says who set it (the server, at registration).
         register_account(&s, &user_id, &localpart, password_hash).await?;
     }
     s.rate_limits.registration.record(&addr_key);
