@@ -65,7 +65,6 @@ async fn fill(journal: &Journal, key: &ServerKey, messages: usize) -> String {
         Fact::AccountRegistered {
             user_id: ALICE.into(),
             password_hash: None,
-            guest: false,
         }
     } else {
         Fact::TokenRevoked {
