@@ -33,8 +33,9 @@ pub struct Config {
     pub search: Search,
     /// The journal's write-model snapshots (start-up time).
     pub journal: JournalConfig,
-    /// Memory of the embedded storage engine (docs/operations.md, "Memory").
-    pub storage: Storage,
+    /// Memory of the embedded storage engine, per database (docs/operations.md,
+    /// "Memory"); the stores take it as it is.
+    pub storage: spindle_journal::StorageMemory,
     /// Log filter (tracing `EnvFilter` syntax); `RUST_LOG` overrides it.
     pub log: String,
     /// Server admins (full user ids): they may use the admin API
@@ -664,46 +665,6 @@ pub struct Search {
     pub writer_heap_bytes: usize,
 }
 
-/// Memory of the embedded storage engine, fjall: applied to each of its two databases
-/// (`<data_dir>/journal` and `<data_dir>/projections`) separately, so the engine holds
-/// at most about `2 * (write_ahead_bytes + block_cache_bytes)` in memory. Bytes.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct Storage {
-    /// Largest in-memory memtable of one keyspace before it is flushed to disk (at
-    /// least 1 MiB). Recorded per keyspace when the keyspace is created: a change
-    /// applies to new data directories and rebuilt projections.
-    pub memtable_bytes: u64,
-    /// Unflushed write-ahead log per database before the memtables holding its oldest
-    /// part are flushed: the bound on all memtables of a database together (at least
-    /// 64 MiB).
-    pub write_ahead_bytes: u64,
-    /// Block cache per database (recently read blocks of the tables on disk).
-    pub block_cache_bytes: u64,
-}
-
-impl Default for Storage {
-    fn default() -> Self {
-        let d = spindle_journal::StorageMemory::default();
-        Storage {
-            memtable_bytes: d.memtable_bytes,
-            write_ahead_bytes: d.write_ahead_bytes,
-            block_cache_bytes: d.block_cache_bytes,
-        }
-    }
-}
-
-impl Storage {
-    /// The settings as the stores take them.
-    pub fn to_memory(&self) -> spindle_journal::StorageMemory {
-        spindle_journal::StorageMemory {
-            memtable_bytes: self.memtable_bytes,
-            write_ahead_bytes: self.write_ahead_bytes,
-            block_cache_bytes: self.block_cache_bytes,
-        }
-    }
-}
-
 /// Journal settings: how often the write models are snapshotted (docs/operations.md
 /// "Start-up cost").
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -752,7 +713,7 @@ impl Default for Config {
             media: Media::default(),
             search: Search::default(),
             journal: JournalConfig::default(),
-            storage: Storage::default(),
+            storage: spindle_journal::StorageMemory::default(),
             log: "info,fjall=warn,lsm_tree=warn,ruma_state_res=warn,tantivy=warn".into(),
             admins: Vec::new(),
             voip: Voip::default(),
@@ -1042,6 +1003,23 @@ mod tests {
             );
         }
         assert_eq!(want.len(), 150);
+    }
+
+    #[test]
+    fn storage_settings_below_the_engine_minimums_are_refused() {
+        let err = Config::from_toml("[storage]\nmemtable_bytes = 1000\n").unwrap_err();
+        assert!(
+            err.contains("storage.memtable_bytes must be at least 1048576 (got 1000)"),
+            "{err}"
+        );
+        let err = Config::from_toml("[storage]\nwrite_ahead_bytes = 67108863\n").unwrap_err();
+        assert!(
+            err.contains("storage.write_ahead_bytes must be at least 67108864 (got 67108863)"),
+            "{err}"
+        );
+        let ok = Config::from_toml("[storage]\nblock_cache_bytes = 0\n").unwrap();
+        assert_eq!(ok.storage.block_cache_bytes, 0);
+        assert_eq!(ok.storage.memtable_bytes, 8 * 1024 * 1024);
     }
 
     #[test]

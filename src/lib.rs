@@ -98,15 +98,14 @@ impl Server {
             spindle_federation::load_or_create_key(&config.data_dir, &config.server_name)
                 .map_err(|e| anyhow!(e))?,
         );
-        let store =
-            FjallStore::open_with(&config.data_dir.join("journal"), config.storage.to_memory())
-                .map_err(|e| anyhow!(e))
-                .with_context(|| {
-                    format!(
-                        "opening the journal in {} (is another spindle using this data_dir?)",
-                        config.data_dir.display()
-                    )
-                })?;
+        let store = FjallStore::open_with(&config.data_dir.join("journal"), config.storage)
+            .map_err(|e| anyhow!(e))
+            .with_context(|| {
+                format!(
+                    "opening the journal in {} (is another spindle using this data_dir?)",
+                    config.data_dir.display()
+                )
+            })?;
         let journal = Journal::open_with(
             Arc::new(store),
             key.clone(),
@@ -124,7 +123,7 @@ impl Server {
                 search: spindle_projections::search::SearchOptions {
                     writer_heap_bytes: config.search.writer_heap_bytes,
                 },
-                storage: config.storage.to_memory(),
+                storage: config.storage,
             },
         )
         .map_err(|e| anyhow!(e))?;

@@ -397,10 +397,9 @@ impl Metrics {
         self.hashing_completed.set(s.hashing.completed() as i64);
         self.hashing_buffer_bytes
             .set(s.hashing.buffer_bytes() as i64);
-        let projections_use = s.projections.db.storage_use();
         for (database, used) in [
             ("journal", s.journal.storage_use()),
-            ("projections", Some(projections_use)),
+            ("projections", Some(s.projections.db.storage_use())),
         ] {
             let Some(used) = used else { continue };
             for (kind, bytes) in [

@@ -18,8 +18,11 @@ use crate::record::{RECORD_FORMAT, StoredRecord};
 /// fjall keeps every keyspace's recent writes in an in-memory memtable until it is
 /// flushed to a table on disk. Its defaults (64 MiB per memtable, flushes forced only
 /// once 512 MiB of its write-ahead log is unflushed) let a database of ~30 keyspaces
-/// hold hundreds of MiB of memtables that only a restart gives back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// hold hundreds of MiB of memtables that only a restart gives back. Each database
+/// takes these separately, so the engine holds at most about
+/// `2 * (write_ahead_bytes + block_cache_bytes)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct StorageMemory {
     /// Largest memtable of a keyspace before it is flushed. Recorded per keyspace when
     /// the keyspace is created (fjall persists it): changing it applies to keyspaces
