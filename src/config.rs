@@ -576,6 +576,10 @@ pub struct Registration {
     /// Shared secret for `/_synapse/admin/v1/register` (HMAC-SHA1, as Synapse's
     /// `registration_shared_secret`); empty (default): that endpoint is off.
     pub shared_secret: String,
+    /// Serve guest accounts (spec: "Guest Access"; Synapse's `allow_guest_access`):
+    /// `POST /register?kind=guest`. Off (default): that answers 403 `M_FORBIDDEN`.
+    /// Guests registered while it was on keep their (restricted) access.
+    pub allow_guest_access: bool,
 }
 
 /// Limits on what clients may send or ask for.
@@ -740,6 +744,7 @@ impl Default for Registration {
             allow_open_registration_on_public_bind: false,
             tokens: Vec::new(),
             shared_secret: String::new(),
+            allow_guest_access: false,
         }
     }
 }
@@ -1002,7 +1007,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 150);
+        assert_eq!(want.len(), 151);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 pub mod appservice;
 pub mod config;
 pub mod federation_edus;
+mod guest_kick;
 mod ops;
 pub mod push_gateway;
 mod reactor;
@@ -182,6 +183,7 @@ impl Server {
             },
             registration_open: config.registration_open(),
             registration_tokens: config.registration.tokens.clone(),
+            allow_guest_access: config.registration.allow_guest_access,
             max_request_bytes: config.limits.max_request_bytes,
             max_sync_timeout_ms: config.limits.max_sync_timeout_ms,
             request_body_idle_timeout_ms: config.limits.request_body_idle_timeout_ms,
@@ -310,6 +312,16 @@ impl Server {
         } else {
             None
         };
+        // Always on: guests registered while `allow_guest_access` was on are still
+        // guests after it is turned off.
+        guest_kick::start(
+            journal.clone(),
+            projections.clone(),
+            config.server_name.clone(),
+            &config.data_dir.join("consumers"),
+            shutdown_rx.clone(),
+        )
+        .map_err(|e| anyhow!("guest-kick: {e}"))?;
         let state = if config.federation.enabled {
             state.with_federation(fed.clone())
         } else {

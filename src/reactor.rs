@@ -1,4 +1,4 @@
-//! What the reactors (push delivery, application services) share: journal consumers
+//! What the reactors (push delivery, application services, the guest kick) share: journal consumers
 //! with side effects that decide from projections (memberships, pushers, aliases), so
 //! they take a batch of records only once the projections have applied it.
 

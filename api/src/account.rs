@@ -325,7 +325,8 @@ pub(crate) async fn start_session(
 
 /// `POST /register` (spec: "Account registration"). Rate limited per client address
 /// (`[rate_limits.registration]`: every call is refused while the address's bucket is
-/// full, only a created account counts).
+/// full, only a created account counts). `kind=guest` registers a guest
+/// ([`register_guest`]); `guest_access_token` upgrades one ([`guest_to_upgrade`]).
 async fn register(
     State(s): State<AppState>,
     addr: ClientAddr,
@@ -337,7 +338,11 @@ async fn register(
     use axum::response::IntoResponse;
     match q.get("kind") {
         None | Some("user") => {}
-        Some("guest") => return Err(MatrixError::forbidden("Guest access is disabled")),
+        Some("guest") => {
+            return register_guest(&s, addr, &headers, &body)
+                .await
+                .map(IntoResponse::into_response);
+        }
         Some(other) => {
             return Err(MatrixError::invalid_param(format!(
                 "Unknown kind {other:?}"
@@ -365,15 +370,30 @@ async fn register(
     }
     let addr_key = addr.rate_key();
     s.rate_limits.registration.peek(&addr_key)?;
-    let username = opt_str(&body, "username")?;
+    let upgrading = guest_to_upgrade(&s, &headers, &body)?;
+    let mut username = opt_str(&body, "username")?;
+    if let Some(guest) = &upgrading {
+        // Spec ("Guest Access"): `username` must be the guest's own localpart; left
+        // out, it is taken to be.
+        let local = guest_localpart(&s, guest);
+        match &username {
+            Some(u) if u.to_lowercase() != local => {
+                return Err(MatrixError::forbidden(
+                    "Cannot register taken user ID without valid guest credentials for that user.",
+                ));
+            }
+            _ => username = Some(local.to_owned()),
+        }
+    }
     if let Some(u) = &username {
         let local = u.to_lowercase();
         check_localpart(&s, &local)?;
         crate::appservice::check_user_not_exclusive(&s, &full_user_id(&s, &local), None)?;
-        if s.projections
-            .accounts
-            .user(&full_user_id(&s, &local))
-            .is_some()
+        if upgrading.is_none()
+            && s.projections
+                .accounts
+                .user(&full_user_id(&s, &local))
+                .is_some()
         {
             return Err(MatrixError::new(
                 StatusCode::BAD_REQUEST,
@@ -435,10 +455,25 @@ async fn register(
         Some(p) => Some(hash_password(&s, p).await?),
         None => None,
     };
-    // The display name starts as the localpart, as Synapse sets it: clients show "The
-    // user has no displayname" errors otherwise. A fact of its own, so the audit trail
-    // says who set it (the server, at registration).
-    register_account(&s, &user_id, &localpart, password_hash).await?;
+    if upgrading.is_some() {
+        // The guest keeps its id, devices, memberships and display name.
+        s.submit_and_wait(
+            &user_id,
+            None,
+            CommandBody::Fact {
+                fact: Fact::GuestUpgraded {
+                    user_id: user_id.clone(),
+                    password_hash,
+                },
+            },
+        )
+        .await?;
+    } else {
+        // The display name starts as the localpart, as Synapse sets it: clients show
+        // "The user has no displayname" errors otherwise. A fact of its own, so the
+        // audit trail says who set it (the server, at registration).
+        register_account(&s, &user_id, &localpart, password_hash).await?;
+    }
     s.rate_limits.registration.record(&addr_key);
     if body.get("inhibit_login").and_then(|v| v.as_bool()) == Some(true) {
         return Ok(
@@ -457,6 +492,116 @@ async fn register(
     let mut out = json!({ "user_id": user_id, "home_server": s.server_name() });
     session.write_into(&mut out);
     Ok(Json(out).into_response())
+}
+
+/// `POST /register?kind=guest` (spec: "Guest Access"): a guest account, with
+/// `[registration] allow_guest_access` only (else 403 `M_FORBIDDEN`, as Synapse), and
+/// whatever the registration mode (as Synapse: guests need no UIA). The user id is
+/// numeric ([`crate::guest::next_localpart`]); the display name starts as the
+/// localpart, as for every account. `device_id`, `initial_device_display_name` and
+/// `refresh_token` as for a full registration. Rate limited with registrations.
+async fn register_guest(
+    s: &AppState,
+    addr: ClientAddr,
+    headers: &axum::http::HeaderMap,
+    body: &serde_json::Map<String, Value>,
+) -> ApiResult<Json<Value>> {
+    if !s.config.allow_guest_access {
+        return Err(MatrixError::forbidden("Guest access is disabled"));
+    }
+    let addr_key = addr.rate_key();
+    s.rate_limits.registration.peek(&addr_key)?;
+    let device_id = opt_str(body, "device_id")?;
+    let display_name = opt_str(body, "initial_device_display_name")?;
+    let refresh = wants_refresh(body)?;
+    // A number some account took meanwhile (an application service's user, a
+    // concurrent guest the journal ordered first) is skipped.
+    let mut registered = None;
+    for _ in 0..GUEST_ID_ATTEMPTS {
+        let localpart = crate::guest::next_localpart(s);
+        let user_id = full_user_id(s, &localpart);
+        if s.projections.accounts.user(&user_id).is_some()
+            || crate::appservice::check_user_not_exclusive(s, &user_id, None).is_err()
+        {
+            continue;
+        }
+        match register_account_as(s, &user_id, &localpart, None, true).await {
+            Ok(()) => {
+                registered = Some(user_id);
+                break;
+            }
+            Err(e) if e.errcode == "M_USER_IN_USE" => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    let user_id = registered
+        .ok_or_else(|| MatrixError::internal("No free guest user id found; try again"))?;
+    s.rate_limits.registration.record(&addr_key);
+    let session = start_session(
+        s,
+        &user_id,
+        device_id,
+        display_name,
+        refresh,
+        (addr, crate::extract::user_agent(headers)),
+    )
+    .await?;
+    let mut out = json!({ "user_id": user_id, "home_server": s.server_name() });
+    session.write_into(&mut out);
+    Ok(Json(out))
+}
+
+/// Numeric ids a guest registration tries before giving up (each taken one is
+/// skipped; only a burst of concurrent registrations or a namespace full of numbers
+/// takes more than one).
+const GUEST_ID_ATTEMPTS: usize = 100;
+
+/// The guest a registration upgrades (spec: "Guest Access": the guest's token in
+/// `guest_access_token`; the `Authorization` header's token is taken too when it is a
+/// guest's), or `None` for a new account. An unknown `guest_access_token`: 401
+/// `M_UNKNOWN_TOKEN`; a full account's: 403 `M_FORBIDDEN`. Returns the user id.
+fn guest_to_upgrade(
+    s: &AppState,
+    headers: &axum::http::HeaderMap,
+    body: &serde_json::Map<String, Value>,
+) -> ApiResult<Option<String>> {
+    if let Some(token) = opt_str(body, "guest_access_token")? {
+        let owner = s
+            .projections
+            .accounts
+            .token(&token_hash(&token))
+            .ok_or_else(|| {
+                MatrixError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "M_UNKNOWN_TOKEN",
+                    "Unknown guest_access_token",
+                )
+            })?;
+        if !owner.guest {
+            return Err(MatrixError::forbidden(
+                "guest_access_token is not a guest's access token",
+            ));
+        }
+        return Ok(Some(owner.user_id));
+    }
+    let bearer = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, t)| t.trim());
+    Ok(bearer
+        .and_then(|t| s.projections.accounts.token(&token_hash(t)))
+        .filter(|o| o.guest)
+        .map(|o| o.user_id))
+}
+
+/// The localpart of one of our users' ids.
+fn guest_localpart<'a>(s: &AppState, user_id: &'a str) -> &'a str {
+    user_id
+        .strip_prefix('@')
+        .and_then(|u| u.strip_suffix(&format!(":{}", s.server_name())))
+        .unwrap_or(user_id)
 }
 
 async fn register_available(State(s): State<AppState>, q: Query) -> ApiResult<Json<Value>> {
@@ -596,6 +741,17 @@ pub(crate) async fn register_account(
     localpart: &str,
     password_hash: Option<String>,
 ) -> ApiResult<()> {
+    register_account_as(s, user_id, localpart, password_hash, false).await
+}
+
+/// [`register_account`], of a guest account when `guest`.
+async fn register_account_as(
+    s: &AppState,
+    user_id: &str,
+    localpart: &str,
+    password_hash: Option<String>,
+    guest: bool,
+) -> ApiResult<()> {
     s.submit_and_wait(
         user_id,
         None,
@@ -603,6 +759,7 @@ pub(crate) async fn register_account(
             fact: Fact::AccountRegistered {
                 user_id: user_id.to_owned(),
                 password_hash,
+                guest,
             },
         },
     )
@@ -795,7 +952,7 @@ async fn logout_all(State(s): State<AppState>, r: Requester) -> ApiResult<Json<V
 }
 
 async fn whoami(r: Requester) -> Json<Value> {
-    Json(json!({ "user_id": r.user_id, "device_id": r.device_id, "is_guest": false }))
+    Json(json!({ "user_id": r.user_id, "device_id": r.device_id, "is_guest": r.is_guest }))
 }
 
 fn profile_json(s: &AppState, user_id: &str) -> ApiResult<Value> {

@@ -303,8 +303,12 @@ async fn fire(s: &AppState, d: &DelayedEvent) -> ApiResult<()> {
         user_id: d.user_id.clone(),
         device_id: d.device_id.clone().unwrap_or_default(),
         token_hash: String::new(),
-
         appservice: None,
+        is_guest: s
+            .projections
+            .accounts
+            .user(&d.user_id)
+            .is_some_and(|a| a.guest),
     };
     let txn = format!("{DELAY_TXN_PREFIX}{}", d.delay_id);
     let o = crate::rooms::send_spec(s, &r, &d.room_id, event_spec(d), Some(txn)).await?;

@@ -21,6 +21,9 @@ pub struct Requester {
     /// The application service whose `as_token` authenticated the request (spec:
     /// Application Service API, "Identity assertion"); `None` for a user's token.
     pub appservice: Option<std::sync::Arc<crate::appservice::AppService>>,
+    /// The token is a guest account's (spec: "Guest Access"): the extractor has
+    /// already refused every route a guest may not call.
+    pub is_guest: bool,
 }
 
 impl Requester {
@@ -85,6 +88,7 @@ fn appservice_requester(
         device_id,
         token_hash: hash,
         appservice: Some(a.clone()),
+        is_guest: false,
     })
 }
 
@@ -204,11 +208,23 @@ impl FromRequestParts<AppState> for Requester {
         if let Some(slot) = parts.extensions.get::<crate::access_log::RequestUser>() {
             slot.set(&owner.user_id);
         }
+        // Guest restrictions (spec: "Guest Access"), by route, for every handler.
+        if owner.guest {
+            crate::guest::check_route(
+                &parts.method,
+                parts
+                    .extensions
+                    .get::<axum::extract::MatchedPath>()
+                    .map(|m| m.as_str()),
+                parts.uri.path(),
+            )?;
+        }
         Ok(Requester {
             user_id: owner.user_id,
             device_id: owner.device_id,
             token_hash: hash,
             appservice: None,
+            is_guest: owner.guest,
         })
     }
 }

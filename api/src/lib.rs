@@ -16,6 +16,7 @@ pub mod devices;
 pub mod directory;
 pub mod error;
 pub mod extract;
+pub mod guest;
 pub mod hashing;
 pub mod key_backup;
 pub mod keys;
@@ -78,6 +79,8 @@ pub struct ApiConfig {
     pub registration_open: bool,
     /// Registration tokens accepted with `m.login.registration_token`.
     pub registration_tokens: Vec<String>,
+    /// Serve guest accounts (`POST /register?kind=guest`; spec: "Guest Access").
+    pub allow_guest_access: bool,
     /// Largest request body, bytes (bigger: 413 `M_TOO_LARGE`).
     pub max_request_bytes: usize,
     /// Largest `/sync` long-poll `timeout`, ms.
@@ -213,6 +216,9 @@ pub struct AppState {
     pub metrics: Arc<metrics::Metrics>,
     /// The registered application services (`[appservices] registration_files`).
     pub appservices: Arc<appservice::AppServices>,
+    /// The next numeric guest localpart, once the first guest registration found it
+    /// ([`guest::next_localpart`]).
+    pub guest_ids: Arc<parking_lot::Mutex<Option<u64>>>,
 }
 
 impl AppState {
@@ -271,6 +277,7 @@ impl AppState {
             presence: presence::Presence::with_limit(caches.presence_users),
             federation: None,
             appservices: Arc::new(appservice::AppServices::empty()),
+            guest_ids: Arc::default(),
         }
     }
 

@@ -118,6 +118,15 @@ async fn send_checked(
     txn_id: Option<String>,
     precondition: Option<MembershipPrecondition>,
 ) -> ApiResult<Outcome> {
+    // A guest's own join, by whichever endpoint (join, `PUT /state/m.room.member`, a
+    // delayed state event): only into rooms that allow guests.
+    if r.is_guest
+        && event.kind == "m.room.member"
+        && event.state_key.as_deref() == Some(r.user_id.as_str())
+        && event.content["membership"] == "join"
+    {
+        crate::guest::check_join(s, r, room_id)?;
+    }
     let body = send_command(room_id, event, txn_id, precondition)?;
     s.submit(&r.user_id, Some(&r.device_id), body)
         .await
@@ -775,6 +784,9 @@ async fn join(
     if current.as_ref().is_some_and(|m| m.membership == "join") {
         return Ok(Json(json!({ "room_id": room_id })));
     }
+    // Before any federation: a room this server does not know has no state that
+    // lets guests in (as Synapse, which judges on the state it holds).
+    crate::guest::check_join(s, r, room_id)?;
     if s.projections.server_admin.is_blocked(room_id) {
         return Err(MatrixError::forbidden(
             "This room has been blocked on this server",

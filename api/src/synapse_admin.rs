@@ -401,6 +401,7 @@ async fn create_account(
         Some(Fact::AccountRegistered {
             user_id: user_id.to_owned(),
             password_hash,
+            guest: false,
         }),
         Some(Fact::ProfileSet {
             user_id: user_id.to_owned(),
@@ -422,13 +423,13 @@ async fn create_account(
 // Users
 
 /// One entry of `GET /v2/users` (Synapse's `UserPaginateResponse`).
-fn user_list_entry(s: &AppState, user_id: &str, deactivated: bool) -> Value {
+fn user_list_entry(s: &AppState, user_id: &str, deactivated: bool, guest: bool) -> Value {
     let profile = s.projections.accounts.profile(user_id);
     let meta = s.projections.server_admin.user(user_id);
     json!({
         "name": user_id,
         "user_type": null,
-        "is_guest": false,
+        "is_guest": guest,
         "admin": is_admin(s, user_id),
         "deactivated": deactivated,
         "shadow_banned": false,
@@ -444,7 +445,7 @@ fn user_list_entry(s: &AppState, user_id: &str, deactivated: bool) -> Value {
 /// `GET /_synapse/admin/v2/users`: `{"users": [...], "total", "next_token"?}`. Query:
 /// `from`, `limit`, `user_id` (substring of the id), `name` (substring of the
 /// localpart or display name, case-insensitive; wins over `user_id`), `guests`
-/// (no effect: there are no guests), `deactivated` (`true`: include deactivated
+/// (`false`: guest accounts left out; default `true`), `deactivated` (`true`: include deactivated
 /// accounts; they are left out otherwise), `admins` (`true`: only admins, `false`:
 /// no admins), `order_by` (`name` (default), `displayname`, `is_guest`, `admin`,
 /// `deactivated`, `user_type`, `avatar_url`, `shadow_banned`, `creation_ts`,
@@ -454,7 +455,7 @@ async fn list_users(State(s): State<AppState>, r: Requester, q: Query) -> ApiRes
     let (from, limit) = paging(&q)?;
     let include_deactivated = qbool(&q, "deactivated")?.unwrap_or(false);
     let admins = qbool(&q, "admins")?;
-    qbool(&q, "guests")?;
+    let include_guests = qbool(&q, "guests")?.unwrap_or(true);
     let order_by = q.get("order_by").unwrap_or("name").to_owned();
     const ORDERS: [&str; 11] = [
         "name",
@@ -483,8 +484,9 @@ async fn list_users(State(s): State<AppState>, r: Requester, q: Query) -> ApiRes
         .users()
         .into_iter()
         .filter(|(_, a)| include_deactivated || !a.deactivated)
+        .filter(|(_, a)| include_guests || !a.guest)
         .filter(|(id, _)| admins.is_none_or(|want| is_admin(&s, id) == want))
-        .map(|(id, a)| user_list_entry(&s, &id, a.deactivated))
+        .map(|(id, a)| user_list_entry(&s, &id, a.deactivated, a.guest))
         .filter(|u| {
             let id = u["name"].as_str().unwrap_or_default();
             if let Some(n) = &name {
@@ -551,7 +553,7 @@ fn user_details(
         "locked": false,
         "suspended": false,
         "shadow_banned": false,
-        "is_guest": false,
+        "is_guest": account.guest,
         "creation_ts": meta.creation_ts,
         "appservice_id": null,
         "consent_server_notice_sent": null,
@@ -1420,8 +1422,8 @@ async fn create_notice_room(
         user_id: creator.to_owned(),
         device_id: String::new(),
         token_hash: String::new(),
-
         appservice: None,
+        is_guest: false,
     };
     let body = json!({
         "preset": "public_chat",

@@ -75,6 +75,7 @@ async fn main() {
             let fact = Fact::AccountRegistered {
                 user_id: ALICE.into(),
                 password_hash: None,
+                guest: false,
             };
             j.submit(signed(&key, CommandBody::Fact { fact }))
                 .await

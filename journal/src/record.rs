@@ -305,8 +305,21 @@ pub enum Fact {
         event_id: String,
         reason: String,
     },
-    /// A local account was created. `password_hash` is an argon2 PHC string.
+    /// A local account was created. `password_hash` is an argon2 PHC string. `guest`
+    /// marks a guest account (spec: "Guest Access", `POST /register?kind=guest`): it
+    /// may call only the guest endpoints and join only rooms whose
+    /// `m.room.guest_access` is `can_join`. Left out when false, so records of full
+    /// accounts read as they always did.
     AccountRegistered {
+        user_id: String,
+        password_hash: Option<String>,
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        guest: bool,
+    },
+    /// A guest account became a full account (spec: "Guest Access": the guest
+    /// registered with its `guest_access_token`), keeping its user id, memberships and
+    /// devices; `password_hash` (argon2 PHC) when the registration gave a password.
+    GuestUpgraded {
         user_id: String,
         password_hash: Option<String>,
     },

@@ -65,6 +65,7 @@ async fn fill(journal: &Journal, key: &ServerKey, messages: usize) -> String {
         Fact::AccountRegistered {
             user_id: ALICE.into(),
             password_hash: None,
+            guest: false,
         }
     } else {
         Fact::TokenRevoked {

@@ -68,6 +68,7 @@ async fn a_tampered_command_is_refused_and_nothing_is_appended() {
             fact: Fact::AccountRegistered {
                 user_id: ALICE.into(),
                 password_hash: None,
+                guest: false,
             },
         },
     );
@@ -97,6 +98,7 @@ async fn reopening_restores_heads_txns_users_and_aliases() {
                 fact: Fact::AccountRegistered {
                     user_id: ALICE.into(),
                     password_hash: None,
+                    guest: false,
                 },
             },
         )

@@ -142,6 +142,7 @@ async fn room(journal: &Journal, key: &ServerKey) -> String {
                 fact: Fact::AccountRegistered {
                     user_id: ALICE.into(),
                     password_hash: None,
+                    guest: false,
                 },
             },
         ))
@@ -248,6 +249,7 @@ async fn restart_reads_only_the_records_after_the_last_snapshot() {
                 fact: Fact::AccountRegistered {
                     user_id: ALICE.into(),
                     password_hash: None,
+                    guest: false,
                 },
             },
         ))

@@ -29,6 +29,9 @@ pub struct Account {
     /// The account was deactivated: no login, never registered again.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub deactivated: bool,
+    /// A guest account (spec: "Guest Access"), until it upgrades.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub guest: bool,
 }
 
 /// A device.
@@ -62,6 +65,11 @@ pub struct TokenOwner {
     /// API compares it with its clock; apply never reads a clock).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expires_at: Option<u64>,
+    /// The token is a guest's (copied from the account when the token is issued and
+    /// cleared when the guest upgrades), so the auth check knows it from the one
+    /// token read it makes anyway.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub guest: bool,
 }
 
 /// Who a refresh token belongs to, and the access token issued with it.
@@ -225,10 +233,11 @@ impl Accounts {
     fn issue_refreshable(
         &self,
         ctx: &ApplyCtx,
-        owner: TokenOwner,
+        mut owner: TokenOwner,
         token_hash: String,
         refresh_token_hash: String,
     ) {
+        owner.guest = self.is_guest(ctx, &owner.user_id);
         let refresh = RefreshOwner {
             user_id: owner.user_id.clone(),
             device_id: owner.device_id.clone(),
@@ -277,6 +286,13 @@ impl Accounts {
         ctx.delete(&self.refresh_tokens, refresh_token_hash.as_bytes().to_vec());
     }
 
+    /// Whether `user_id` is a guest account, as this batch sees it.
+    fn is_guest(&self, ctx: &ApplyCtx, user_id: &str) -> bool {
+        ctx.get(&self.users, user_id.as_bytes())
+            .and_then(|v| serde_json::from_slice::<Account>(&v).ok())
+            .is_some_and(|a| a.guest)
+    }
+
     fn revoke(&self, ctx: &ApplyCtx, token_hash: &str) {
         if let Some(owner) = ctx
             .get(&self.tokens, token_hash.as_bytes())
@@ -318,6 +334,7 @@ impl Projection for Accounts {
             Fact::AccountRegistered {
                 user_id,
                 password_hash,
+                guest,
             } => {
                 ctx.put(
                     &self.users,
@@ -325,8 +342,42 @@ impl Projection for Accounts {
                     json(&Account {
                         password_hash,
                         deactivated: false,
+                        guest,
                     }),
                 );
+            }
+            Fact::GuestUpgraded {
+                user_id,
+                password_hash,
+            } => {
+                let Some(mut a) = ctx
+                    .get(&self.users, user_id.as_bytes())
+                    .and_then(|v| serde_json::from_slice::<Account>(&v).ok())
+                else {
+                    return Ok(());
+                };
+                a.guest = false;
+                if password_hash.is_some() {
+                    a.password_hash = password_hash;
+                }
+                ctx.put(&self.users, user_id.clone().into_bytes(), json(&a));
+                // The guest's live access tokens become a full account's.
+                let prefix = key::prefix(&[&user_id]);
+                for (k, _) in ctx.scan_prefix(&self.device_tokens, &prefix) {
+                    let Some(hash) = k.rsplit(|b| *b == 0).next() else {
+                        continue;
+                    };
+                    if hash.first() == Some(&b'r') {
+                        continue;
+                    }
+                    if let Some(mut owner) = ctx
+                        .get(&self.tokens, hash)
+                        .and_then(|v| serde_json::from_slice::<TokenOwner>(&v).ok())
+                    {
+                        owner.guest = false;
+                        ctx.put(&self.tokens, hash.to_vec(), json(&owner));
+                    }
+                }
             }
             Fact::DeviceCreated {
                 user_id,
@@ -382,6 +433,7 @@ impl Projection for Accounts {
                     &self.tokens,
                     token_hash.clone().into_bytes(),
                     json(&TokenOwner {
+                        guest: self.is_guest(ctx, &user_id),
                         user_id: user_id.clone(),
                         device_id: device_id.clone(),
                         expires_at: None,
@@ -409,6 +461,7 @@ impl Projection for Accounts {
                     user_id,
                     device_id,
                     expires_at: Some(expires_at),
+                    guest: false,
                 };
                 self.issue_refreshable(ctx, owner, token_hash, refresh_token_hash);
             }
@@ -433,6 +486,7 @@ impl Projection for Accounts {
                         user_id,
                         device_id,
                         expires_at: Some(expires_at),
+                        guest: false,
                     };
                     self.issue_refreshable(ctx, owner, token_hash, refresh_token_hash);
                 }

@@ -52,6 +52,7 @@ async fn live_and_replayed_projections_have_identical_digests() {
                     fact: Fact::AccountRegistered {
                         user_id: user.into(),
                         password_hash: None,
+                        guest: false,
                     },
                 },
             ))

@@ -796,8 +796,20 @@ BEHAVIOUR_NOTES = [
     "  room-mates; a signature on another user's key lists that user for the signer.",
     "- Legacy `GET /events` carries timeline events only (no presence, typing, receipts or",
     "  invites, which `/sync` has); `presence` in the initial syncs is empty.",
-    "- Not done yet from issue 15: guest access, the sync details (item 4), the rest of",
-    "  items 5 and 6, push rules, UIA binding, presence/directory details, third-party ids.",
+    "- Guest access (`tests/guest_access.rs`), off unless `[registration]",
+    "  allow_guest_access` (as Synapse): `POST /register?kind=guest` gives a numeric user id",
+    "  (one past the largest numeric localpart, as Synapse); a guest's token answers 403",
+    "  `M_GUEST_ACCESS_FORBIDDEN` outside the spec's guest endpoints (plus `POST",
+    "  /join/{roomIdOrAlias}` and the legacy media download paths, as Synapse); a guest joins",
+    "  (any endpoint, `PUT /state/m.room.member` too) only a room whose `m.room.guest_access`",
+    "  is `can_join`, else 403 `M_FORBIDDEN`; when it stops being `can_join` each joined local",
+    "  guest leaves (its own `leave`, as Synapse); the upgrade is the spec's form",
+    "  (`guest_access_token` with `username` the guest's localpart, or the guest's token as",
+    "  `Authorization`) and keeps the user id, devices and memberships. Differs: Synapse",
+    "  lets guests call more than the spec lists (typing, receipts, account data,",
+    "  filters, ...); Spindle keeps to the spec's list.",
+    "- Not done yet from issue 15: the sync details (item 4), the rest of items 5 and 6,",
+    "  push rules, UIA binding, presence/directory details, third-party ids.",
 ]
 
 
