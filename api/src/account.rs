@@ -517,12 +517,15 @@ async fn register_guest(
     // A number some account took meanwhile (an application service's user, a
     // concurrent guest the journal ordered first) is skipped.
     let mut registered = None;
+    let mut reserved = 0;
     for _ in 0..GUEST_ID_ATTEMPTS {
         let localpart = crate::guest::next_localpart(s);
         let user_id = full_user_id(s, &localpart);
-        if s.projections.accounts.user(&user_id).is_some()
-            || crate::appservice::check_user_not_exclusive(s, &user_id, None).is_err()
-        {
+        if s.projections.accounts.user(&user_id).is_some() {
+            continue;
+        }
+        if crate::appservice::check_user_not_exclusive(s, &user_id, None).is_err() {
+            reserved += 1;
             continue;
         }
         match register_account_as(s, &user_id, &localpart, None, true).await {
@@ -534,8 +537,7 @@ async fn register_guest(
             Err(e) => return Err(e),
         }
     }
-    let user_id = registered
-        .ok_or_else(|| MatrixError::internal("No free guest user id found; try again"))?;
+    let user_id = registered.ok_or_else(|| guest_ids_exhausted(reserved))?;
     s.rate_limits.registration.record(&addr_key);
     let session = start_session(
         s,
@@ -549,6 +551,26 @@ async fn register_guest(
     let mut out = json!({ "user_id": user_id, "home_server": s.server_name() });
     session.write_into(&mut out);
     Ok(Json(out))
+}
+
+/// The answer when [`GUEST_ID_ATTEMPTS`] numeric ids were all taken: 403
+/// `M_FORBIDDEN` when an application service's exclusive namespace reserved any of
+/// them (a configuration that keeps guests out until it changes: Synapse hands such
+/// ids out regardless), else 503 `M_UNKNOWN` (accounts created meanwhile took every
+/// one; a retry moves on to new numbers).
+fn guest_ids_exhausted(reserved: usize) -> MatrixError {
+    if reserved > 0 {
+        MatrixError::forbidden(
+            "Guest registration is unavailable: the next numeric user ids are in an \
+             application service's exclusive namespace",
+        )
+    } else {
+        MatrixError::new(
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            "M_UNKNOWN",
+            "No free guest user id found; try again",
+        )
+    }
 }
 
 /// Numeric ids a guest registration tries before giving up (each taken one is

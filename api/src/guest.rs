@@ -18,12 +18,16 @@ use axum::http::Method;
 
 use crate::{ApiResult, AppState, MatrixError};
 
-/// The routes a guest may call: `(method, route template)`, as the spec lists them
-/// ("Client behaviour"). Beyond the list: `POST /join/{roomIdOrAlias}` (Synapse lets
-/// guests join by alias; the same `can_join` check applies) and the legacy
-/// `/_matrix/media/v3` download and thumbnail paths beside the listed v1 ones.
-/// `PUT /profile/{userId}/{field}` is allowed for `displayname` only
-/// ([`check_route`]). A `HEAD` is judged as its `GET`.
+/// The routes a guest may call: `(method, route template)`. First the spec's list
+/// ("Client behaviour"); then what Synapse 1.163 also lets a guest call (its
+/// `allow_guest=True` servlets), because Element's guest mode calls them and fails
+/// without: `POST /join/{roomIdOrAlias}` (the same `can_join` check applies),
+/// `/capabilities`, `/joined_rooms`, `/publicRooms`, `/keys/changes`,
+/// `/keys/signatures/upload`, `/relations`, `/hierarchy`, the room summary, sliding
+/// sync and the legacy `/_matrix/media/v3` download and thumbnail paths beside the
+/// listed v1 ones. As in Synapse, typing, receipts, read markers, filters and account
+/// data stay closed to guests. `PUT /profile/{userId}/{field}` is allowed for
+/// `displayname` only ([`check_route`]). A `HEAD` is judged as its `GET`.
 pub const GUEST_ROUTES: &[(&str, &str)] = &[
     // Retrieving events and associated media.
     ("GET", "/_matrix/client/v3/rooms/{room_id}/state"),
@@ -101,6 +105,31 @@ pub const GUEST_ROUTES: &[(&str, &str)] = &[
     ("POST", "/_matrix/client/v3/keys/upload"),
     ("POST", "/_matrix/client/v3/keys/query"),
     ("POST", "/_matrix/client/v3/keys/claim"),
+    // Beyond the spec's list, as Synapse.
+    ("GET", "/_matrix/client/v3/capabilities"),
+    ("GET", "/_matrix/client/v3/joined_rooms"),
+    ("GET", "/_matrix/client/v3/publicRooms"),
+    ("POST", "/_matrix/client/v3/publicRooms"),
+    ("GET", "/_matrix/client/v3/keys/changes"),
+    ("POST", "/_matrix/client/v3/keys/signatures/upload"),
+    (
+        "GET",
+        "/_matrix/client/v1/rooms/{room_id}/relations/{event_id}",
+    ),
+    (
+        "GET",
+        "/_matrix/client/v1/rooms/{room_id}/relations/{event_id}/{rel_type}",
+    ),
+    (
+        "GET",
+        "/_matrix/client/v1/rooms/{room_id}/relations/{event_id}/{rel_type}/{event_type}",
+    ),
+    ("GET", "/_matrix/client/v1/rooms/{room_id}/hierarchy"),
+    ("GET", "/_matrix/client/v1/room_summary/{room_id_or_alias}"),
+    (
+        "POST",
+        "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync",
+    ),
 ];
 
 /// Whether a guest may call `method` on the route `template` (the matched route),
