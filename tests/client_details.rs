@@ -262,3 +262,31 @@ async fn device_added_renamed_or_removed_changes_the_device_list() {
     assert_eq!(s["device_lists"], json!({ "changed": [], "left": [] }));
     ts.stop().await;
 }
+
+/// `GET /user/{userId}/account_data/m.push_rules` reads back the ruleset `/sync` sends
+/// under that type (issue 15 item 5, as Synapse); writing it stays refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_rules_account_data_reads_back_as_the_ruleset() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    alice
+        .put(
+            "/_matrix/client/v3/pushrules/global/content/cats",
+            &json!({ "pattern": "cat*", "actions": ["notify"] }),
+        )
+        .await
+        .ok();
+    let path = format!(
+        "/_matrix/client/v3/user/{}/account_data/m.push_rules",
+        enc(&alice.user_id)
+    );
+    let read = alice.get(&path).await.ok();
+    let served = alice.get("/_matrix/client/v3/pushrules/").await.ok();
+    assert_eq!(read, served);
+    assert_eq!(read["global"]["content"][0]["rule_id"], "cats");
+    alice
+        .put(&path, &json!({ "global": {} }))
+        .await
+        .expect_err(405, "M_BAD_JSON");
+    ts.stop().await;
+}

@@ -422,3 +422,102 @@ async fn thread_list_and_per_thread_unread_counts() {
     );
     ts.stop().await;
 }
+
+async fn redact(c: &Client, room: &str, event_id: &str) -> String {
+    c.put(
+        &format!(
+            "/_matrix/client/v3/rooms/{}/redact/{}/{}",
+            enc(room),
+            enc(event_id),
+            txn()
+        ),
+        &json!({}),
+    )
+    .await
+    .ok()["event_id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// A redacted child stops counting (issue 15 item 5; Synapse drops its relation row):
+/// it leaves `/relations`, a redacted latest edit gives way to the edit before it, a
+/// thread's count and latest event move back (and a thread left empty leaves
+/// `/threads`), and a redacted reference leaves the bundled chunk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redacted_relations_leave_relations_and_bundles() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    let room = alice.create_room(json!({ "preset": "public_chat" })).await;
+    bob.join(&room).await;
+    let root = send(&alice, &room, "m.room.message", text("root")).await;
+    let edit = |n: &str| json!({ "msgtype": "m.text", "body": format!("* v{n}"), "m.new_content": text(&format!("v{n}")), "m.relates_to": { "rel_type": "m.replace", "event_id": root } });
+    let edit1 = send(&alice, &room, "m.room.message", edit("1")).await;
+    let edit2 = send(&alice, &room, "m.room.message", edit("2")).await;
+    let react = send(
+        &bob,
+        &room,
+        "m.reaction",
+        json!({ "m.relates_to": { "rel_type": "m.annotation", "event_id": root, "key": "👍" } }),
+    )
+    .await;
+    let thread1 = send(&bob, &room, "m.room.message", reply_in_thread(&root, "t1")).await;
+    let thread2 = send(&bob, &room, "m.room.message", reply_in_thread(&root, "t2")).await;
+    let reference = send(
+        &bob,
+        &room,
+        "m.room.message",
+        json!({ "msgtype": "m.text", "body": "see", "m.relates_to": { "rel_type": "m.reference", "event_id": root } }),
+    )
+    .await;
+    let all = relations(&alice, &room, &enc(&root)).await.ok();
+    assert_eq!(
+        ids(&all),
+        vec![
+            reference.clone(),
+            thread2.clone(),
+            thread1.clone(),
+            react.clone(),
+            edit2.clone(),
+            edit1.clone()
+        ]
+    );
+
+    // Redact the latest edit, the reaction, the latest thread reply and the reference.
+    redact(&alice, &room, &edit2).await;
+    redact(&bob, &room, &react).await;
+    redact(&bob, &room, &thread2).await;
+    redact(&bob, &room, &reference).await;
+    let all = relations(&alice, &room, &enc(&root)).await.ok();
+    assert_eq!(ids(&all), vec![thread1.clone(), edit1.clone()]);
+    let annotations = relations(&alice, &room, &format!("{}/m.annotation", enc(&root)))
+        .await
+        .ok();
+    assert_eq!(ids(&annotations), Vec::<String>::new());
+    let ev = alice.event(&room, &root).await.ok();
+    let bundle = &ev["unsigned"]["m.relations"];
+    assert_eq!(bundle["m.replace"]["event_id"], json!(edit1));
+    assert_eq!(bundle["m.thread"]["count"], json!(1));
+    assert_eq!(
+        bundle["m.thread"]["latest_event"]["event_id"],
+        json!(thread1)
+    );
+    assert_eq!(bundle.get("m.reference"), None, "{bundle}");
+
+    // The last thread reply and the last edit go: no thread, no replacement.
+    redact(&bob, &room, &thread1).await;
+    redact(&alice, &room, &edit1).await;
+    let ev = alice.event(&room, &root).await.ok();
+    assert_eq!(ev["unsigned"].get("m.relations"), None, "{ev}");
+    let threads = alice
+        .get(&format!("/_matrix/client/v1/rooms/{}/threads", enc(&room)))
+        .await
+        .ok();
+    assert_eq!(threads["chunk"], json!([]));
+    assert_eq!(
+        ids(&relations(&alice, &room, &enc(&root)).await.ok()),
+        Vec::<String>::new()
+    );
+    ts.stop().await;
+}

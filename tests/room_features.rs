@@ -4,7 +4,7 @@
 mod common;
 
 use common::{TestServer, enc};
-use serde_json::json;
+use serde_json::{Value, json};
 
 fn member_path(room: &str, user: &str) -> String {
     format!(
@@ -614,6 +614,46 @@ async fn canonical_alias_and_alt_aliases_must_point_to_the_room() {
         .await
         .expect_err(400, "M_BAD_ALIAS");
     let _ = other;
+
+    // Deleting an alias takes it out of the canonical alias event (issue 15 item 5,
+    // as Synapse): first an alt alias, then the main one.
+    let canonical = || {
+        let alice = alice.clone();
+        let path = format!(
+            "/_matrix/client/v3/rooms/{}/state/m.room.canonical_alias",
+            enc(&room)
+        );
+        async move { alice.get(&path).await.ok() }
+    };
+    let delete = |alias: String| {
+        let alice = alice.clone();
+        async move {
+            alice
+                .request(
+                    reqwest::Method::DELETE,
+                    &format!("/_matrix/client/v3/directory/room/{}", enc(&alias)),
+                    None,
+                )
+                .await
+                .ok()
+        }
+    };
+    delete(second.clone()).await;
+    assert_eq!(canonical().await, json!({ "alias": here }));
+    delete(here.clone()).await;
+    assert_eq!(canonical().await, json!({}));
+    let state = alice
+        .get(&format!("/_matrix/client/v3/rooms/{}/state", enc(&room)))
+        .await
+        .ok();
+    let senders: Vec<&Value> = state
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["type"] == "m.room.canonical_alias")
+        .map(|e| &e["sender"])
+        .collect();
+    assert_eq!(senders, vec![&json!(alice.user_id)]);
     ts.stop().await;
 }
 

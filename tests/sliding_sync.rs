@@ -549,6 +549,19 @@ async fn extensions_account_data_receipts_and_typing_follow_their_scope() {
         .collect();
     assert_eq!(global.len(), 1);
     assert_eq!(global[0]["content"], json!({ "g": 2 }));
+    // The push rules are global account data too (as in /sync, and as Element X reads
+    // them): the whole ruleset when the extension starts.
+    let rules: Vec<&Value> = ext["account_data"]["global"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["type"] == "m.push_rules")
+        .collect();
+    assert_eq!(rules.len(), 1, "{ext}");
+    assert_eq!(
+        rules[0]["content"]["global"]["override"][0]["rule_id"],
+        ".m.rule.master"
+    );
     assert_eq!(
         ext["account_data"]["rooms"][&top],
         json!([{ "type": "org.example.room", "content": { "r": 1 } }])
@@ -600,6 +613,26 @@ async fn extensions_account_data_receipts_and_typing_follow_their_scope() {
         third["extensions"]["account_data"],
         json!({ "global": [{ "type": "org.example.other", "content": { "o": 1 } }] })
     );
+
+    // A push rule change wakes a waiting request and carries the new ruleset.
+    let waiting = long_poll(&bob, &pos(&third), body.clone()).await;
+    bob.put(
+        "/_matrix/client/v3/pushrules/global/content/cats",
+        &json!({ "pattern": "cat*", "actions": ["notify"] }),
+    )
+    .await
+    .ok();
+    let fourth = answer(waiting).await;
+    let global = &fourth["extensions"]["account_data"]["global"];
+    assert_eq!(global.as_array().map(Vec::len), Some(1), "{global}");
+    assert_eq!(global[0]["type"], "m.push_rules");
+    let content_rules: Vec<&Value> = global[0]["content"]["global"]["content"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| &r["rule_id"])
+        .collect();
+    assert_eq!(content_rules[0], &json!("cats"), "{global}");
     ts.stop().await;
 }
 

@@ -1253,6 +1253,17 @@ async fn get_account_data(
     Path((user_id, data_type)): Path<(String, String)>,
 ) -> ApiResult<Json<Value>> {
     own(&r, &user_id)?;
+    // `m.push_rules` reads back as the ruleset `/sync` sends under that type (spec:
+    // "Push Rules: Events"; Synapse serves it the same way); it is written through
+    // `/pushrules` only ([`check_data_type`]).
+    if data_type == "m.push_rules" {
+        return s
+            .projections
+            .push
+            .ruleset(&user_id)
+            .map(|set| Json(json!({ "global": crate::push::ruleset_json(&set) })))
+            .ok_or_else(|| MatrixError::not_found("Account data not found"));
+    }
     s.projections
         .account_data
         .get(&user_id, None, &data_type)

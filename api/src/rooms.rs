@@ -1588,7 +1588,9 @@ async fn delete_alias(
         &r.user_id,
         Some(&r.device_id),
         CommandBody::Fact {
-            fact: Fact::AliasDeleted { alias },
+            fact: Fact::AliasDeleted {
+                alias: alias.clone(),
+            },
         },
     )
     .await
@@ -1599,7 +1601,63 @@ async fn delete_alias(
             e
         }
     })?;
+    drop_from_canonical_alias(&s, &r, &t.room_id, &alias).await;
     Ok(Json(json!({})))
+}
+
+/// After `alias` was deleted: when the room's `m.room.canonical_alias` names it (as
+/// `alias` or among `alt_aliases`), a new one without it, sent by the deleting user
+/// (Synapse's `_update_canonical_alias`; the spec: "servers ... SHOULD" keep the event
+/// honest). Best effort, as Synapse: a user whose power level does not allow the
+/// state event still deletes the alias, and the event keeps naming it.
+async fn drop_from_canonical_alias(s: &AppState, r: &Requester, room_id: &str, alias: &str) {
+    let Some(root) = s.projections.state.current_root(room_id) else {
+        return;
+    };
+    let Some(Value::Object(mut content)) =
+        crate::visibility::state_content(s, root, "m.room.canonical_alias", "")
+    else {
+        return;
+    };
+    let mut changed = false;
+    if content.get("alias").and_then(Value::as_str) == Some(alias) {
+        content.remove("alias");
+        changed = true;
+    }
+    if let Some(Value::Array(alts)) = content.get_mut("alt_aliases") {
+        let before = alts.len();
+        alts.retain(|a| a.as_str() != Some(alias));
+        if alts.len() != before {
+            changed = true;
+            if alts.is_empty() {
+                content.remove("alt_aliases");
+            }
+        }
+    }
+    if !changed {
+        return;
+    }
+    let sent = send_spec(
+        s,
+        r,
+        room_id,
+        EventSpec {
+            kind: "m.room.canonical_alias".into(),
+            state_key: Some(String::new()),
+            content: Value::Object(content),
+            redacts: None,
+        },
+        None,
+    )
+    .await;
+    if let Err(e) = sent {
+        tracing::info!(
+            room_id,
+            alias,
+            errcode = e.errcode,
+            "canonical alias kept the deleted alias"
+        );
+    }
 }
 
 async fn room_aliases(

@@ -13,6 +13,13 @@
 //! - `participants`: thread root, 0x00, user -> empty
 //! - `room_threads`: room, 0x00, position -> root (one row per thread, at its latest
 //!   event; `GET /threads` pages through it newest first)
+//! - `redacted`: event id -> empty, for a redaction that came before its target
+//!   (federation), so the target is never indexed as a child
+//!
+//! A redacted child stops counting (as Synapse drops its `event_relations` row): its
+//! child rows go, and the aggregation is recomputed from the children left: the edit
+//! falls back to the latest remaining valid one, a thread's count and latest event
+//! move back (a thread left empty is no thread), a reference count drops.
 
 use serde::{Deserialize, Serialize};
 use spindle_journal::StoredRecord;
@@ -35,6 +42,16 @@ pub struct EventMeta {
     pub rel_type: String,
     /// Whether it is a state event.
     pub state: bool,
+    /// The event it relates to (`m.relates_to.event_id`) when it was indexed as a
+    /// child; "" otherwise (and in rows written before redactions were handled).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub parent: String,
+    /// Its position, for the child rows a redaction removes (0 unless a child).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub position: u64,
+    /// Its `origin_server_ts` when it is a valid replacement of `parent`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub edit_ts: Option<u64>,
 }
 
 /// One child of a parent event.
@@ -81,6 +98,11 @@ pub struct Relations {
     aggr: Table,
     participants: Table,
     room_threads: Table,
+    redacted: Table,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 fn json<T: Serialize>(v: &T) -> Vec<u8> {
@@ -101,6 +123,7 @@ impl Relations {
             aggr: t("aggr")?,
             participants: t("participants")?,
             room_threads: t("room_threads")?,
+            redacted: t("redacted")?,
         })
     }
 
@@ -175,6 +198,91 @@ impl Relations {
             .and_then(|v| serde_json::from_slice(&v).ok())
             .unwrap_or_default()
     }
+
+    /// The children of `parent` with `rel_type` left in the tables (this batch's
+    /// writes included), oldest first.
+    fn remaining(&self, ctx: &ApplyCtx, parent: &str, rel_type: &str) -> Vec<(u64, Child)> {
+        ctx.scan_prefix(&self.by_rel, &key::prefix(&[parent, rel_type]))
+            .into_iter()
+            .filter_map(|(k, v)| Some((key::trailing_pos(&k), serde_json::from_slice(&v).ok()?)))
+            .collect()
+    }
+
+    /// A redaction of `target`: when it is an indexed child, its rows go and its
+    /// parent's aggregation is recomputed from the children left (module doc). A
+    /// target not seen yet is remembered in `redacted`.
+    fn redact(&self, ctx: &mut ApplyCtx, target: &str) {
+        let Some(mut meta) = self.get_meta(ctx, target) else {
+            ctx.put(&self.redacted, target.as_bytes().to_vec(), Vec::new());
+            return;
+        };
+        if meta.parent.is_empty() {
+            return;
+        }
+        let parent = std::mem::take(&mut meta.parent);
+        let rel_type = std::mem::take(&mut meta.rel_type);
+        let pos = meta.position;
+        meta.edit_ts = None;
+        ctx.put(&self.meta, target.as_bytes().to_vec(), json(&meta));
+        ctx.delete(&self.children, key::with_pos(&[&parent], pos));
+        ctx.delete(&self.by_rel, key::with_pos(&[&parent, &rel_type], pos));
+        let mut aggr = self.get_aggr(ctx, &parent);
+        match rel_type.as_str() {
+            "m.replace" => {
+                if aggr.edit.as_ref().is_some_and(|(id, _)| id == target) {
+                    aggr.edit = self
+                        .remaining(ctx, &parent, "m.replace")
+                        .into_iter()
+                        .filter_map(|(_, c)| {
+                            let ts = self.get_meta(ctx, &c.event_id)?.edit_ts?;
+                            Some((c.event_id, ts))
+                        })
+                        .max_by(|(a, ta), (b, tb)| (ta, a).cmp(&(tb, b)));
+                }
+            }
+            "m.thread" => {
+                let Some(summary) = aggr.thread.as_mut() else {
+                    return;
+                };
+                let room = self
+                    .get_meta(ctx, &parent)
+                    .map(|m| m.room)
+                    .unwrap_or_default();
+                summary.count = summary.count.saturating_sub(1);
+                if summary.latest_event_id == target {
+                    ctx.delete(
+                        &self.room_threads,
+                        key::with_pos(&[&room], summary.latest_position),
+                    );
+                    match self.remaining(ctx, &parent, "m.thread").pop() {
+                        Some((latest_pos, latest)) if summary.count > 0 => {
+                            summary.latest_event_id = latest.event_id;
+                            summary.latest_position = latest_pos;
+                            ctx.put(
+                                &self.room_threads,
+                                key::with_pos(&[&room], latest_pos),
+                                parent.clone().into_bytes(),
+                            );
+                        }
+                        _ => aggr.thread = None,
+                    }
+                } else if summary.count == 0 {
+                    ctx.delete(
+                        &self.room_threads,
+                        key::with_pos(&[&room], summary.latest_position),
+                    );
+                    aggr.thread = None;
+                }
+            }
+            "m.reference" => aggr.references = aggr.references.saturating_sub(1),
+            _ => return,
+        }
+        if aggr == Aggregation::default() {
+            ctx.delete(&self.aggr, parent.into_bytes());
+        } else {
+            ctx.put(&self.aggr, parent.into_bytes(), json(&aggr));
+        }
+    }
 }
 
 impl Projection for Relations {
@@ -190,6 +298,7 @@ impl Projection for Relations {
             self.aggr.clone(),
             self.participants.clone(),
             self.room_threads.clone(),
+            self.redacted.clone(),
         ]
     }
 
@@ -206,27 +315,56 @@ impl Projection for Relations {
         let content = pdu.content_value();
         let rel = &content["m.relates_to"];
         let rel_type = rel["rel_type"].as_str().unwrap_or_default().to_owned();
-        let meta = EventMeta {
+        if kind == "m.room.redaction"
+            && let Some(target) = &pdu.redacts
+        {
+            self.redact(ctx, target.as_str());
+        }
+        let mut meta = EventMeta {
             room: room.clone(),
             sender: sender.clone(),
             kind: kind.clone(),
             rel_type: rel_type.clone(),
             state: pdu.state_key.is_some(),
+            parent: String::new(),
+            position: 0,
+            edit_ts: None,
         };
+        if ctx.get(&self.redacted, event_id.as_bytes()).is_some() {
+            // Redacted before it arrived: no relation, no content worth indexing.
+            ctx.delete(&self.redacted, event_id.clone().into_bytes());
+            meta.rel_type = String::new();
+            ctx.put(&self.meta, event_id.into_bytes(), json(&meta));
+            return Ok(());
+        }
+        let parent = rel["event_id"].as_str().map(str::to_owned);
+        // Relations only count within a room, to an event we know, from an event not
+        // redacted already.
+        let parent_meta = parent
+            .as_deref()
+            .filter(|_| !rel_type.is_empty())
+            .and_then(|p| self.get_meta(ctx, p))
+            .filter(|m| m.room == room);
+        let (Some(parent), Some(parent_meta)) = (parent, parent_meta) else {
+            ctx.put(&self.meta, event_id.clone().into_bytes(), json(&meta));
+            return Ok(());
+        };
+        meta.parent = parent.clone();
+        meta.position = pos;
+        // A valid replacement (spec: "Validity of replacement events"): same sender
+        // and type, neither a state event, the original not itself an edit, and new
+        // content given.
+        if rel_type == "m.replace"
+            && parent_meta.sender == sender
+            && parent_meta.kind == kind
+            && !parent_meta.state
+            && pdu.state_key.is_none()
+            && parent_meta.rel_type != "m.replace"
+            && content["m.new_content"].is_object()
+        {
+            meta.edit_ts = Some(u64::from(pdu.origin_server_ts.0));
+        }
         ctx.put(&self.meta, event_id.clone().into_bytes(), json(&meta));
-        let Some(parent) = rel["event_id"].as_str().map(str::to_owned) else {
-            return Ok(());
-        };
-        if rel_type.is_empty() {
-            return Ok(());
-        }
-        // Relations only count within a room, to an event we know.
-        let Some(parent_meta) = self.get_meta(ctx, &parent) else {
-            return Ok(());
-        };
-        if parent_meta.room != room {
-            return Ok(());
-        }
         let child = Child {
             event_id: event_id.clone(),
             rel_type: rel_type.clone(),
@@ -241,19 +379,9 @@ impl Projection for Relations {
         let mut aggr = self.get_aggr(ctx, &parent);
         match rel_type.as_str() {
             "m.replace" => {
-                // A valid replacement (spec: "Validity of replacement events"): same
-                // sender and type, neither a state event, the original not itself an
-                // edit, and new content given.
-                let valid = parent_meta.sender == sender
-                    && parent_meta.kind == kind
-                    && !parent_meta.state
-                    && pdu.state_key.is_none()
-                    && parent_meta.rel_type != "m.replace"
-                    && content["m.new_content"].is_object();
-                if !valid {
+                let Some(ts) = meta.edit_ts else {
                     return Ok(());
-                }
-                let ts = u64::from(pdu.origin_server_ts.0);
+                };
                 let newer = aggr
                     .edit
                     .as_ref()

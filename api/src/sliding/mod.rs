@@ -1177,7 +1177,7 @@ impl<'a> Build<'a> {
             } else {
                 vec![]
             };
-            let global: Vec<Value> = if all {
+            let mut global: Vec<(String, Value)> = if all {
                 ad.all(self.user, None)
             } else {
                 changes
@@ -1185,10 +1185,24 @@ impl<'a> Build<'a> {
                     .filter(|(r, _)| r.is_empty())
                     .filter_map(|(_, t)| Some((t.clone(), ad.get(self.user, None, t)?)))
                     .collect()
+            };
+            // `m.push_rules` is global account data to clients (as in `/sync`), kept by
+            // the push projection: sent when the extension starts and after each
+            // change, which also ends a long-poll.
+            let rules_changed = all || {
+                let last = s.projections.push.rules_last_change(self.user);
+                last > base.upto && last <= self.upto
+            };
+            if rules_changed && let Some(set) = s.projections.push.ruleset(self.user) {
+                global.push((
+                    "m.push_rules".to_owned(),
+                    json!({ "global": crate::push::ruleset_json(&set) }),
+                ));
             }
-            .into_iter()
-            .map(|(t, c)| json!({ "type": t, "content": c }))
-            .collect();
+            let global: Vec<Value> = global
+                .into_iter()
+                .map(|(t, c)| json!({ "type": t, "content": c }))
+                .collect();
             let mut rooms = serde_json::Map::new();
             for room in self.scope(&exts.account_data, selected) {
                 let entries: Vec<(String, Value)> = if all || initial_rooms.contains(room) {
