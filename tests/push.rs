@@ -752,7 +752,11 @@ async fn password_change_removes_the_pushers_of_other_access_tokens() {
             "data": { "url": "https://push.example.org/_matrix/push/v1/notify" },
         })
     };
-    for (c, key) in [(&bob, "key-bob"), (&phone, "key-phone"), (&tablet, "key-tablet")] {
+    for (c, key) in [
+        (&bob, "key-bob"),
+        (&phone, "key-phone"),
+        (&tablet, "key-tablet"),
+    ] {
         c.post("/_matrix/client/v3/pushers/set", &pusher(key))
             .await
             .ok();
@@ -773,7 +777,9 @@ async fn password_change_removes_the_pushers_of_other_access_tokens() {
     let change = |body: Value| {
         let phone = phone.clone();
         async move {
-            let first = phone.post("/_matrix/client/v3/account/password", &body).await;
+            let first = phone
+                .post("/_matrix/client/v3/account/password", &body)
+                .await;
             assert_eq!(first.status, 401, "{}", first.text);
             let mut body = body.clone();
             body["auth"] = json!({

@@ -287,12 +287,11 @@ pub(crate) fn sync_events(
         .map(|(user, _)| user)
         .collect();
     if let Some((position, _)) = since {
-        users.extend(s.projections.device_keys.newly_shared(
-            user_id,
-            joined_rooms,
-            position,
-            upto,
-        ));
+        users.extend(
+            s.projections
+                .device_keys
+                .newly_shared(user_id, joined_rooms, position, upto),
+        );
     }
     users
         .into_iter()

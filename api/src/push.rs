@@ -67,11 +67,7 @@ enum RuleAttr {
 const TRAILING_SLASH: &str = "Unrecognised request: You probably wanted a trailing slash";
 
 fn unrecognized(msg: impl Into<String>) -> MatrixError {
-    MatrixError::new(
-        axum::http::StatusCode::BAD_REQUEST,
-        "M_UNRECOGNIZED",
-        msg,
-    )
+    MatrixError::new(axum::http::StatusCode::BAD_REQUEST, "M_UNRECOGNIZED", msg)
 }
 
 /// Parses the (percent-decoded) path below `/pushrules/`, as Synapse's
