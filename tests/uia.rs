@@ -298,6 +298,29 @@ async fn a_registration_session_remembers_its_first_requests_parameters() {
     assert_eq!(login_status(&ts, "erin", "second").await, 200);
     assert_eq!(login_status(&ts, "erin", "first").await, 403);
 
+    // Registration is idempotent: the session that registered erin logs erin in again
+    // (a new device), whatever it is sent, and creates no second account.
+    for again in [
+        json!({ "password": "second", "auth": { "type": "m.login.dummy", "session": s } }),
+        json!({ "auth": { "session": s } }),
+        json!({ "username": "erin2", "auth": { "type": "m.login.dummy", "session": s } }),
+    ] {
+        let replay = register(again).await.ok();
+        assert_eq!(replay["user_id"], json!(uid("erin")));
+        assert_ne!(replay["device_id"], done["device_id"]);
+        assert!(replay["access_token"].is_string());
+    }
+    assert_eq!(login_status(&ts, "erin2", "second").await, 403);
+    // Without a username: the generated one is kept for the session too.
+    let s = session_of(&register(json!({ "password": "anon-pw" })).await);
+    let first = register(json!({ "auth": { "type": "m.login.dummy", "session": s } }))
+        .await
+        .ok();
+    let replay = register(json!({ "auth": { "type": "m.login.dummy", "session": s } }))
+        .await
+        .ok();
+    assert_eq!(replay["user_id"], first["user_id"]);
+
     // A registration session cannot authorize a signed-in operation.
     let s = session_of(&register(json!({ "username": "frank", "password": "pw" })).await);
     assert_operation_changed(

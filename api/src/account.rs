@@ -414,6 +414,13 @@ async fn register(
             body.insert(key.to_owned(), v.clone());
         }
     }
+    // A session that already registered its account registers nothing more: it logs
+    // that account in again (registration is idempotent, as Synapse's session
+    // `registered_user_id`).
+    let registered = remembered
+        .get("registered_user_id")
+        .and_then(|v| v.as_str())
+        .map(str::to_owned);
     let upgrading = guest_to_upgrade(&s, &headers, &body)?;
     let mut username = opt_str(&body, "username")?;
     if let Some(guest) = &upgrading {
@@ -434,6 +441,7 @@ async fn register(
         check_localpart(&s, &local)?;
         crate::appservice::check_user_not_exclusive(&s, &full_user_id(&s, &local), None)?;
         if upgrading.is_none()
+            && registered.is_none()
             && s.projections
                 .accounts
                 .user(&full_user_id(&s, &local))
@@ -457,12 +465,12 @@ async fn register(
     // User-interactive auth (spec: "User-Interactive Authentication API"): a session
     // of this endpoint, opened now or by an earlier request (400 if unknown, 403 if
     // opened for another operation).
-    let session = match sid {
+    let (session, completed) = match sid {
         Some(sid) => {
-            s.uia.resume(&sid, &register_operation(), now)?;
-            sid
+            let completed = s.uia.resume(&sid, &register_operation(), now)?.completed;
+            (sid, completed)
         }
-        None => s.uia.open(register_operation(), now),
+        None => (s.uia.open(register_operation(), now), Vec::new()),
     };
     // The password is remembered as its hash (and a digest, to know a repeat of it).
     let password_digest = password
@@ -499,8 +507,12 @@ async fn register(
             }
             true
         }
-        _ => false,
+        // A stage this session completed before (a replayed registration).
+        _ => !completed.is_empty(),
     };
+    if passed && let Some(stage) = auth_type {
+        s.uia.complete_stage(&session, stage);
+    }
     if !passed {
         let mut keep = serde_json::Map::new();
         for key in REGISTRATION_REMEMBERED {
@@ -518,17 +530,25 @@ async fn register(
         s.uia.remember(&session, keep);
         return Ok(challenge(None).into_response());
     }
-    let localpart = match username {
-        Some(u) => u.to_lowercase(),
-        None => random_string(12).to_lowercase(),
+    let localpart = match (&registered, username) {
+        (Some(id), _) => id
+            .strip_prefix('@')
+            .and_then(|l| l.split(':').next())
+            .unwrap_or_default()
+            .to_owned(),
+        (None, Some(u)) => u.to_lowercase(),
+        (None, None) => random_string(12).to_lowercase(),
     };
     let user_id = full_user_id(&s, &localpart);
     let password_hash = match (password, remembered_hash) {
+        _ if registered.is_some() => None,
         (_, Some(h)) => Some(h),
         (Some(p), None) => Some(hash_password(&s, p).await?),
         (None, None) => None,
     };
-    if upgrading.is_some() {
+    if registered.is_some() {
+        // Registered by an earlier request of this session: log in again below.
+    } else if upgrading.is_some() {
         // The guest keeps its id, devices, memberships and display name.
         s.submit_and_wait(
             &user_id,
@@ -547,7 +567,12 @@ async fn register(
         // audit trail says who set it (the server, at registration).
         register_account(&s, &user_id, &localpart, password_hash).await?;
     }
-    s.rate_limits.registration.record(&addr_key);
+    if registered.is_none() {
+        s.rate_limits.registration.record(&addr_key);
+        let mut keep = serde_json::Map::new();
+        keep.insert("registered_user_id".into(), json!(user_id));
+        s.uia.remember(&session, keep);
+    }
     if body.get("inhibit_login").and_then(|v| v.as_bool()) == Some(true) {
         return Ok(
             Json(json!({ "user_id": user_id, "home_server": s.server_name() })).into_response(),
