@@ -210,7 +210,15 @@ async fn password_change_logs_out_other_devices_unless_asked_not_to() {
         )
         .await;
     old_login.expect_err(403, "M_FORBIDDEN");
-    // Default: every other device is logged out, the requester's token survives.
+    // Default: every other device is logged out, the requester's token survives. A
+    // new operation needs a session of its own (tests/uia.rs).
+    let challenge = alice
+        .post(
+            "/_matrix/client/v3/account/password",
+            &json!({ "new_password": "third" }),
+        )
+        .await;
+    let session = challenge.body["session"].as_str().unwrap().to_owned();
     alice
         .post(
             "/_matrix/client/v3/account/password",

@@ -121,6 +121,68 @@ async fn presence_is_shared_with_room_mates_only() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn presence_reaches_users_who_newly_share_a_room() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    let room = alice.create_room(json!({ "preset": "public_chat" })).await;
+    let status = |c: &common::Client, presence: &str, msg: &str| {
+        let c = c.clone();
+        let body = json!({ "presence": presence, "status_msg": msg });
+        async move {
+            c.put(
+                &format!("/_matrix/client/v3/presence/{}/status", enc(&c.user_id)),
+                &body,
+            )
+            .await
+            .ok();
+        }
+    };
+    status(&alice, "unavailable", "at work").await;
+    status(&bob, "online", "coding").await;
+    // Both sync (without touching their presence) while they share no room.
+    let quiet = "set_presence=offline";
+    let a = alice.sync(quiet).await;
+    let b = bob.sync(quiet).await;
+    assert_eq!(
+        presence_of(&a),
+        vec![(
+            alice.user_id.clone(),
+            "unavailable".into(),
+            Some("at work".into())
+        )]
+    );
+    assert_eq!(presence_of(&b), vec![]);
+    let a_since = a["next_batch"].as_str().unwrap().to_owned();
+    let b_since = b["next_batch"].as_str().unwrap().to_owned();
+    // Bob joins: neither presence changed, yet each one's next sync carries the other's.
+    bob.join(&room).await;
+    let a2 = alice.sync(&format!("since={a_since}&{quiet}")).await;
+    assert_eq!(
+        presence_of(&a2),
+        vec![(bob.user_id.clone(), "online".into(), Some("coding".into()))]
+    );
+    let b2 = bob.sync(&format!("since={b_since}&{quiet}")).await;
+    assert_eq!(
+        presence_of(&b2),
+        vec![(
+            alice.user_id.clone(),
+            "unavailable".into(),
+            Some("at work".into())
+        )]
+    );
+    // Once sent, it is not repeated.
+    let a3 = alice
+        .sync(&format!(
+            "since={}&{quiet}",
+            a2["next_batch"].as_str().unwrap()
+        ))
+        .await;
+    assert_eq!(presence_of(&a3), vec![]);
+    ts.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn presence_can_be_turned_off() {
     let ts = TestServer::start_with(|c| c.presence.enabled = false).await;
     let alice = ts.register("alice").await;
@@ -204,6 +266,40 @@ async fn user_directory_finds_room_mates_and_public_room_members() {
     assert_eq!(both["results"].as_array().unwrap().len(), 1);
     assert_eq!(search("erin", 10).await["results"], json!([]));
     assert_eq!(search("dave", 10).await["results"], json!([]));
+    // The searcher is never among the results, even where a room-mate matches too
+    // (and even sitting in a public room).
+    alice
+        .put(
+            &format!(
+                "/_matrix/client/v3/profile/{}/displayname",
+                enc(&alice.user_id)
+            ),
+            &json!({ "displayname": "Alice Bobson" }),
+        )
+        .await
+        .ok();
+    let public = alice.create_room(json!({ "preset": "public_chat" })).await;
+    bob.join(&public).await;
+    assert_eq!(search("alice", 10).await["results"], json!([]));
+    assert_eq!(
+        search("bobs", 10).await,
+        json!({ "results": [], "limited": false })
+    );
+    assert_eq!(
+        bob.post(
+            "/_matrix/client/v3/user_directory/search",
+            &json!({ "search_term": "bob" }),
+        )
+        .await
+        .ok(),
+        json!({
+            "results": [
+                { "user_id": uid("alice"), "display_name": "Alice Bobson" },
+                { "user_id": uid("carol"), "display_name": "Carol Bobbitt" },
+            ],
+            "limited": false,
+        })
+    );
     alice
         .post("/_matrix/client/v3/user_directory/search", &json!({}))
         .await

@@ -190,9 +190,13 @@ async fn openid_tokens_identify_their_user_until_deactivation() {
     anon.get(&userinfo("spo_nonsense"))
         .await
         .expect_err(401, "M_UNKNOWN_TOKEN");
+    // No token: 401 `M_MISSING_TOKEN` (as Synapse), an empty one is unknown.
     anon.get("/_matrix/federation/v1/openid/userinfo")
         .await
-        .expect_err(400, "M_MISSING_PARAM");
+        .expect_err(401, "M_MISSING_TOKEN");
+    anon.get(&userinfo(""))
+        .await
+        .expect_err(401, "M_UNKNOWN_TOKEN");
     bob.post(
         &format!("{C3}/user/{}/openid/request_token", enc(&alice.user_id)),
         &json!({}),

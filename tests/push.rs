@@ -124,10 +124,11 @@ async fn push_rule_crud_and_errors() {
     .ok();
     let set = bob.get(&format!("{RULES}/")).await.ok();
     assert_eq!(rule_ids(&set, "content"), ["tea", "cake", "pie"]);
-    // `dont_notify` is a historical action and is stripped (spec: "Historical Actions").
+    // The historical `dont_notify` is kept as sent (as Synapse does; a no-op when
+    // evaluating, spec: "Historical Actions").
     assert_eq!(
         bob.get(&format!("{RULES}/content/cake")).await.ok(),
-        json!({ "rule_id": "cake", "default": false, "enabled": true, "pattern": "cake*", "actions": ["notify"] })
+        json!({ "rule_id": "cake", "default": false, "enabled": true, "pattern": "cake*", "actions": ["notify", "dont_notify"] })
     );
     put(
         format!("{RULES}/content/cake/enabled"),
@@ -196,7 +197,7 @@ async fn push_rule_crud_and_errors() {
     .expect_err(400, "M_INVALID_PARAM");
     put(format!("{RULES}/nosuchkind/x"), json!({ "actions": [] }))
         .await
-        .expect_err(400, "M_INVALID_PARAM");
+        .expect_err(400, "M_UNRECOGNIZED");
     put(format!("{RULES}/content/x"), json!({ "actions": [] }))
         .await
         .expect_err(400, "M_MISSING_PARAM");
@@ -250,6 +251,175 @@ async fn push_rule_crud_and_errors() {
     )
     .await
     .expect_err(400, "M_BAD_JSON");
+    ts.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_rule_kinds_list_and_legacy_actions_read_back_as_sent() {
+    let ts = TestServer::start().await;
+    let bob = ts.register("bob").await;
+    // `GET /pushrules/global/{kind}/`: that kind's rules, an array (as Synapse).
+    let all = bob.get(&format!("{RULES}/")).await.ok();
+    for kind in ["override", "content", "room", "sender", "underride"] {
+        assert_eq!(
+            bob.get(&format!("{RULES}/{kind}/")).await.ok(),
+            all[kind],
+            "{kind}"
+        );
+    }
+    assert_eq!(bob.get(&format!("{RULES}/content/")).await.ok(), json!([]));
+    bob.put(
+        &format!("{RULES}/override/legacy"),
+        &json!({
+            "conditions": [{ "kind": "event_match", "key": "content.body", "pattern": "legacy" }],
+            "actions": ["dont_notify"],
+        }),
+    )
+    .await
+    .ok();
+    bob.put(
+        &format!("{RULES}/content/old?after=nothing-else"),
+        &json!({ "pattern": "old", "actions": ["coalesce"] }),
+    )
+    .await
+    .expect_err(400, "M_UNKNOWN");
+    bob.put(
+        &format!("{RULES}/content/old"),
+        &json!({ "pattern": "old", "actions": ["notify", "coalesce", { "set_tweak": "sound", "value": "ping" }] }),
+    )
+    .await
+    .ok();
+    assert_eq!(
+        bob.get(&format!("{RULES}/override/legacy")).await.ok(),
+        json!({
+            "rule_id": "legacy",
+            "default": false,
+            "enabled": true,
+            "conditions": [{ "kind": "event_match", "key": "content.body", "pattern": "legacy" }],
+            "actions": ["dont_notify"],
+        })
+    );
+    assert_eq!(
+        bob.get(&format!("{RULES}/content/")).await.ok(),
+        json!([{
+            "rule_id": "old",
+            "default": false,
+            "enabled": true,
+            "pattern": "old",
+            "actions": ["notify", "coalesce", { "set_tweak": "sound", "value": "ping" }],
+        }])
+    );
+    bob.put(
+        &format!("{RULES}/underride/.m.rule.message/actions"),
+        &json!({ "actions": ["dont_notify"] }),
+    )
+    .await
+    .ok();
+    assert_eq!(
+        bob.get(&format!("{RULES}/underride/.m.rule.message/actions"))
+            .await
+            .ok(),
+        json!({ "actions": ["dont_notify"] })
+    );
+    // The ruleset in /sync says the same.
+    let sync = bob.sync("").await;
+    let rules = sync["account_data"]["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["type"] == "m.push_rules")
+        .unwrap()["content"]["global"]
+        .clone();
+    assert_eq!(rules, bob.get(&format!("{RULES}/")).await.ok());
+    assert_eq!(
+        rules["override"][1]["actions"],
+        json!(["dont_notify"]),
+        "{}",
+        rules["override"]
+    );
+    // An action Synapse does not know is refused.
+    bob.put(
+        &format!("{RULES}/content/bad"),
+        &json!({ "pattern": "x", "actions": ["shout"] }),
+    )
+    .await
+    .expect_err(400, "M_BAD_JSON");
+    bob.put(
+        &format!("{RULES}/content/old/actions"),
+        &json!({ "actions": [{ "value": "ping" }] }),
+    )
+    .await
+    .expect_err(400, "M_BAD_JSON");
+    ts.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_push_rule_paths_are_400_m_unrecognized() {
+    let ts = TestServer::start().await;
+    let bob = ts.register("bob").await;
+    bob.put(
+        &format!("{RULES}/content/cake"),
+        &json!({ "pattern": "cake", "actions": ["notify"] }),
+    )
+    .await
+    .ok();
+    let v3 = "/_matrix/client/v3";
+    for path in [
+        format!("{v3}/pushrules"),
+        format!("{v3}/pushrules/global"),
+        format!("{v3}/pushrules/device/"),
+        format!("{v3}/pushrules/device/content/cake"),
+        format!("{RULES}/content"),
+        format!("{RULES}/nosuchkind/"),
+        format!("{RULES}/nosuchkind/cake"),
+        format!("{RULES}/content/cake/"),
+        format!("{RULES}/content/cake/unknown_attr"),
+        format!("{RULES}/content/cake/enabled/more"),
+        format!("{RULES}/content//enabled"),
+    ] {
+        bob.get(&path).await.expect_err(400, "M_UNRECOGNIZED");
+    }
+    let put = |path: String, body: Value| {
+        let bob = bob.clone();
+        async move { bob.put(&path, &body).await }
+    };
+    for path in [
+        format!("{v3}/pushrules/device/content/cake"),
+        format!("{RULES}/content/"),
+        format!("{RULES}/content"),
+        format!("{RULES}/"),
+        format!("{RULES}/nosuchkind/cake"),
+        format!("{RULES}/override/x/unknown_attr"),
+        format!("{RULES}/content/cake/unknown_attr"),
+        format!("{RULES}/content/cake/enabled/more"),
+    ] {
+        put(path, json!({ "enabled": true, "actions": [] }))
+            .await
+            .expect_err(400, "M_UNRECOGNIZED");
+    }
+    for path in [
+        format!("{v3}/pushrules/device/content/cake"),
+        format!("{RULES}/content/"),
+        format!("{RULES}/nosuchkind/cake"),
+        format!("{RULES}/content/cake/enabled"),
+        format!("{RULES}/content/cake/unknown_attr"),
+    ] {
+        bob.request(reqwest::Method::DELETE, &path, None)
+            .await
+            .expect_err(400, "M_UNRECOGNIZED");
+    }
+    // None of those touched the rule; a missing rule is still 404 `M_NOT_FOUND`.
+    assert_eq!(
+        bob.get(&format!("{RULES}/content/cake")).await.ok(),
+        json!({ "rule_id": "cake", "default": false, "enabled": true, "pattern": "cake", "actions": ["notify"] })
+    );
+    bob.get(&format!("{RULES}/content/nosuch/actions"))
+        .await
+        .expect_err(404, "M_NOT_FOUND");
+    // A method the API has no use for stays 405 `M_UNRECOGNIZED`.
+    bob.post(&format!("{RULES}/content/cake"), &json!({}))
+        .await
+        .expect_err(405, "M_UNRECOGNIZED");
     ts.stop().await;
 }
 
@@ -562,5 +732,82 @@ async fn pushers_are_stored_replaced_and_deleted() {
     )
     .await
     .expect_err(400, "M_MISSING_PARAM");
+    ts.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn password_change_removes_the_pushers_of_other_access_tokens() {
+    let ts = TestServer::start().await;
+    let bob = ts.register("bob").await;
+    let phone = ts.login("bob", Some("PHONE")).await;
+    let tablet = ts.login("bob", Some("TABLET")).await;
+    let pusher = |key: &str| {
+        json!({
+            "pushkey": key,
+            "kind": "http",
+            "app_id": "org.example.app",
+            "app_display_name": "App",
+            "device_display_name": key,
+            "lang": "en",
+            "data": { "url": "https://push.example.org/_matrix/push/v1/notify" },
+        })
+    };
+    for (c, key) in [
+        (&bob, "key-bob"),
+        (&phone, "key-phone"),
+        (&tablet, "key-tablet"),
+    ] {
+        c.post("/_matrix/client/v3/pushers/set", &pusher(key))
+            .await
+            .ok();
+    }
+    let keys = |v: Value| -> Vec<String> {
+        v["pushers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| p["pushkey"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(
+        keys(bob.get("/_matrix/client/v3/pushers").await.ok()),
+        ["key-bob", "key-phone", "key-tablet"]
+    );
+    // `logout_devices: false`: every pusher stays.
+    let change = |body: Value| {
+        let phone = phone.clone();
+        async move {
+            let first = phone
+                .post("/_matrix/client/v3/account/password", &body)
+                .await;
+            assert_eq!(first.status, 401, "{}", first.text);
+            let mut body = body.clone();
+            body["auth"] = json!({
+                "type": "m.login.password",
+                "identifier": { "type": "m.id.user", "user": "bob" },
+                "password": "password-bob",
+                "session": first.body["session"],
+            });
+            phone
+                .post("/_matrix/client/v3/account/password", &body)
+                .await
+                .ok();
+        }
+    };
+    change(json!({ "new_password": "password-bob", "logout_devices": false })).await;
+    assert_eq!(
+        keys(phone.get("/_matrix/client/v3/pushers").await.ok()),
+        ["key-bob", "key-phone", "key-tablet"]
+    );
+    // `logout_devices` left out (default true), asked from the phone: the pushers of
+    // every other access token go, the phone's stays.
+    change(json!({ "new_password": "password-bob" })).await;
+    assert_eq!(
+        phone.get("/_matrix/client/v3/pushers").await.ok(),
+        json!({ "pushers": [pusher("key-phone")] })
+    );
+    bob.get("/_matrix/client/v3/account/whoami")
+        .await
+        .expect_err(401, "M_UNKNOWN_TOKEN");
     ts.stop().await;
 }

@@ -323,6 +323,26 @@ pub(crate) async fn start_session(
     })
 }
 
+/// What a registration session is opened for: no user, no bound parameters (they are
+/// remembered instead, [`REGISTRATION_REMEMBERED`]).
+fn register_operation() -> crate::uia::UiaOperation {
+    crate::uia::UiaOperation {
+        user_id: None,
+        action: "POST /register",
+        params: Value::Null,
+    }
+}
+
+/// The parameters a registration session remembers from its requests (spec:
+/// "Registration"; the password is remembered as its hash).
+const REGISTRATION_REMEMBERED: [&str; 5] = [
+    "username",
+    "device_id",
+    "initial_device_display_name",
+    "inhibit_login",
+    "refresh_token",
+];
+
 /// `POST /register` (spec: "Account registration"). Rate limited per client address
 /// (`[rate_limits.registration]`: every call is refused while the address's bucket is
 /// full, only a created account counts). `kind=guest` registers a guest
@@ -352,7 +372,9 @@ async fn register(
     let auth_type = body
         .get("auth")
         .and_then(|a| a.get("type"))
-        .and_then(|v| v.as_str());
+        .and_then(|v| v.as_str())
+        .map(str::to_owned);
+    let auth_type = auth_type.as_deref();
     if auth_type == Some("m.login.application_service")
         || body.get("type").and_then(|v| v.as_str()) == Some("m.login.application_service")
     {
@@ -370,6 +392,35 @@ async fn register(
     }
     let addr_key = addr.rate_key();
     s.rate_limits.registration.peek(&addr_key)?;
+    // A later request of a registration session that leaves a parameter out uses the
+    // one its first request gave (spec: "Registration"; crate::uia).
+    let now = crate::now_ms();
+    let sid = body
+        .get("auth")
+        .and_then(|a| a.get("session"))
+        .and_then(|v| v.as_str())
+        .map(str::to_owned);
+    let remembered = sid
+        .as_deref()
+        .and_then(|sid| s.uia.get(sid, now))
+        .filter(|x| x.op == register_operation())
+        .map(|x| x.remembered)
+        .unwrap_or_default();
+    let mut body = body;
+    for key in REGISTRATION_REMEMBERED {
+        if body.get(key).is_none_or(Value::is_null)
+            && let Some(v) = remembered.get(key)
+        {
+            body.insert(key.to_owned(), v.clone());
+        }
+    }
+    // A session that already registered its account registers nothing more: it logs
+    // that account in again (registration is idempotent, as Synapse's session
+    // `registered_user_id`).
+    let registered = remembered
+        .get("registered_user_id")
+        .and_then(|v| v.as_str())
+        .map(str::to_owned);
     let upgrading = guest_to_upgrade(&s, &headers, &body)?;
     let mut username = opt_str(&body, "username")?;
     if let Some(guest) = &upgrading {
@@ -390,6 +441,7 @@ async fn register(
         check_localpart(&s, &local)?;
         crate::appservice::check_user_not_exclusive(&s, &full_user_id(&s, &local), None)?;
         if upgrading.is_none()
+            && registered.is_none()
             && s.projections
                 .accounts
                 .user(&full_user_id(&s, &local))
@@ -410,13 +462,27 @@ async fn register(
             "Password too long",
         ));
     }
-    // User-interactive auth (spec: "User-Interactive Authentication API").
-    let session = body
-        .get("auth")
-        .and_then(|a| a.get("session"))
-        .and_then(|v| v.as_str())
-        .map(str::to_owned)
-        .unwrap_or_else(|| random_string(24));
+    // User-interactive auth (spec: "User-Interactive Authentication API"): a session
+    // of this endpoint, opened now or by an earlier request (400 if unknown, 403 if
+    // opened for another operation).
+    let (session, completed) = match sid {
+        Some(sid) => {
+            let completed = s.uia.resume(&sid, &register_operation(), now)?.completed;
+            (sid, completed)
+        }
+        None => (s.uia.open(register_operation(), now), Vec::new()),
+    };
+    // The password is remembered as its hash (and a digest, to know a repeat of it).
+    let password_digest = password
+        .as_ref()
+        .map(|p| blake3::hash(p.as_bytes()).to_hex().to_string());
+    let remembered_hash = match (&password_digest, remembered.get("password_digest")) {
+        (None, _) => remembered.get("password_hash"),
+        (Some(d), Some(r)) if r == d => remembered.get("password_hash"),
+        _ => None,
+    }
+    .and_then(|h| h.as_str())
+    .map(str::to_owned);
     let challenge = |err: Option<MatrixError>| {
         let mut body = json!({ "flows": flows, "params": {}, "session": session, "completed": [] });
         if let Some(e) = err {
@@ -441,21 +507,48 @@ async fn register(
             }
             true
         }
-        _ => false,
+        // A stage this session completed before (a replayed registration).
+        _ => !completed.is_empty(),
     };
+    if passed && let Some(stage) = auth_type {
+        s.uia.complete_stage(&session, stage);
+    }
     if !passed {
+        let mut keep = serde_json::Map::new();
+        for key in REGISTRATION_REMEMBERED {
+            if let Some(v) = body.get(key).filter(|v| !v.is_null()) {
+                keep.insert(key.to_owned(), v.clone());
+            }
+        }
+        if let (Some(p), Some(d), None) = (&password, &password_digest, &remembered_hash) {
+            keep.insert(
+                "password_hash".into(),
+                json!(hash_password(&s, p.clone()).await?),
+            );
+            keep.insert("password_digest".into(), json!(d));
+        }
+        s.uia.remember(&session, keep);
         return Ok(challenge(None).into_response());
     }
-    let localpart = match username {
-        Some(u) => u.to_lowercase(),
-        None => random_string(12).to_lowercase(),
+    let localpart = match (&registered, username) {
+        (Some(id), _) => id
+            .strip_prefix('@')
+            .and_then(|l| l.split(':').next())
+            .unwrap_or_default()
+            .to_owned(),
+        (None, Some(u)) => u.to_lowercase(),
+        (None, None) => random_string(12).to_lowercase(),
     };
     let user_id = full_user_id(&s, &localpart);
-    let password_hash = match password {
-        Some(p) => Some(hash_password(&s, p).await?),
-        None => None,
+    let password_hash = match (password, remembered_hash) {
+        _ if registered.is_some() => None,
+        (_, Some(h)) => Some(h),
+        (Some(p), None) => Some(hash_password(&s, p).await?),
+        (None, None) => None,
     };
-    if upgrading.is_some() {
+    if registered.is_some() {
+        // Registered by an earlier request of this session: log in again below.
+    } else if upgrading.is_some() {
         // The guest keeps its id, devices, memberships and display name.
         s.submit_and_wait(
             &user_id,
@@ -474,7 +567,12 @@ async fn register(
         // audit trail says who set it (the server, at registration).
         register_account(&s, &user_id, &localpart, password_hash).await?;
     }
-    s.rate_limits.registration.record(&addr_key);
+    if registered.is_none() {
+        s.rate_limits.registration.record(&addr_key);
+        let mut keep = serde_json::Map::new();
+        keep.insert("registered_user_id".into(), json!(user_id));
+        s.uia.remember(&session, keep);
+    }
     if body.get("inhibit_login").and_then(|v| v.as_bool()) == Some(true) {
         return Ok(
             Json(json!({ "user_id": user_id, "home_server": s.server_name() })).into_response(),

@@ -9,7 +9,7 @@
 
 use std::collections::BTreeMap;
 
-use axum::{Json, Router, extract::State, http::StatusCode, response::IntoResponse, routing::post};
+use axum::{Json, Router, extract::State, response::IntoResponse, routing::post};
 use serde_json::{Map, Value, json};
 use spindle_core::e2ee::{cross_signing_public_key, verify_signature};
 use spindle_journal::{CommandBody, Fact, SignatureAdded};
@@ -63,72 +63,6 @@ fn check_key(r: &Requester, v: &Value, usage: &str) -> ApiResult<(String, String
     Ok((id, public))
 }
 
-fn uia_challenge(session: &str, err: Option<MatrixError>) -> axum::response::Response {
-    let mut body = json!({
-        "flows": [{ "stages": ["m.login.password"] }],
-        "params": {},
-        "session": session,
-        "completed": [],
-    });
-    if let Some(e) = err {
-        body["errcode"] = json!(e.errcode);
-        body["error"] = json!(e.error);
-    }
-    (StatusCode::UNAUTHORIZED, Json(body)).into_response()
-}
-
-/// Checks `auth` of a user-interactive request with `m.login.password` (spec:
-/// "User-Interactive Authentication API"). `Ok(None)`: passed; `Ok(Some(response))`:
-/// answer with that 401 challenge.
-async fn password_uia(
-    s: &AppState,
-    r: &Requester,
-    body: &Map<String, Value>,
-) -> ApiResult<Option<axum::response::Response>> {
-    let auth = body.get("auth");
-    let session = auth
-        .and_then(|a| a.get("session"))
-        .and_then(|v| v.as_str())
-        .map(str::to_owned)
-        .unwrap_or_else(|| blake3::hash(r.token_hash.as_bytes()).to_hex()[..24].to_owned());
-    let Some(auth) = auth.filter(|a| a.get("type").and_then(|t| t.as_str()).is_some()) else {
-        return Ok(Some(uia_challenge(&session, None)));
-    };
-    if auth.get("type").and_then(|t| t.as_str()) != Some("m.login.password") {
-        return Ok(Some(uia_challenge(&session, None)));
-    }
-    let user = auth
-        .get("identifier")
-        .and_then(|i| i.get("user"))
-        .or_else(|| auth.get("user"))
-        .and_then(|u| u.as_str())
-        .unwrap_or("");
-    let same_user = user == r.user_id
-        || user.eq_ignore_ascii_case(
-            r.user_id
-                .strip_prefix('@')
-                .and_then(|u| u.split(':').next())
-                .unwrap_or(""),
-        );
-    let password = auth.get("password").and_then(|p| p.as_str()).unwrap_or("");
-    let hash = s
-        .projections
-        .accounts
-        .user(&r.user_id)
-        .and_then(|a| a.password_hash);
-    let good = match hash {
-        Some(h) if same_user => crate::account::verify_password(s, password.to_owned(), h).await?,
-        _ => false,
-    };
-    if !good {
-        return Ok(Some(uia_challenge(
-            &session,
-            Some(MatrixError::forbidden("Invalid password")),
-        )));
-    }
-    Ok(None)
-}
-
 /// `POST /_matrix/client/v3/keys/device_signing/upload`: the user's master,
 /// self-signing and user-signing keys. Replacing an existing master key (or uploading
 /// different keys while one exists) needs user-interactive auth with the password; the
@@ -173,7 +107,21 @@ async fn device_signing_upload(
         && !(unchanged(&master, &stored.master)
             && unchanged(&self_signing, &stored.self_signing)
             && unchanged(&user_signing, &stored.user_signing));
-    if needs_auth && let Some(challenge) = password_uia(&s, &r, &body).await? {
+    // The session is bound to the keys being uploaded (crate::uia).
+    if needs_auth
+        && let Some(challenge) = crate::devices::user_interactive_auth(
+            &s,
+            &r,
+            "POST /keys/device_signing/upload",
+            json!({
+                "master_key": master,
+                "self_signing_key": self_signing,
+                "user_signing_key": user_signing,
+            }),
+            &body,
+        )
+        .await?
+    {
         return Ok(challenge);
     }
     let outcome = s

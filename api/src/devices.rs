@@ -401,11 +401,17 @@ async fn rename_device(
 /// password (`m.login.dummy` for an account that has no password). Returns `None`
 /// when `body.auth` completes it, else the 401 answer to send: the flows, and
 /// `M_FORBIDDEN` when a password was given but is wrong or names another user.
-/// Sessions are not stored: any `session` the client echoes is accepted, since the
-/// flow has one stage and is completed within one request.
+///
+/// The session is bound to `action` and `params` (the parameters that choose what the
+/// operation does) and to the requester ([`crate::uia`]): one opened for anything else
+/// is refused with 403, an unknown one with 400. A session that completed its stage
+/// authorizes its own operation again without a password until it expires (as
+/// Synapse's completed stages do).
 pub(crate) async fn user_interactive_auth(
     s: &AppState,
     r: &Requester,
+    action: &'static str,
+    params: Value,
     body: &serde_json::Map<String, Value>,
 ) -> ApiResult<Option<Response>> {
     let account = s
@@ -418,12 +424,21 @@ pub(crate) async fn user_interactive_auth(
     } else {
         "m.login.dummy"
     };
+    let op = crate::uia::UiaOperation {
+        user_id: Some(r.user_id.clone()),
+        action,
+        params,
+    };
+    let now = crate::now_ms();
+    // `auth` is optional: an explicit `null` is no auth at all.
     let auth = body.get("auth").and_then(|a| a.as_object());
-    let session = auth
-        .and_then(|a| a.get("session"))
-        .and_then(|v| v.as_str())
-        .map(str::to_owned)
-        .unwrap_or_else(|| random_string(24));
+    let (session, completed) = match auth.and_then(|a| a.get("session")).and_then(|v| v.as_str()) {
+        Some(sid) => (sid.to_owned(), s.uia.resume(sid, &op, now)?.completed),
+        None => (s.uia.open(op, now), Vec::new()),
+    };
+    if completed.iter().any(|c| c == stage) {
+        return Ok(None);
+    }
     let challenge = |err: Option<MatrixError>| {
         let mut out = json!({
             "flows": [{ "stages": [stage] }],
@@ -440,8 +455,8 @@ pub(crate) async fn user_interactive_auth(
     let Some(auth) = auth else {
         return Ok(challenge(None));
     };
-    match (auth.get("type").and_then(|v| v.as_str()), stage) {
-        (Some("m.login.dummy"), "m.login.dummy") => Ok(None),
+    let passed = match (auth.get("type").and_then(|v| v.as_str()), stage) {
+        (Some("m.login.dummy"), "m.login.dummy") => true,
         (Some("m.login.password"), "m.login.password") => {
             let user = match auth.get("identifier") {
                 Some(id) => {
@@ -465,14 +480,18 @@ pub(crate) async fn user_interactive_auth(
                 .unwrap_or_default()
                 .to_owned();
             let hash = account.password_hash.unwrap_or_default();
-            if verify_password(s, password, hash).await? {
-                Ok(None)
-            } else {
-                Ok(challenge(Some(MatrixError::forbidden("Invalid password"))))
+            if !verify_password(s, password, hash).await? {
+                return Ok(challenge(Some(MatrixError::forbidden("Invalid password"))));
             }
+            true
         }
-        _ => Ok(challenge(None)),
+        _ => false,
+    };
+    if !passed {
+        return Ok(challenge(None));
     }
+    s.uia.complete_stage(&session, stage);
+    Ok(None)
 }
 
 /// Deletes devices (and, with them, their tokens), waiting until the last deletion is
@@ -517,7 +536,14 @@ async fn delete_device(
     JsonObject(body): JsonObject,
 ) -> ApiResult<Response> {
     if r.appservice.is_none()
-        && let Some(challenge) = user_interactive_auth(&s, &r, &body).await?
+        && let Some(challenge) = user_interactive_auth(
+            &s,
+            &r,
+            "DELETE /devices/{deviceId}",
+            json!({ "device_id": device_id }),
+            &body,
+        )
+        .await?
     {
         return Ok(challenge);
     }
@@ -552,7 +578,14 @@ async fn delete_devices(
         )));
     }
     if r.appservice.is_none()
-        && let Some(challenge) = user_interactive_auth(&s, &r, &body).await?
+        && let Some(challenge) = user_interactive_auth(
+            &s,
+            &r,
+            "POST /delete_devices",
+            json!({ "devices": devices }),
+            &body,
+        )
+        .await?
     {
         return Ok(challenge);
     }
@@ -585,7 +618,14 @@ async fn change_password(
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(MatrixError::bad_json("logout_devices must be a boolean")),
     };
-    if let Some(challenge) = user_interactive_auth(&s, &r, &body).await? {
+    // Bound to the new password (its digest: no password is kept in memory). Not to
+    // `logout_devices`: clients add it only to the request that completes the flow.
+    let params = json!({
+        "new_password": blake3::hash(new_password.as_bytes()).to_hex().to_string(),
+    });
+    if let Some(challenge) =
+        user_interactive_auth(&s, &r, "POST /account/password", params, &body).await?
+    {
         return Ok(challenge);
     }
     let fact = Fact::PasswordChanged {
@@ -623,7 +663,15 @@ async fn deactivate(
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(MatrixError::bad_json("erase must be a boolean")),
     };
-    if let Some(challenge) = user_interactive_auth(&s, &r, &body).await? {
+    if let Some(challenge) = user_interactive_auth(
+        &s,
+        &r,
+        "POST /account/deactivate",
+        json!({ "erase": erase }),
+        &body,
+    )
+    .await?
+    {
         return Ok(challenge);
     }
     deactivate_account(&s, &r.user_id, erase, (&r.user_id, Some(&r.device_id))).await?;

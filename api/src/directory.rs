@@ -228,7 +228,8 @@ async fn public_rooms_post(
 }
 
 /// `POST /user_directory/search`: users who share a joined room with the searcher,
-/// or are joined to a room whose join rule is `public`; deactivated users never. A
+/// or are joined to a room whose join rule is `public`; deactivated users and the
+/// searcher themselves never. A
 /// user matches when every word of `search_term` occurs (case-insensitive) in their
 /// user id or a display name of theirs. Results are ordered by user id; `limited`
 /// says more matched than `limit`. Remote users who share a room (or sit in a public
@@ -279,7 +280,9 @@ async fn search_users(
     let mut matched = std::collections::BTreeMap::new();
     for room in &rooms {
         for (user, m) in s.projections.membership.members(room) {
-            if m.membership != "join" || matched.contains_key(&user) {
+            // The searcher is never a result of their own search (Synapse leaves them
+            // out too, except when they sit in a public room).
+            if m.membership != "join" || user == r.user_id || matched.contains_key(&user) {
                 continue;
             }
             let hay = format!(

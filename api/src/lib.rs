@@ -41,6 +41,7 @@ pub mod sync;
 pub mod thirdparty;
 pub mod to_device;
 pub mod typing;
+pub mod uia;
 pub mod upgrade;
 pub mod visibility;
 pub mod voip;
@@ -202,6 +203,8 @@ pub struct AppState {
     pub last_seen: devices::LastSeen,
     /// Presence (in memory, ephemeral like typing).
     pub presence: presence::Presence,
+    /// User-interactive authentication sessions (in memory, ephemeral, bounded).
+    pub uia: Arc<uia::UiaSessions>,
     /// Media blobs (content-addressed files).
     pub blobs: Arc<spindle_journal::blobs::BlobStore>,
     /// Media fetched from other servers, in memory (bounded).
@@ -275,6 +278,7 @@ impl AppState {
             shutdown,
             last_seen,
             presence: presence::Presence::with_limit(caches.presence_users),
+            uia: Arc::default(),
             federation: None,
             appservices: Arc::new(appservice::AppServices::empty()),
             guest_ids: Arc::default(),

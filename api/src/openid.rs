@@ -9,7 +9,7 @@
 //! fact holding only its blake3 hash and its expiry ([`OPENID_TOKEN_LIFETIME_S`]); the
 //! `accounts` projection keeps hash -> (user, expiry). `userinfo` is one point read;
 //! an unknown or expired token, or one of a deactivated account, is 401
-//! `M_UNKNOWN_TOKEN`. `userinfo` is served by this crate, not `federation`, because it
+//! `M_UNKNOWN_TOKEN`; no token at all is 401 `M_MISSING_TOKEN` (as Synapse). `userinfo` is served by this crate, not `federation`, because it
 //! reads a projection.
 
 use axum::{
@@ -67,7 +67,9 @@ async fn request_token(
     })))
 }
 
-/// `GET /_matrix/federation/v1/openid/userinfo?access_token=`: `{"sub": user id}`.
+/// `GET /_matrix/federation/v1/openid/userinfo?access_token=`: `{"sub": user id}`;
+/// 401 `M_UNKNOWN_TOKEN` for an unknown or expired token, 401 `M_MISSING_TOKEN`
+/// without one.
 async fn userinfo(State(s): State<AppState>, q: Query) -> ApiResult<Json<Value>> {
     let unknown = || {
         MatrixError::new(
@@ -76,9 +78,15 @@ async fn userinfo(State(s): State<AppState>, q: Query) -> ApiResult<Json<Value>>
             "OpenID token unknown or expired",
         )
     };
-    let token = q
-        .get("access_token")
-        .ok_or_else(|| MatrixError::missing_param("access_token is required"))?;
+    // No token at all is 401 `M_MISSING_TOKEN`, as Synapse answers (the spec lists
+    // only the 401 of an unknown token).
+    let token = q.get("access_token").ok_or_else(|| {
+        MatrixError::new(
+            axum::http::StatusCode::UNAUTHORIZED,
+            "M_MISSING_TOKEN",
+            "Access token required",
+        )
+    })?;
     let owner = s
         .projections
         .accounts

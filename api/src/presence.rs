@@ -9,8 +9,11 @@
 //! Cost: a change is recorded under each room the user is joined to (the writer pays
 //! for its own rooms); `/sync` asks each of the requester's joined rooms "any change
 //! since counter N?" in memory and reads only the users who did change, one
-//! membership point read each (so a user who left the room is not shown). Nothing
-//! walks a room's members or other users' rooms.
+//! membership point read each (so a user who left the room is not shown). Users who
+//! newly share a room with the requester (it joined their room, or they joined its)
+//! come from the device-list join log, which `device_lists` reads anyway; only a room
+//! the requester just joined has its members walked. Nothing else walks a room's
+//! members or other users' rooms.
 
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap, HashSet},
@@ -256,18 +259,24 @@ impl Presence {
 
 /// The `presence.events` of a `/sync` answer: `m.presence` events of users who share
 /// one of `joined_rooms` with the requester and changed after the token's counter
-/// value (all of them on an initial sync). Empty when presence is off.
+/// value (all of them on an initial sync), plus, on an incremental sync, the current
+/// presence of every user who came to share a room with the requester since the
+/// token's position (`since`: (position, counter)), changed or not, as Synapse sends
+/// it for newly joined rooms and newly joined members. Empty when presence is off.
 pub(crate) fn sync_events(
     s: &AppState,
+    user_id: &str,
     joined_rooms: &[String],
-    since_counter: Option<u64>,
+    since: Option<(u64, u64)>,
+    upto: u64,
 ) -> Vec<Value> {
     if !s.config.presence_enabled {
         return Vec::new();
     }
     let now = crate::now_ms();
-    s.presence
-        .changed_users(joined_rooms, since_counter)
+    let mut users: BTreeSet<String> = s
+        .presence
+        .changed_users(joined_rooms, since.map(|(_, t)| t))
         .into_iter()
         .filter(|(user, room)| {
             s.projections
@@ -275,7 +284,18 @@ pub(crate) fn sync_events(
                 .get(room, user)
                 .is_some_and(|m| m.membership == "join")
         })
-        .filter_map(|(user, _)| {
+        .map(|(user, _)| user)
+        .collect();
+    if let Some((position, _)) = since {
+        users.extend(
+            s.projections
+                .device_keys
+                .newly_shared(user_id, joined_rooms, position, upto),
+        );
+    }
+    users
+        .into_iter()
+        .filter_map(|user| {
             let content = s.presence.content(&user, now)?;
             Some(json!({ "type": "m.presence", "sender": user, "content": content }))
         })

@@ -29,26 +29,154 @@ pub const NOTIFICATIONS_MAX_LIMIT: usize = 100;
 
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
+        .route("/_matrix/client/v3/pushrules", get(push_rules_no_slash))
         .route("/_matrix/client/v3/pushrules/", get(push_rules))
+        // Everything below `/pushrules/` goes through one parser (as Synapse's one
+        // servlet does), so a malformed path (unknown scope or kind, no rule id, an
+        // unknown attribute, a missing trailing slash) answers 400 `M_UNRECOGNIZED`
+        // instead of the router's 404/405.
         .route(
-            "/_matrix/client/v3/pushrules/global/",
-            get(push_rules_global),
-        )
-        .route(
-            "/_matrix/client/v3/pushrules/global/{kind}/{rule_id}",
-            get(get_rule).put(put_rule).delete(delete_rule),
-        )
-        .route(
-            "/_matrix/client/v3/pushrules/global/{kind}/{rule_id}/enabled",
-            get(get_enabled).put(put_enabled),
-        )
-        .route(
-            "/_matrix/client/v3/pushrules/global/{kind}/{rule_id}/actions",
-            get(get_actions).put(put_actions),
+            "/_matrix/client/v3/pushrules/{*path}",
+            get(get_path).put(put_path).delete(delete_path),
         )
         .route("/_matrix/client/v3/notifications", get(notifications))
         .route("/_matrix/client/v3/pushers", get(get_pushers))
         .route("/_matrix/client/v3/pushers/set", post(set_pushers))
+}
+
+/// What a path below `/pushrules/` names.
+#[derive(Debug, PartialEq, Eq)]
+enum RulePath {
+    /// `global/`: the whole global ruleset.
+    Ruleset,
+    /// `global/{kind}/`: the rules of one kind, in priority order.
+    Kind(&'static str),
+    /// `global/{kind}/{ruleId}`.
+    Rule(&'static str, String),
+    /// `global/{kind}/{ruleId}/{attr}` with `attr` one of [`RuleAttr`].
+    Attr(&'static str, String, RuleAttr),
+}
+
+/// The attributes of a rule served on their own (spec: `.../enabled`, `.../actions`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RuleAttr {
+    Enabled,
+    Actions,
+}
+
+const TRAILING_SLASH: &str = "Unrecognised request: You probably wanted a trailing slash";
+
+fn unrecognized(msg: impl Into<String>) -> MatrixError {
+    MatrixError::new(axum::http::StatusCode::BAD_REQUEST, "M_UNRECOGNIZED", msg)
+}
+
+/// Parses the (percent-decoded) path below `/pushrules/`, as Synapse's
+/// `_rule_spec_from_path`/`_filter_ruleset_with_path` do: every malformed path is 400
+/// `M_UNRECOGNIZED`.
+fn parse_rule_path(path: &str) -> ApiResult<RulePath> {
+    let parts: Vec<&str> = path.split('/').collect();
+    if parts[0] != "global" {
+        return Err(unrecognized(format!(
+            "Unknown push rule scope {:?} (only \"global\")",
+            parts[0]
+        )));
+    }
+    let Some(kind) = parts.get(1) else {
+        return Err(unrecognized(TRAILING_SLASH));
+    };
+    if kind.is_empty() && parts.len() == 2 {
+        return Ok(RulePath::Ruleset);
+    }
+    let kind = KINDS
+        .iter()
+        .copied()
+        .find(|k| k == kind)
+        .ok_or_else(|| unrecognized(format!("Unknown push rule kind {kind:?}")))?;
+    let Some(rule_id) = parts.get(2) else {
+        return Err(unrecognized(TRAILING_SLASH));
+    };
+    match (rule_id.is_empty(), parts.len()) {
+        (true, 3) => return Ok(RulePath::Kind(kind)),
+        (true, _) => return Err(unrecognized("Missing push rule id")),
+        (false, 3) => return Ok(RulePath::Rule(kind, (*rule_id).to_owned())),
+        _ => {}
+    }
+    let attr = match (parts[3], parts.len()) {
+        ("enabled", 4) => RuleAttr::Enabled,
+        ("actions", 4) => RuleAttr::Actions,
+        _ => {
+            return Err(unrecognized(format!(
+                "Unknown push rule attribute {:?}",
+                parts[3..].join("/")
+            )));
+        }
+    };
+    Ok(RulePath::Attr(kind, (*rule_id).to_owned(), attr))
+}
+
+/// The five kinds, in the spec's priority order.
+const KINDS: [&str; 5] = ["override", "content", "room", "sender", "underride"];
+
+/// `GET /pushrules` (no trailing slash): 400 `M_UNRECOGNIZED`, as Synapse answers.
+async fn push_rules_no_slash(_r: Requester) -> MatrixError {
+    unrecognized(TRAILING_SLASH)
+}
+
+/// `GET /pushrules/global/...`: the ruleset (spec: `getPushRulesGlobal`), one kind's
+/// list (`global/{kind}/`, an array as Synapse serves it), one rule (`getPushRule`) or
+/// one attribute (`isPushRuleEnabled`, `getPushRuleActions`).
+async fn get_path(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(path): Path<String>,
+) -> ApiResult<Json<Value>> {
+    match parse_rule_path(&path)? {
+        RulePath::Ruleset => push_rules_global(&s, &r).map(Json),
+        RulePath::Kind(kind) => Ok(Json(push_rules_global(&s, &r)?[kind].take())),
+        RulePath::Rule(kind, rule_id) => find_rule(&s, &r.user_id, kind, &rule_id).map(Json),
+        RulePath::Attr(kind, rule_id, attr) => {
+            let rule = find_rule(&s, &r.user_id, kind, &rule_id)?;
+            Ok(Json(match attr {
+                RuleAttr::Enabled => json!({ "enabled": rule["enabled"] }),
+                RuleAttr::Actions => json!({ "actions": rule["actions"] }),
+            }))
+        }
+    }
+}
+
+/// `PUT /pushrules/global/{kind}/{ruleId}[/enabled|/actions]` (spec: `setPushRule`,
+/// `setPushRuleEnabled`, `setPushRuleActions`).
+async fn put_path(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(path): Path<String>,
+    q: Query,
+    JsonObject(body): JsonObject,
+) -> ApiResult<Json<Value>> {
+    match parse_rule_path(&path)? {
+        RulePath::Ruleset | RulePath::Kind(_) => Err(unrecognized("Missing push rule id")),
+        RulePath::Rule(kind, rule_id) => put_rule(&s, &r, kind, rule_id, &q, &body).await,
+        RulePath::Attr(kind, rule_id, RuleAttr::Enabled) => {
+            put_enabled(&s, &r, kind, rule_id, &body).await
+        }
+        RulePath::Attr(kind, rule_id, RuleAttr::Actions) => {
+            put_actions(&s, &r, kind, rule_id, &body).await
+        }
+    }
+}
+
+/// `DELETE /pushrules/global/{kind}/{ruleId}` (spec: `deletePushRule`). An attribute
+/// path is 400 `M_UNRECOGNIZED` (Synapse ignores the attribute and deletes the rule).
+async fn delete_path(
+    State(s): State<AppState>,
+    r: Requester,
+    Path(path): Path<String>,
+) -> ApiResult<Json<Value>> {
+    match parse_rule_path(&path)? {
+        RulePath::Rule(kind, rule_id) => delete_rule(&s, &r, kind, rule_id).await,
+        RulePath::Ruleset | RulePath::Kind(_) => Err(unrecognized("Missing push rule id")),
+        RulePath::Attr(..) => Err(unrecognized("Push rule attributes cannot be deleted")),
+    }
 }
 
 /// A ruleset as the spec's `Ruleset` object: all five kinds, empty lists included.
@@ -76,9 +204,9 @@ async fn push_rules(State(s): State<AppState>, r: Requester) -> ApiResult<Json<V
     ))
 }
 
-/// `GET /pushrules/global/` (spec: `getPushRulesGlobal`).
-async fn push_rules_global(State(s): State<AppState>, r: Requester) -> ApiResult<Json<Value>> {
-    Ok(Json(ruleset_json(&ruleset(&s, &r.user_id)?)))
+/// The global ruleset (spec: `getPushRulesGlobal`).
+fn push_rules_global(s: &AppState, r: &Requester) -> ApiResult<Value> {
+    Ok(ruleset_json(&ruleset(s, &r.user_id)?))
 }
 
 fn rule_kind(kind: &str) -> ApiResult<RuleKind> {
@@ -88,9 +216,7 @@ fn rule_kind(kind: &str) -> ApiResult<RuleKind> {
         "sender" => Ok(RuleKind::Sender),
         "room" => Ok(RuleKind::Room),
         "content" => Ok(RuleKind::Content),
-        _ => Err(MatrixError::invalid_param(format!(
-            "Unknown push rule kind {kind:?}"
-        ))),
+        _ => Err(unrecognized(format!("Unknown push rule kind {kind:?}"))),
     }
 }
 
@@ -117,15 +243,6 @@ fn find_rule(s: &AppState, user_id: &str, kind: &str, rule_id: &str) -> ApiResul
         .ok_or_else(rule_not_found)
 }
 
-/// `GET /pushrules/global/{kind}/{ruleId}` (spec: `getPushRule`).
-async fn get_rule(
-    State(s): State<AppState>,
-    r: Requester,
-    Path((kind, rule_id)): Path<(String, String)>,
-) -> ApiResult<Json<Value>> {
-    find_rule(&s, &r.user_id, &kind, &rule_id).map(Json)
-}
-
 /// Submits a push-rule fact after checking it applies to the current ruleset.
 async fn submit_rule_fact(s: &AppState, r: &Requester, fact: Fact) -> ApiResult<Json<Value>> {
     let mut set = ruleset(s, &r.user_id)?;
@@ -136,8 +253,23 @@ async fn submit_rule_fact(s: &AppState, r: &Requester, fact: Fact) -> ApiResult<
     Ok(Json(json!({})))
 }
 
+/// Checks `actions` as Synapse's `check_actions` does: a list of `notify`, the
+/// historical `dont_notify` and `coalesce` (kept as sent), and `set_tweak` objects.
 fn check_actions(v: Option<&Value>) -> ApiResult<Value> {
     let v = v.ok_or_else(|| MatrixError::missing_param("actions is required"))?;
+    let list = v
+        .as_array()
+        .ok_or_else(|| MatrixError::bad_json("actions must be a list of actions"))?;
+    for a in list {
+        let known = match a {
+            Value::String(a) => matches!(a.as_str(), "notify" | "dont_notify" | "coalesce"),
+            Value::Object(o) => o.get("set_tweak").is_some_and(Value::is_string),
+            _ => false,
+        };
+        if !known {
+            return Err(MatrixError::bad_json(format!("Unrecognised action {a}")));
+        }
+    }
     spindle_projections::push_rules::clean_actions(v)
         .ok_or_else(|| MatrixError::bad_json("actions must be a list of actions"))?;
     Ok(v.clone())
@@ -145,13 +277,14 @@ fn check_actions(v: Option<&Value>) -> ApiResult<Value> {
 
 /// `PUT /pushrules/global/{kind}/{ruleId}` (spec: `setPushRule`).
 async fn put_rule(
-    State(s): State<AppState>,
-    r: Requester,
-    Path((kind, rule_id)): Path<(String, String)>,
-    q: Query,
-    JsonObject(body): JsonObject,
+    s: &AppState,
+    r: &Requester,
+    kind: &str,
+    rule_id: String,
+    q: &Query,
+    body: &serde_json::Map<String, Value>,
 ) -> ApiResult<Json<Value>> {
-    let rk = rule_kind(&kind)?;
+    let rk = rule_kind(kind)?;
     if rule_id.starts_with('.') {
         return Err(MatrixError::invalid_param(
             "Rule ids starting with '.' are reserved for server-default rules",
@@ -197,23 +330,24 @@ async fn put_rule(
     }
     let fact = Fact::PushRuleSet {
         user_id: r.user_id.clone(),
-        kind,
+        kind: kind.to_owned(),
         rule_id,
         rule,
         before: q.get("before").map(str::to_owned),
         after: q.get("after").map(str::to_owned),
     };
-    submit_rule_fact(&s, &r, fact).await
+    submit_rule_fact(s, r, fact).await
 }
 
 /// `DELETE /pushrules/global/{kind}/{ruleId}` (spec: `deletePushRule`). Server-default
 /// rules cannot be deleted (400); disable them instead.
 async fn delete_rule(
-    State(s): State<AppState>,
-    r: Requester,
-    Path((kind, rule_id)): Path<(String, String)>,
+    s: &AppState,
+    r: &Requester,
+    kind: &str,
+    rule_id: String,
 ) -> ApiResult<Json<Value>> {
-    let rule = find_rule(&s, &r.user_id, &kind, &rule_id)?;
+    let rule = find_rule(s, &r.user_id, kind, &rule_id)?;
     if rule["default"] == json!(true) {
         return Err(MatrixError::invalid_param(
             "Server-default rules cannot be deleted",
@@ -221,30 +355,21 @@ async fn delete_rule(
     }
     let fact = Fact::PushRuleDeleted {
         user_id: r.user_id.clone(),
-        kind,
+        kind: kind.to_owned(),
         rule_id,
     };
-    submit_rule_fact(&s, &r, fact).await
-}
-
-/// `GET /pushrules/global/{kind}/{ruleId}/enabled` (spec: `isPushRuleEnabled`).
-async fn get_enabled(
-    State(s): State<AppState>,
-    r: Requester,
-    Path((kind, rule_id)): Path<(String, String)>,
-) -> ApiResult<Json<Value>> {
-    let rule = find_rule(&s, &r.user_id, &kind, &rule_id)?;
-    Ok(Json(json!({ "enabled": rule["enabled"] })))
+    submit_rule_fact(s, r, fact).await
 }
 
 /// `PUT /pushrules/global/{kind}/{ruleId}/enabled` (spec: `setPushRuleEnabled`).
 async fn put_enabled(
-    State(s): State<AppState>,
-    r: Requester,
-    Path((kind, rule_id)): Path<(String, String)>,
-    JsonObject(body): JsonObject,
+    s: &AppState,
+    r: &Requester,
+    kind: &str,
+    rule_id: String,
+    body: &serde_json::Map<String, Value>,
 ) -> ApiResult<Json<Value>> {
-    find_rule(&s, &r.user_id, &kind, &rule_id)?;
+    find_rule(s, &r.user_id, kind, &rule_id)?;
     let enabled = match body.get("enabled") {
         Some(Value::Bool(b)) => *b,
         None => return Err(MatrixError::missing_param("enabled is required")),
@@ -252,39 +377,30 @@ async fn put_enabled(
     };
     let fact = Fact::PushRuleEnabledSet {
         user_id: r.user_id.clone(),
-        kind,
+        kind: kind.to_owned(),
         rule_id,
         enabled,
     };
-    submit_rule_fact(&s, &r, fact).await
-}
-
-/// `GET /pushrules/global/{kind}/{ruleId}/actions` (spec: `getPushRuleActions`).
-async fn get_actions(
-    State(s): State<AppState>,
-    r: Requester,
-    Path((kind, rule_id)): Path<(String, String)>,
-) -> ApiResult<Json<Value>> {
-    let rule = find_rule(&s, &r.user_id, &kind, &rule_id)?;
-    Ok(Json(json!({ "actions": rule["actions"] })))
+    submit_rule_fact(s, r, fact).await
 }
 
 /// `PUT /pushrules/global/{kind}/{ruleId}/actions` (spec: `setPushRuleActions`).
 async fn put_actions(
-    State(s): State<AppState>,
-    r: Requester,
-    Path((kind, rule_id)): Path<(String, String)>,
-    JsonObject(body): JsonObject,
+    s: &AppState,
+    r: &Requester,
+    kind: &str,
+    rule_id: String,
+    body: &serde_json::Map<String, Value>,
 ) -> ApiResult<Json<Value>> {
-    find_rule(&s, &r.user_id, &kind, &rule_id)?;
+    find_rule(s, &r.user_id, kind, &rule_id)?;
     let actions = check_actions(body.get("actions"))?;
     let fact = Fact::PushRuleActionsSet {
         user_id: r.user_id.clone(),
-        kind,
+        kind: kind.to_owned(),
         rule_id,
         actions,
     };
-    submit_rule_fact(&s, &r, fact).await
+    submit_rule_fact(s, r, fact).await
 }
 
 /// `GET /notifications` (spec: `getNotifications`): newest first, `from` is the

@@ -1160,7 +1160,7 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
     .map(|(t, c)| json!({ "type": t, "content": c }))
     .collect();
     let presence: Vec<Value> =
-        crate::presence::sync_events(&s, &joined_rooms, since.map(|(_, t)| t))
+        crate::presence::sync_events(&s, &r.user_id, &joined_rooms, since, upto)
             .into_iter()
             .filter(|e| {
                 ctx.filter.presence.matches_type("m.presence")

@@ -683,6 +683,59 @@ impl DeviceKeys {
             .collect()
     }
 
+    /// Users who came to share a joined room with `user_id` in `(after, upto]`: every
+    /// member of a room `user_id` joined in that window, and whoever joined one of
+    /// `joined_rooms` in it; only those still joined to one of `joined_rooms`,
+    /// `user_id` left out, sorted. `/sync` sends these users' presence even when it
+    /// did not change (as Synapse does for newly joined rooms and users). Reads what
+    /// [`Self::changes`] reads (the same join log), never other rooms' traffic.
+    pub fn newly_shared(
+        &self,
+        user_id: &str,
+        joined_rooms: &[String],
+        after: u64,
+        upto: u64,
+    ) -> Vec<String> {
+        let mut out = BTreeSet::new();
+        if upto <= after {
+            return Vec::new();
+        }
+        let range = |parts: &[&str]| {
+            (
+                key::with_pos(parts, after + 1),
+                key::with_pos(parts, upto.saturating_add(1)),
+            )
+        };
+        if self.user_last_change(user_id) > after {
+            let (start, end) = range(&[user_id]);
+            for (_, v) in self.user_log.scan_range(&start, &end, false, usize::MAX) {
+                if let Ok(UserLogEntry {
+                    kind: RoomLogKind::Join,
+                    room: Some(room),
+                    ..
+                }) = serde_json::from_slice::<UserLogEntry>(&v)
+                {
+                    out.extend(self.members(&room));
+                }
+            }
+        }
+        for room in joined_rooms {
+            if self.room_last_change(room) <= after {
+                continue;
+            }
+            let (start, end) = range(&[room]);
+            for (_, v) in self.room_log.scan_range(&start, &end, false, usize::MAX) {
+                if let Ok(RoomLogEntry(user, RoomLogKind::Join)) = serde_json::from_slice(&v) {
+                    out.insert(user);
+                }
+            }
+        }
+        out.remove(user_id);
+        out.into_iter()
+            .filter(|u| joined_rooms.iter().any(|r| self.is_member(r, u)))
+            .collect()
+    }
+
     /// Device list changes `user_id` must hear of for `(after, upto]` (spec:
     /// `device_lists` in `/sync`, `GET /keys/changes`). `joined_rooms` are the user's
     /// joined rooms now. Reads: the device-list log of each joined room that changed

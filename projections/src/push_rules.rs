@@ -327,16 +327,13 @@ fn has_word(haystack: &str, needle: &str) -> bool {
     false
 }
 
-/// Actions as the spec stores them: the historical `dont_notify` and `coalesce` are
-/// stripped (spec: "Historical Actions").
+/// Actions as the client sent them, historical `dont_notify` and `coalesce` included:
+/// they are kept and read back as sent (as Synapse does), and are no-ops in
+/// evaluation (spec: "Historical Actions"; ruma keeps them as custom actions, which
+/// neither notify nor highlight).
 pub fn clean_actions(actions: &serde_json::Value) -> Option<Vec<Action>> {
-    let list = actions.as_array()?;
-    let kept: Vec<serde_json::Value> = list
-        .iter()
-        .filter(|a| !matches!(a.as_str(), Some("dont_notify") | Some("coalesce")))
-        .cloned()
-        .collect();
-    serde_json::from_value(serde_json::Value::Array(kept)).ok()
+    actions.as_array()?;
+    serde_json::from_value(actions.clone()).ok()
 }
 
 /// Flattens a PDU's JSON for matching (spec: "dot-separated property paths").
