@@ -1,7 +1,7 @@
 //! `/sync` details clients and test suites trip on (issue 15, item 4): lazy-loaded
 //! members in incremental syncs, the state a rejoin brings, joining and leaving within
 //! one batch, `limited`, `event_format: federation`, ignored users, and invalid filters.
-//! docs/sync.md describes each behaviour.
+//! SPEC.md ("Sync") describes each behaviour.
 
 mod common;
 
@@ -499,5 +499,37 @@ async fn invalid_filters_are_refused_with_400() {
     let id = filter_id(&alice, &good).await;
     let v = alice.sync(&format!("filter={id}")).await;
     assert_eq!(common::sync_timeline_ids(&v, "join", &room).len(), 1);
+    ts.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sliding_sync_leaves_ignored_users_out_too() {
+    const SS: &str = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync";
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    let carol = ts.register("carol").await;
+    let room = alice.create_room(json!({ "preset": "public_chat" })).await;
+    bob.join(&room).await;
+    carol.join(&room).await;
+    alice
+        .put(
+            &format!(
+                "{V3}/user/{}/account_data/m.ignored_user_list",
+                enc(&alice.user_id)
+            ),
+            &json!({ "ignored_users": { bob.user_id.clone(): {} } }),
+        )
+        .await
+        .ok();
+    let from_carol = carol.send_text(&room, "carol").await;
+    bob.send_text(&room, "bob").await;
+    let other = bob.create_room(json!({})).await;
+    bob.invite(&other, &alice.user_id).await;
+    let body = json!({ "lists": { "all": { "ranges": [[0, 10]], "timeline_limit": 1, "required_state": [] } } });
+    let v = alice.post(SS, &body).await.ok();
+    assert_eq!(ids(&v["rooms"][&room]["timeline"]), vec![from_carol]);
+    assert!(v["rooms"].get(&other).is_none(), "{v}");
+    assert_eq!(v["lists"]["all"]["count"], json!(1));
     ts.stop().await;
 }
