@@ -63,9 +63,17 @@ fn state_ids(sync: &Value, section: &str, room: &str) -> Vec<String> {
 async fn lazy_loading_sends_each_timeline_senders_membership_once() {
     let ts = TestServer::start().await;
     let alice = ts.register("alice").await;
-    let bob = ts.register("bob").await;
-    let carol = ts.register("carol").await;
+    // Senders named after the heroes (members sort by user id; the summary's
+    // `m.heroes` are the first five, and their member events are lazily loaded too).
+    let bob = ts.register("yan").await;
+    let carol = ts.register("zed").await;
     let room = alice.create_room(json!({ "preset": "public_chat" })).await;
+    let mut hero_joins = Vec::new();
+    for i in 1..=5 {
+        let hero = ts.register(&format!("hero{i}")).await;
+        hero.join(&room).await;
+        hero_joins.push(member_event_id(&alice, &room, &hero.user_id).await);
+    }
     bob.join(&room).await;
     carol.join(&room).await;
     alice.send_text(&room, "one").await;
@@ -79,15 +87,27 @@ async fn lazy_loading_sends_each_timeline_senders_membership_once() {
     )
     .await;
     let first = alice.sync(&format!("filter={lazy}")).await;
-    // Only alice sent in the initial timeline: only her member event is loaded.
-    let members: Vec<String> = first["rooms"]["join"][&room]["state"]["events"]
+    // Only alice sent in the initial timeline: her member event is loaded, and the
+    // heroes' (to name the room).
+    let mut members: Vec<String> = first["rooms"]["join"][&room]["state"]["events"]
         .as_array()
         .unwrap()
         .iter()
         .filter(|e| e["type"] == "m.room.member")
         .map(|e| e["event_id"].as_str().unwrap().to_owned())
         .collect();
-    assert_eq!(members, vec![alice_join.clone()]);
+    members.sort();
+    let mut want = hero_joins.clone();
+    want.push(alice_join.clone());
+    want.sort();
+    assert_eq!(members, want);
+    assert_eq!(
+        first["rooms"]["join"][&room]["summary"]["m.heroes"]
+            .as_array()
+            .unwrap()
+            .len(),
+        5
+    );
 
     // A plain incremental sync: bob's first message brings his membership.
     let hello = bob.send_text(&room, "hello").await;
@@ -123,7 +143,11 @@ async fn lazy_loading_sends_each_timeline_senders_membership_once() {
             next_batch(&second)
         ))
         .await;
-    assert_eq!(state_ids(&r2, "join", &room), vec![bob_join.clone()]);
+    // (The summary goes with a member event, and with it the heroes' members.)
+    let mut want = hero_joins.clone();
+    want.push(bob_join.clone());
+    want.sort();
+    assert_eq!(state_ids(&r2, "join", &room), want);
 
     // After a gap (limited): carol's messages overflow the limit; her membership
     // (unchanged in the gap) comes with them.
@@ -139,7 +163,7 @@ async fn lazy_loading_sends_each_timeline_senders_membership_once() {
     assert_eq!(r["timeline"]["limited"], json!(true));
     assert_eq!(state_ids(&fourth, "join", &room), vec![carol_join.clone()]);
     // And a sender whose own join is in the timeline needs no state entry.
-    let dave = ts.register("dave").await;
+    let dave = ts.register("zz").await;
     dave.join(&room).await;
     let dave_hi = dave.send_text(&room, "hi").await;
     let dave_join = member_event_id(&alice, &room, &dave.user_id).await;

@@ -511,6 +511,49 @@ impl Ctx<'_> {
             .collect()
     }
 
+    /// Lazy-loading: the current member events of the summary's `m.heroes` the client
+    /// may not hold (not in `state` or the timeline, and in an incremental sync not
+    /// sent to this device before), so it can name the room (as Synapse). At most
+    /// five point lookups, only when a summary goes out.
+    fn hero_members(
+        &self,
+        room: &str,
+        root: Root,
+        summary: &Value,
+        state: &[EventRecord],
+        timeline: &[EventRecord],
+        full: bool,
+    ) -> Vec<EventRecord> {
+        let known: HashSet<&str> = state
+            .iter()
+            .chain(timeline)
+            .filter(|e| e.pdu.kind.to_string() == "m.room.member")
+            .filter_map(|e| e.pdu.state_key.as_deref())
+            .collect();
+        let since = self.since.map(|s| s.0).unwrap_or(0);
+        let heroes: Vec<String> = summary["m.heroes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|h| h.as_str())
+            .filter(|h| !known.contains(h))
+            .filter(|h| {
+                full || !self
+                    .sent
+                    .as_ref()
+                    .is_some_and(|s| s.borrow().was_sent(room, h, since))
+            })
+            .map(str::to_owned)
+            .collect();
+        if heroes.is_empty() {
+            return vec![];
+        }
+        lazy_members(self.s, root, &heroes)
+            .into_iter()
+            .filter(|e| self.filter.state.matches(&e.pdu))
+            .collect()
+    }
+
     /// Records the member events of `state` and `timeline` as sent to this device in
     /// the response ending at `upto` (lazy-loading only).
     fn mark_members_sent(&self, room: &str, state: &[EventRecord], timeline: &[EventRecord]) {
@@ -953,12 +996,30 @@ impl Ctx<'_> {
             }
             state
         };
+        let mut state = state;
+        let membership_changed = timeline
+            .iter()
+            .chain(state.iter())
+            .any(|e| e.pdu.kind.to_string() == "m.room.member");
+        let summary = (full || membership_changed).then(|| {
+            let root = self.root_at(room, self.upto);
+            (root, self.summary(room, root))
+        });
+        if lazy && let Some((root, summary)) = &summary {
+            let heroes = self.hero_members(room, *root, summary, &state, &timeline, full);
+            state.extend(heroes);
+        }
         if lazy {
             self.mark_members_sent(room, &state, &timeline);
         }
         let ephemeral = self.ephemeral(room, full);
         let account_data = self.room_account_data(room, full);
-        if !full && timeline.is_empty() && ephemeral.is_empty() && account_data.is_empty() {
+        if !full
+            && timeline.is_empty()
+            && state.is_empty()
+            && ephemeral.is_empty()
+            && account_data.is_empty()
+        {
             return None;
         }
         let prev_batch = timeline
@@ -975,13 +1036,8 @@ impl Ctx<'_> {
         if self.filter.timeline.unread_thread_notifications {
             out["unread_thread_notifications"] = self.thread_unread(room, m);
         }
-        let membership_changed = timeline
-            .iter()
-            .chain(state.iter())
-            .any(|e| e.pdu.kind.to_string() == "m.room.member");
-        if full || membership_changed {
-            let root = self.root_at(room, self.upto);
-            out["summary"] = self.summary(room, root);
+        if let Some((_, summary)) = summary {
+            out["summary"] = summary;
         }
         Some(out)
     }
