@@ -89,6 +89,9 @@ pub struct Caches {
     pub device_last_seen: usize,
     /// `/sync` room summaries cached by state root (emptied when full).
     pub sync_room_summaries: usize,
+    /// Lazy-loading devices whose sent member events `/sync` remembers (emptied when
+    /// full: each device is sent its timeline senders' members once more).
+    pub sync_lazy_loaded_members_devices: usize,
 }
 
 impl Default for Caches {
@@ -101,6 +104,7 @@ impl Default for Caches {
             presence_users: d.presence_users,
             device_last_seen: d.device_last_seen,
             sync_room_summaries: d.sync_room_summaries,
+            sync_lazy_loaded_members_devices: d.sync_lazy_loaded_members_devices,
         }
     }
 }
@@ -115,6 +119,7 @@ impl Caches {
             presence_users: self.presence_users,
             device_last_seen: self.device_last_seen,
             sync_room_summaries: self.sync_room_summaries,
+            sync_lazy_loaded_members_devices: self.sync_lazy_loaded_members_devices,
         }
     }
 }
@@ -1007,7 +1012,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 151);
+        assert_eq!(want.len(), 152);
     }
 
     #[test]

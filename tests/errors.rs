@@ -389,7 +389,7 @@ async fn bad_pagination_and_sync_tokens() {
     alice
         .messages_resp(&room, "dir=b&filter=%7Bnot%20json")
         .await
-        .expect_err(400, "M_INVALID_PARAM");
+        .expect_err(400, "M_NOT_JSON");
     for since in ["garbage", "s", "s1", "s_1", "s1_x", "t5", "sx_0"] {
         let r = alice.get(&format!("{V3}/sync?since={}", enc(since))).await;
         r.expect_err(400, "M_INVALID_PARAM");
@@ -411,7 +411,7 @@ async fn bad_pagination_and_sync_tokens() {
     alice
         .get(&format!("{V3}/sync?filter=%7Bbroken"))
         .await
-        .expect_err(400, "M_INVALID_PARAM");
+        .expect_err(400, "M_NOT_JSON");
     // A valid token still works.
     let next = alice.sync("").await["next_batch"]
         .as_str()

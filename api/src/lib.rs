@@ -20,6 +20,7 @@ pub mod guest;
 pub mod hashing;
 pub mod key_backup;
 pub mod keys;
+pub mod lazy_members;
 pub mod legacy;
 pub mod media;
 pub mod metrics;
@@ -146,6 +147,10 @@ pub struct CacheLimits {
     pub device_last_seen: usize,
     /// `/sync` room summaries cached by state root; full, the cache is emptied.
     pub sync_room_summaries: usize,
+    /// Lazy-loading devices whose sent member events `/sync` remembers
+    /// ([`lazy_members`]); full, the record is emptied (each device is sent its
+    /// timeline senders' member events once more).
+    pub sync_lazy_loaded_members_devices: usize,
 }
 
 impl Default for CacheLimits {
@@ -157,6 +162,7 @@ impl Default for CacheLimits {
             presence_users: 100_000,
             device_last_seen: 100_000,
             sync_room_summaries: 10_000,
+            sync_lazy_loaded_members_devices: 10_000,
         }
     }
 }
@@ -196,6 +202,8 @@ pub struct AppState {
     pub summaries: Arc<parking_lot::Mutex<HashMap<[u8; 32], serde_json::Value>>>,
     /// Simplified Sliding Sync connections (MSC4186), in memory.
     pub sliding: Arc<sliding::Connections>,
+    /// The member events each lazy-loading device was sent by `/sync`, in memory.
+    pub lazy_members: Arc<lazy_members::SentMembers>,
     /// Becomes `true` when the server shuts down: waiting long-polls answer at once.
     pub shutdown: tokio::sync::watch::Receiver<bool>,
     /// When, from where and with what each device was last used (in memory; changes
@@ -271,6 +279,9 @@ impl AppState {
             config: Arc::new(config),
             typing: typing::Typing::with_limit(caches.typing_rooms),
             summaries: Arc::default(),
+            lazy_members: Arc::new(lazy_members::SentMembers::with_limit(
+                caches.sync_lazy_loaded_members_devices,
+            )),
             sliding: Arc::new(sliding::Connections::with_limits(
                 caches.sliding_sync_connections,
                 caches.sliding_sync_room_types,

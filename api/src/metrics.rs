@@ -374,6 +374,11 @@ impl Metrics {
                 caches.sync_room_summaries,
             ),
             (
+                "sync_lazy_loaded_members_devices",
+                s.lazy_members.len(),
+                caches.sync_lazy_loaded_members_devices,
+            ),
+            (
                 "remote_media_bytes",
                 s.remote_media.bytes(),
                 s.config.media.remote_cache_bytes,

@@ -91,6 +91,73 @@ pub fn render(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &str)>) -> V
     v
 }
 
+/// [`render`], or with `federation` the event as a PDU ([`render_federation`]).
+pub fn render_as(
+    s: &AppState,
+    ev: &EventRecord,
+    viewer: Option<(&str, &str)>,
+    federation: bool,
+) -> Value {
+    if federation {
+        render_federation(s, ev)
+    } else {
+        render(s, ev, viewer)
+    }
+}
+
+/// An event in the federation format (spec: `Filter.event_format: federation`, "the
+/// raw event as received over federation"): the signed PDU with its `room_id`,
+/// `auth_events`, `prev_events`, `depth`, `hashes` and `signatures` (redacted when a
+/// redaction applies), plus its `event_id` (v3+ PDUs carry none) and `unsigned.age`.
+/// No client-only `unsigned` field (`transaction_id`, `membership`, `prev_content`,
+/// bundled aggregations) is added: a PDU has none.
+pub fn render_federation(s: &AppState, ev: &EventRecord) -> Value {
+    let mut v = if s
+        .projections
+        .timeline
+        .redacted_by(ev.pdu.event_id.as_str())
+        .is_some()
+    {
+        ev.pdu.redacted_federation_json()
+    } else {
+        ev.pdu.federation_json()
+    };
+    if let Some(map) = v.as_object_mut() {
+        map.insert("event_id".into(), json!(ev.pdu.event_id));
+        let age = crate::now_ms().saturating_sub(u64::from(ev.pdu.origin_server_ts.0));
+        match map.get_mut("unsigned").and_then(|u| u.as_object_mut()) {
+            Some(u) => {
+                u.insert("age".into(), json!(age));
+            }
+            None => {
+                map.insert("unsigned".into(), json!({ "age": age }));
+            }
+        }
+    }
+    v
+}
+
+/// The users `user` ignores (spec: "Ignoring Users", the keys of
+/// `m.ignored_user_list`'s `ignored_users`): one account-data read per request.
+pub fn ignored_users(s: &AppState, user: &str) -> std::collections::HashSet<String> {
+    s.projections
+        .account_data
+        .get(user, None, "m.ignored_user_list")
+        .and_then(|c| {
+            c.get("ignored_users")
+                .and_then(|u| u.as_object())
+                .map(|u| u.keys().cloned().collect())
+        })
+        .unwrap_or_default()
+}
+
+/// Whether `ev` is hidden from a user ignoring `ignored`: a non-state event of an
+/// ignored sender. State events stay, so the room's state stays whole (Synapse's
+/// `filter_events_for_client` does the same).
+pub fn hidden_by_ignore(ignored: &std::collections::HashSet<String>, ev: &EventRecord) -> bool {
+    !ignored.is_empty() && !ev.pdu.is_state() && ignored.contains(ev.pdu.sender.as_str())
+}
+
 /// [`render`] without bundled aggregations.
 pub fn render_unbundled(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &str)>) -> Value {
     let mut unsigned = serde_json::Map::new();
@@ -295,11 +362,7 @@ async fn get_state_event(
 fn parse_filter(q: &Query) -> ApiResult<EventFilter> {
     match q.get("filter") {
         None => Ok(EventFilter::default()),
-        Some(f) => {
-            let v: Value = serde_json::from_str(f)
-                .map_err(|_| MatrixError::invalid_param("filter is not valid JSON"))?;
-            EventFilter::parse(&v)
-        }
+        Some(f) => EventFilter::parse(&crate::sync::inline_filter_json(f)?),
     }
 }
 
@@ -397,8 +460,12 @@ async fn messages(
     let mut chunk = Vec::new();
     let mut end = None;
     let page = (limit * 2).max(20);
+    let ignored = ignored_users(&s, &r.user_id);
     let keep = |ev: EventRecord, chunk: &mut Vec<EventRecord>| {
-        if filter.matches(&ev.pdu) && can_see(&s, &r.user_id, &access, &ev) {
+        if filter.matches(&ev.pdu)
+            && !hidden_by_ignore(&ignored, &ev)
+            && can_see(&s, &r.user_id, &access, &ev)
+        {
             chunk.push(ev);
         }
     };
@@ -447,17 +514,7 @@ async fn messages(
                 } else {
                     None
                 };
-                return respond(
-                    &s,
-                    &r,
-                    &room_id,
-                    &access,
-                    &q,
-                    from,
-                    filter.lazy_load_members,
-                    chunk,
-                    end,
-                );
+                return respond(&s, &r, &room_id, &access, &q, from, &filter, chunk, end);
             }
             if exhausted || rows.is_empty() {
                 live_done = true;
@@ -570,17 +627,7 @@ async fn messages(
             }
         }
     }
-    respond(
-        &s,
-        &r,
-        &room_id,
-        &access,
-        &q,
-        from,
-        filter.lazy_load_members,
-        chunk,
-        end,
-    )
+    respond(&s, &r, &room_id, &access, &q, from, &filter, chunk, end)
 }
 
 /// The `to` of `/messages`: a live stream position, or `b<seq>`, a point in
@@ -645,21 +692,24 @@ fn respond(
     access: &Access,
     q: &Query,
     from: u64,
-    lazy_load_members: bool,
+    filter: &EventFilter,
     chunk: Vec<EventRecord>,
     end: Option<String>,
 ) -> ApiResult<Json<Value>> {
+    let fed = filter.federation_format;
     let mut state = Vec::new();
-    if lazy_load_members && let Some(root) = readable_root(s, room_id, access) {
+    if filter.lazy_load_members
+        && let Some(root) = readable_root(s, room_id, access)
+    {
         let senders: Vec<String> = chunk.iter().map(|e| e.pdu.sender.to_string()).collect();
         state = lazy_members(s, root, &senders)
             .iter()
-            .map(|e| render(s, e, viewer(r)))
+            .map(|e| render_as(s, e, viewer(r), fed))
             .collect();
     }
     let mut out = json!({
         "start": q.get("from").map(str::to_owned).unwrap_or_else(|| token(from)),
-        "chunk": chunk.iter().map(|e| render(s, e, viewer(r))).collect::<Vec<_>>(),
+        "chunk": chunk.iter().map(|e| render_as(s, e, viewer(r), fed)).collect::<Vec<_>>(),
     });
     if let Some(e) = end {
         out["end"] = json!(e);
@@ -679,6 +729,10 @@ async fn context(
     let (access, ev) = visible_event(&s, &r.user_id, &room_id, &event_id)?;
     let limit = q.u64("limit")?.unwrap_or(10).min(MAX_PAGE as u64) as usize;
     let filter = parse_filter(&q)?;
+    let fed = filter.federation_format;
+    // Events of ignored users are left out around the event, as in Synapse's
+    // `/context` (the event asked for is still answered).
+    let ignored = ignored_users(&s, &r.user_id);
     let n_before = limit / 2;
     let n_after = limit - n_before;
     let cap = access.cap.min(s.projections.runtime.applied());
@@ -692,6 +746,7 @@ async fn context(
             last = Some(pos);
             if let Some(e) = s.projections.timeline.event(&id)
                 && filter.matches(&e.pdu)
+                && !hidden_by_ignore(&ignored, &e)
                 && can_see(&s, &r.user_id, &access, &e)
             {
                 out.push(e);
@@ -726,7 +781,7 @@ async fn context(
                 .collect();
             lazy_members(&s, root, &senders)
                 .iter()
-                .map(|e| render(&s, e, viewer(&r)))
+                .map(|e| render_as(&s, e, viewer(&r), fed))
                 .collect()
         }
         Some(root) => s
@@ -735,16 +790,16 @@ async fn context(
             .entries(root)
             .into_iter()
             .filter_map(|(_, _, id)| s.projections.timeline.event(&id))
-            .map(|e| render(&s, &e, viewer(&r)))
+            .map(|e| render_as(&s, &e, viewer(&r), fed))
             .collect(),
         None => vec![],
     };
     Ok(Json(json!({
         "start": token(first_pos.unwrap_or(ev.position).saturating_sub(1)),
         "end": token(last_pos.unwrap_or(ev.position)),
-        "event": render(&s, &ev, viewer(&r)),
-        "events_before": before.iter().map(|e| render(&s, e, viewer(&r))).collect::<Vec<_>>(),
-        "events_after": after.iter().map(|e| render(&s, e, viewer(&r))).collect::<Vec<_>>(),
+        "event": render_as(&s, &ev, viewer(&r), fed),
+        "events_before": before.iter().map(|e| render_as(&s, e, viewer(&r), fed)).collect::<Vec<_>>(),
+        "events_after": after.iter().map(|e| render_as(&s, e, viewer(&r), fed)).collect::<Vec<_>>(),
         "state": state,
     })))
 }

@@ -6,7 +6,11 @@
 //! the (room, position) index; a room with no activity since the token costs one
 //! in-memory comparison (BRIEF §4, "incremental /sync").
 
-use std::time::Duration;
+use std::{
+    cell::{Cell, RefCell},
+    collections::HashSet,
+    time::Duration,
+};
 
 use axum::{Json, Router, extract::State, routing::get};
 use serde_json::{Value, json};
@@ -17,7 +21,8 @@ use spindle_projections::{membership::Membership, timeline::EventRecord, user_da
 use crate::{
     ApiResult, AppState, MatrixError,
     extract::{Query, Requester},
-    read::{lazy_members, render, token},
+    lazy_members::DeviceSent,
+    read::{hidden_by_ignore, lazy_members, render_as, token},
     visibility::{Access, can_see},
 };
 
@@ -43,6 +48,60 @@ fn string_list(v: &Value, name: &str) -> ApiResult<Option<Vec<String>>> {
         Some(_) => Err(MatrixError::bad_json(format!(
             "{name} must be a list of strings"
         ))),
+    }
+}
+
+/// `name` as a list of strings each passing `valid` (a user id for `senders`, a room
+/// id for `rooms`, as Synapse's filter schema checks); anything else is 400
+/// `M_BAD_JSON`.
+fn id_list(
+    v: &Value,
+    name: &str,
+    what: &str,
+    valid: fn(&str) -> bool,
+) -> ApiResult<Option<Vec<String>>> {
+    let list = string_list(v, name)?;
+    if let Some(bad) = list.iter().flatten().find(|x| !valid(x)) {
+        return Err(MatrixError::bad_json(format!(
+            "{name} must list {what}s, not {bad:?}"
+        )));
+    }
+    Ok(list)
+}
+
+fn is_user_id(s: &str) -> bool {
+    s.starts_with('@') && s.contains(':')
+}
+
+fn is_room_id(s: &str) -> bool {
+    s.starts_with('!')
+}
+
+/// An optional boolean field; anything but a boolean or null is 400 `M_BAD_JSON`.
+fn opt_bool(v: &Value, name: &str) -> ApiResult<Option<bool>> {
+    match v.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(_) => Err(MatrixError::bad_json(format!("{name} must be a boolean"))),
+    }
+}
+
+/// Parses the `filter` query parameter's inline JSON: not JSON is 400 `M_NOT_JSON`
+/// (as Synapse's `/sync` and `/messages`); the shape is checked by the caller.
+pub(crate) fn inline_filter_json(raw: &str) -> ApiResult<Value> {
+    serde_json::from_str(raw).map_err(|e| MatrixError::not_json(format!("filter is not JSON: {e}")))
+}
+
+/// `event_format`: whether it is `federation` (default `client`); anything else is
+/// 400 `M_BAD_JSON`.
+fn event_format(v: &Value) -> ApiResult<bool> {
+    match v.get("event_format") {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::String(f)) if f == "client" => Ok(false),
+        Some(Value::String(f)) if f == "federation" => Ok(true),
+        Some(_) => Err(MatrixError::bad_json(
+            "event_format must be \"client\" or \"federation\"",
+        )),
     }
 }
 
@@ -72,11 +131,17 @@ pub struct EventFilter {
     pub not_rooms: Vec<String>,
     /// Lazy-load room members.
     pub lazy_load_members: bool,
+    /// With lazy-loading, send a timeline sender's member event even when this device
+    /// was sent it already (spec: `include_redundant_members`).
+    pub include_redundant_members: bool,
     /// Only events with (true) or without (false) a `url` in their content.
     pub contains_url: Option<bool>,
     /// Per-thread unread counts (spec: `unread_thread_notifications`, on the timeline
     /// filter).
     pub unread_thread_notifications: bool,
+    /// `event_format: federation` in this object: honoured by `/messages` and
+    /// `/context` (as Synapse); `/sync` reads it from the top-level [`Filter`].
+    pub federation_format: bool,
 }
 
 impl EventFilter {
@@ -100,28 +165,16 @@ impl EventFilter {
             limit,
             types: string_list(v, "types")?,
             not_types: string_list(v, "not_types")?.unwrap_or_default(),
-            senders: string_list(v, "senders")?,
-            not_senders: string_list(v, "not_senders")?.unwrap_or_default(),
-            rooms: string_list(v, "rooms")?,
-            not_rooms: string_list(v, "not_rooms")?.unwrap_or_default(),
-            lazy_load_members: v
-                .get("lazy_load_members")
-                .and_then(|b| b.as_bool())
+            senders: id_list(v, "senders", "user id", is_user_id)?,
+            not_senders: id_list(v, "not_senders", "user id", is_user_id)?.unwrap_or_default(),
+            rooms: id_list(v, "rooms", "room id", is_room_id)?,
+            not_rooms: id_list(v, "not_rooms", "room id", is_room_id)?.unwrap_or_default(),
+            lazy_load_members: opt_bool(v, "lazy_load_members")?.unwrap_or(false),
+            include_redundant_members: opt_bool(v, "include_redundant_members")?.unwrap_or(false),
+            contains_url: opt_bool(v, "contains_url")?,
+            unread_thread_notifications: opt_bool(v, "unread_thread_notifications")?
                 .unwrap_or(false),
-            contains_url: match v.get("contains_url") {
-                None | Some(Value::Null) => None,
-                Some(Value::Bool(b)) => Some(*b),
-                Some(_) => return Err(MatrixError::bad_json("contains_url must be a boolean")),
-            },
-            unread_thread_notifications: match v.get("unread_thread_notifications") {
-                None | Some(Value::Null) => false,
-                Some(Value::Bool(b)) => *b,
-                Some(_) => {
-                    return Err(MatrixError::bad_json(
-                        "unread_thread_notifications must be a boolean",
-                    ));
-                }
-            },
+            federation_format: event_format(v)?,
         })
     }
 
@@ -194,6 +247,8 @@ pub struct Filter {
     pub rooms: EventFilter,
     /// Top-level `presence` (types / senders of `m.presence` events).
     pub presence: EventFilter,
+    /// `event_format: federation`: events go out as PDUs ([`crate::read::render_federation`]).
+    pub federation_format: bool,
 }
 
 impl Filter {
@@ -207,20 +262,22 @@ impl Filter {
             return Err(MatrixError::bad_json("room filter must be an object"));
         }
         let sub = |name: &str| EventFilter::parse(room.get(name).unwrap_or(&Value::Null));
+        let federation_format = event_format(v)?;
+        // Checked, not applied: "A server may include more fields than were
+        // requested" (spec: `Filter.event_fields`).
+        string_list(v, "event_fields")?;
         Ok(Filter {
+            federation_format,
             timeline: sub("timeline")?,
             state: sub("state")?,
             ephemeral: sub("ephemeral")?,
             room_account_data: sub("account_data")?,
             account_data: EventFilter::parse(v.get("account_data").unwrap_or(&Value::Null))?,
             presence: EventFilter::parse(v.get("presence").unwrap_or(&Value::Null))?,
-            include_leave: room
-                .get("include_leave")
-                .and_then(|b| b.as_bool())
-                .unwrap_or(false),
+            include_leave: opt_bool(&room, "include_leave")?.unwrap_or(false),
             rooms: EventFilter {
-                rooms: string_list(&room, "rooms")?,
-                not_rooms: string_list(&room, "not_rooms")?.unwrap_or_default(),
+                rooms: id_list(&room, "rooms", "room id", is_room_id)?,
+                not_rooms: id_list(&room, "not_rooms", "room id", is_room_id)?.unwrap_or_default(),
                 ..Default::default()
             },
         })
@@ -266,7 +323,26 @@ struct Ctx<'a> {
     /// Account data changes in `(since, upto]`, read once per request (empty when the
     /// user's latest change is not newer than the token).
     account_data_changes: Vec<(String, String)>,
+    /// The users the requester ignores (`m.ignored_user_list`), read once.
+    ignored: HashSet<String>,
+    /// The member events this device was sent ([`crate::lazy_members`]), when the
+    /// state filter lazy-loads members without `include_redundant_members`.
+    sent: Option<RefCell<DeviceSent>>,
 }
+
+/// What the requester's own member events between a sync token and their current
+/// membership say ([`Ctx::own_history`]).
+struct OwnHistory {
+    /// Joined at the token.
+    joined_at_since: bool,
+    /// A `join` among their member events after the token.
+    join_in_window: bool,
+    /// A membership other than `join` among their member events after the token.
+    non_join_in_window: bool,
+}
+
+/// Most of the requester's own member events [`Ctx::own_history`] walks back.
+const OWN_HISTORY_MAX: usize = 32;
 
 impl Ctx<'_> {
     fn viewer(&self) -> Option<(&str, &str)> {
@@ -275,8 +351,223 @@ impl Ctx<'_> {
 
     fn render_all(&self, evs: &[EventRecord]) -> Vec<Value> {
         evs.iter()
-            .map(|e| render(self.s, e, self.viewer()))
+            .map(|e| render_as(self.s, e, self.viewer(), self.filter.federation_format))
             .collect()
+    }
+
+    /// The requester's own member events in `room` after `since`, newest first from
+    /// `m` (their current one), walked back through each event's prior state (a
+    /// point lookup and an event read each) until one at or before `since`. Runs only
+    /// for a room whose own membership changed since the token (rare), at most
+    /// [`OWN_HISTORY_MAX`] steps (then read as "not joined at the token": the room
+    /// is sent whole, which is always safe).
+    fn own_history(&self, m: &Membership, since: u64) -> OwnHistory {
+        let mut h = OwnHistory {
+            joined_at_since: false,
+            join_in_window: false,
+            non_join_in_window: false,
+        };
+        let state = &self.s.projections.state;
+        let tl = &self.s.projections.timeline;
+        let mut id = m.event_id.clone();
+        for _ in 0..OWN_HISTORY_MAX {
+            let Some(ev) = tl.event(&id) else {
+                return h;
+            };
+            let membership = ev
+                .pdu
+                .content_value()
+                .get("membership")
+                .and_then(|v| v.as_str())
+                .unwrap_or("")
+                .to_owned();
+            if ev.position <= since {
+                h.joined_at_since = membership == "join";
+                return h;
+            }
+            if membership == "join" {
+                h.join_in_window = true;
+            } else {
+                h.non_join_in_window = true;
+            }
+            let Some(prev) = state
+                .roots_at(&id)
+                .and_then(|(before, _)| state.lookup(before, "m.room.member", &self.r.user_id))
+            else {
+                return h;
+            };
+            id = prev;
+        }
+        h
+    }
+
+    /// The state delta of an incremental sync after a gap (Synapse's
+    /// `_calculate_state`): what differs from the state at `after` at the start or
+    /// the end of the timeline, less the timeline's own events. The end matters when
+    /// a state event inside the window was left out (a filter): its change still
+    /// reaches the client. Member changes are always included, lazy-loading or not.
+    fn state_delta(
+        &self,
+        room: &str,
+        after: u64,
+        timeline: &[EventRecord],
+        end: u64,
+    ) -> Vec<EventRecord> {
+        let state = &self.s.projections.state;
+        let from = self.root_at(room, after);
+        let start = timeline
+            .first()
+            .and_then(|f| state.roots_at(f.pdu.event_id.as_str()))
+            .map(|(b, _)| b)
+            .unwrap_or_else(|| self.root_at(room, end));
+        let end = self.root_at(room, end);
+        let in_timeline: HashSet<&str> = timeline.iter().map(|e| e.pdu.event_id.as_str()).collect();
+        let mut seen = HashSet::new();
+        let mut out = Vec::new();
+        let mut changes = state.diff(from, start);
+        if end != start {
+            changes.extend(state.diff(from, end));
+        }
+        for c in changes {
+            let Some(id) = c
+                .new_value()
+                .map(|v| String::from_utf8_lossy(v).into_owned())
+            else {
+                continue;
+            };
+            if in_timeline.contains(id.as_str()) || !seen.insert(id.clone()) {
+                continue;
+            }
+            if let Some(ev) = self.s.projections.timeline.event(&id)
+                && self.filter.state.matches(&ev.pdu)
+            {
+                out.push(ev);
+            }
+        }
+        out
+    }
+
+    /// Lazy-loading in an incremental sync: the member events, as of the timeline's
+    /// start, of the timeline's senders the client needs and may not hold: not set by
+    /// an earlier timeline event, not already in `state`, and (without
+    /// `include_redundant_members`) not sent to this device at or before the token
+    /// ([`crate::lazy_members`]). A sender this device holds costs no read; another
+    /// costs one point lookup and one event read.
+    fn lazy_senders(
+        &self,
+        timeline: &[EventRecord],
+        state: &[EventRecord],
+        room: &str,
+        since: u64,
+    ) -> Vec<EventRecord> {
+        let Some(first) = timeline.first() else {
+            return vec![];
+        };
+        let mut known: HashSet<&str> = state
+            .iter()
+            .filter(|e| e.pdu.kind.to_string() == "m.room.member")
+            .filter_map(|e| e.pdu.state_key.as_deref())
+            .collect();
+        let mut want: Vec<String> = Vec::new();
+        for ev in timeline {
+            if ev.pdu.kind.to_string() == "m.room.member"
+                && let Some(sk) = ev.pdu.state_key.as_deref()
+                && sk == ev.pdu.sender.as_str()
+            {
+                // Their own member event: the timeline tells the client.
+                known.insert(sk);
+            }
+            let sender = ev.pdu.sender.as_str();
+            if known.insert(sender) {
+                let held = self
+                    .sent
+                    .as_ref()
+                    .is_some_and(|s| s.borrow().was_sent(room, sender, since));
+                if !held {
+                    want.push(sender.to_owned());
+                }
+            }
+            if ev.pdu.kind.to_string() == "m.room.member"
+                && let Some(sk) = ev.pdu.state_key.as_deref()
+            {
+                known.insert(sk);
+            }
+        }
+        if want.is_empty() {
+            return vec![];
+        }
+        let Some(before) = self
+            .s
+            .projections
+            .state
+            .roots_at(first.pdu.event_id.as_str())
+            .map(|(b, _)| b)
+        else {
+            return vec![];
+        };
+        lazy_members(self.s, before, &want)
+            .into_iter()
+            .filter(|e| self.filter.state.matches(&e.pdu))
+            .collect()
+    }
+
+    /// Lazy-loading: the current member events of the summary's `m.heroes` the client
+    /// may not hold (not in `state` or the timeline, and in an incremental sync not
+    /// sent to this device before), so it can name the room (as Synapse). At most
+    /// five point lookups, only when a summary goes out.
+    fn hero_members(
+        &self,
+        room: &str,
+        root: Root,
+        summary: &Value,
+        state: &[EventRecord],
+        timeline: &[EventRecord],
+        full: bool,
+    ) -> Vec<EventRecord> {
+        let known: HashSet<&str> = state
+            .iter()
+            .chain(timeline)
+            .filter(|e| e.pdu.kind.to_string() == "m.room.member")
+            .filter_map(|e| e.pdu.state_key.as_deref())
+            .collect();
+        let since = self.since.map(|s| s.0).unwrap_or(0);
+        let heroes: Vec<String> = summary["m.heroes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|h| h.as_str())
+            .filter(|h| !known.contains(h))
+            .filter(|h| {
+                full || !self
+                    .sent
+                    .as_ref()
+                    .is_some_and(|s| s.borrow().was_sent(room, h, since))
+            })
+            .map(str::to_owned)
+            .collect();
+        if heroes.is_empty() {
+            return vec![];
+        }
+        lazy_members(self.s, root, &heroes)
+            .into_iter()
+            .filter(|e| self.filter.state.matches(&e.pdu))
+            .collect()
+    }
+
+    /// Records the member events of `state` and `timeline` as sent to this device in
+    /// the response ending at `upto` (lazy-loading only).
+    fn mark_members_sent(&self, room: &str, state: &[EventRecord], timeline: &[EventRecord]) {
+        let Some(sent) = &self.sent else {
+            return;
+        };
+        let mut sent = sent.borrow_mut();
+        for ev in state.iter().chain(timeline) {
+            if ev.pdu.kind.to_string() == "m.room.member"
+                && let Some(sk) = ev.pdu.state_key.as_deref()
+            {
+                sent.mark_sent(room, sk, self.upto);
+            }
+        }
     }
 
     /// The state root after the last event of the room at or before `pos`.
@@ -298,8 +589,11 @@ impl Ctx<'_> {
             .map(|(_, id)| id)
     }
 
-    /// Up to `limit` visible, filter-passing events in `(after, upto]`, newest last, and
-    /// whether older ones were left out.
+    /// Up to `limit` visible, filter-passing events in `(after, upto]` (less the
+    /// non-state events of ignored users), newest last, and whether the timeline is
+    /// `limited`: older events passing the filter were left out, or a state event of
+    /// the window was (the filter refused it), so the `state` section carries its
+    /// change as a delta.
     fn timeline(
         &self,
         room: &str,
@@ -314,9 +608,18 @@ impl Ctx<'_> {
             .limit
             .unwrap_or(DEFAULT_TIMELINE_LIMIT)
             .min(crate::read::MAX_PAGE);
-        newest_events(self.s, room, after, upto, limit, |ev| {
-            self.filter.timeline.matches(&ev.pdu) && can_see(self.s, &self.r.user_id, access, ev)
-        })
+        let state_dropped = Cell::new(false);
+        let (events, limited) = newest_events(self.s, room, after, upto, limit, |ev| {
+            if !can_see(self.s, &self.r.user_id, access, ev) {
+                return false;
+            }
+            if !self.filter.timeline.matches(&ev.pdu) {
+                state_dropped.set(state_dropped.get() || ev.pdu.is_state());
+                return false;
+            }
+            !hidden_by_ignore(&self.ignored, ev)
+        });
+        (events, limited || state_dropped.get())
     }
 
     /// The (full, non-member) state roots before the timeline's first event, or after
@@ -337,10 +640,16 @@ impl Ctx<'_> {
 
     /// The state section for a full room: every state event, or with lazy-loading the
     /// non-member state (its own trie: member count does not matter) plus the member
-    /// events of the timeline's senders and the requester (point lookups).
+    /// events of the timeline's senders and the requester (point lookups). Then, as
+    /// Synapse's `_calculate_state`, what changed between the timeline's start and
+    /// `end` (the state after the room's last event in the response) that the
+    /// timeline does not carry itself: a state event the requester could not see or
+    /// the filter left out (with lazy-loading, other users' member events stay out).
+    /// A timeline without such a gap costs nothing more (same roots, no diff).
     fn state_events(
         &self,
         (full, others): (Root, Root),
+        end: Root,
         timeline: &[EventRecord],
         lazy: bool,
     ) -> Vec<EventRecord> {
@@ -362,12 +671,34 @@ impl Ctx<'_> {
                 out.push(ev);
             }
         }
+        let mut senders: Vec<String> = Vec::new();
         if lazy {
-            let mut senders: Vec<String> =
-                timeline.iter().map(|e| e.pdu.sender.to_string()).collect();
+            senders = timeline.iter().map(|e| e.pdu.sender.to_string()).collect();
             senders.push(self.r.user_id.clone());
             for ev in lazy_members(self.s, full, &senders) {
                 if !in_timeline.contains(ev.pdu.event_id.as_str())
+                    && self.filter.state.matches(&ev.pdu)
+                {
+                    out.push(ev);
+                }
+            }
+        }
+        if end != full {
+            for c in self.s.projections.state.diff(full, end) {
+                let Some(id) = c
+                    .new_value()
+                    .map(|v| String::from_utf8_lossy(v).into_owned())
+                else {
+                    continue;
+                };
+                if in_timeline.contains(id.as_str())
+                    || (lazy
+                        && c.event_type() == "m.room.member"
+                        && !senders.iter().any(|u| u.as_str() == c.state_key()))
+                {
+                    continue;
+                }
+                if let Some(ev) = self.s.projections.timeline.event(&id)
                     && self.filter.state.matches(&ev.pdu)
                 {
                     out.push(ev);
@@ -384,15 +715,18 @@ impl Ctx<'_> {
             Some((_, t)) => self.s.typing.room_serial(room) > t,
         };
         if typing_changed && self.filter.ephemeral.matches_type("m.typing") {
-            let users = self.s.typing.users(room);
+            let mut users = self.s.typing.users(room);
+            users.retain(|u| !self.ignored.contains(u));
             if !users.is_empty() || self.since.is_some() {
                 events.push(json!({ "type": "m.typing", "content": { "user_ids": users } }));
             }
         }
         if self.filter.ephemeral.matches_type("m.receipt") {
             // Private receipts are only ever the requester's own.
-            let visible =
-                |user: &str, kind: &str| kind != "m.read.private" || user == self.r.user_id;
+            // Ignored users' receipts are left out too (spec: "Ignoring Users").
+            let visible = |user: &str, kind: &str| {
+                (kind != "m.read.private" || user == self.r.user_id) && !self.ignored.contains(user)
+            };
             let receipts: Vec<(String, String, Receipt)> = if initial {
                 self.s.projections.receipts.all(room)
             } else {
@@ -576,13 +910,14 @@ impl Ctx<'_> {
             left_at: None,
         };
         let since = self.since.map(|s| s.0);
-        // Newly joined = not joined at the token. A later member event of a user who was
-        // already joined (a profile change) is not a new join.
+        // Newly joined = not joined at the token, or left and joined again since (as
+        // Synapse: the client may have dropped the room, and what changed while the
+        // user was away is not in a timeline they may see). A later member event of a
+        // user who stayed joined (a profile change) is not a new join.
         let newly_joined = since.is_some_and(|sp| {
             m.position > sp && {
-                let root = self.root_at(room, sp);
-                crate::visibility::membership_at(self.s, root, &self.r.user_id)
-                    .is_none_or(|m| m != "join")
+                let h = self.own_history(m, sp);
+                !h.joined_at_since || h.non_join_in_window
             }
         });
         // A partial-state room whose full state arrived since the token (MSC3902) sends
@@ -629,9 +964,13 @@ impl Ctx<'_> {
             return Some(out);
         }
         let (timeline, limited) = self.timeline(room, &access, after, self.upto);
+        // A newly joined room is always `limited` (as Synapse): the client pages back
+        // from `prev_batch` for history rather than take the timeline as all there is.
+        let limited = limited || newly_joined;
         let lazy = self.filter.state.lazy_load_members;
         let state = if full {
             let mut roots = self.roots_before(room, &timeline, self.upto);
+            let mut end = self.root_at(room, self.upto);
             if completed {
                 // The member events the resync added come after the room's last event
                 // (outlier records): the state at an event does not hold them, the
@@ -641,34 +980,46 @@ impl Ctx<'_> {
                     (state.current_root(room), state.current_others_root(room))
                 {
                     roots = (all, others);
+                    end = all;
                 }
             }
-            self.state_events(roots, &timeline, lazy)
-        } else if limited {
-            let from = self.root_at(room, after);
-            let to = timeline
-                .first()
-                .and_then(|f| self.s.projections.state.roots_at(f.pdu.event_id.as_str()))
-                .map(|(b, _)| b)
-                .unwrap_or(from);
-            self.s
-                .projections
-                .state
-                .diff(from, to)
-                .into_iter()
-                .filter_map(|c| {
-                    c.new_value()
-                        .map(|v| String::from_utf8_lossy(v).into_owned())
-                })
-                .filter_map(|id| self.s.projections.timeline.event(&id))
-                .filter(|e| self.filter.state.matches(&e.pdu))
-                .collect()
+            self.state_events(roots, end, &timeline, lazy)
         } else {
-            vec![]
+            let mut state = if limited {
+                self.state_delta(room, after, &timeline, self.upto)
+            } else {
+                vec![]
+            };
+            if lazy {
+                let more = self.lazy_senders(&timeline, &state, room, after);
+                state.extend(more);
+            }
+            state
         };
+        let mut state = state;
+        let membership_changed = timeline
+            .iter()
+            .chain(state.iter())
+            .any(|e| e.pdu.kind.to_string() == "m.room.member");
+        let summary = (full || membership_changed).then(|| {
+            let root = self.root_at(room, self.upto);
+            (root, self.summary(room, root))
+        });
+        if lazy && let Some((root, summary)) = &summary {
+            let heroes = self.hero_members(room, *root, summary, &state, &timeline, full);
+            state.extend(heroes);
+        }
+        if lazy {
+            self.mark_members_sent(room, &state, &timeline);
+        }
         let ephemeral = self.ephemeral(room, full);
         let account_data = self.room_account_data(room, full);
-        if !full && timeline.is_empty() && ephemeral.is_empty() && account_data.is_empty() {
+        if !full
+            && timeline.is_empty()
+            && state.is_empty()
+            && ephemeral.is_empty()
+            && account_data.is_empty()
+        {
             return None;
         }
         let prev_batch = timeline
@@ -685,13 +1036,8 @@ impl Ctx<'_> {
         if self.filter.timeline.unread_thread_notifications {
             out["unread_thread_notifications"] = self.thread_unread(room, m);
         }
-        let membership_changed = timeline
-            .iter()
-            .chain(state.iter())
-            .any(|e| e.pdu.kind.to_string() == "m.room.member");
-        if full || membership_changed {
-            let root = self.root_at(room, self.upto);
-            out["summary"] = self.summary(room, root);
+        if let Some((_, summary)) = summary {
+            out["summary"] = summary;
         }
         Some(out)
     }
@@ -757,14 +1103,42 @@ impl Ctx<'_> {
                 was_joined: false,
                 left_at: Some(m.position),
             });
-        let after = self.since.map(|s| s.0).unwrap_or(0);
+        // Joined and left since the token (and not joined at it): the client never
+        // had this room, so it goes whole, like a newly joined room (as Synapse's
+        // "archived" entry with `newly_joined`): the timeline up to the leave, the
+        // state at its start, `limited`.
+        let newly_joined = self.since.is_some_and(|(sp, _)| {
+            m.position > sp && {
+                let h = self.own_history(m, sp);
+                !h.joined_at_since && h.join_in_window
+            }
+        });
+        let after = match self.since {
+            Some((sp, _)) if !newly_joined => sp,
+            _ => 0,
+        };
         let (timeline, limited) = self.timeline(room, &access, after, m.position.min(self.upto));
-        let state = if self.since.is_none() || limited {
+        let limited = limited || newly_joined;
+        let lazy = self.filter.state.lazy_load_members;
+        let state = if self.since.is_none() || newly_joined {
             let roots = self.roots_before(room, &timeline, m.position);
-            self.state_events(roots, &timeline, self.filter.state.lazy_load_members)
+            let end = self.root_at(room, m.position.min(self.upto));
+            self.state_events(roots, end, &timeline, lazy)
+        } else if limited {
+            let mut state = self.state_delta(room, after, &timeline, m.position.min(self.upto));
+            if lazy {
+                let more = self.lazy_senders(&timeline, &state, room, after);
+                state.extend(more);
+            }
+            state
+        } else if lazy {
+            self.lazy_senders(&timeline, &[], room, after)
         } else {
             vec![]
         };
+        if lazy {
+            self.mark_members_sent(room, &state, &timeline);
+        }
         let prev_batch = timeline
             .first()
             .map(|e| token(e.position - 1))
@@ -960,17 +1334,15 @@ pub(crate) fn e2ee_has_updates(
 async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Json<Value>> {
     let filter = match q.get("filter") {
         None => Filter::default(),
-        Some(f) if f.trim_start().starts_with('{') => {
-            let v: Value = serde_json::from_str(f)
-                .map_err(|_| MatrixError::invalid_param("filter is not valid JSON"))?;
-            Filter::parse(&v)?
-        }
+        // Inline JSON (Synapse: what starts with `{`); not JSON: 400 `M_NOT_JSON`.
+        Some(f) if f.trim_start().starts_with('{') => Filter::parse(&inline_filter_json(f)?)?,
         Some(id) => {
             let v = s
                 .projections
                 .filters
                 .get(&r.user_id, id)
-                .ok_or_else(|| MatrixError::invalid_param("Unknown filter id"))?;
+                // Synapse: 400 `M_INVALID_PARAM` "No such filter".
+                .ok_or_else(|| MatrixError::invalid_param("No such filter"))?;
             Filter::parse(&v)?
         }
     };
@@ -1072,6 +1444,13 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
         }
         _ => Vec::new(),
     };
+    let lazy_dedupe = filter.state.lazy_load_members && !filter.state.include_redundant_members;
+    let sent = lazy_dedupe.then(|| {
+        RefCell::new(
+            s.lazy_members
+                .start(&r.user_id, &r.device_id, since.map(|(p, _)| p)),
+        )
+    });
     let ctx = Ctx {
         s: &s,
         r: &r,
@@ -1081,6 +1460,8 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
         typing,
         full_state,
         account_data_changes,
+        ignored: crate::read::ignored_users(&s, &r.user_id),
+        sent,
     };
     let joined_rooms: Vec<String> = rooms
         .iter()
@@ -1102,7 +1483,8 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
                     join.insert(room, v);
                 }
             }
-            "invite" if changed_in_window => {
+            // An invite from an ignored user is not shown (spec: "Ignoring Users").
+            "invite" if changed_in_window && !ctx.ignored.contains(&m.sender) => {
                 if let Some(v) = ctx.invited_room(&m) {
                     invite.insert(room, v);
                 }
@@ -1175,6 +1557,10 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
                     })
             })
             .collect();
+    if let Some(sent) = ctx.sent {
+        s.lazy_members
+            .finish(&r.user_id, &r.device_id, sent.into_inner());
+    }
     let e2ee = e2ee_sections(&s, &r, &joined_rooms, since, to_device_acked, upto);
     let next_batch = match e2ee.to_device_upto {
         Some(td) => format!("s{}_{}_{}", upto, ctx.typing, td),

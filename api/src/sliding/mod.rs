@@ -275,6 +275,10 @@ struct Build<'a> {
     to_device_since: Option<u64>,
     /// The user's joined rooms (the `e2ee` extension's device-list changes).
     joined: Vec<String>,
+    /// The users the requester ignores (`m.ignored_user_list`, read once): their
+    /// invites, non-state timeline events, typing and receipts are left out, as in
+    /// `/sync`.
+    ignored: std::collections::HashSet<String>,
 }
 
 impl<'a> Build<'a> {
@@ -330,6 +334,7 @@ impl<'a> Build<'a> {
             room_facts: HashMap::new(),
             to_device_since,
             joined,
+            ignored: crate::read::ignored_users(s, &r.user_id),
         };
         b.respond(rooms, typing)
     }
@@ -453,7 +458,8 @@ impl<'a> Build<'a> {
             return false;
         }
         match m.membership.as_str() {
-            "join" | "invite" | "knock" => true,
+            "invite" => !self.ignored.contains(&m.sender),
+            "join" | "knock" => true,
             "leave" if m.sender == self.user => self.base.is_some_and(|b| {
                 b.rooms
                     .get(room)
@@ -733,7 +739,8 @@ impl<'a> Build<'a> {
         };
         let (timeline, limited) =
             crate::sync::newest_events(s, room, after, end, config.timeline_limit, |ev| {
-                can_see(s, self.user, &access, ev)
+                !crate::read::hidden_by_ignore(&self.ignored, ev)
+                    && can_see(s, self.user, &access, ev)
             });
         let live_after = match sent {
             Some(x) if !initial => Some(x.upto),
@@ -1263,8 +1270,11 @@ impl<'a> Build<'a> {
                 pairs.dedup();
                 let mut content = serde_json::Map::new();
                 for (user, kind, thread) in pairs {
-                    // Private receipts are only ever the requester's own.
-                    if kind == "m.read.private" && user != self.user {
+                    // Private receipts are only ever the requester's own; ignored
+                    // users' are left out.
+                    if (kind == "m.read.private" && user != self.user)
+                        || self.ignored.contains(&user)
+                    {
                         continue;
                     }
                     let Some(rec) = rc.get(room, &user, &kind, &thread) else {
@@ -1304,7 +1314,8 @@ impl<'a> Build<'a> {
                 if !first && !changed {
                     continue;
                 }
-                let users = s.typing.users(room);
+                let mut users = s.typing.users(room);
+                users.retain(|u| !self.ignored.contains(u));
                 if first && users.is_empty() {
                     continue;
                 }
