@@ -557,3 +557,40 @@ async fn sliding_sync_leaves_ignored_users_out_too() {
     assert_eq!(v["lists"]["all"]["count"], json!(1));
     ts.stop().await;
 }
+
+/// A named room needs no heroes to be named: lazy loading sends the members of the
+/// timeline's senders only, not the summary's heroes (as Synapse, which sends no
+/// heroes for a room with a name).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_room_lazy_loads_no_hero_members() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let room = alice
+        .create_room(json!({ "preset": "public_chat", "name": "named" }))
+        .await;
+    let mut others = Vec::new();
+    for name in ["bob", "carol", "dave"] {
+        let c = ts.register(name).await;
+        c.join(&room).await;
+        others.push(c);
+    }
+    others[0].send_text(&room, "hello").await;
+    let bob_join = member_event_id(&alice, &room, &others[0].user_id).await;
+    let alice_join = member_event_id(&alice, &room, &alice.user_id).await;
+    let lazy =
+        json!({ "room": { "timeline": { "limit": 1 }, "state": { "lazy_load_members": true } } });
+    let first = alice.sync(&format!("filter={}", inline(&lazy))).await;
+    let mut members: Vec<String> = first["rooms"]["join"][&room]["state"]["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["type"] == "m.room.member")
+        .map(|e| e["event_id"].as_str().unwrap().to_owned())
+        .collect();
+    members.sort();
+    // The timeline's sender, and the syncing user's own membership (as Synapse).
+    let mut want = vec![bob_join, alice_join];
+    want.sort();
+    assert_eq!(members, want);
+    ts.stop().await;
+}

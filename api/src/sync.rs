@@ -513,8 +513,10 @@ impl Ctx<'_> {
 
     /// Lazy-loading: the current member events of the summary's `m.heroes` the client
     /// may not hold (not in `state` or the timeline, and in an incremental sync not
-    /// sent to this device before), so it can name the room (as Synapse). At most
-    /// five point lookups, only when a summary goes out.
+    /// sent to this device before), so it can name the room (as Synapse). Only for a
+    /// room without a name or canonical alias: a named room needs no heroes to be
+    /// named, and Synapse sends none. At most seven point lookups, only when a summary
+    /// goes out.
     fn hero_members(
         &self,
         room: &str,
@@ -530,6 +532,13 @@ impl Ctx<'_> {
             .filter(|e| e.pdu.kind.to_string() == "m.room.member")
             .filter_map(|e| e.pdu.state_key.as_deref())
             .collect();
+        let named = |kind: &str, field: &str| {
+            crate::visibility::state_content(self.s, root, kind, "")
+                .is_some_and(|c| c[field].as_str().is_some_and(|v| !v.is_empty()))
+        };
+        if named("m.room.name", "name") || named("m.room.canonical_alias", "alias") {
+            return vec![];
+        }
         let since = self.since.map(|s| s.0).unwrap_or(0);
         let heroes: Vec<String> = summary["m.heroes"]
             .as_array()

@@ -819,7 +819,9 @@ BEHAVIOUR_NOTES = [
     "  is honoured on `/sync`, `/messages` and `/context`; ignored users' non-state events,",
     "  invites, typing and receipts are left out; an inline filter that is not JSON is 400",
     "  `M_NOT_JSON`, a wrong shape 400 `M_BAD_JSON` (Synapse: `M_UNKNOWN`; the spec's code",
-    "  kept), an unknown filter id 400 `M_INVALID_PARAM`.",
+    "  kept), an unknown filter id 400 `M_INVALID_PARAM`. The heroes' member events go",
+    "  with the summary of a room without a name or canonical alias only, as Synapse.",
+    "  `tests/e2e/test_nio_lazy_members.py` drives this with matrix-nio.",
     "- Redacted relations leave `/relations` and the bundles (`tests/relations.rs`): a",
     "  redacted latest edit gives way to the edit before it, a thread's count and latest",
     "  event move back, a redacted reference leaves the chunk (as Synapse).",
@@ -845,9 +847,8 @@ BEHAVIOUR_NOTES = [
     "  session remembers its first request's parameters.",
     "- Presence reaches users who newly share a room; the user directory never returns",
     "  the searcher; OpenID userinfo without a token is 401 `M_MISSING_TOKEN`.",
-    "- Not done yet from issue 15: third-party identifiers (item 10), a matrix-nio flow",
-    "  for lazy-loaded members after a gap, `/r0/` paths (not served: the conformance",
-    "  suite's `TestChangePasswordPushers` uses one).",
+    "- Not done yet from issue 15: third-party identifiers (item 10); `/r0/` paths are",
+    "  not served (the conformance suite's `TestChangePasswordPushers` uses one).",
 ]
 
 
