@@ -532,13 +532,6 @@ impl Ctx<'_> {
             .filter(|e| e.pdu.kind.to_string() == "m.room.member")
             .filter_map(|e| e.pdu.state_key.as_deref())
             .collect();
-        let named = |kind: &str, field: &str| {
-            crate::visibility::state_content(self.s, root, kind, "")
-                .is_some_and(|c| c[field].as_str().is_some_and(|v| !v.is_empty()))
-        };
-        if named("m.room.name", "name") || named("m.room.canonical_alias", "alias") {
-            return vec![];
-        }
         let since = self.since.map(|s| s.0).unwrap_or(0);
         let heroes: Vec<String> = summary["m.heroes"]
             .as_array()
@@ -555,6 +548,20 @@ impl Ctx<'_> {
             .map(str::to_owned)
             .collect();
         if heroes.is_empty() {
+            return vec![];
+        }
+        // Named? From the `state` going out when it has the event (an initial sync:
+        // no read), else one lookup per event type.
+        let name_of = |c: &Value, field: &str| c[field].as_str().is_some_and(|v| !v.is_empty());
+        let named = |kind: &str, field: &str| match state
+            .iter()
+            .find(|e| e.pdu.kind.to_string() == kind && e.pdu.state_key.as_deref() == Some(""))
+        {
+            Some(e) => name_of(&e.pdu.content_value(), field),
+            None => crate::visibility::state_content(self.s, root, kind, "")
+                .is_some_and(|c| name_of(&c, field)),
+        };
+        if named("m.room.name", "name") || named("m.room.canonical_alias", "alias") {
             return vec![];
         }
         lazy_members(self.s, root, &heroes)
