@@ -558,3 +558,44 @@ async fn bad_requests_are_matrix_errors() {
         .expect_err(401, "M_MISSING_TOKEN");
     server.stop().await;
 }
+
+/// Ignored users' events are not found (as they leave timelines; Synapse filters
+/// search results the same way), and the count leaves them out too; unignoring brings
+/// them back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ignored_users_events_are_not_found() {
+    let server = TestServer::start().await;
+    let alice = server.register("alice").await;
+    let bob = server.register("bob").await;
+    let room = alice.create_room(json!({ "preset": "public_chat" })).await;
+    bob.join(&room).await;
+    let mine = alice.send_text(&room, "quince from alice").await;
+    let theirs = bob.send_text(&room, "quince from bob").await;
+    let q = json!({"search_term": "quince", "order_by": "recent"});
+    assert_eq!(
+        result_ids(&search(&alice, q.clone()).await),
+        vec![theirs.clone(), mine.clone()]
+    );
+    let ignore = |users: Value| {
+        let alice = alice.clone();
+        async move {
+            alice
+                .put(
+                    &format!(
+                        "/_matrix/client/v3/user/{}/account_data/m.ignored_user_list",
+                        enc(&alice.user_id)
+                    ),
+                    &json!({ "ignored_users": users }),
+                )
+                .await
+                .ok();
+        }
+    };
+    ignore(json!({ bob.user_id.clone(): {} })).await;
+    let v = search(&alice, q.clone()).await;
+    assert_eq!(result_ids(&v), vec![mine.clone()]);
+    assert_eq!(v["count"], 1);
+    ignore(json!({})).await;
+    assert_eq!(result_ids(&search(&alice, q).await), vec![theirs, mine]);
+    server.stop().await;
+}

@@ -322,7 +322,17 @@ fn room_events_search(
         keys: c.keys,
         rooms,
         senders: c.filter.senders.clone(),
-        not_senders: c.filter.not_senders.clone(),
+        // Ignored users' events are left out, as from timelines (Synapse's
+        // `filter_events_for_client`); in the index query, so counts stay exact.
+        not_senders: {
+            let mut not = c.filter.not_senders.clone();
+            let mut ignored: Vec<String> = crate::read::ignored_users(s, &r.user_id)
+                .into_iter()
+                .collect();
+            ignored.sort();
+            not.extend(ignored);
+            not
+        },
         types: c.filter.types.clone(),
         not_types: c.filter.not_types.clone(),
         contains_url: c.filter.contains_url,
