@@ -37,6 +37,7 @@ pub mod rooms;
 pub mod search;
 pub mod sliding;
 pub mod spaces;
+pub mod state_render;
 pub mod synapse_admin;
 pub mod sync;
 pub mod thirdparty;
@@ -151,6 +152,9 @@ pub struct CacheLimits {
     /// ([`lazy_members`]); full, the record is emptied (each device is sent its
     /// timeline senders' member events once more).
     pub sync_lazy_loaded_members_devices: usize,
+    /// Bytes of rendered room state (`/state`, `/members`, `/sync` state) kept by state root
+    /// ([`state_render`]); full, the oldest renderings are dropped. 0 turns it off.
+    pub rendered_state_bytes: usize,
 }
 
 impl Default for CacheLimits {
@@ -163,6 +167,7 @@ impl Default for CacheLimits {
             device_last_seen: 100_000,
             sync_room_summaries: 10_000,
             sync_lazy_loaded_members_devices: 10_000,
+            rendered_state_bytes: 32 * 1024 * 1024,
         }
     }
 }
@@ -204,6 +209,8 @@ pub struct AppState {
     pub sliding: Arc<sliding::Connections>,
     /// The member events each lazy-loading device was sent by `/sync`, in memory.
     pub lazy_members: Arc<lazy_members::SentMembers>,
+    /// Room states rendered as client JSON, by state root ([`state_render`]).
+    pub state_render: state_render::StateRenderCache,
     /// Becomes `true` when the server shuts down: waiting long-polls answer at once.
     pub shutdown: tokio::sync::watch::Receiver<bool>,
     /// When, from where and with what each device was last used (in memory; changes
@@ -279,6 +286,7 @@ impl AppState {
             config: Arc::new(config),
             typing: typing::Typing::with_limit(caches.typing_rooms),
             summaries: Arc::default(),
+            state_render: state_render::StateRenderCache::new(caches.rendered_state_bytes),
             lazy_members: Arc::new(lazy_members::SentMembers::with_limit(
                 caches.sync_lazy_loaded_members_devices,
             )),
