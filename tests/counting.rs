@@ -1606,3 +1606,49 @@ async fn state_of_an_unchanged_room_is_rendered_once() {
     assert!(name["unsigned"].get("prev_content").is_none(), "{name}");
     assert_eq!(renders() - before, 3 * 208);
 }
+
+/// A message send reads nothing but its access token, so it does not wait for the
+/// projections to apply what was acknowledged before it (BRIEF §2: the writer never
+/// waits on a reader): five sends complete while the timeline projection is held
+/// still, and it has applied none of them. Reads still wait (read-your-writes): once
+/// released, `/messages` returns all five, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sends_do_not_wait_for_the_projections() {
+    let h = Harness::start().await;
+    let (_amy, at) = h.register("amy").await;
+    let room = h
+        .create_room(&at, json!({ "preset": "private_chat" }))
+        .await;
+    h.quiesce().await;
+    let runtime = &h.server.projections.runtime;
+    let before = runtime.checkpoint("timeline").unwrap();
+    let hold = runtime.hold("timeline").unwrap();
+    let mut sent = Vec::new();
+    for i in 0..5 {
+        let (txn, body) = (format!("held{i}"), format!("held {i}"));
+        let id = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            h.send(&at, &room, &txn, &body),
+        )
+        .await
+        .expect("a send waited for the held timeline projection");
+        sent.push(id);
+    }
+    assert_eq!(runtime.checkpoint("timeline"), Some(before));
+    assert!(h.server.journal.durable_head() >= before + 5);
+    drop(hold);
+    let v = h
+        .get(
+            &format!("/_matrix/client/v3/rooms/{room}/messages?dir=b&limit=5"),
+            &at,
+        )
+        .await;
+    let mut got: Vec<String> = v["chunk"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["event_id"].as_str().unwrap().to_owned())
+        .collect();
+    got.reverse();
+    assert_eq!(got, sent);
+}

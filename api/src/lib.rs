@@ -403,6 +403,26 @@ impl AppState {
         Ok(())
     }
 
+    /// Waits (bounded) until the accounts projection (access tokens, devices) has
+    /// applied everything acknowledged before this call: a token issued or revoked just
+    /// before is seen as such. The only wait of routes that read nothing else
+    /// ([`reads_only_its_token`]).
+    pub async fn wait_for_tokens(&self) -> ApiResult<()> {
+        let head = self.journal.durable_head();
+        if self
+            .projections
+            .runtime
+            .wait_for_projection("accounts", head, READ_YOUR_WRITES_TIMEOUT)
+            .await
+        {
+            Ok(())
+        } else {
+            Err(MatrixError::internal(
+                "projections did not catch up in time",
+            ))
+        }
+    }
+
     /// Waits while the room's state here is partial (a partial-state join, MSC3902:
     /// the state projection flips when it applies the completion), at most
     /// [`PARTIAL_STATE_WAIT`]: how `/members` answers the full member list, as the MSC
@@ -543,10 +563,30 @@ async fn read_your_writes(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
-    if let Err(e) = state.wait_for_acknowledged().await {
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map(|m| m.as_str());
+    // A route that reads only its access token waits in the `Requester` extractor,
+    // for the accounts projection alone.
+    if !reads_only_its_token(req.method(), route)
+        && let Err(e) = state.wait_for_acknowledged().await
+    {
         return e.into_response();
     }
     next.run(req).await
+}
+
+/// Routes whose handlers read no projection but the access token's owner: a message
+/// send (`PUT /rooms/{roomId}/send/{eventType}/{txnId}`; the journal authorizes it
+/// against its own write model and deduplicates its transaction id). They wait only
+/// for the accounts projection ([`AppState::wait_for_tokens`]), not for every
+/// projection to apply what was acknowledged before: a send right after another does
+/// not wait for the first one's projections. Read-your-writes is unchanged: it is a
+/// property of reads, and every read still waits for every projection.
+pub fn reads_only_its_token(method: &Method, route: Option<&str>) -> bool {
+    method == Method::PUT
+        && route == Some("/_matrix/client/v3/rooms/{room_id}/send/{event_type}/{txn_id}")
 }
 
 /// Every error leaves as a Matrix error: responses produced outside our handlers
