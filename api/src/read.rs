@@ -199,7 +199,6 @@ pub fn render_unbundled(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &s
     }
     if let Some(prev) = replaced_state(s, ev) {
         unsigned.insert("prev_content".into(), client_content(s, &prev));
-        unsigned.insert("replaces_state".into(), json!(prev.pdu.event_id));
     }
     ev.pdu.to_client_event(Some(Value::Object(unsigned)))
 }
@@ -216,7 +215,7 @@ pub fn redaction_of(s: &AppState, ev: &EventRecord) -> Option<EventRecord> {
 }
 
 /// The state event `ev` replaced (the same type and state key in the state right
-/// before it; spec `unsigned.replaces_state`, v1.19), if `ev` is a state event and had
+/// before it), if `ev` is a state event and had
 /// one. Reads: the event's roots, one state point lookup, one event.
 pub fn replaced_state(s: &AppState, ev: &EventRecord) -> Option<EventRecord> {
     let sk = ev.pdu.state_key.as_ref()?;

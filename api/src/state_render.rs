@@ -30,7 +30,7 @@ use std::{
 };
 
 use parking_lot::Mutex;
-use serde_json::{Value, json};
+use serde_json::Value;
 use spindle_core::trie::Root;
 use spindle_projections::timeline::{EventRecord, RedactionGeneration};
 
@@ -59,7 +59,7 @@ pub struct RenderedStateEvent {
     /// The event object's JSON text without `unsigned` and without the closing brace.
     head: String,
     /// The cached `unsigned` members as JSON text (`"k":v,...`, no braces; may be empty):
-    /// `prev_content`, `replaces_state`, `redacted_because`.
+    /// `prev_content`, `redacted_because`.
     unsigned: String,
 }
 
@@ -81,7 +81,6 @@ impl RenderedStateEvent {
             && let Some(prev) = crate::read::replaced_state(s, ev)
         {
             unsigned.insert("prev_content".into(), crate::read::client_content(s, &prev));
-            unsigned.insert("replaces_state".into(), json!(prev.pdu.event_id));
         }
         let membership = (ev.pdu.kind.to_string() == "m.room.member")
             .then(|| {
