@@ -351,7 +351,7 @@ fn device_update(user_id: &str, c: &Value) -> Option<spindle_journal::RemoteDevi
 pub enum Outbound {
     /// A PDU of one of our users, to every other server in the room (and to the
     /// server of a member it removes).
-    Pdu(spindle_core::pdu::Pdu),
+    Pdu(std::sync::Arc<spindle_core::pdu::Pdu>),
     /// A public read receipt of one of our users, to every other server in the room.
     Receipt {
         /// The room.

@@ -580,24 +580,24 @@ pub(crate) fn replay_into(
                 .rooms
                 .entry(pdu.room_id.clone())
                 .or_insert_with(|| RoomAggregate::new(&pdu.room_version, cap))
-                .apply_outlier(Arc::new(pdu));
+                .apply_outlier(pdu);
         } else if rec.is_backfilled() {
             let pdu = rec.any_pdu().ok_or("unreadable backfilled PDU")?;
             if let Some(agg) = models.rooms.get_mut(&pdu.room_id) {
-                agg.apply_backfilled(Arc::new(pdu));
+                agg.apply_backfilled(pdu);
             }
         } else if rec.is_soft_failed() {
             let pdu = rec.any_pdu().ok_or("unreadable soft-failed PDU")?;
             if let Some(agg) = models.rooms.get_mut(&pdu.room_id) {
                 let before = agg.state_before(&pdu.prev_events, stats);
-                agg.apply_soft_failed(Arc::new(pdu), &before);
+                agg.apply_soft_failed(pdu, &before);
             }
         } else if rec.is_state_resolved() {
             // Replaying the event before it already resolved the same way; the
             // record is the truth if a resolver upgrade would now decide otherwise.
             let pdu = rec.room_pdu().ok_or("unreadable resolved state PDU")?;
             if let Some(agg) = models.rooms.get_mut(&pdu.room_id) {
-                agg.set_state(Arc::new(pdu));
+                agg.set_state(pdu);
             }
         } else if rec.is_event() {
             let pdu = rec.pdu().ok_or("unreadable PDU")?;
@@ -613,7 +613,7 @@ pub(crate) fn replay_into(
                     rec.position(),
                 ));
             }
-            agg.apply(Arc::new(pdu), stats);
+            agg.apply(pdu, stats);
         } else {
             match rec.fact() {
                 Some(Fact::AccountRegistered { user_id, .. }) => {
@@ -773,6 +773,9 @@ pub struct JournalStats {
     pub appended: AtomicU64,
     /// records read by tailers.
     pub records_read: AtomicU64,
+    /// Records tailers read from the in-memory tail instead of the store
+    /// ([`Journal::read_after_shared`]).
+    pub recent_reads: AtomicU64,
     /// records handed to the appender (positioned, not yet necessarily durable).
     pub enqueued: AtomicU64,
     /// Fork-case counters ([`fork`]): resolutions whose states were equal after all,
@@ -840,6 +843,8 @@ pub struct Journal {
 struct Inner {
     key: Arc<ServerKey>,
     store: Arc<dyn JournalStore>,
+    /// The last durable records, shared with tailers ([`Journal::read_after_shared`]).
+    recent: Arc<RecentRecords>,
     rooms: parking_lot::Mutex<HashMap<OwnedRoomId, Arc<tokio::sync::Mutex<RoomAggregate>>>>,
     users: parking_lot::Mutex<HashSet<String>>,
     /// Alias -> room: aliases are unique, so the writer checks them (a read model
@@ -1022,19 +1027,24 @@ impl Journal {
         let head = chain_head.position;
         let (durable_tx, durable_rx) = watch::channel(head);
         let (tx, rx) = std::sync::mpsc::channel::<ToAppender>();
+        let recent = Arc::new(RecentRecords::default());
         {
             let store = store.clone();
             let stats = stats.clone();
+            let recent = recent.clone();
             let snapshots = snapshot::Background::new(every, last_snapshot, cap);
             std::thread::Builder::new()
                 .name("journal-appender".into())
-                .spawn(move || appender(store, rx, durable_tx, stats, chain_head, snapshots))
+                .spawn(move || {
+                    appender(store, rx, durable_tx, stats, chain_head, snapshots, recent)
+                })
                 .map_err(|e| JournalError::Storage(e.to_string()))?;
         }
         Ok(Journal {
             inner: Arc::new(Inner {
                 key,
                 store,
+                recent,
                 rooms: parking_lot::Mutex::new(
                     rooms
                         .into_iter()
@@ -1168,6 +1178,36 @@ impl Journal {
             .records_read
             .fetch_add(recs.len() as u64, Ordering::Relaxed);
         Ok(recs.into_iter().filter(|r| r.position() <= head).collect())
+    }
+
+    /// [`Journal::read_after`] for tailers that share what they read: the records come
+    /// from the journal's in-memory tail of recent durable records when it still holds
+    /// position `after + 1` (no store read, no copy, and a PDU parsed by one reader is
+    /// parsed for all: [`StoredRecord::pdu`]), else from the store. The projections read
+    /// through it, so a new record costs one decode and one parse, not one per
+    /// projection.
+    pub fn read_after_shared(
+        &self,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<Arc<StoredRecord>>, JournalError> {
+        let head = self.durable_head();
+        if after >= head {
+            return Ok(Vec::new());
+        }
+        let limit = limit.min((head - after) as usize);
+        if let Some(hit) = self.inner.recent.after(after, limit, head) {
+            self.inner
+                .stats
+                .recent_reads
+                .fetch_add(hit.len() as u64, Ordering::Relaxed);
+            return Ok(hit);
+        }
+        Ok(self
+            .read_after(after, limit)?
+            .into_iter()
+            .map(Arc::new)
+            .collect())
     }
 
     /// Verifies, authorizes and durably appends a command. Returns once the records
@@ -2088,6 +2128,7 @@ fn appender(
     stats: Arc<JournalStats>,
     mut chain: ChainHead,
     mut snapshots: snapshot::Background,
+    recent: Arc<RecentRecords>,
 ) {
     fn take(records: &mut Vec<(Record, Option<Vec<u8>>)>, p: Pending) {
         let mut key = p.txn_key;
@@ -2165,8 +2206,80 @@ fn appender(
         stats
             .appended
             .fetch_add(encoded.len() as u64, Ordering::Relaxed);
+        // Before the head moves, so a tailer woken by it finds the records in memory.
+        recent.push(&encoded);
         durable.send_replace(last);
         snapshots.after_append(&store, &stats, chain);
+    }
+}
+
+/// Most records the in-memory tail keeps ([`Journal::read_after_shared`]): a few
+/// batches of every projection (512 records each), so a projection that is not far
+/// behind never reads the store.
+const RECENT_RECORDS: usize = 2048;
+/// Most bytes the in-memory tail keeps (records are at most 64 KiB each).
+const RECENT_BYTES: usize = 8 * 1024 * 1024;
+
+/// The last durable records, in position order, contiguous, bounded by
+/// [`RECENT_RECORDS`] and [`RECENT_BYTES`]; the appender adds each group after its
+/// fsync and before it publishes the new head.
+#[derive(Default)]
+struct RecentRecords {
+    tail: parking_lot::Mutex<(std::collections::VecDeque<Arc<StoredRecord>>, usize)>,
+}
+
+impl RecentRecords {
+    fn push(&self, encoded: &[EncodedRecord]) {
+        let records: Vec<Arc<StoredRecord>> = encoded
+            .iter()
+            .filter_map(|e| StoredRecord::from_bytes(&e.bytes).ok().map(Arc::new))
+            .collect();
+        let mut tail = self.tail.lock();
+        let (queue, bytes) = &mut *tail;
+        if records.len() != encoded.len()
+            || queue
+                .back()
+                .zip(records.first())
+                .is_some_and(|(last, first)| first.position() != last.position() + 1)
+        {
+            // Never expected (the appender encoded and positioned them): start over
+            // rather than keep a tail with a hole.
+            queue.clear();
+            *bytes = 0;
+        }
+        for r in records {
+            *bytes += r.bytes().len();
+            queue.push_back(r);
+        }
+        while queue.len() > RECENT_RECORDS || *bytes > RECENT_BYTES {
+            match queue.pop_front() {
+                Some(old) => *bytes -= old.bytes().len(),
+                None => break,
+            }
+        }
+    }
+
+    /// Up to `limit` records after position `after`, none past `head`, if the tail
+    /// holds position `after + 1`.
+    fn after(&self, after: u64, limit: usize, head: u64) -> Option<Vec<Arc<StoredRecord>>> {
+        let tail = self.tail.lock();
+        let first = tail.0.front()?.position();
+        if first > after + 1 {
+            return None;
+        }
+        let skip = usize::try_from(after + 1 - first).ok()?;
+        if skip >= tail.0.len() {
+            return None;
+        }
+        Some(
+            tail.0
+                .iter()
+                .skip(skip)
+                .take(limit)
+                .take_while(|r| r.position() <= head)
+                .cloned()
+                .collect(),
+        )
     }
 }
 

@@ -105,6 +105,10 @@ impl Record {
 /// borrowed slice of the stored bytes).
 pub struct StoredRecord {
     bytes: rkyv::util::AlignedVec<16>,
+    /// The PDU, parsed on first use and shared by every reader of this record (the
+    /// projections read one `Arc<StoredRecord>` from the journal's recent tail, so a
+    /// PDU is parsed once, not once per projection).
+    parsed: std::sync::OnceLock<Option<std::sync::Arc<spindle_core::pdu::Pdu>>>,
 }
 
 impl std::fmt::Debug for StoredRecord {
@@ -123,7 +127,10 @@ impl StoredRecord {
         let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
         aligned.extend_from_slice(bytes);
         rkyv::access::<ArchivedRecord, rkyv::rancor::Error>(&aligned).map_err(|e| e.to_string())?;
-        Ok(StoredRecord { bytes: aligned })
+        Ok(StoredRecord {
+            bytes: aligned,
+            parsed: std::sync::OnceLock::new(),
+        })
     }
 
     /// The archived record, in place.
@@ -196,7 +203,7 @@ impl StoredRecord {
     }
 
     /// The PDU of any record that carries one ([`StoredRecord::carries_pdu`]).
-    pub fn any_pdu(&self) -> Option<spindle_core::pdu::Pdu> {
+    pub fn any_pdu(&self) -> Option<std::sync::Arc<spindle_core::pdu::Pdu>> {
         if !self.carries_pdu() {
             return None;
         }
@@ -211,7 +218,7 @@ impl StoredRecord {
 
     /// The PDU of an event, outlier or resolved-state record (projections of room state
     /// use it; timeline-only projections keep to [`StoredRecord::pdu`]).
-    pub fn room_pdu(&self) -> Option<spindle_core::pdu::Pdu> {
+    pub fn room_pdu(&self) -> Option<std::sync::Arc<spindle_core::pdu::Pdu>> {
         if !self.applies_to_state() {
             return None;
         }
@@ -267,21 +274,34 @@ impl StoredRecord {
     }
 
     /// Parses the PDU of an event record.
-    pub fn pdu(&self) -> Option<spindle_core::pdu::Pdu> {
+    pub fn pdu(&self) -> Option<std::sync::Arc<spindle_core::pdu::Pdu>> {
         if !self.is_event() {
             return None;
         }
         self.parse_pdu()
     }
 
-    fn parse_pdu(&self) -> Option<spindle_core::pdu::Pdu> {
-        let event_id = self
-            .event_id()
-            .and_then(|e| ruma::OwnedEventId::try_from(e).ok());
-        let room_id = self
-            .room_id()
-            .and_then(|r| ruma::OwnedRoomId::try_from(r).ok());
-        spindle_core::pdu::Pdu::parse(self.payload(), self.room_version()?, event_id, room_id).ok()
+    /// Parses the payload as a PDU once; later calls (by any holder of this record)
+    /// share the result.
+    fn parse_pdu(&self) -> Option<std::sync::Arc<spindle_core::pdu::Pdu>> {
+        self.parsed
+            .get_or_init(|| {
+                let event_id = self
+                    .event_id()
+                    .and_then(|e| ruma::OwnedEventId::try_from(e).ok());
+                let room_id = self
+                    .room_id()
+                    .and_then(|r| ruma::OwnedRoomId::try_from(r).ok());
+                spindle_core::pdu::Pdu::parse(
+                    self.payload(),
+                    self.room_version()?,
+                    event_id,
+                    room_id,
+                )
+                .ok()
+                .map(std::sync::Arc::new)
+            })
+            .clone()
     }
 
     /// Deserializes into an owned [`Record`] (exports, tests).

@@ -239,7 +239,7 @@ async fn restart_reads_only_the_records_after_the_last_snapshot() {
     let rec = j.read_after(107, 1).unwrap().remove(0);
     let prev = j.read_after(106, 1).unwrap().remove(0);
     let pdu = rec.pdu().unwrap();
-    assert_eq!(pdu.prev_events, vec![prev.pdu().unwrap().event_id]);
+    assert_eq!(pdu.prev_events, vec![prev.pdu().unwrap().event_id.clone()]);
     assert_eq!(pdu.depth, prev.pdu().unwrap().depth + 1);
     let dup = j
         .submit(signed(

@@ -240,7 +240,7 @@ impl Runtime {
             .expect("runtime");
         loop {
             let cp = slot.checkpoint.load(Ordering::Acquire);
-            let records = match journal.read_after(cp, BATCH) {
+            let records = match journal.read_after_shared(cp, BATCH) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::error!(projection = slot.projection.name(), error = %e, "journal read failed");
