@@ -1646,3 +1646,40 @@ async fn sends_do_not_wait_for_the_projections() {
     got.reverse();
     assert_eq!(got, sent);
 }
+
+/// The state projection can be a batch ahead of the timeline's (each tails the journal
+/// on its own thread). A rendering of a root whose newest event the timeline has not
+/// applied yet lacks that event, and must not be cached: the root would not change
+/// again until the next state event, so the gap would be served until then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_rendered_ahead_of_the_timeline_is_not_kept() {
+    let h = Harness::start().await;
+    let (_amy, at) = h.register("amy").await;
+    let room = h.create_room(&at, json!({ "preset": "public_chat" })).await;
+    h.quiesce().await;
+    let runtime = &h.server.projections.runtime;
+    let hold = runtime.hold("timeline").unwrap();
+    let (status, v) = h
+        .call(
+            reqwest::Method::PUT,
+            &format!("/_matrix/client/v3/rooms/{room}/state/m.room.topic"),
+            Some(&at),
+            Some(json!({ "topic": "fresh" })),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let topic = v["event_id"].as_str().unwrap().to_owned();
+    let head = h.server.journal.durable_head();
+    while runtime.checkpoint("state").unwrap() < head {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let root = h.server.projections.state.current_root(&room).unwrap();
+    let cache = &h.server.state.state_render;
+    let early = cache.get(&h.server.state, &room, root);
+    assert!(early.events.iter().all(|e| e.event_id != topic));
+    drop(hold);
+    h.quiesce().await;
+    let late = cache.get(&h.server.state, &room, root);
+    assert!(late.events.iter().any(|e| e.event_id == topic));
+    assert_eq!(late.events.len(), early.events.len() + 1);
+}

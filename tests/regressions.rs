@@ -702,3 +702,50 @@ async fn huge_limits_are_clamped_and_bad_tokens_are_400() {
     }
     server.stop().await;
 }
+
+/// A redaction sent as an event (`PUT /send/m.room.redaction/{txn}`) skipped the checks
+/// of `/redact`: a member at power level 0 could redact anyone's message (from room
+/// version 3 the auth rules leave that check to the server applying the redaction).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redaction_sent_as_an_event_needs_the_redact_power() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let mallory = ts.register("mallory").await;
+    let room = alice.create_room(json!({ "preset": "public_chat" })).await;
+    mallory.join(&room).await;
+    let target = alice.send_text(&room, "mine").await;
+    let own = mallory.send_text(&room, "mallory's").await;
+    mallory
+        .send_txn(
+            &room,
+            "m.room.redaction",
+            "r1",
+            &json!({ "redacts": target, "reason": "no" }),
+        )
+        .await
+        .expect_err(403, "M_FORBIDDEN");
+    mallory
+        .send_txn(&room, "m.room.redaction", "r2", &json!({ "reason": "no" }))
+        .await
+        .expect_err(400, "M_MISSING_PARAM");
+    // Unredacted, for everyone.
+    let ev = alice.event(&room, &target).await.ok();
+    assert_eq!(ev["content"]["body"], "mine");
+    // Their own message, and alice (power 100) on anyone's: allowed.
+    mallory
+        .send_txn(&room, "m.room.redaction", "r3", &json!({ "redacts": own }))
+        .await
+        .ok();
+    alice
+        .send_txn(
+            &room,
+            "m.room.redaction",
+            "r4",
+            &json!({ "redacts": target }),
+        )
+        .await
+        .ok();
+    assert_eq!(alice.event(&room, &own).await.ok()["content"], json!({}));
+    assert_eq!(alice.event(&room, &target).await.ok()["content"], json!({}));
+    ts.stop().await;
+}

@@ -123,6 +123,9 @@ pub(crate) async fn schedule(
     delay_ms: u64,
 ) -> ApiResult<Json<Value>> {
     crate::rooms::valid_room_id(room_id)?;
+    // `PUT /send/...?delay=` skips the request's wait for the projections (a message
+    // send reads none); scheduling reads two (memberships, the user's scheduled count).
+    s.wait_for_acknowledged().await?;
     let joined = s
         .projections
         .membership

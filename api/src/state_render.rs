@@ -255,10 +255,9 @@ impl StateRenderCache {
         {
             return hit.clone();
         }
-        let events: Vec<RenderedStateEvent> = s
-            .projections
-            .state
-            .entries(root)
+        let entries = s.projections.state.entries(root);
+        let wanted = entries.len();
+        let events: Vec<RenderedStateEvent> = entries
             .into_iter()
             .filter_map(|(_, _, id)| s.projections.timeline.event(&id))
             .map(|ev| RenderedStateEvent::render(s, &ev))
@@ -266,12 +265,19 @@ impl StateRenderCache {
         self.renders
             .fetch_add(events.len() as u64, Ordering::Relaxed);
         let bytes = events.iter().map(RenderedStateEvent::bytes).sum();
+        let complete = events.len() == wanted;
         let rendered = Arc::new(RenderedState {
             generation,
             events,
             bytes,
         });
-        self.insert(root, rendered.clone());
+        // The state projection may be a batch ahead of the timeline's (each tails the
+        // journal on its own thread): a root whose newest event the timeline has not
+        // applied yet renders without it, and that rendering must not outlive the
+        // request (the root would not change again until the next state event).
+        if complete {
+            self.insert(root, rendered.clone());
+        }
         rendered
     }
 
