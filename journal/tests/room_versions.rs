@@ -27,7 +27,12 @@ fn events(store: &dyn JournalStore) -> Vec<Pdu> {
         .read_raw_after(0, 1000)
         .unwrap()
         .into_iter()
-        .filter_map(|(_, b)| StoredRecord::from_bytes(&b).unwrap().pdu().map(|p| (*p).clone()))
+        .filter_map(|(_, b)| {
+            StoredRecord::from_bytes(&b)
+                .unwrap()
+                .pdu()
+                .map(|p| (*p).clone())
+        })
         .collect()
 }
 

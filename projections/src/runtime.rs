@@ -69,6 +69,12 @@ pub trait Projection: Send + Sync + 'static {
     }
     /// Runs after the batch's tables and `checkpoint` are committed.
     fn committed(&self, _checkpoint: u64) {}
+    /// How long, in ms, the tail gathers records before applying a batch that is not
+    /// full (0: apply what is there at once). Only for a projection that does not gate
+    /// reads and whose commits are costly: its batches grow, its commits thin out.
+    fn gather_ms(&self) -> u64 {
+        0
+    }
     /// Whether reads and sync tokens wait for this projection ([`Runtime::applied`]).
     /// `false` for a projection whose commits are too slow to sit on every request's
     /// path (the search index: a tantivy commit costs milliseconds); its readers wait
@@ -240,6 +246,15 @@ impl Runtime {
             .expect("runtime");
         loop {
             let cp = slot.checkpoint.load(Ordering::Acquire);
+            let gather = slot.projection.gather_ms();
+            if gather > 0 && !slot.gates && journal.durable_head().saturating_sub(cp) < BATCH as u64
+            {
+                // Let records gather (see `Projection::gather_ms`), unless there is no
+                // record at all yet: then wait for one below first.
+                if journal.durable_head() > cp {
+                    std::thread::sleep(Duration::from_millis(gather));
+                }
+            }
             let records = match journal.read_after_shared(cp, BATCH) {
                 Ok(r) => r,
                 Err(e) => {
