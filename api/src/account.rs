@@ -138,7 +138,7 @@ async fn registration_token_validity(
     Ok(Json(json!({ "valid": valid })))
 }
 
-async fn capabilities(_r: Requester) -> Json<Value> {
+async fn capabilities(State(s): State<AppState>, _r: Requester) -> Json<Value> {
     let available: serde_json::Map<String, Value> = spindle_core::room_version::SUPPORTED
         .iter()
         .filter_map(|v| {
@@ -155,7 +155,7 @@ async fn capabilities(_r: Requester) -> Json<Value> {
             "m.set_displayname": { "enabled": true },
             "m.set_avatar_url": { "enabled": true },
             "m.profile_fields": { "enabled": true },
-            "m.3pid_changes": { "enabled": false },
+            "m.3pid_changes": { "enabled": s.threepids.email_enabled() },
             "m.get_login_token": { "enabled": false },
         }
     }))
