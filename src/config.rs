@@ -526,6 +526,9 @@ pub struct RateLimits {
     pub registration: Rate,
     /// Registration-token validity checks per address (`rc_registration_token_validity`).
     pub registration_token_validity: Rate,
+    /// Validation emails asked for, per client address and per email address
+    /// (`rc_3pid_validation`).
+    pub threepid_validation: Rate,
     /// Joins per user (`rc_joins.local`).
     pub joins: Rate,
     /// Invites into one room (`rc_invites.per_room`).
@@ -555,6 +558,7 @@ impl Default for RateLimits {
             login_failed_attempts: d.login_failed_attempts.into(),
             registration: d.registration.into(),
             registration_token_validity: d.registration_token_validity.into(),
+            threepid_validation: d.threepid_validation.into(),
             joins: d.joins.into(),
             invites_per_room: d.invites_per_room.into(),
             invites_per_user: d.invites_per_user.into(),
@@ -568,7 +572,7 @@ impl Default for RateLimits {
 
 impl RateLimits {
     /// Every limit with its config key, for validation.
-    fn named(&self) -> [(&'static str, Rate); 13] {
+    fn named(&self) -> [(&'static str, Rate); 14] {
         [
             ("message", self.message),
             ("login_address", self.login_address),
@@ -579,6 +583,7 @@ impl RateLimits {
                 "registration_token_validity",
                 self.registration_token_validity,
             ),
+            ("threepid_validation", self.threepid_validation),
             ("joins", self.joins),
             ("invites_per_room", self.invites_per_room),
             ("invites_per_user", self.invites_per_user),
@@ -601,6 +606,7 @@ impl RateLimits {
             login_failed_attempts: self.login_failed_attempts.into(),
             registration: self.registration.into(),
             registration_token_validity: self.registration_token_validity.into(),
+            threepid_validation: self.threepid_validation.into(),
             joins: self.joins.into(),
             invites_per_room: self.invites_per_room.into(),
             invites_per_user: self.invites_per_user.into(),
@@ -1166,7 +1172,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 168);
+        assert_eq!(want.len(), 171);
     }
 
     #[test]

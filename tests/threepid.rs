@@ -644,6 +644,37 @@ async fn request_token_refuses_bad_input_with_matrix_errors() {
     add_3pid(&bob, r["sid"].as_str().unwrap(), "s")
         .await
         .expect_err(400, "M_THREEPID_AUTH_FAILED");
+    // The validated registration session completes an open registration
+    // (m.login.email.identity), and the new account has the address.
+    let reg = "/_matrix/client/v3/register";
+    let first = anon
+        .post(reg, &json!({ "username": "newbie", "password": "pw" }))
+        .await;
+    assert_eq!(first.status, 401);
+    assert_eq!(
+        first.body["flows"],
+        json!([{ "stages": ["m.login.dummy"] }, { "stages": ["m.login.email.identity"] }])
+    );
+    let session = first.body["session"].as_str().unwrap().to_owned();
+    let email_auth = |sid: &str| {
+        json!({ "username": "newbie", "password": "pw", "auth": {
+            "type": "m.login.email.identity", "session": session,
+            "threepid_creds": { "sid": sid, "client_secret": "s" } } })
+    };
+    let refused = anon.post(reg, &email_auth("nope")).await;
+    assert_eq!(
+        (refused.status, refused.errcode()),
+        (401, Some("M_UNAUTHORIZED"))
+    );
+    let done = anon
+        .post(reg, &email_auth(r["sid"].as_str().unwrap()))
+        .await
+        .ok();
+    assert_eq!(done["user_id"], json!(uid("newbie")));
+    let newbie = anon.with_token(done["access_token"].as_str());
+    let listed = newbie.get("/_matrix/client/v3/account/3pid").await.ok();
+    assert_eq!(listed["threepids"][0]["address"], "new@example.org");
+    assert_eq!(listed["threepids"].as_array().unwrap().len(), 1);
     // A link with a wrong token is a page saying so, not a server error.
     let bad = ts
         .http
@@ -1158,4 +1189,47 @@ async fn threepids_and_binds_survive_a_restart_with_rebuilt_projections() {
     assert_eq!(r, json!({ "id_server_unbind_result": "success" }));
     assert!(is.binds.lock().is_empty());
     proc.stop();
+}
+
+#[tokio::test]
+async fn validation_emails_are_rate_limited_per_client_and_per_address() {
+    let (port, mut rx) = smtp_sink().await;
+    let ts = TestServer::start_with(|c| {
+        c.email.enabled = true;
+        c.email.smtp_host = "127.0.0.1".into();
+        c.email.smtp_port = port;
+        c.email.tls = "none".into();
+        c.email.notif_from = "noreply@example.org".into();
+        c.rate_limits.enabled = true;
+    })
+    .await;
+    let anon = ts.anon();
+    let path = "/_matrix/client/v3/account/3pid/email/requestToken";
+    // rc_3pid_validation's burst: 5, each with a new client secret (a new session).
+    for i in 0..5 {
+        anon.post(
+            path,
+            &json!({ "client_secret": format!("s{i}"), "email": "a@example.org", "send_attempt": 1 }),
+        )
+        .await
+        .ok();
+        next_mail(&mut rx).await;
+    }
+    let r = anon
+        .post(
+            path,
+            &json!({ "client_secret": "s5", "email": "a@example.org", "send_attempt": 1 }),
+        )
+        .await;
+    r.expect_err(429, "M_LIMIT_EXCEEDED");
+    assert!(r.body["retry_after_ms"].as_u64().unwrap() > 0);
+    // The client's bucket is full too, whatever the address.
+    anon.post(
+        path,
+        &json!({ "client_secret": "s6", "email": "b@example.org", "send_attempt": 1 }),
+    )
+    .await
+    .expect_err(429, "M_LIMIT_EXCEEDED");
+    assert!(rx.try_recv().is_err());
+    ts.stop().await;
 }

@@ -214,6 +214,11 @@ fn uia_flows(s: &AppState) -> Vec<Value> {
     if !s.config.registration_tokens.is_empty() {
         flows.push(json!({ "stages": ["m.login.registration_token"] }));
     }
+    // With email on, an open registration may also prove an address (`requestToken`
+    // of `/register/email`), which the new account then has as a 3PID.
+    if s.config.registration_open && s.threepids.email_enabled() {
+        flows.push(json!({ "stages": ["m.login.email.identity"] }));
+    }
     flows
 }
 
@@ -491,8 +496,21 @@ async fn register(
         }
         (StatusCode::UNAUTHORIZED, Json(body))
     };
+    // The address an `m.login.email.identity` stage of this request proved.
+    let mut proven_email: Option<(String, String, u64)> = None;
     let passed = match auth_type {
         Some("m.login.dummy") if s.config.registration_open => true,
+        Some("m.login.email.identity")
+            if s.config.registration_open && s.threepids.email_enabled() =>
+        {
+            match crate::threepid::registration_email(&s, body.get("auth"), now) {
+                Ok(found) => {
+                    proven_email = Some(found);
+                    true
+                }
+                Err(e) => return Ok(challenge(Some(e)).into_response()),
+            }
+        }
         Some("m.login.registration_token") if !s.config.registration_tokens.is_empty() => {
             let token = body
                 .get("auth")
@@ -566,6 +584,18 @@ async fn register(
         // "The user has no displayname" errors otherwise. A fact of its own, so the
         // audit trail says who set it (the server, at registration).
         register_account(&s, &user_id, &localpart, password_hash).await?;
+        if let Some((sid, address, validated_at)) = proven_email {
+            let fact = Fact::ThreepidAdded {
+                user_id: user_id.clone(),
+                medium: "email".into(),
+                address,
+                validated_at,
+                added_at: now,
+            };
+            s.submit_and_wait(&user_id, None, CommandBody::Fact { fact })
+                .await?;
+            s.threepids.sessions.remove(&sid);
+        }
     }
     if registered.is_none() {
         s.rate_limits.registration.record(&addr_key);

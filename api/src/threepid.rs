@@ -44,7 +44,7 @@ use spindle_journal::{CommandBody, Fact};
 
 use crate::{
     ApiResult, AppState, MatrixError,
-    extract::{JsonObject, Requester, opt_str},
+    extract::{ClientAddr, JsonObject, Requester, opt_str},
 };
 
 /// Validation sessions kept at most; a new one past this first drops the expired
@@ -511,6 +511,7 @@ fn query_encode(s: &str) -> String {
 /// Administrative Contact Information", `POST /register/email/requestToken`).
 async fn request_token(
     s: &AppState,
+    addr: &ClientAddr,
     body: serde_json::Map<String, Value>,
     purpose: Purpose,
 ) -> ApiResult<Json<Value>> {
@@ -539,6 +540,14 @@ async fn request_token(
             "next_link must use either the http or https scheme",
         ));
     }
+    // Per client address and per email address (Synapse's rc_3pid_validation): both
+    // must have room before either counts.
+    let limit = &s.rate_limits.threepid_validation;
+    let (by_client, by_email) = (addr.rate_key(), format!("email:{address}"));
+    limit.peek(&by_client)?;
+    limit.peek(&by_email)?;
+    limit.record(&by_client);
+    limit.record(&by_email);
     if s.projections
         .accounts
         .threepid_owner("email", &address)
@@ -644,18 +653,20 @@ fn validation_email(
 /// itself (so `M_SERVER_NOT_TRUSTED` is never the answer).
 async fn request_token_add(
     State(s): State<AppState>,
+    addr: ClientAddr,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
-    request_token(&s, body, Purpose::Add).await
+    request_token(&s, &addr, body, Purpose::Add).await
 }
 
 /// `POST /register/email/requestToken` (spec: "Account registration"): the same as
 /// [`request_token_add`] for a registration.
 async fn request_token_register(
     State(s): State<AppState>,
+    addr: ClientAddr,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
-    request_token(&s, body, Purpose::Register).await
+    request_token(&s, &addr, body, Purpose::Register).await
 }
 
 fn token_lifetime(s: &AppState) -> u64 {
@@ -808,6 +819,51 @@ async fn add(
     }
     s.threepids.sessions.remove(&sid);
     Ok(Json(json!({})).into_response())
+}
+
+/// The `m.login.email.identity` stage of a registration (spec: "Email-based (identity /
+/// homeserver)"): `auth.threepid_creds` (or the older `threepidCreds`) names a
+/// registration session that validated an address no account has. Returns the sid,
+/// the address and when it was validated; else the error the 401 challenge carries
+/// (`M_UNAUTHORIZED`, as Synapse; `M_THREEPID_IN_USE` for a taken address).
+pub(crate) fn registration_email(
+    s: &AppState,
+    auth: Option<&Value>,
+    now: u64,
+) -> Result<(String, String, u64), MatrixError> {
+    let creds = auth
+        .and_then(|a| a.get("threepid_creds").or_else(|| a.get("threepidCreds")))
+        .and_then(Value::as_object);
+    let field = |k: &str| {
+        creds
+            .and_then(|c| c.get(k))
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+    };
+    let (sid, client_secret) = (field("sid"), field("client_secret"));
+    let (_, address, validated_at) = s
+        .threepids
+        .sessions
+        .validated(sid, client_secret, Purpose::Register, now)
+        .ok_or_else(|| {
+            MatrixError::new(
+                StatusCode::UNAUTHORIZED,
+                "M_UNAUTHORIZED",
+                "No validated email session found",
+            )
+        })?;
+    if s.projections
+        .accounts
+        .threepid_owner("email", &address)
+        .is_some()
+    {
+        return Err(MatrixError::new(
+            StatusCode::BAD_REQUEST,
+            "M_THREEPID_IN_USE",
+            "Email is already in use",
+        ));
+    }
+    Ok((sid.to_owned(), address, validated_at))
 }
 
 /// The `medium` of a request: `email` or `msisdn` (the spec's enum), else 400.

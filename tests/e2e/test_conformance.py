@@ -990,9 +990,9 @@ BEHAVIOUR_NOTES = [
     "  `third_party_invite.signed` (checked against the invite's keys). Differs: an",
     "  unknown, unvalidated or registration session on `/3pid/add` is 400",
     "  `M_THREEPID_AUTH_FAILED` (Synapse's answer); an identity server that cannot be",
-    "  reached is 502 on `/bind` (Synapse: 500). Partial: registration with an email",
-    "  (`m.login.email.identity`), password reset by email, SMS, and login with",
-    "  `m.id.thirdparty` are not implemented.",
+    "  reached is 502 on `/bind` (Synapse: 500). Registration may prove an email",
+    "  (`m.login.email.identity`, open registration only). Partial: password reset by",
+    "  email, SMS, and login with `m.id.thirdparty` are not implemented.",
     "- Not done yet from issue 15: `/r0/` paths are not served (the conformance suite's",
     "  `TestChangePasswordPushers` uses one).",
 ]
