@@ -1066,20 +1066,19 @@ pub(crate) async fn invite_user(
     reason: Option<String>,
 ) -> ApiResult<Json<Value>> {
     let local_suffix = format!(":{}", s.server_name());
-    if target.ends_with(&local_suffix) && !crate::appservice::local_user_exists(&s, &target).await?
-    {
+    if target.ends_with(&local_suffix) && !crate::appservice::local_user_exists(s, target).await? {
         return Err(MatrixError::not_found("Unknown user"));
     }
     // Synapse's rc_invites: per sender, per room and per invitee; all three must have
     // room before any counts.
-    if !exempt(&s, &r.user_id) {
+    if !exempt(s, &r.user_id) {
         let rl = &s.rate_limits;
         rl.invites_per_issuer.peek(&r.user_id)?;
-        rl.invites_per_room.peek(&room_id)?;
-        rl.invites_per_user.peek(&target)?;
+        rl.invites_per_room.peek(room_id)?;
+        rl.invites_per_user.peek(target)?;
         rl.invites_per_issuer.record(&r.user_id);
-        rl.invites_per_room.record(&room_id);
-        rl.invites_per_user.record(&target);
+        rl.invites_per_room.record(room_id);
+        rl.invites_per_user.record(target);
     }
     if !target.ends_with(&local_suffix) {
         let Some(fed) = s.federation.clone() else {
@@ -1087,9 +1086,9 @@ pub(crate) async fn invite_user(
                 "Inviting users on other servers needs federation, which is disabled here",
             ));
         };
-        return invite_remote(&s, &fed, r, &room_id, &target, reason, false).await;
+        return invite_remote(s, &fed, r, room_id, target, reason, false).await;
     }
-    membership(&s, r, &room_id, &target, "invite", reason).await?;
+    membership(s, r, room_id, target, "invite", reason).await?;
     Ok(Json(json!({})))
 }
 
