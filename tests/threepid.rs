@@ -1233,3 +1233,106 @@ async fn validation_emails_are_rate_limited_per_client_and_per_address() {
     assert!(rx.try_recv().is_err());
     ts.stop().await;
 }
+
+/// The X-Matrix `Authorization` of a request from `key`'s server.
+fn x_matrix(
+    key: &spindle_core::keys::ServerKey,
+    method: &str,
+    uri: &str,
+    content: &Value,
+) -> String {
+    let req = json!({ "method": method, "uri": uri, "origin": key.server_name(),
+                      "destination": common::SERVER_NAME, "content": content });
+    let obj = spindle_core::canonical::to_object(req).unwrap();
+    let sig = key.sign_bytes(&spindle_core::canonical::to_bytes(&obj));
+    format!(
+        "X-Matrix origin=\"{}\",destination=\"{}\",key=\"{}\",sig=\"{sig}\"",
+        key.server_name(),
+        common::SERVER_NAME,
+        key.key_id()
+    )
+}
+
+#[tokio::test]
+async fn the_invitees_server_exchanges_a_third_party_invite_of_ours() {
+    let ts = server(None).await;
+    let (id_server, is) = identity_server().await;
+    let remote = spindle_core::keys::ServerKey::generate("remote.test");
+    let other = spindle_core::keys::ServerKey::generate("other.test");
+    for key in [&remote, &other] {
+        ts.server.federation.keys.pin(
+            key.server_name(),
+            [(key.key_id(), key.public_key_base64())]
+                .into_iter()
+                .collect(),
+            3_600_000,
+        );
+    }
+    let alice = ts.register("alice").await;
+    let room = alice.create_room(json!({ "preset": "private_chat" })).await;
+    alice
+        .post(
+            &format!("/_matrix/client/v3/rooms/{}/invite", common::enc(&room)),
+            &json!({ "id_server": id_server, "id_access_token": "is-token", "medium": "email", "address": "carol@example.org" }),
+        )
+        .await
+        .ok();
+    let carol = "@carol:remote.test";
+    let signed = signed_block(&is, carol, "tok1");
+    let body = json!({
+        "type": "m.room.member",
+        "room_id": room,
+        "sender": uid("alice"),
+        "state_key": carol,
+        "content": {
+            "membership": "invite",
+            "third_party_invite": { "display_name": "c...@e...", "signed": signed },
+        },
+    });
+    let path = format!(
+        "/_matrix/federation/v1/exchange_third_party_invite/{}",
+        common::enc(&room)
+    );
+    let anon = ts.anon();
+    let put = |key: &spindle_core::keys::ServerKey, body: &Value| {
+        let auth = x_matrix(key, "PUT", &path, body);
+        let body = serde_json::to_vec(body).unwrap();
+        let anon = anon.clone();
+        let path = path.clone();
+        async move {
+            anon.raw(
+                reqwest::Method::PUT,
+                &path,
+                Some(body),
+                &[("authorization", auth.as_str())],
+            )
+            .await
+        }
+    };
+    // Only the invitee's server may ask.
+    put(&other, &body).await.expect_err(403, "M_FORBIDDEN");
+    // A block for another user id is refused.
+    let mut wrong = body.clone();
+    wrong["content"]["third_party_invite"]["signed"] =
+        signed_block(&is, "@dave:remote.test", "tok1");
+    put(&remote, &wrong).await.expect_err(403, "M_FORBIDDEN");
+    // An unknown token.
+    let mut unknown = body.clone();
+    unknown["content"]["third_party_invite"]["signed"] = signed_block(&is, carol, "tok9");
+    put(&remote, &unknown).await.expect_err(404, "M_NOT_FOUND");
+
+    assert_eq!(put(&remote, &body).await.ok(), json!({}));
+    let member = alice
+        .get(&format!(
+            "/_matrix/client/v3/rooms/{}/state/m.room.member/{}",
+            common::enc(&room),
+            common::enc(carol)
+        ))
+        .await
+        .ok();
+    assert_eq!(
+        member,
+        json!({ "membership": "invite", "third_party_invite": { "display_name": "c...@e...", "signed": signed } })
+    );
+    ts.stop().await;
+}
