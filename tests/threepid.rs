@@ -527,6 +527,24 @@ async fn an_email_validated_through_the_mailed_link_is_added_listed_and_deleted(
     let added_at = entry["added_at"].as_u64().unwrap();
     assert!(validated_at <= added_at && added_at >= before, "{listed}");
 
+    // The address logs in (m.id.thirdparty, in any case); an unknown one fails like a
+    // wrong password.
+    let login = |address: &str| {
+        json!({ "type": "m.login.password",
+                "identifier": { "type": "m.id.thirdparty", "medium": "email", "address": address },
+                "password": "password-alice" })
+    };
+    let logged_in = ts
+        .anon()
+        .post("/_matrix/client/v3/login", &login("ALICE@example.org"))
+        .await
+        .ok();
+    assert_eq!(logged_in["user_id"], json!(uid("alice")));
+    ts.anon()
+        .post("/_matrix/client/v3/login", &login("nobody@example.org"))
+        .await
+        .expect_err(403, "M_FORBIDDEN");
+
     // The session is spent; another account cannot ask for the address now.
     add_3pid(&alice, &sid, "secret=1")
         .await

@@ -960,17 +960,39 @@ async fn login(
             format!("Unknown login type {kind}"),
         ));
     }
+    // A third-party identifier (spec: "Identifier types", `m.id.thirdparty`) names the
+    // account that added it; an address no account has fails like a wrong password.
+    let by_threepid = |medium: Option<&str>, address: Option<&str>| -> ApiResult<String> {
+        let (Some(medium), Some(address)) = (medium, address) else {
+            return Err(MatrixError::bad_json(
+                "identifier.medium and identifier.address are required",
+            ));
+        };
+        let address = if medium == "email" {
+            address.trim().to_lowercase()
+        } else {
+            address.to_owned()
+        };
+        s.projections
+            .accounts
+            .threepid_owner(medium, &address)
+            .ok_or_else(|| MatrixError::forbidden("Invalid username or password"))
+    };
     let user = match body.get("identifier") {
-        Some(id) => {
-            if id.get("type").and_then(|v| v.as_str()) != Some("m.id.user") {
+        Some(id) => match id.get("type").and_then(|v| v.as_str()) {
+            Some("m.id.user") => id.get("user").and_then(|v| v.as_str()).map(str::to_owned),
+            Some("m.id.thirdparty") => Some(by_threepid(
+                id.get("medium").and_then(Value::as_str),
+                id.get("address").and_then(Value::as_str),
+            )?),
+            _ => {
                 return Err(MatrixError::new(
                     StatusCode::BAD_REQUEST,
                     "M_UNKNOWN",
-                    "Only m.id.user identifiers are supported",
+                    "Only m.id.user and m.id.thirdparty identifiers are supported",
                 ));
             }
-            id.get("user").and_then(|v| v.as_str()).map(str::to_owned)
-        }
+        },
         None => opt_str(&body, "user")?,
     }
     .ok_or_else(|| MatrixError::bad_json("identifier.user is required"))?;

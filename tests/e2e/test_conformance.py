@@ -991,8 +991,8 @@ BEHAVIOUR_NOTES = [
     "  unknown, unvalidated or registration session on `/3pid/add` is 400",
     "  `M_THREEPID_AUTH_FAILED` (Synapse's answer); an identity server that cannot be",
     "  reached is 502 on `/bind` (Synapse: 500). Registration may prove an email",
-    "  (`m.login.email.identity`, open registration only). Partial: password reset by",
-    "  email, SMS, and login with `m.id.thirdparty` are not implemented.",
+    "  (`m.login.email.identity`, open registration only) and log in with it",
+    "  (`m.id.thirdparty`). Partial: password reset by email and SMS are not implemented.",
     "- Not done yet from issue 15: `/r0/` paths are not served (the conformance suite's",
     "  `TestChangePasswordPushers` uses one).",
 ]
