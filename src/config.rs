@@ -96,6 +96,9 @@ pub struct Caches {
     /// Lazy-loading devices whose sent member events `/sync` remembers (emptied when
     /// full: each device is sent its timeline senders' members once more).
     pub sync_lazy_loaded_members_devices: usize,
+    /// Bytes of room state rendered for `/state` and `/members`, kept by state root;
+    /// full, the oldest renderings are dropped (0: no cache).
+    pub rendered_state_bytes: usize,
 }
 
 impl Default for Caches {
@@ -109,6 +112,7 @@ impl Default for Caches {
             device_last_seen: d.device_last_seen,
             sync_room_summaries: d.sync_room_summaries,
             sync_lazy_loaded_members_devices: d.sync_lazy_loaded_members_devices,
+            rendered_state_bytes: d.rendered_state_bytes,
         }
     }
 }
@@ -124,6 +128,7 @@ impl Caches {
             device_last_seen: self.device_last_seen,
             sync_room_summaries: self.sync_room_summaries,
             sync_lazy_loaded_members_devices: self.sync_lazy_loaded_members_devices,
+            rendered_state_bytes: self.rendered_state_bytes,
         }
     }
 }
@@ -1172,7 +1177,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 171);
+        assert_eq!(want.len(), 172);
     }
 
     #[test]

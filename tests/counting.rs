@@ -1486,3 +1486,163 @@ async fn search_reads_do_not_grow_with_hidden_history() {
         reads[1]
     );
 }
+
+/// Trap: `/state` rendered every event of the room on every request (BRIEF §4: "the
+/// `/state` response can be cached keyed by the state root"). The second `/state` of
+/// an unchanged room, and `/members` of the same state, render nothing and read no
+/// event; a state change (a new root) or a redaction (same root, new redaction
+/// generation) renders again and shows the change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_of_an_unchanged_room_is_rendered_once() {
+    let h = Harness::start().await;
+    let (_amy, at) = h.register("amy").await;
+    let (bob, bt) = h.register("bob").await;
+    let room = h
+        .create_room(&at, json!({ "preset": "public_chat", "name": "Lobby" }))
+        .await;
+    h.join(&bt, &room).await;
+    h.ban_ghosts(&at, &room, 200).await;
+    let renders = || h.server.state.state_render.renders();
+    let state_path = format!("/_matrix/client/v3/rooms/{room}/state");
+    let members_path = format!("/_matrix/client/v3/rooms/{room}/members");
+
+    let before = renders();
+    let (miss, first) = h.counted_get(&state_path, &bt).await;
+    let first = first.as_array().unwrap().clone();
+    // create, amy's and bob's members, power levels, join rules, history visibility,
+    // guest access, name, and 200 bans.
+    assert_eq!(first.len(), 208);
+    assert_eq!(renders() - before, 208);
+
+    let (hit, second) = h.counted_get(&state_path, &bt).await;
+    assert_eq!(renders() - before, 208, "the second /state rendered again");
+    let second = second.as_array().unwrap().clone();
+    let ids = |v: &[Value]| -> Vec<String> {
+        v.iter()
+            .map(|e| e["event_id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(ids(&first), ids(&second));
+    // The miss read every one of the 208 events; the hit reads none of them.
+    assert!(
+        miss >= hit + 208,
+        "a cache hit still read the events: {miss} reads on a miss, {hit} on a hit"
+    );
+
+    let (members_reads, members) = h.counted_get(&members_path, &bt).await;
+    assert_eq!(
+        renders() - before,
+        208,
+        "/members of the same state rendered"
+    );
+    assert!(members_reads <= hit, "{members_reads} reads against {hit}");
+    let chunk = members["chunk"].as_array().unwrap();
+    assert_eq!(chunk.len(), 202);
+    let (_, joined) = h
+        .counted_get(&format!("{members_path}?membership=join"), &bt)
+        .await;
+    let joined: Vec<&str> = joined["chunk"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["state_key"].as_str().unwrap())
+        .collect();
+    assert_eq!(joined.len(), 2);
+    assert!(joined.contains(&bob.as_str()));
+
+    // A new name is a new root: rendered again, with the name it replaced.
+    let (status, v) = h
+        .call(
+            reqwest::Method::PUT,
+            &format!("/_matrix/client/v3/rooms/{room}/state/m.room.name"),
+            Some(&at),
+            Some(json!({ "name": "Hall" })),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let renamed = v["event_id"].as_str().unwrap().to_owned();
+    let (_, third) = h.counted_get(&state_path, &bt).await;
+    assert_eq!(renders() - before, 208 + 208);
+    let name = third
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["type"] == "m.room.name")
+        .unwrap()
+        .clone();
+    assert_eq!(name["event_id"], renamed.as_str());
+    assert_eq!(name["content"]["name"], "Hall");
+    assert_eq!(name["unsigned"]["prev_content"]["name"], "Lobby");
+    assert!(name["unsigned"].get("replaces_state").is_none());
+    // The sender's own device sees its transaction id; bob does not.
+    assert!(name["unsigned"].get("transaction_id").is_none());
+
+    // Redacting the name keeps the root but changes the rendering.
+    let (status, v) = h
+        .call(
+            reqwest::Method::PUT,
+            &format!("/_matrix/client/v3/rooms/{room}/redact/{renamed}/r1"),
+            Some(&at),
+            Some(json!({ "reason": "typo" })),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let redaction = v["event_id"].as_str().unwrap().to_owned();
+    let (_, fourth) = h.counted_get(&state_path, &bt).await;
+    let fourth = fourth.as_array().unwrap();
+    assert_eq!(fourth.len(), 208);
+    let name = fourth.iter().find(|e| e["type"] == "m.room.name").unwrap();
+    assert_eq!(name["content"], json!({}));
+    assert_eq!(
+        name["unsigned"]["redacted_because"]["event_id"],
+        redaction.as_str()
+    );
+    assert!(name["unsigned"].get("prev_content").is_none(), "{name}");
+    assert_eq!(renders() - before, 3 * 208);
+}
+
+/// A message send reads nothing but its access token, so it does not wait for the
+/// projections to apply what was acknowledged before it (BRIEF §2: the writer never
+/// waits on a reader): five sends complete while the timeline projection is held
+/// still, and it has applied none of them. Reads still wait (read-your-writes): once
+/// released, `/messages` returns all five, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sends_do_not_wait_for_the_projections() {
+    let h = Harness::start().await;
+    let (_amy, at) = h.register("amy").await;
+    let room = h
+        .create_room(&at, json!({ "preset": "private_chat" }))
+        .await;
+    h.quiesce().await;
+    let runtime = &h.server.projections.runtime;
+    let before = runtime.checkpoint("timeline").unwrap();
+    let hold = runtime.hold("timeline").unwrap();
+    let mut sent = Vec::new();
+    for i in 0..5 {
+        let (txn, body) = (format!("held{i}"), format!("held {i}"));
+        let id = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            h.send(&at, &room, &txn, &body),
+        )
+        .await
+        .expect("a send waited for the held timeline projection");
+        sent.push(id);
+    }
+    assert_eq!(runtime.checkpoint("timeline"), Some(before));
+    assert!(h.server.journal.durable_head() >= before + 5);
+    drop(hold);
+    let v = h
+        .get(
+            &format!("/_matrix/client/v3/rooms/{room}/messages?dir=b&limit=5"),
+            &at,
+        )
+        .await;
+    let mut got: Vec<String> = v["chunk"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["event_id"].as_str().unwrap().to_owned())
+        .collect();
+    got.reverse();
+    assert_eq!(got, sent);
+}

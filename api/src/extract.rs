@@ -174,8 +174,17 @@ impl FromRequestParts<AppState> for Requester {
         })?;
         let hash = token_hash(&token);
         // Read-your-writes: everything acknowledged before this request is visible to it
-        // (including a token issued or revoked just before).
-        state.wait_for_acknowledged().await?;
+        // (including a token issued or revoked just before); for a route that reads
+        // nothing but its token, everything the accounts projection holds.
+        let route = parts
+            .extensions
+            .get::<axum::extract::MatchedPath>()
+            .map(|m| m.as_str());
+        if crate::reads_only_its_token(&parts.method, route) {
+            state.wait_for_tokens().await?;
+        } else {
+            state.wait_for_acknowledged().await?;
+        }
         if let Some(a) = state.appservices.by_token(&token) {
             return appservice_requester(parts, state, a, hash);
         }

@@ -37,6 +37,7 @@ pub mod rooms;
 pub mod search;
 pub mod sliding;
 pub mod spaces;
+pub mod state_render;
 pub mod synapse_admin;
 pub mod sync;
 pub mod thirdparty;
@@ -156,6 +157,9 @@ pub struct CacheLimits {
     /// ([`lazy_members`]); full, the record is emptied (each device is sent its
     /// timeline senders' member events once more).
     pub sync_lazy_loaded_members_devices: usize,
+    /// Bytes of rendered room state (`/state`, `/members`, `/sync` state) kept by state root
+    /// ([`state_render`]); full, the oldest renderings are dropped. 0 turns it off.
+    pub rendered_state_bytes: usize,
 }
 
 impl Default for CacheLimits {
@@ -168,6 +172,7 @@ impl Default for CacheLimits {
             device_last_seen: 100_000,
             sync_room_summaries: 10_000,
             sync_lazy_loaded_members_devices: 10_000,
+            rendered_state_bytes: 32 * 1024 * 1024,
         }
     }
 }
@@ -209,6 +214,8 @@ pub struct AppState {
     pub sliding: Arc<sliding::Connections>,
     /// The member events each lazy-loading device was sent by `/sync`, in memory.
     pub lazy_members: Arc<lazy_members::SentMembers>,
+    /// Room states rendered as client JSON, by state root ([`state_render`]).
+    pub state_render: state_render::StateRenderCache,
     /// Becomes `true` when the server shuts down: waiting long-polls answer at once.
     pub shutdown: tokio::sync::watch::Receiver<bool>,
     /// When, from where and with what each device was last used (in memory; changes
@@ -292,6 +299,7 @@ impl AppState {
             config: Arc::new(config),
             typing: typing::Typing::with_limit(caches.typing_rooms),
             summaries: Arc::default(),
+            state_render: state_render::StateRenderCache::new(caches.rendered_state_bytes),
             lazy_members: Arc::new(lazy_members::SentMembers::with_limit(
                 caches.sync_lazy_loaded_members_devices,
             )),
@@ -406,6 +414,26 @@ impl AppState {
             self.wait_for(head).await?;
         }
         Ok(())
+    }
+
+    /// Waits (bounded) until the accounts projection (access tokens, devices) has
+    /// applied everything acknowledged before this call: a token issued or revoked just
+    /// before is seen as such. The only wait of routes that read nothing else
+    /// ([`reads_only_its_token`]).
+    pub async fn wait_for_tokens(&self) -> ApiResult<()> {
+        let head = self.journal.durable_head();
+        if self
+            .projections
+            .runtime
+            .wait_for_projection("accounts", head, READ_YOUR_WRITES_TIMEOUT)
+            .await
+        {
+            Ok(())
+        } else {
+            Err(MatrixError::internal(
+                "projections did not catch up in time",
+            ))
+        }
     }
 
     /// Waits while the room's state here is partial (a partial-state join, MSC3902:
@@ -549,10 +577,30 @@ async fn read_your_writes(
     req: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> axum::response::Response {
-    if let Err(e) = state.wait_for_acknowledged().await {
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map(|m| m.as_str());
+    // A route that reads only its access token waits in the `Requester` extractor,
+    // for the accounts projection alone.
+    if !reads_only_its_token(req.method(), route)
+        && let Err(e) = state.wait_for_acknowledged().await
+    {
         return e.into_response();
     }
     next.run(req).await
+}
+
+/// Routes whose handlers read no projection but the access token's owner: a message
+/// send (`PUT /rooms/{roomId}/send/{eventType}/{txnId}`; the journal authorizes it
+/// against its own write model and deduplicates its transaction id). They wait only
+/// for the accounts projection ([`AppState::wait_for_tokens`]), not for every
+/// projection to apply what was acknowledged before: a send right after another does
+/// not wait for the first one's projections. Read-your-writes is unchanged: it is a
+/// property of reads, and every read still waits for every projection.
+pub fn reads_only_its_token(method: &Method, route: Option<&str>) -> bool {
+    method == Method::PUT
+        && route == Some("/_matrix/client/v3/rooms/{room_id}/send/{event_type}/{txn_id}")
 }
 
 /// Every error leaves as a Matrix error: responses produced outside our handlers

@@ -383,6 +383,11 @@ impl Metrics {
                 s.remote_media.bytes(),
                 s.config.media.remote_cache_bytes,
             ),
+            (
+                "rendered_state_bytes",
+                s.state_render.usage().1,
+                caches.rendered_state_bytes,
+            ),
         ] {
             let labels = vec![("cache", cache.to_owned())];
             self.cache_entries.get_or_create(&labels).set(len as i64);

@@ -12,6 +12,8 @@ use serde_json::{Value, json};
 use spindle_core::trie::Root;
 use spindle_projections::timeline::EventRecord;
 
+use crate::state_render::RenderedState;
+
 use crate::{
     ApiResult, AppState, MatrixError,
     extract::{Query, Requester},
@@ -186,30 +188,54 @@ pub fn render_unbundled(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &s
     if let Some((user, _)) = viewer {
         unsigned.insert("membership".into(), json!(membership_at_event(s, ev, user)));
     }
-    if let Some(sk) = &ev.pdu.state_key
-        && let Some((before, _)) = s.projections.state.roots_at(ev.pdu.event_id.as_str())
-        && let Some(prev_id) = s
-            .projections
-            .state
-            .lookup(before, &ev.pdu.kind.to_string(), sk)
-        && let Some(prev) = s.projections.timeline.event(&prev_id)
-    {
-        unsigned.insert("prev_content".into(), prev.pdu.content_value());
-    }
-    if let Some(redaction_id) = s.projections.timeline.redacted_by(ev.pdu.event_id.as_str())
-        && let Some(redaction) = s.projections.timeline.event(&redaction_id)
-    {
+    if let Some(redaction) = redaction_of(s, ev) {
         let mut out = ev.pdu.to_redacted_client_event(&redaction.pdu);
         if let Some(u) = out.get_mut("unsigned").and_then(|u| u.as_object_mut()) {
             for (k, v) in unsigned {
-                if k != "prev_content" {
-                    u.insert(k, v);
-                }
+                u.insert(k, v);
             }
         }
         return out;
     }
+    if let Some(prev) = replaced_state(s, ev) {
+        unsigned.insert("prev_content".into(), client_content(s, &prev));
+    }
     ev.pdu.to_client_event(Some(Value::Object(unsigned)))
+}
+
+/// The redaction that applies to `ev`: the first redaction of it, if that redaction is
+/// an event of the same room (a redaction naming another room's event redacts nothing,
+/// spec "Redactions"; Synapse checks the same).
+pub fn redaction_of(s: &AppState, ev: &EventRecord) -> Option<EventRecord> {
+    s.projections
+        .timeline
+        .redacted_by(ev.pdu.event_id.as_str())
+        .and_then(|id| s.projections.timeline.event(&id))
+        .filter(|r| r.pdu.room_id == ev.pdu.room_id)
+}
+
+/// The state event `ev` replaced (the same type and state key in the state right
+/// before it), if `ev` is a state event and had
+/// one. Reads: the event's roots, one state point lookup, one event.
+pub fn replaced_state(s: &AppState, ev: &EventRecord) -> Option<EventRecord> {
+    let sk = ev.pdu.state_key.as_ref()?;
+    let (before, _) = s.projections.state.roots_at(ev.pdu.event_id.as_str())?;
+    let prev_id = s
+        .projections
+        .state
+        .lookup(before, &ev.pdu.kind.to_string(), sk)?;
+    s.projections.timeline.event(&prev_id)
+}
+
+/// `ev`'s content as clients see it: redacted when a redaction applies (so
+/// `prev_content` never shows what a redaction removed; Synapse serves the pruned
+/// content the same way).
+pub fn client_content(s: &AppState, ev: &EventRecord) -> Value {
+    if redaction_of(s, ev).is_some() {
+        ev.pdu.redacted_content()
+    } else {
+        ev.pdu.content_value()
+    }
 }
 
 /// The viewer's membership in the room at `ev` (spec v1.11 `unsigned.membership`,
@@ -274,7 +300,7 @@ async fn get_state(
     State(s): State<AppState>,
     r: Requester,
     Path(room_id): Path<String>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<axum::response::Response> {
     let access = room_access(&s, &r.user_id, &room_id)?;
     if access
         .membership
@@ -289,15 +315,30 @@ async fn get_state(
     s.wait_for_full_state(&room_id).await?;
     let root = readable_root(&s, &room_id, &access)
         .ok_or_else(|| MatrixError::forbidden("Room state unavailable"))?;
-    let events: Vec<Value> = s
-        .projections
-        .state
-        .entries(root)
-        .into_iter()
-        .filter_map(|(_, _, id)| s.projections.timeline.event(&id))
-        .map(|ev| render(&s, &ev, viewer(&r)))
-        .collect();
-    Ok(Json(Value::Array(events)))
+    // Rendered once per state root (and redaction generation): an unchanged room's
+    // state is served from memory ([`crate::state_render`]). As Synapse's `/state`, no
+    // bundled aggregations and no `unsigned.membership` (the spec lets a server omit it
+    // where it is expensive; per event it would cost a state lookup here).
+    let rendered = s.state_render.get(&s, &room_id, root);
+    Ok(raw_json(RenderedState::json_array(
+        rendered.events.iter(),
+        viewer(&r),
+        crate::now_ms(),
+        rendered.bytes(),
+    )))
+}
+
+/// A `200` with a JSON body already written as text.
+pub fn raw_json(body: String) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            axum::http::HeaderValue::from_static("application/json"),
+        )],
+        body,
+    )
+        .into_response()
 }
 
 async fn state_event(
@@ -809,7 +850,7 @@ async fn members(
     r: Requester,
     Path(room_id): Path<String>,
     q: Query,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<axum::response::Response> {
     let access = room_access(&s, &r.user_id, &room_id)?;
     if access
         .membership
@@ -844,25 +885,20 @@ async fn members(
             )));
         }
     }
-    let events: Vec<Value> = s
-        .projections
-        .state
-        .entries_of_type(root, "m.room.member")
-        .into_iter()
-        .filter_map(|(_, id)| s.projections.timeline.event(&id))
-        .filter(|e| {
-            let m = e
-                .pdu
-                .content_value()
-                .get("membership")
-                .and_then(|v| v.as_str())
-                .unwrap_or("")
-                .to_owned();
-            want.is_none_or(|w| w == m) && not.is_none_or(|n| n != m)
-        })
-        .map(|e| render(&s, &e, viewer(&r)))
-        .collect();
-    Ok(Json(json!({ "chunk": events })))
+    // From the rendered state of the root (see `get_state`), filtered by membership.
+    let rendered = s.state_render.get(&s, &room_id, root);
+    let chunk = RenderedState::json_array(
+        rendered.events.iter().filter(|e| {
+            let m = e.membership.as_deref().unwrap_or("");
+            e.event_type == "m.room.member"
+                && want.is_none_or(|w| w == m)
+                && not.is_none_or(|n| n != m)
+        }),
+        viewer(&r),
+        crate::now_ms(),
+        rendered.bytes(),
+    );
+    Ok(raw_json(format!("{{\"chunk\":{chunk}}}")))
 }
 
 async fn joined_members(

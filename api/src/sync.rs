@@ -9,6 +9,7 @@
 use std::{
     cell::{Cell, RefCell},
     collections::HashSet,
+    sync::Arc,
     time::Duration,
 };
 
@@ -23,6 +24,7 @@ use crate::{
     extract::{Query, Requester},
     lazy_members::DeviceSent,
     read::{hidden_by_ignore, lazy_members, render_as, token},
+    state_render::{RenderedState, RenderedStateEvent},
     visibility::{Access, can_see},
 };
 
@@ -180,16 +182,29 @@ impl EventFilter {
 
     /// Whether an event passes the type and sender clauses.
     pub fn matches(&self, pdu: &Pdu) -> bool {
-        let kind = pdu.kind.to_string();
-        if self.not_types.iter().any(|t| glob(t, &kind)) {
+        let has_url = || {
+            pdu.content_value()
+                .get("url")
+                .is_some_and(|u| u.is_string())
+        };
+        self.matches_with(&pdu.kind.to_string(), pdu.sender.as_str(), has_url)
+    }
+
+    /// [`EventFilter::matches`] on an event's type, sender and whether its
+    /// `content.url` is a string.
+    pub fn matches_parts(&self, kind: &str, sender: &str, has_url: bool) -> bool {
+        self.matches_with(kind, sender, || has_url)
+    }
+
+    fn matches_with(&self, kind: &str, sender: &str, has_url: impl FnOnce() -> bool) -> bool {
+        if self.not_types.iter().any(|t| glob(t, kind)) {
             return false;
         }
         if let Some(types) = &self.types
-            && !types.iter().any(|t| glob(t, &kind))
+            && !types.iter().any(|t| glob(t, kind))
         {
             return false;
         }
-        let sender = pdu.sender.as_str();
         if self.not_senders.iter().any(|s| s == sender) {
             return false;
         }
@@ -198,14 +213,10 @@ impl EventFilter {
         {
             return false;
         }
-        if let Some(want) = self.contains_url {
-            let has = pdu
-                .content_value()
-                .get("url")
-                .is_some_and(|u| u.is_string());
-            if has != want {
-                return false;
-            }
+        if let Some(want) = self.contains_url
+            && has_url() != want
+        {
+            return false;
         }
         true
     }
@@ -344,6 +355,53 @@ struct OwnHistory {
 /// Most of the requester's own member events [`Ctx::own_history`] walks back.
 const OWN_HISTORY_MAX: usize = 32;
 
+/// A state event going out in a sync response's `state`: loaded from the timeline
+/// projection (a state delta, a lazy-loaded member), or one event of a room state
+/// rendered once per state root ([`crate::state_render`]: an initial sync's full state
+/// of an unchanged room reads and renders no event).
+enum StateOut {
+    Loaded(EventRecord),
+    Cached(Arc<RenderedState>, usize),
+}
+
+impl StateOut {
+    fn cached(&self) -> Option<&RenderedStateEvent> {
+        match self {
+            StateOut::Loaded(_) => None,
+            StateOut::Cached(r, i) => r.events.get(*i),
+        }
+    }
+
+    fn kind(&self) -> String {
+        match (self, self.cached()) {
+            (StateOut::Loaded(e), _) => e.pdu.kind.to_string(),
+            (_, Some(c)) => c.event_type.clone(),
+            _ => String::new(),
+        }
+    }
+
+    fn state_key(&self) -> Option<&str> {
+        match (self, self.cached()) {
+            (StateOut::Loaded(e), _) => e.pdu.state_key.as_deref(),
+            (_, Some(c)) => Some(c.state_key.as_str()),
+            _ => None,
+        }
+    }
+
+    /// `content` (redacted when a redaction applies to a cached event).
+    fn content(&self) -> Value {
+        match (self, self.cached()) {
+            (StateOut::Loaded(e), _) => e.pdu.content_value(),
+            (_, Some(c)) => c.content(),
+            _ => Value::Null,
+        }
+    }
+
+    fn is_member(&self) -> bool {
+        self.kind() == "m.room.member"
+    }
+}
+
 impl Ctx<'_> {
     fn viewer(&self) -> Option<(&str, &str)> {
         Some((self.r.user_id.as_str(), self.r.device_id.as_str()))
@@ -352,6 +410,25 @@ impl Ctx<'_> {
     fn render_all(&self, evs: &[EventRecord]) -> Vec<Value> {
         evs.iter()
             .map(|e| render_as(self.s, e, self.viewer(), self.filter.federation_format))
+            .collect()
+    }
+
+    /// The `state` section: every state event rendered the way `/state` renders it
+    /// (as Synapse's sync: no bundled aggregations, no `unsigned.membership`), or as
+    /// PDUs with `event_format: federation`.
+    fn render_state(&self, evs: &[StateOut]) -> Vec<Value> {
+        let now = crate::now_ms();
+        evs.iter()
+            .map(|e| match (e, e.cached()) {
+                (StateOut::Loaded(ev), _) if self.filter.federation_format => {
+                    crate::read::render_federation(self.s, ev)
+                }
+                (StateOut::Loaded(ev), _) => {
+                    RenderedStateEvent::render(self.s, ev).to_value(self.viewer(), now)
+                }
+                (_, Some(c)) => c.to_value(self.viewer(), now),
+                _ => Value::Null,
+            })
             .collect()
     }
 
@@ -456,7 +533,7 @@ impl Ctx<'_> {
     fn lazy_senders(
         &self,
         timeline: &[EventRecord],
-        state: &[EventRecord],
+        state: &[StateOut],
         room: &str,
         since: u64,
     ) -> Vec<EventRecord> {
@@ -465,8 +542,8 @@ impl Ctx<'_> {
         };
         let mut known: HashSet<&str> = state
             .iter()
-            .filter(|e| e.pdu.kind.to_string() == "m.room.member")
-            .filter_map(|e| e.pdu.state_key.as_deref())
+            .filter(|e| e.is_member())
+            .filter_map(|e| e.state_key())
             .collect();
         let mut want: Vec<String> = Vec::new();
         for ev in timeline {
@@ -522,15 +599,20 @@ impl Ctx<'_> {
         room: &str,
         root: Root,
         summary: &Value,
-        state: &[EventRecord],
+        state: &[StateOut],
         timeline: &[EventRecord],
         full: bool,
     ) -> Vec<EventRecord> {
         let known: HashSet<&str> = state
             .iter()
-            .chain(timeline)
-            .filter(|e| e.pdu.kind.to_string() == "m.room.member")
-            .filter_map(|e| e.pdu.state_key.as_deref())
+            .filter(|e| e.is_member())
+            .filter_map(|e| e.state_key())
+            .chain(
+                timeline
+                    .iter()
+                    .filter(|e| e.pdu.kind.to_string() == "m.room.member")
+                    .filter_map(|e| e.pdu.state_key.as_deref()),
+            )
             .collect();
         let since = self.since.map(|s| s.0).unwrap_or(0);
         let heroes: Vec<String> = summary["m.heroes"]
@@ -555,9 +637,9 @@ impl Ctx<'_> {
         let name_of = |c: &Value, field: &str| c[field].as_str().is_some_and(|v| !v.is_empty());
         let named = |kind: &str, field: &str| match state
             .iter()
-            .find(|e| e.pdu.kind.to_string() == kind && e.pdu.state_key.as_deref() == Some(""))
+            .find(|e| e.kind() == kind && e.state_key() == Some(""))
         {
-            Some(e) => name_of(&e.pdu.content_value(), field),
+            Some(e) => name_of(&e.content(), field),
             None => crate::visibility::state_content(self.s, root, kind, "")
                 .is_some_and(|c| name_of(&c, field)),
         };
@@ -572,12 +654,19 @@ impl Ctx<'_> {
 
     /// Records the member events of `state` and `timeline` as sent to this device in
     /// the response ending at `upto` (lazy-loading only).
-    fn mark_members_sent(&self, room: &str, state: &[EventRecord], timeline: &[EventRecord]) {
+    fn mark_members_sent(&self, room: &str, state: &[StateOut], timeline: &[EventRecord]) {
         let Some(sent) = &self.sent else {
             return;
         };
         let mut sent = sent.borrow_mut();
-        for ev in state.iter().chain(timeline) {
+        for ev in state {
+            if ev.is_member()
+                && let Some(sk) = ev.state_key()
+            {
+                sent.mark_sent(room, sk, self.upto);
+            }
+        }
+        for ev in timeline {
             if ev.pdu.kind.to_string() == "m.room.member"
                 && let Some(sk) = ev.pdu.state_key.as_deref()
             {
@@ -664,27 +753,39 @@ impl Ctx<'_> {
     /// A timeline without such a gap costs nothing more (same roots, no diff).
     fn state_events(
         &self,
+        room: &str,
         (full, others): (Root, Root),
         end: Root,
         timeline: &[EventRecord],
         lazy: bool,
-    ) -> Vec<EventRecord> {
+    ) -> Vec<StateOut> {
         let in_timeline: std::collections::HashSet<&str> =
             timeline.iter().map(|e| e.pdu.event_id.as_str()).collect();
         let mut out = Vec::new();
-        for (_kind, _sk, id) in self
-            .s
-            .projections
-            .state
-            .entries(if lazy { others } else { full })
-        {
-            if in_timeline.contains(id.as_str()) {
-                continue;
+        let root = if lazy { others } else { full };
+        if self.filter.federation_format {
+            // PDUs are rendered from the records, not from the client rendering.
+            for (_kind, _sk, id) in self.s.projections.state.entries(root) {
+                if in_timeline.contains(id.as_str()) {
+                    continue;
+                }
+                if let Some(ev) = self.s.projections.timeline.event(&id)
+                    && self.filter.state.matches(&ev.pdu)
+                {
+                    out.push(StateOut::Loaded(ev));
+                }
             }
-            if let Some(ev) = self.s.projections.timeline.event(&id)
-                && self.filter.state.matches(&ev.pdu)
-            {
-                out.push(ev);
+        } else {
+            let rendered = self.s.state_render.get(self.s, room, root);
+            for (i, e) in rendered.events.iter().enumerate() {
+                if !in_timeline.contains(e.event_id.as_str())
+                    && self
+                        .filter
+                        .state
+                        .matches_parts(&e.event_type, &e.sender, e.has_url)
+                {
+                    out.push(StateOut::Cached(rendered.clone(), i));
+                }
             }
         }
         let mut senders: Vec<String> = Vec::new();
@@ -695,7 +796,7 @@ impl Ctx<'_> {
                 if !in_timeline.contains(ev.pdu.event_id.as_str())
                     && self.filter.state.matches(&ev.pdu)
                 {
-                    out.push(ev);
+                    out.push(StateOut::Loaded(ev));
                 }
             }
         }
@@ -717,7 +818,7 @@ impl Ctx<'_> {
                 if let Some(ev) = self.s.projections.timeline.event(&id)
                     && self.filter.state.matches(&ev.pdu)
                 {
-                    out.push(ev);
+                    out.push(StateOut::Loaded(ev));
                 }
             }
         }
@@ -999,31 +1100,34 @@ impl Ctx<'_> {
                     end = all;
                 }
             }
-            self.state_events(roots, end, &timeline, lazy)
+            self.state_events(room, roots, end, &timeline, lazy)
         } else {
-            let mut state = if limited {
+            let mut state: Vec<StateOut> = if limited {
                 self.state_delta(room, after, &timeline, self.upto)
+                    .into_iter()
+                    .map(StateOut::Loaded)
+                    .collect()
             } else {
                 vec![]
             };
             if lazy {
                 let more = self.lazy_senders(&timeline, &state, room, after);
-                state.extend(more);
+                state.extend(more.into_iter().map(StateOut::Loaded));
             }
             state
         };
         let mut state = state;
         let membership_changed = timeline
             .iter()
-            .chain(state.iter())
-            .any(|e| e.pdu.kind.to_string() == "m.room.member");
+            .any(|e| e.pdu.kind.to_string() == "m.room.member")
+            || state.iter().any(StateOut::is_member);
         let summary = (full || membership_changed).then(|| {
             let root = self.root_at(room, self.upto);
             (root, self.summary(room, root))
         });
         if lazy && let Some((root, summary)) = &summary {
             let heroes = self.hero_members(room, *root, summary, &state, &timeline, full);
-            state.extend(heroes);
+            state.extend(heroes.into_iter().map(StateOut::Loaded));
         }
         if lazy {
             self.mark_members_sent(room, &state, &timeline);
@@ -1044,7 +1148,7 @@ impl Ctx<'_> {
             .unwrap_or_else(|| token(self.upto));
         let mut out = json!({
             "timeline": { "events": self.render_all(&timeline), "limited": limited, "prev_batch": prev_batch },
-            "state": { "events": self.render_all(&state) },
+            "state": { "events": self.render_state(&state) },
             "ephemeral": { "events": ephemeral },
             "account_data": { "events": account_data },
             "unread_notifications": self.unread(room, m),
@@ -1139,16 +1243,23 @@ impl Ctx<'_> {
         let state = if self.since.is_none() || newly_joined {
             let roots = self.roots_before(room, &timeline, m.position);
             let end = self.root_at(room, m.position.min(self.upto));
-            self.state_events(roots, end, &timeline, lazy)
+            self.state_events(room, roots, end, &timeline, lazy)
         } else if limited {
-            let mut state = self.state_delta(room, after, &timeline, m.position.min(self.upto));
+            let mut state: Vec<StateOut> = self
+                .state_delta(room, after, &timeline, m.position.min(self.upto))
+                .into_iter()
+                .map(StateOut::Loaded)
+                .collect();
             if lazy {
                 let more = self.lazy_senders(&timeline, &state, room, after);
-                state.extend(more);
+                state.extend(more.into_iter().map(StateOut::Loaded));
             }
             state
         } else if lazy {
             self.lazy_senders(&timeline, &[], room, after)
+                .into_iter()
+                .map(StateOut::Loaded)
+                .collect()
         } else {
             vec![]
         };
@@ -1161,7 +1272,7 @@ impl Ctx<'_> {
             .unwrap_or_else(|| token(after));
         Some(json!({
             "timeline": { "events": self.render_all(&timeline), "limited": limited, "prev_batch": prev_batch },
-            "state": { "events": self.render_all(&state) },
+            "state": { "events": self.render_state(&state) },
             "account_data": { "events": [] },
         }))
     }

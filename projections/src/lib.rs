@@ -56,8 +56,8 @@ use std::{path::Path, sync::Arc};
 use spindle_journal::Journal;
 
 pub use runtime::{
-    Projection, ProjectionStatus, RebuildError, RebuildProgress, Runtime, TableDiff, diff_tables,
-    render_key,
+    Projection, ProjectionHold, ProjectionStatus, RebuildError, RebuildProgress, Runtime,
+    TableDiff, diff_tables, render_key,
 };
 pub use store::ProjectionDb;
 

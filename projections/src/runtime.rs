@@ -101,6 +101,11 @@ struct Slot {
     rebuild: parking_lot::Mutex<Option<RebuildProgress>>,
 }
 
+/// A projection held still by [`Runtime::hold`] until this is dropped.
+pub struct ProjectionHold<'a> {
+    _guard: parking_lot::MutexGuard<'a, ()>,
+}
+
 /// An online rebuild's progress (see the module doc).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RebuildProgress {
@@ -154,8 +159,8 @@ const PROGRESS_EVERY_BATCHES: u64 = 64;
 pub struct Runtime {
     slots: Arc<Vec<Slot>>,
     applied_tx: Arc<watch::Sender<u64>>,
-    /// Bumped after every commit of a projection that does not gate reads.
-    ungated_tx: Arc<watch::Sender<u64>>,
+    /// Bumped after every commit of any projection ([`Runtime::wait_for_projection`]).
+    commits_tx: Arc<watch::Sender<u64>>,
     db: ProjectionDb,
     journal: Journal,
 }
@@ -199,7 +204,7 @@ impl Runtime {
         let rt = Runtime {
             slots: Arc::new(slots),
             applied_tx: Arc::new(tx),
-            ungated_tx: Arc::new(watch::channel(0).0),
+            commits_tx: Arc::new(watch::channel(0).0),
             db,
             journal: journal.clone(),
         };
@@ -280,9 +285,7 @@ impl Runtime {
             slot.projection.committed(last);
             slot.checkpoint.store(last, Ordering::Release);
             drop(guard);
-            if !slot.gates {
-                self.ungated_tx.send_modify(|n| *n += 1);
-            }
+            self.commits_tx.send_modify(|n| *n += 1);
             if !slot.ready.load(Ordering::Acquire) {
                 batches += 1;
                 let head = journal.durable_head();
@@ -473,6 +476,27 @@ impl Runtime {
         *self.applied_tx.borrow()
     }
 
+    /// Holds projection `name` still: its tail thread applies nothing more until the
+    /// returned guard is dropped (it waits for the lock it holds around apply and
+    /// commit). For tests that show what does, and what does not, wait for a
+    /// projection; `None` for an unknown name.
+    pub fn hold(&self, name: &str) -> Option<ProjectionHold<'_>> {
+        self.slots
+            .iter()
+            .find(|s| s.projection.name() == name)
+            .map(|s| ProjectionHold {
+                _guard: s.apply_lock.lock(),
+            })
+    }
+
+    /// The checkpoint of projection `name` (`None` for an unknown name).
+    pub fn checkpoint(&self, name: &str) -> Option<u64> {
+        self.slots
+            .iter()
+            .find(|s| s.projection.name() == name)
+            .map(|s| s.checkpoint.load(Ordering::Acquire))
+    }
+
     /// A watch on [`Runtime::applied`] (long-poll `/sync` wakes on it).
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.applied_tx.subscribe()
@@ -489,13 +513,14 @@ impl Runtime {
     }
 
     /// Waits until the projection `name` has applied `position`, at most `timeout`
-    /// (readers of a projection that does not gate reads). Returns whether it got
+    /// (readers of a projection that does not gate reads, and requests that read one
+    /// projection only, such as a message send's token check). Returns whether it got
     /// there; an unknown name never does.
     pub async fn wait_for_projection(&self, name: &str, position: u64, timeout: Duration) -> bool {
         let Some(slot) = self.slots.iter().find(|s| s.projection.name() == name) else {
             return false;
         };
-        let mut rx = self.ungated_tx.subscribe();
+        let mut rx = self.commits_tx.subscribe();
         let reached = || slot.checkpoint.load(Ordering::Acquire) >= position;
         if reached() {
             return true;
@@ -505,12 +530,8 @@ impl Runtime {
                 if reached() {
                     return true;
                 }
-                if !slot.gates {
-                    if rx.changed().await.is_err() {
-                        return reached();
-                    }
-                } else {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
+                if rx.changed().await.is_err() {
+                    return reached();
                 }
             }
         };

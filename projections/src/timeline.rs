@@ -102,6 +102,29 @@ pub struct Timeline {
     backfill_seq: Table,
     recency: Arc<RwLock<HashMap<String, u64>>>,
     bumped: Arc<RwLock<HashMap<String, u64>>>,
+    redaction_generations: Arc<RedactionGenerations>,
+}
+
+/// How many redactions each room has had applied since the process started, plus an
+/// epoch that moves whenever the timeline's tables are reloaded (an online rebuild):
+/// a rendering of a room's events taken at one [`RedactionGeneration`] is still
+/// current while the room's generation is unchanged. In memory only; bumped after
+/// the batch that applied the redaction commits, so a reader that sees the new
+/// generation also sees the redaction.
+#[derive(Default)]
+struct RedactionGenerations {
+    epoch: std::sync::atomic::AtomicU64,
+    rooms: RwLock<HashMap<String, u64>>,
+}
+
+/// A room's redaction generation ([`Timeline::redaction_generation`]): equal values
+/// mean no redaction was applied in the room between the two reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RedactionGeneration {
+    /// Moves when the timeline's tables are reloaded.
+    pub epoch: u64,
+    /// Redactions applied in the room since the process started.
+    pub count: u64,
 }
 
 impl Timeline {
@@ -117,7 +140,19 @@ impl Timeline {
             backfill_seq: db.table("timeline", "backfill_seq")?,
             recency: Arc::default(),
             bumped: Arc::default(),
+            redaction_generations: Arc::default(),
         })
+    }
+
+    /// The room's [`RedactionGeneration`] (in memory; no store read). Read it before
+    /// reading what a cached rendering is built from, so a redaction applied meanwhile
+    /// makes the rendering stale rather than wrongly current.
+    pub fn redaction_generation(&self, room_id: &str) -> RedactionGeneration {
+        let g = &self.redaction_generations;
+        RedactionGeneration {
+            epoch: g.epoch.load(std::sync::atomic::Ordering::Acquire),
+            count: g.rooms.read().get(room_id).copied().unwrap_or(0),
+        }
     }
 
     /// Loads an event by id (one point read).
@@ -275,6 +310,10 @@ impl Projection for Timeline {
     fn reload(&self) {
         load_positions(&self.rooms, &mut self.recency.write());
         load_positions(&self.bumps, &mut self.bumped.write());
+        // New tables (an online rebuild) may hold redactions the counts never saw.
+        self.redaction_generations
+            .epoch
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
@@ -324,19 +363,25 @@ impl Projection for Timeline {
                 record.position().to_be_bytes().to_vec(),
             );
         }
+        let mut redacts = false;
         if kind == "m.room.redaction"
             && let Some(target) = &pdu.redacts
         {
             let k = target.to_string().into_bytes();
             if ctx.get(&self.redactions, &k).is_none() {
                 ctx.put(&self.redactions, k, pdu.event_id.to_string().into_bytes());
+                redacts = true;
             }
         }
         let (recency, bumped) = (self.recency.clone(), self.bumped.clone());
+        let generations = self.redaction_generations.clone();
         let pos = record.position();
         ctx.after_commit(move || {
             if bumps {
                 bumped.write().insert(room.clone(), pos);
+            }
+            if redacts {
+                *generations.rooms.write().entry(room.clone()).or_insert(0) += 1;
             }
             recency.write().insert(room, pos);
         });
@@ -378,7 +423,7 @@ impl Timeline {
         );
         ctx.put(
             &self.backfill_seq,
-            room.into_bytes(),
+            room.clone().into_bytes(),
             seq.to_be_bytes().to_vec(),
         );
         if pdu.kind.to_string() == "m.room.redaction"
@@ -387,6 +432,10 @@ impl Timeline {
             let k = target.to_string().into_bytes();
             if ctx.get(&self.redactions, &k).is_none() {
                 ctx.put(&self.redactions, k, pdu.event_id.to_string().into_bytes());
+                let generations = self.redaction_generations.clone();
+                ctx.after_commit(move || {
+                    *generations.rooms.write().entry(room).or_insert(0) += 1;
+                });
             }
         }
         Ok(())

@@ -1,0 +1,309 @@
+//! The rendered-state cache: a room state (a state root of the state projection)
+//! rendered once as client JSON and served again from memory (BRIEF §4: "the `/state`
+//! response can be cached keyed by the state root").
+//!
+//! A state root is content-addressed, so an entry found under a root is provably the
+//! same set of state events. What can change a rendering without changing the root is
+//! a redaction (of a state event, or of the event a `prev_content` comes from), so an
+//! entry also remembers the room's [`RedactionGeneration`], read *before* the events
+//! were read; an entry whose generation is not the room's current one is rendered
+//! again. Everything that depends on the request is added per request, never cached:
+//! `unsigned.age` (from `origin_server_ts`), `unsigned.transaction_id` for the sending
+//! device, and MSC4140's `delay_id` for the sender.
+//!
+//! Each event is kept as JSON text, so a hit writes the answer by concatenation,
+//! without parsing or serializing anything: a `/state` of an unchanged room costs one
+//! root lookup, one generation read and the copy of the bytes.
+//!
+//! What it is not: a cache of `/sync`'s or `/messages`' renderings (those add bundled
+//! aggregations and `unsigned.membership`, which depend on more than the root). The
+//! cache is bounded in bytes (`[caches] rendered_state_bytes`); past it the oldest
+//! entries are dropped first.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    fmt::Write as _,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use parking_lot::Mutex;
+use serde_json::Value;
+use spindle_core::trie::Root;
+use spindle_projections::timeline::{EventRecord, RedactionGeneration};
+
+use crate::AppState;
+
+/// One state event rendered for clients, without its per-request `unsigned` fields.
+#[derive(Debug)]
+pub struct RenderedStateEvent {
+    /// `event_id`.
+    pub event_id: String,
+    /// `type`.
+    pub event_type: String,
+    /// `state_key`.
+    pub state_key: String,
+    /// `content.membership` of an `m.room.member` event (after redaction), else `None`.
+    pub membership: Option<String>,
+    /// `sender`.
+    pub sender: String,
+    /// Whether `content.url` is a string (the filters' `contains_url`).
+    pub has_url: bool,
+    /// `origin_server_ts`, ms (for `unsigned.age`).
+    origin_server_ts: u64,
+    /// The sending device and its transaction id (for `unsigned.transaction_id`).
+    device_id: Option<String>,
+    txn_id: Option<String>,
+    /// The event object's JSON text without `unsigned` and without the closing brace.
+    head: String,
+    /// The cached `unsigned` members as JSON text (`"k":v,...`, no braces; may be empty):
+    /// `prev_content`, `redacted_because`.
+    unsigned: String,
+}
+
+impl RenderedStateEvent {
+    /// Renders `ev` ([`crate::read::render_unbundled`]'s fields, no viewer): also for
+    /// a state event that is not part of a cached state (`/sync`'s lazy-loaded members
+    /// and state deltas), so every state event a client gets has the same shape.
+    pub fn render(s: &AppState, ev: &EventRecord) -> RenderedStateEvent {
+        let redaction = crate::read::redaction_of(s, ev);
+        let mut unsigned = serde_json::Map::new();
+        let mut v = match &redaction {
+            Some(r) => ev.pdu.to_redacted_client_event(&r.pdu),
+            None => ev.pdu.to_client_event(None),
+        };
+        if let Some(Value::Object(u)) = v.as_object_mut().and_then(|m| m.remove("unsigned")) {
+            unsigned.extend(u);
+        }
+        if redaction.is_none()
+            && let Some(prev) = crate::read::replaced_state(s, ev)
+        {
+            unsigned.insert("prev_content".into(), crate::read::client_content(s, &prev));
+        }
+        let membership = (ev.pdu.kind.to_string() == "m.room.member")
+            .then(|| {
+                v.get("content")
+                    .and_then(|c| c.get("membership"))
+                    .and_then(|m| m.as_str())
+                    .map(str::to_owned)
+            })
+            .flatten();
+        let mut head = serde_json::to_string(&v).unwrap_or_else(|_| "{}".into());
+        head.pop(); // the closing brace: `unsigned` is appended per request
+        let unsigned = if unsigned.is_empty() {
+            String::new()
+        } else {
+            let text = serde_json::to_string(&Value::Object(unsigned)).unwrap_or_default();
+            text[1..text.len() - 1].to_owned()
+        };
+        let has_url = v
+            .get("content")
+            .and_then(|c| c.get("url"))
+            .is_some_and(Value::is_string);
+        RenderedStateEvent {
+            event_id: ev.pdu.event_id.to_string(),
+            has_url,
+            event_type: ev.pdu.kind.to_string(),
+            state_key: ev.pdu.state_key.clone().unwrap_or_default(),
+            membership,
+            sender: ev.pdu.sender.to_string(),
+            origin_server_ts: u64::from(ev.pdu.origin_server_ts.0),
+            device_id: ev.device_id.clone(),
+            txn_id: ev.txn_id.clone(),
+            head,
+            unsigned,
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        self.event_id.len()
+            + self.head.len()
+            + self.unsigned.len()
+            + self.event_type.len()
+            + self.state_key.len()
+            + self.sender.len()
+            + 64
+    }
+
+    /// Appends the event's JSON for `viewer` (user, device) at `now_ms` to `out`.
+    pub fn write_to(&self, out: &mut String, viewer: Option<(&str, &str)>, now_ms: u64) {
+        out.push_str(&self.head);
+        if out.ends_with('{') {
+            // Never: an event always has fields. Kept valid JSON regardless.
+            out.push_str("\"unsigned\":{");
+        } else {
+            out.push_str(",\"unsigned\":{");
+        }
+        let _ = write!(
+            out,
+            "\"age\":{}",
+            now_ms.saturating_sub(self.origin_server_ts)
+        );
+        if !self.unsigned.is_empty() {
+            out.push(',');
+            out.push_str(&self.unsigned);
+        }
+        let delay_id = self
+            .txn_id
+            .as_deref()
+            .and_then(|t| t.strip_prefix(crate::delayed::DELAY_TXN_PREFIX));
+        if let (Some((user, _)), Some(id)) = (viewer, delay_id)
+            && user == self.sender
+        {
+            out.push_str(",\"org.matrix.msc4140.delay_id\":");
+            out.push_str(&Value::from(id).to_string());
+        } else if let (Some((user, device)), Some(dev), Some(txn)) =
+            (viewer, &self.device_id, &self.txn_id)
+            && user == self.sender
+            && device == dev
+        {
+            out.push_str(",\"transaction_id\":");
+            out.push_str(&Value::from(txn.strip_prefix("redact/").unwrap_or(txn)).to_string());
+        }
+        out.push_str("}}");
+    }
+
+    /// The event for `viewer` at `now_ms` as a JSON value (for answers built as
+    /// values, such as `/sync`'s).
+    pub fn to_value(&self, viewer: Option<(&str, &str)>, now_ms: u64) -> Value {
+        let mut out = String::with_capacity(self.head.len() + self.unsigned.len() + 64);
+        self.write_to(&mut out, viewer, now_ms);
+        serde_json::from_str(&out).unwrap_or(Value::Null)
+    }
+
+    /// `content`, parsed from the rendering (redacted when a redaction applies).
+    pub fn content(&self) -> Value {
+        let mut text = self.head.clone();
+        text.push('}');
+        serde_json::from_str::<Value>(&text)
+            .ok()
+            .and_then(|mut v| v.get_mut("content").map(Value::take))
+            .unwrap_or(Value::Null)
+    }
+}
+
+/// A room state, rendered: every event of the root, in the state projection's order.
+#[derive(Debug)]
+pub struct RenderedState {
+    generation: RedactionGeneration,
+    /// The events.
+    pub events: Vec<RenderedStateEvent>,
+    bytes: usize,
+}
+
+impl RenderedState {
+    /// A JSON array of `events` for `viewer` at `now_ms`.
+    pub fn json_array<'a>(
+        events: impl Iterator<Item = &'a RenderedStateEvent>,
+        viewer: Option<(&str, &str)>,
+        now_ms: u64,
+        capacity: usize,
+    ) -> String {
+        let mut out = String::with_capacity(capacity + 64);
+        out.push('[');
+        for (i, e) in events.enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            e.write_to(&mut out, viewer, now_ms);
+        }
+        out.push(']');
+        out
+    }
+
+    /// Bytes of JSON text held (about the size of an answer with every event).
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+/// The cache (see the module doc). Cheap to clone.
+#[derive(Clone)]
+pub struct StateRenderCache {
+    inner: Arc<Mutex<Entries>>,
+    limit_bytes: usize,
+    renders: Arc<AtomicU64>,
+}
+
+#[derive(Default)]
+struct Entries {
+    map: HashMap<[u8; 32], Arc<RenderedState>>,
+    /// Insertion order, oldest first (entries replaced in place keep their slot).
+    order: VecDeque<[u8; 32]>,
+    bytes: usize,
+}
+
+impl StateRenderCache {
+    /// An empty cache holding at most `limit_bytes` of rendered JSON (0: nothing is
+    /// kept, every request renders).
+    pub fn new(limit_bytes: usize) -> StateRenderCache {
+        StateRenderCache {
+            inner: Arc::default(),
+            limit_bytes,
+            renders: Arc::default(),
+        }
+    }
+
+    /// The rendering of `root`, a state of `room_id`: from the cache when current,
+    /// else rendered now (one event read per state event) and kept.
+    pub fn get(&self, s: &AppState, room_id: &str, root: Root) -> Arc<RenderedState> {
+        let generation = s.projections.timeline.redaction_generation(room_id);
+        if let Some(hit) = self.inner.lock().map.get(&root.0)
+            && hit.generation == generation
+        {
+            return hit.clone();
+        }
+        let events: Vec<RenderedStateEvent> = s
+            .projections
+            .state
+            .entries(root)
+            .into_iter()
+            .filter_map(|(_, _, id)| s.projections.timeline.event(&id))
+            .map(|ev| RenderedStateEvent::render(s, &ev))
+            .collect();
+        self.renders
+            .fetch_add(events.len() as u64, Ordering::Relaxed);
+        let bytes = events.iter().map(RenderedStateEvent::bytes).sum();
+        let rendered = Arc::new(RenderedState {
+            generation,
+            events,
+            bytes,
+        });
+        self.insert(root, rendered.clone());
+        rendered
+    }
+
+    fn insert(&self, root: Root, rendered: Arc<RenderedState>) {
+        if rendered.bytes > self.limit_bytes {
+            return;
+        }
+        let mut c = self.inner.lock();
+        match c.map.insert(root.0, rendered.clone()) {
+            Some(old) => c.bytes -= old.bytes,
+            None => c.order.push_back(root.0),
+        }
+        c.bytes += rendered.bytes;
+        while c.bytes > self.limit_bytes {
+            let Some(oldest) = c.order.pop_front() else {
+                break;
+            };
+            if let Some(old) = c.map.remove(&oldest) {
+                c.bytes -= old.bytes;
+            }
+        }
+    }
+
+    /// State events rendered since start (each miss renders every event of its root):
+    /// the counting tests' witness that a hit renders nothing.
+    pub fn renders(&self) -> u64 {
+        self.renders.load(Ordering::Relaxed)
+    }
+
+    /// (entries, bytes) held, for the metrics.
+    pub fn usage(&self) -> (usize, usize) {
+        let c = self.inner.lock();
+        (c.map.len(), c.bytes)
+    }
+}
