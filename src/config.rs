@@ -67,6 +67,10 @@ pub struct Config {
     pub appservices: AppServicesConfig,
     /// Size limits of the in-memory maps (docs/operations.md, "Memory").
     pub caches: Caches,
+    /// Validation emails of third-party identifiers, sent over SMTP (off by default).
+    pub email: Email,
+    /// Requests to identity servers (3PID binds, unbinds, lookups, third-party invites).
+    pub identity_servers: IdentityServers,
 }
 
 /// Size limits of the in-memory maps that grow with users or traffic
@@ -253,6 +257,119 @@ impl Default for DelayedEvents {
     }
 }
 
+/// Validation emails of third-party identifiers (spec: "Adding Account Administrative
+/// Contact Information"): `POST /account/3pid/email/requestToken` and
+/// `/register/email/requestToken` send a link through this SMTP server. Off by default:
+/// those endpoints then answer 400 `M_THREEPID_MEDIUM_NOT_SUPPORTED`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Email {
+    /// Send validation emails (and advertise `m.3pid_changes`).
+    pub enabled: bool,
+    /// SMTP server host name.
+    pub smtp_host: String,
+    /// SMTP server port (587: message submission with STARTTLS).
+    pub smtp_port: u16,
+    /// SMTP AUTH user name; empty: no authentication.
+    pub smtp_user: String,
+    /// SMTP AUTH password.
+    pub smtp_pass: String,
+    /// `"starttls"` (plain connection upgraded with STARTTLS, required), `"tls"`
+    /// (implicit TLS, usually port 465) or `"none"` (plain text: a relay on loopback
+    /// only).
+    pub tls: String,
+    /// The `From:` of the emails, e.g. `"Example Matrix <noreply@example.org>"`.
+    pub notif_from: String,
+    /// The name the emails give the server (`%(app)s` in Synapse's templates).
+    pub app_name: String,
+    /// How long a validation link works after it was sent, ms (Synapse: 1 hour).
+    pub validation_token_lifetime_ms: u64,
+    /// Timeout of one SMTP exchange, ms.
+    pub smtp_timeout_ms: u64,
+}
+
+impl Default for Email {
+    fn default() -> Self {
+        Email {
+            enabled: false,
+            smtp_host: "localhost".into(),
+            smtp_port: 587,
+            smtp_user: String::new(),
+            smtp_pass: String::new(),
+            tls: "starttls".into(),
+            notif_from: String::new(),
+            app_name: "Matrix".into(),
+            validation_token_lifetime_ms: 3_600_000,
+            smtp_timeout_ms: 30_000,
+        }
+    }
+}
+
+impl Email {
+    /// The api crate's mail settings; `None` when email is off.
+    pub fn to_api(&self) -> Option<spindle_api::threepid::EmailConfig> {
+        self.enabled.then(|| spindle_api::threepid::EmailConfig {
+            smtp_host: self.smtp_host.clone(),
+            smtp_port: self.smtp_port,
+            smtp_user: self.smtp_user.clone(),
+            smtp_pass: self.smtp_pass.clone(),
+            tls: match self.tls.as_str() {
+                "tls" => spindle_api::threepid::SmtpTls::Implicit,
+                "none" => spindle_api::threepid::SmtpTls::None,
+                _ => spindle_api::threepid::SmtpTls::StartTls,
+            },
+            notif_from: self.notif_from.clone(),
+            app_name: self.app_name.clone(),
+            validation_token_lifetime_ms: self.validation_token_lifetime_ms,
+            smtp_timeout_ms: self.smtp_timeout_ms,
+        })
+    }
+}
+
+/// Requests to identity servers (spec: Identity Service API): `/account/3pid/bind`,
+/// unbinds, and the lookups and `store-invite` of third-party invites. An identity
+/// server is reached at `https://<id_server>`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct IdentityServers {
+    /// Timeout of one request to an identity server, ms.
+    pub request_timeout_ms: u64,
+    /// Address ranges (CIDR) an identity server may not be at; the default is the
+    /// federation default.
+    pub ip_range_denylist: Vec<String>,
+    /// Ranges exempt from the denylist, e.g. `["127.0.0.1/32"]`.
+    pub ip_range_allowlist: Vec<String>,
+    /// Talk plain `http://` to identity servers. For tests against an identity server
+    /// on loopback only: anyone on the path can read and change the requests.
+    pub dangerous_plain_http_for_tests: bool,
+}
+
+impl Default for IdentityServers {
+    fn default() -> Self {
+        IdentityServers {
+            request_timeout_ms: 10_000,
+            ip_range_denylist: spindle_federation::client::DEFAULT_IP_RANGE_DENYLIST
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            ip_range_allowlist: Vec::new(),
+            dangerous_plain_http_for_tests: false,
+        }
+    }
+}
+
+impl IdentityServers {
+    /// The api crate's identity-server settings.
+    pub fn to_api(&self) -> spindle_api::threepid::IdentityConfig {
+        spindle_api::threepid::IdentityConfig {
+            request_timeout_ms: self.request_timeout_ms,
+            ip_range_denylist: self.ip_range_denylist.clone(),
+            ip_range_allowlist: self.ip_range_allowlist.clone(),
+            plain_http: self.dangerous_plain_http_for_tests,
+        }
+    }
+}
+
 /// Prometheus metrics (docs/metrics.md).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -414,6 +531,9 @@ pub struct RateLimits {
     pub registration: Rate,
     /// Registration-token validity checks per address (`rc_registration_token_validity`).
     pub registration_token_validity: Rate,
+    /// Validation emails asked for, per client address and per email address
+    /// (`rc_3pid_validation`).
+    pub threepid_validation: Rate,
     /// Joins per user (`rc_joins.local`).
     pub joins: Rate,
     /// Invites into one room (`rc_invites.per_room`).
@@ -443,6 +563,7 @@ impl Default for RateLimits {
             login_failed_attempts: d.login_failed_attempts.into(),
             registration: d.registration.into(),
             registration_token_validity: d.registration_token_validity.into(),
+            threepid_validation: d.threepid_validation.into(),
             joins: d.joins.into(),
             invites_per_room: d.invites_per_room.into(),
             invites_per_user: d.invites_per_user.into(),
@@ -456,7 +577,7 @@ impl Default for RateLimits {
 
 impl RateLimits {
     /// Every limit with its config key, for validation.
-    fn named(&self) -> [(&'static str, Rate); 13] {
+    fn named(&self) -> [(&'static str, Rate); 14] {
         [
             ("message", self.message),
             ("login_address", self.login_address),
@@ -467,6 +588,7 @@ impl RateLimits {
                 "registration_token_validity",
                 self.registration_token_validity,
             ),
+            ("threepid_validation", self.threepid_validation),
             ("joins", self.joins),
             ("invites_per_room", self.invites_per_room),
             ("invites_per_user", self.invites_per_user),
@@ -489,6 +611,7 @@ impl RateLimits {
             login_failed_attempts: self.login_failed_attempts.into(),
             registration: self.registration.into(),
             registration_token_validity: self.registration_token_validity.into(),
+            threepid_validation: self.threepid_validation.into(),
             joins: self.joins.into(),
             invites_per_room: self.invites_per_room.into(),
             invites_per_user: self.invites_per_user.into(),
@@ -743,6 +866,8 @@ impl Default for Config {
             delayed_events: DelayedEvents::default(),
             appservices: AppServicesConfig::default(),
             caches: Caches::default(),
+            email: Email::default(),
+            identity_servers: IdentityServers::default(),
         }
     }
 }
@@ -935,6 +1060,41 @@ impl Config {
         if self.rate_limits.max_keys == 0 {
             return Err("rate_limits.max_keys must be at least 1".into());
         }
+        let email = &self.email;
+        if !["starttls", "tls", "none"].contains(&email.tls.as_str()) {
+            return Err(format!(
+                "email.tls must be starttls, tls or none (got {:?})",
+                email.tls
+            ));
+        }
+        if email.enabled {
+            if email.smtp_host.is_empty() {
+                return Err("email.enabled needs email.smtp_host".into());
+            }
+            if !spindle_api::threepid::valid_mailbox(&email.notif_from) {
+                return Err(format!(
+                    "email.notif_from must be an address such as \"Example <noreply@example.org>\" (got {:?})",
+                    email.notif_from
+                ));
+            }
+        }
+        if let Some(api) = email.to_api() {
+            spindle_api::threepid::check_email_config(&api).map_err(|e| format!("email: {e}"))?;
+        }
+        if email.validation_token_lifetime_ms < 60_000 {
+            return Err("email.validation_token_lifetime_ms must be at least 60000".into());
+        }
+        if email.smtp_timeout_ms == 0 || self.identity_servers.request_timeout_ms == 0 {
+            return Err(
+                "email.smtp_timeout_ms and identity_servers.request_timeout_ms must be positive"
+                    .into(),
+            );
+        }
+        spindle_federation::client::IpPolicy::new(
+            &self.identity_servers.ip_range_denylist,
+            &self.identity_servers.ip_range_allowlist,
+        )
+        .map_err(|e| format!("identity_servers: {e}"))?;
         for c in &self.support.contacts {
             if c.role.is_empty() || (c.matrix_id.is_empty() && c.email_address.is_empty()) {
                 return Err(
@@ -1017,7 +1177,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 153);
+        assert_eq!(want.len(), 172);
     }
 
     #[test]

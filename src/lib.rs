@@ -216,6 +216,8 @@ impl Server {
             max_event_delay_duration_ms: config.delayed_events.max_event_delay_duration_ms,
             max_scheduled_delays_per_user: config.delayed_events.max_scheduled_per_user,
             caches: config.caches.to_api(),
+            email: config.email.to_api(),
+            identity: config.identity_servers.to_api(),
         };
         let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
         let state = spindle_api::AppState::new_with_clock(

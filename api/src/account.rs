@@ -138,7 +138,7 @@ async fn registration_token_validity(
     Ok(Json(json!({ "valid": valid })))
 }
 
-async fn capabilities(_r: Requester) -> Json<Value> {
+async fn capabilities(State(s): State<AppState>, _r: Requester) -> Json<Value> {
     let available: serde_json::Map<String, Value> = spindle_core::room_version::SUPPORTED
         .iter()
         .filter_map(|v| {
@@ -155,7 +155,7 @@ async fn capabilities(_r: Requester) -> Json<Value> {
             "m.set_displayname": { "enabled": true },
             "m.set_avatar_url": { "enabled": true },
             "m.profile_fields": { "enabled": true },
-            "m.3pid_changes": { "enabled": false },
+            "m.3pid_changes": { "enabled": s.threepids.email_enabled() },
             "m.get_login_token": { "enabled": false },
         }
     }))
@@ -213,6 +213,11 @@ fn uia_flows(s: &AppState) -> Vec<Value> {
     }
     if !s.config.registration_tokens.is_empty() {
         flows.push(json!({ "stages": ["m.login.registration_token"] }));
+    }
+    // With email on, an open registration may also prove an address (`requestToken`
+    // of `/register/email`), which the new account then has as a 3PID.
+    if s.config.registration_open && s.threepids.email_enabled() {
+        flows.push(json!({ "stages": ["m.login.email.identity"] }));
     }
     flows
 }
@@ -491,8 +496,21 @@ async fn register(
         }
         (StatusCode::UNAUTHORIZED, Json(body))
     };
+    // The address an `m.login.email.identity` stage of this request proved.
+    let mut proven_email: Option<(String, String, u64)> = None;
     let passed = match auth_type {
         Some("m.login.dummy") if s.config.registration_open => true,
+        Some("m.login.email.identity")
+            if s.config.registration_open && s.threepids.email_enabled() =>
+        {
+            match crate::threepid::registration_email(&s, body.get("auth"), now) {
+                Ok(found) => {
+                    proven_email = Some(found);
+                    true
+                }
+                Err(e) => return Ok(challenge(Some(e)).into_response()),
+            }
+        }
         Some("m.login.registration_token") if !s.config.registration_tokens.is_empty() => {
             let token = body
                 .get("auth")
@@ -566,6 +584,18 @@ async fn register(
         // "The user has no displayname" errors otherwise. A fact of its own, so the
         // audit trail says who set it (the server, at registration).
         register_account(&s, &user_id, &localpart, password_hash).await?;
+        if let Some((sid, address, validated_at)) = proven_email {
+            let fact = Fact::ThreepidAdded {
+                user_id: user_id.clone(),
+                medium: "email".into(),
+                address,
+                validated_at,
+                added_at: now,
+            };
+            s.submit_and_wait(&user_id, None, CommandBody::Fact { fact })
+                .await?;
+            s.threepids.sessions.remove(&sid);
+        }
     }
     if registered.is_none() {
         s.rate_limits.registration.record(&addr_key);
@@ -930,17 +960,39 @@ async fn login(
             format!("Unknown login type {kind}"),
         ));
     }
+    // A third-party identifier (spec: "Identifier types", `m.id.thirdparty`) names the
+    // account that added it; an address no account has fails like a wrong password.
+    let by_threepid = |medium: Option<&str>, address: Option<&str>| -> ApiResult<String> {
+        let (Some(medium), Some(address)) = (medium, address) else {
+            return Err(MatrixError::bad_json(
+                "identifier.medium and identifier.address are required",
+            ));
+        };
+        let address = if medium == "email" {
+            address.trim().to_lowercase()
+        } else {
+            address.to_owned()
+        };
+        s.projections
+            .accounts
+            .threepid_owner(medium, &address)
+            .ok_or_else(|| MatrixError::forbidden("Invalid username or password"))
+    };
     let user = match body.get("identifier") {
-        Some(id) => {
-            if id.get("type").and_then(|v| v.as_str()) != Some("m.id.user") {
+        Some(id) => match id.get("type").and_then(|v| v.as_str()) {
+            Some("m.id.user") => id.get("user").and_then(|v| v.as_str()).map(str::to_owned),
+            Some("m.id.thirdparty") => Some(by_threepid(
+                id.get("medium").and_then(Value::as_str),
+                id.get("address").and_then(Value::as_str),
+            )?),
+            _ => {
                 return Err(MatrixError::new(
                     StatusCode::BAD_REQUEST,
                     "M_UNKNOWN",
-                    "Only m.id.user identifiers are supported",
+                    "Only m.id.user and m.id.thirdparty identifiers are supported",
                 ));
             }
-            id.get("user").and_then(|v| v.as_str()).map(str::to_owned)
-        }
+        },
         None => opt_str(&body, "user")?,
     }
     .ok_or_else(|| MatrixError::bad_json("identifier.user is required"))?;

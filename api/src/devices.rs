@@ -1,6 +1,6 @@
 //! Device management (spec: client-server API "Device Management") and the
 //! user-interactive authentication that guards it, password changes and account
-//! deactivation (spec: "Account management"), the read-only 3PID listing, and
+//! deactivation (spec: "Account management"), and
 //! refresh tokens (spec: "Refreshing access tokens").
 //!
 //! Devices are the accounts projection's rows (`DeviceCreated` / `DeviceRenamed` /
@@ -293,7 +293,6 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/_matrix/client/v3/delete_devices", post(delete_devices))
         .route("/_matrix/client/v3/account/password", post(change_password))
         .route("/_matrix/client/v3/account/deactivate", post(deactivate))
-        .route("/_matrix/client/v3/account/3pid", get(threepids))
         .route("/_matrix/client/v3/refresh", post(refresh))
 }
 
@@ -674,8 +673,49 @@ async fn deactivate(
     {
         return Ok(challenge);
     }
+    let unbind = remove_threepids(&s, &r.user_id).await?;
     deactivate_account(&s, &r.user_id, erase, (&r.user_id, Some(&r.device_id))).await?;
-    Ok(Json(json!({ "id_server_unbind_result": "no-support" })).into_response())
+    Ok(Json(json!({ "id_server_unbind_result": unbind })).into_response())
+}
+
+/// Unbinds every 3PID of `user_id` from the identity servers it was bound through and
+/// removes the account's 3PIDs (spec: `POST /account/deactivate`,
+/// `id_server_unbind_result`): `"success"` when there was something to unbind and
+/// every unbind succeeded, else `"no-support"`.
+pub(crate) async fn remove_threepids(s: &AppState, user_id: &str) -> ApiResult<&'static str> {
+    let accounts = &s.projections.accounts;
+    let mut all: Vec<(String, String)> = accounts
+        .threepids(user_id)
+        .into_iter()
+        .map(|(m, a, _)| (m, a))
+        .chain(accounts.bound_threepids(user_id))
+        .collect();
+    all.sort();
+    all.dedup();
+    let mut result = "no-support";
+    let mut any_bound = false;
+    let mut all_unbound = true;
+    for (medium, address) in all {
+        if !accounts
+            .threepid_binds(user_id, &medium, &address)
+            .is_empty()
+        {
+            any_bound = true;
+            let r = crate::threepid::unbind_everywhere(s, user_id, &medium, &address, None).await?;
+            all_unbound &= r == "success";
+        }
+        let fact = Fact::ThreepidRemoved {
+            user_id: user_id.to_owned(),
+            medium,
+            address,
+        };
+        s.submit_and_wait(user_id, None, CommandBody::Fact { fact })
+            .await?;
+    }
+    if any_bound && all_unbound {
+        result = "success";
+    }
+    Ok(result)
 }
 
 /// Deactivates `user_id` as asked for by `by` (principal, device: the user themself
@@ -730,11 +770,6 @@ pub(crate) async fn leave_as(s: &AppState, user_id: &str, room_id: &str) -> ApiR
         }),
     };
     s.submit(user_id, None, body).await.map(|_| ())
-}
-
-/// `GET /account/3pid`: third-party identifiers are not supported, so always empty.
-async fn threepids(_r: Requester) -> Json<Value> {
-    Json(json!({ "threepids": [] }))
 }
 
 /// A fresh refresh token (`spr_` + 40 alphanumerics; only its hash is journaled).

@@ -41,6 +41,7 @@ pub mod state_render;
 pub mod synapse_admin;
 pub mod sync;
 pub mod thirdparty;
+pub mod threepid;
 pub mod to_device;
 pub mod typing;
 pub mod uia;
@@ -121,6 +122,10 @@ pub struct ApiConfig {
     pub max_scheduled_delays_per_user: usize,
     /// Size limits of the in-memory maps.
     pub caches: CacheLimits,
+    /// Validation emails of third-party identifiers (`[email]`); `None`: off.
+    pub email: Option<threepid::EmailConfig>,
+    /// Requests to identity servers (`[identity_servers]`).
+    pub identity: threepid::IdentityConfig,
 }
 
 /// Size limits of the API's in-memory maps (`[caches]` in the config; docs/operations.md
@@ -237,6 +242,9 @@ pub struct AppState {
     /// The next numeric guest localpart, once the first guest registration found it
     /// ([`guest::next_localpart`]).
     pub guest_ids: Arc<parking_lot::Mutex<Option<u64>>>,
+    /// Third-party identifiers: validation sessions (in memory, ephemeral, bounded),
+    /// the SMTP transport and the identity-server client.
+    pub threepids: Arc<threepid::Threepids>,
 }
 
 impl AppState {
@@ -272,7 +280,12 @@ impl AppState {
             config.caches.device_last_seen,
         );
         let caches = config.caches.clone();
+        let threepids = Arc::new(threepid::Threepids::new(
+            config.email.clone(),
+            &config.identity,
+        ));
         AppState {
+            threepids,
             metrics: Arc::new(metrics::Metrics::new()),
             rate_limits,
             hashing,
@@ -531,6 +544,7 @@ pub fn router(state: AppState) -> Router {
         .merge(to_device::routes())
         .merge(voip::routes())
         .merge(thirdparty::routes())
+        .merge(threepid::routes())
         .merge(openid::routes())
         .merge(mutual_rooms::routes())
         .fallback(|| async { MatrixError::unrecognized() })

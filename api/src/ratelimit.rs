@@ -128,6 +128,9 @@ pub struct RateLimitConfig {
     /// Registration-token validity checks per client address
     /// (`rc_registration_token_validity`).
     pub registration_token_validity: Rate,
+    /// Validation emails asked for (`requestToken`), per client address and per email
+    /// address (`rc_3pid_validation`).
+    pub threepid_validation: Rate,
     /// Joins per user (`rc_joins.local`).
     pub joins: Rate,
     /// Invites into one room (`rc_invites.per_room`).
@@ -157,6 +160,7 @@ impl Default for RateLimitConfig {
             login_failed_attempts: Rate::new(0.17, 3),
             registration: Rate::new(0.17, 3),
             registration_token_validity: Rate::new(0.1, 5),
+            threepid_validation: Rate::new(0.003, 5),
             joins: Rate::new(0.1, 10),
             invites_per_room: Rate::new(0.3, 10),
             invites_per_user: Rate::new(0.003, 5),
@@ -357,6 +361,8 @@ pub struct RateLimits {
     pub registration: Limiter,
     /// `registration_token_validity`.
     pub registration_token_validity: Limiter,
+    /// `threepid_validation`.
+    pub threepid_validation: Limiter,
     /// `joins`.
     pub joins: Limiter,
     /// `invites_per_room`.
@@ -391,6 +397,7 @@ impl RateLimits {
                 "registration_token_validity",
                 config.registration_token_validity,
             ),
+            threepid_validation: make("threepid_validation", config.threepid_validation),
             joins: make("joins", config.joins),
             invites_per_room: make("invites_per_room", config.invites_per_room),
             invites_per_user: make("invites_per_user", config.invites_per_user),

@@ -463,16 +463,19 @@ pub(crate) async fn create_room(
             "visibility must be public or private",
         ));
     }
-    match body.get("invite_3pid") {
-        None | Some(Value::Null) => {}
-        Some(Value::Array(a)) if a.is_empty() => {}
-        Some(Value::Array(_)) => {
-            return Err(MatrixError::forbidden(
-                "Third-party invites are not supported",
-            ));
-        }
+    let invites_3pid: Vec<crate::threepid::Invite3pid> = match body.get("invite_3pid") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| match v {
+                Value::Object(o) => crate::threepid::Invite3pid::parse(o),
+                _ => Err(MatrixError::bad_json(
+                    "invite_3pid must be a list of objects",
+                )),
+            })
+            .collect::<ApiResult<_>>()?,
         Some(_) => return Err(MatrixError::bad_json("invite_3pid must be a list")),
-    }
+    };
     // Creating a room counts as one event against `rate_limits.message`, as Synapse does.
     check_user(&s, &s.rate_limits.message, &r.user_id)?;
     let preset = opt_str(&body, "preset")?.unwrap_or_else(|| {
@@ -764,6 +767,11 @@ pub(crate) async fn create_room(
             }
         }
     }
+    // Third-party invites last, each on its own (as Synapse: after the room exists, a
+    // failing identity server fails the request).
+    for invite in &invites_3pid {
+        crate::threepid::invite_3pid(&s, &r, &room_id, invite).await?;
+    }
     Ok(Json(json!({ "room_id": room_id })))
 }
 
@@ -1023,28 +1031,54 @@ fn target_and_reason(body: &serde_json::Map<String, Value>) -> ApiResult<(String
     Ok((user, opt_str(body, "reason")?))
 }
 
+/// `POST /rooms/{roomId}/invite` (spec: "Inviting", and "Third-party invites" when the
+/// body names `id_server`, `id_access_token`, `medium` and `address` instead of
+/// `user_id`).
 async fn invite(
     State(s): State<AppState>,
     r: Requester,
     Path(room_id): Path<String>,
     JsonObject(body): JsonObject,
 ) -> ApiResult<Json<Value>> {
+    if !body.contains_key("user_id") && body.contains_key("id_server") {
+        let invite = crate::threepid::Invite3pid::parse(&body)?;
+        valid_room_id(&room_id)?;
+        if !exempt(&s, &r.user_id) {
+            let rl = &s.rate_limits;
+            rl.invites_per_issuer.peek(&r.user_id)?;
+            rl.invites_per_room.peek(&room_id)?;
+            rl.invites_per_issuer.record(&r.user_id);
+            rl.invites_per_room.record(&room_id);
+        }
+        crate::threepid::invite_3pid(&s, &r, &room_id, &invite).await?;
+        return Ok(Json(json!({})));
+    }
     let (target, reason) = target_and_reason(&body)?;
+    invite_user(&s, &r, &room_id, &target, reason).await
+}
+
+/// Invites `target` (a local or remote user id) to `room_id` as the requester.
+pub(crate) async fn invite_user(
+    s: &AppState,
+    r: &Requester,
+    room_id: &str,
+    target: &str,
+    reason: Option<String>,
+) -> ApiResult<Json<Value>> {
     let local_suffix = format!(":{}", s.server_name());
-    if target.ends_with(&local_suffix) && !crate::appservice::local_user_exists(&s, &target).await?
-    {
+    if target.ends_with(&local_suffix) && !crate::appservice::local_user_exists(s, target).await? {
         return Err(MatrixError::not_found("Unknown user"));
     }
     // Synapse's rc_invites: per sender, per room and per invitee; all three must have
     // room before any counts.
-    if !exempt(&s, &r.user_id) {
+    if !exempt(s, &r.user_id) {
         let rl = &s.rate_limits;
         rl.invites_per_issuer.peek(&r.user_id)?;
-        rl.invites_per_room.peek(&room_id)?;
-        rl.invites_per_user.peek(&target)?;
+        rl.invites_per_room.peek(room_id)?;
+        rl.invites_per_user.peek(target)?;
         rl.invites_per_issuer.record(&r.user_id);
-        rl.invites_per_room.record(&room_id);
-        rl.invites_per_user.record(&target);
+        rl.invites_per_room.record(room_id);
+        rl.invites_per_user.record(target);
     }
     if !target.ends_with(&local_suffix) {
         let Some(fed) = s.federation.clone() else {
@@ -1052,9 +1086,9 @@ async fn invite(
                 "Inviting users on other servers needs federation, which is disabled here",
             ));
         };
-        return invite_remote(&s, &fed, &r, &room_id, &target, reason, false).await;
+        return invite_remote(s, &fed, r, room_id, target, reason, false).await;
     }
-    membership(&s, &r, &room_id, &target, "invite", reason).await?;
+    membership(s, r, room_id, target, "invite", reason).await?;
     Ok(Json(json!({})))
 }
 

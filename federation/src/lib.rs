@@ -48,6 +48,7 @@ pub mod queries;
 pub mod reads;
 pub mod sender;
 pub mod spaces;
+pub mod third_party;
 pub mod transactions;
 
 use std::{path::PathBuf, sync::Arc};
@@ -347,6 +348,14 @@ pub fn router(st: FedState) -> Router {
     let well_known = st.config.well_known_server.clone();
     let mut r = Router::new()
         .route("/_matrix/federation/v1/version", get(queries::version))
+        .route(
+            "/_matrix/federation/v1/3pid/onbind",
+            axum::routing::put(third_party::on_bind),
+        )
+        .route(
+            "/_matrix/federation/v1/exchange_third_party_invite/{room_id}",
+            axum::routing::put(third_party::exchange),
+        )
         .route(
             "/_matrix/federation/v1/query/directory",
             get(queries::directory),

@@ -761,6 +761,44 @@ pub enum Fact {
         token_hash: String,
         expires_at: u64,
     },
+    /// A validated third-party identifier was added to a local account (spec: `POST
+    /// /account/3pid/add`, or registration with a validated email). `validated_at` is
+    /// when its owner proved it (the validation session's time), `added_at` when it
+    /// was added, both ms since the epoch and set by the API (apply reads no clock).
+    /// `address` is canonical (an email in lower case). The `accounts` projection
+    /// refuses an address another account already has.
+    ThreepidAdded {
+        user_id: String,
+        medium: String,
+        address: String,
+        validated_at: u64,
+        added_at: u64,
+    },
+    /// A third-party identifier was removed from a local account (spec: `POST
+    /// /account/3pid/delete`, or account deactivation). Its identity-server binds are
+    /// forgotten with it.
+    ThreepidRemoved {
+        user_id: String,
+        medium: String,
+        address: String,
+    },
+    /// A local user bound a third-party identifier to their user id on the identity
+    /// server `id_server` (spec: `POST /account/3pid/bind`), kept so a later delete or
+    /// unbind knows which identity server to ask.
+    ThreepidBound {
+        user_id: String,
+        medium: String,
+        address: String,
+        id_server: String,
+    },
+    /// The bind of a third-party identifier on `id_server` was removed (spec: `POST
+    /// /account/3pid/unbind`, or the unbind of a delete).
+    ThreepidUnbound {
+        user_id: String,
+        medium: String,
+        address: String,
+        id_server: String,
+    },
     /// A profile field other than `displayname` and `avatar_url` (`m.tz`, or a
     /// namespaced custom key) was set (spec v1.16: `PUT /profile/{userId}/{keyName}`)
     /// or, with `value: None`, deleted (`DELETE`). The `accounts` projection refuses a

@@ -9,6 +9,11 @@
 //! - `refresh_tokens`: refresh token hash -> [`RefreshOwner`] JSON
 //! - `openid_tokens`: OpenID token hash -> [`OpenIdOwner`] JSON (expired rows stay:
 //!   apply has no clock; the API compares `expires_at` with its own)
+//! - `threepids`: user, 0x00, medium, 0x00, address -> [`Threepid`] JSON (spec: "Adding
+//!   Account Administrative Contact Information")
+//! - `threepid_owners`: medium, 0x00, address -> user id (one account per address)
+//! - `threepid_binds`: user, 0x00, medium, 0x00, address, 0x00, identity server ->
+//!   empty (the identity servers a 3PID was bound on, to unbind it later)
 //!
 //! A device's refresh tokens are listed in `device_tokens` too, as `r` + hash, so
 //! deleting the device revokes them with its access tokens.
@@ -92,6 +97,15 @@ pub struct OpenIdOwner {
     pub expires_at: u64,
 }
 
+/// A third-party identifier of an account (spec: `GET /account/3pid`).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Threepid {
+    /// When its owner proved it, ms since the Unix epoch.
+    pub validated_at: u64,
+    /// When it was added to the account, ms since the Unix epoch.
+    pub added_at: u64,
+}
+
 /// Profile fields (spec: client-server API "Profiles").
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
 pub struct Profile {
@@ -144,6 +158,9 @@ pub struct Accounts {
     profiles: Table,
     refresh_tokens: Table,
     openid_tokens: Table,
+    threepids: Table,
+    threepid_owners: Table,
+    threepid_binds: Table,
 }
 
 impl Accounts {
@@ -158,6 +175,9 @@ impl Accounts {
             profiles: db.table("accounts", "profiles")?,
             refresh_tokens: db.table("accounts", "refresh_tokens")?,
             openid_tokens: db.table("accounts", "openid_tokens")?,
+            threepids: db.table("accounts", "threepids")?,
+            threepid_owners: db.table("accounts", "threepid_owners")?,
+            threepid_binds: db.table("accounts", "threepid_binds")?,
         })
     }
 
@@ -227,6 +247,61 @@ impl Accounts {
     /// Resolves an OpenID token hash (one point read); expiry is the caller's check.
     pub fn openid_token(&self, token_hash: &str) -> Option<OpenIdOwner> {
         serde_json::from_slice(&self.openid_tokens.get(token_hash.as_bytes())?).ok()
+    }
+
+    /// The user's third-party identifiers as (medium, address, row), ordered by
+    /// medium then address.
+    pub fn threepids(&self, user_id: &str) -> Vec<(String, String, Threepid)> {
+        let prefix = key::prefix(&[user_id]);
+        self.threepids
+            .scan_prefix(&prefix, usize::MAX)
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let rest = &k[prefix.len()..];
+                let sep = rest.iter().position(|b| *b == 0)?;
+                Some((
+                    String::from_utf8_lossy(&rest[..sep]).into_owned(),
+                    String::from_utf8_lossy(&rest[sep + 1..]).into_owned(),
+                    serde_json::from_slice(&v).ok()?,
+                ))
+            })
+            .collect()
+    }
+
+    /// The local account a third-party identifier belongs to (one point read).
+    pub fn threepid_owner(&self, medium: &str, address: &str) -> Option<String> {
+        self.threepid_owners
+            .get(&key::join(&[medium, address]))
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
+    }
+
+    /// The identity servers `user_id` bound this identifier on, ordered by name.
+    pub fn threepid_binds(&self, user_id: &str, medium: &str, address: &str) -> Vec<String> {
+        let prefix = key::prefix(&[user_id, medium, address]);
+        self.threepid_binds
+            .scan_prefix(&prefix, usize::MAX)
+            .into_iter()
+            .map(|(k, _)| String::from_utf8_lossy(&k[prefix.len()..]).into_owned())
+            .collect()
+    }
+
+    /// Every (medium, address) `user_id` has bound on some identity server, ordered,
+    /// without repeats.
+    pub fn bound_threepids(&self, user_id: &str) -> Vec<(String, String)> {
+        let prefix = key::prefix(&[user_id]);
+        let mut out: Vec<(String, String)> = self
+            .threepid_binds
+            .scan_prefix(&prefix, usize::MAX)
+            .into_iter()
+            .filter_map(|(k, _)| {
+                let mut parts = k[prefix.len()..].split(|b| *b == 0);
+                let medium = String::from_utf8_lossy(parts.next()?).into_owned();
+                let address = String::from_utf8_lossy(parts.next()?).into_owned();
+                Some((medium, address))
+            })
+            .collect();
+        out.dedup();
+        out
     }
 
     /// Stages a refreshable access token and its refresh token.
@@ -322,6 +397,9 @@ impl Projection for Accounts {
             self.refresh_tokens.clone(),
             self.openid_tokens.clone(),
             self.device_seen.clone(),
+            self.threepids.clone(),
+            self.threepid_owners.clone(),
+            self.threepid_binds.clone(),
         ]
     }
 
@@ -568,6 +646,76 @@ impl Projection for Accounts {
                         user_id,
                         expires_at,
                     }),
+                );
+            }
+            Fact::ThreepidAdded {
+                user_id,
+                medium,
+                address,
+                validated_at,
+                added_at,
+            } => {
+                let owner_key = key::join(&[&medium, &address]);
+                // One account per address, even if two adds raced past the API's check:
+                // the later one is not applied.
+                if let Some(owner) = ctx.get(&self.threepid_owners, &owner_key)
+                    && owner.as_slice() != user_id.as_bytes()
+                {
+                    return Ok(());
+                }
+                ctx.put(
+                    &self.threepid_owners,
+                    owner_key,
+                    user_id.clone().into_bytes(),
+                );
+                ctx.put(
+                    &self.threepids,
+                    key::join(&[&user_id, &medium, &address]),
+                    json(&Threepid {
+                        validated_at,
+                        added_at,
+                    }),
+                );
+            }
+            Fact::ThreepidRemoved {
+                user_id,
+                medium,
+                address,
+            } => {
+                let owner_key = key::join(&[&medium, &address]);
+                if ctx
+                    .get(&self.threepid_owners, &owner_key)
+                    .is_some_and(|o| o.as_slice() == user_id.as_bytes())
+                {
+                    ctx.delete(&self.threepid_owners, owner_key);
+                }
+                ctx.delete(&self.threepids, key::join(&[&user_id, &medium, &address]));
+                let prefix = key::prefix(&[&user_id, &medium, &address]);
+                for (k, _) in ctx.scan_prefix(&self.threepid_binds, &prefix) {
+                    ctx.delete(&self.threepid_binds, k);
+                }
+            }
+            Fact::ThreepidBound {
+                user_id,
+                medium,
+                address,
+                id_server,
+            } => {
+                ctx.put(
+                    &self.threepid_binds,
+                    key::join(&[&user_id, &medium, &address, &id_server]),
+                    Vec::new(),
+                );
+            }
+            Fact::ThreepidUnbound {
+                user_id,
+                medium,
+                address,
+                id_server,
+            } => {
+                ctx.delete(
+                    &self.threepid_binds,
+                    key::join(&[&user_id, &medium, &address, &id_server]),
                 );
             }
             _ => {}
