@@ -153,7 +153,7 @@ impl AppServiceSender {
         (typing, presence): (spindle_api::typing::Typing, spindle_api::presence::Presence),
         shutdown: tokio::sync::watch::Receiver<bool>,
     ) -> Result<AppServiceSender, String> {
-        let cursors = Cursors::open(consumers_dir, "appservice")?;
+        let cursors = journal.cursors(consumers_dir, "appservice")?;
         let sender = AppServiceSender {
             journal,
             projections,

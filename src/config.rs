@@ -817,6 +817,23 @@ pub struct JournalConfig {
     /// one is also in the journal's on-disk index, so a retry of an older one still
     /// gets its first answer (one index read and one record read).
     pub txn_ids_cached: usize,
+    /// Where the journal lives: `embedded` (the default: fjall in `<data_dir>/journal`,
+    /// fsync before acknowledgement) or `nats` (a NATS JetStream stream several Spindle
+    /// processes share, `[journal.nats]`; docs/scale-out.md).
+    pub backend: JournalBackend,
+    /// The JetStream stream and this process's part in it (`backend = "nats"` only).
+    pub nats: spindle_journal::NatsOptions,
+}
+
+/// `journal.backend`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum JournalBackend {
+    /// The embedded fjall journal.
+    #[default]
+    Embedded,
+    /// A NATS JetStream stream ([`spindle_journal::nats`]).
+    Nats,
 }
 
 impl Default for JournalConfig {
@@ -824,6 +841,8 @@ impl Default for JournalConfig {
         JournalConfig {
             snapshot_every_records: spindle_journal::snapshot::DEFAULT_SNAPSHOT_EVERY_RECORDS,
             txn_ids_cached: spindle_journal::txn::DEFAULT_TXN_IDS_CACHED,
+            backend: JournalBackend::Embedded,
+            nats: spindle_journal::NatsOptions::default(),
         }
     }
 }
@@ -968,6 +987,9 @@ impl Config {
                 spindle_projections::search::WRITER_HEAP_BYTES_MIN,
                 self.search.writer_heap_bytes
             ));
+        }
+        if self.journal.backend == JournalBackend::Nats {
+            self.journal.nats.validate()?;
         }
         if self.storage.memtable_bytes < spindle_journal::StorageMemory::MEMTABLE_MIN {
             return Err(format!(

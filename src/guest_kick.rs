@@ -21,7 +21,7 @@ use std::path::Path;
 
 use spindle_journal::{
     CommandBody, CommandEnvelope, EventSpec, Journal, MembershipPrecondition, SignedCommand,
-    StoredRecord, consumer::Cursors,
+    StoredRecord,
 };
 use spindle_projections::Projections;
 
@@ -58,7 +58,7 @@ pub(crate) fn start(
     consumers_dir: &Path,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> Result<(), String> {
-    let mut cursors = Cursors::open(consumers_dir, "guest-kick")?;
+    let mut cursors = journal.cursors(consumers_dir, "guest-kick")?;
     let start = cursors.get("").unwrap_or_else(|| journal.durable_head());
     let seen = cursors.get(GUESTS_SEEN);
     tokio::spawn(async move {

@@ -99,24 +99,39 @@ impl Server {
             spindle_federation::load_or_create_key(&config.data_dir, &config.server_name)
                 .map_err(|e| anyhow!(e))?,
         );
-        let store = FjallStore::open_with(&config.data_dir.join("journal"), config.storage)
-            .map_err(|e| anyhow!(e))
-            .with_context(|| {
-                format!(
-                    "opening the journal in {} (is another spindle using this data_dir?)",
-                    config.data_dir.display()
-                )
-            })?;
-        let journal = Journal::open_with(
-            Arc::new(store),
-            key.clone(),
-            spindle_journal::JournalOptions {
-                fork_window: config.federation.fork_window,
-                snapshot_every_records: config.journal.snapshot_every_records,
-                txn_ids_cached: config.journal.txn_ids_cached,
-            },
-        )
-        .map_err(|e| anyhow!(e.to_string()))?;
+        let options = spindle_journal::JournalOptions {
+            fork_window: config.federation.fork_window,
+            snapshot_every_records: config.journal.snapshot_every_records,
+            txn_ids_cached: config.journal.txn_ids_cached,
+        };
+        let journal_dir = config.data_dir.join("journal");
+        let journal = match config.journal.backend {
+            config::JournalBackend::Embedded => {
+                let store = FjallStore::open_with(&journal_dir, config.storage)
+                    .map_err(|e| anyhow!(e))
+                    .with_context(|| {
+                        format!(
+                            "opening the journal in {} (is another spindle using this data_dir?)",
+                            config.data_dir.display()
+                        )
+                    })?;
+                Journal::open_with(Arc::new(store), key.clone(), options)
+                    .map_err(|e| anyhow!(e.to_string()))?
+            }
+            config::JournalBackend::Nats => {
+                // Connecting and copying the stream's new records block: off the runtime.
+                let nats = config.journal.nats.clone();
+                let memory = config.storage;
+                let store = tokio::task::spawn_blocking(move || {
+                    spindle_journal::NatsStore::open(&journal_dir, memory, nats)
+                })
+                .await?
+                .map_err(|e| anyhow!(e))
+                .context("opening the journal's JetStream stream (journal.backend = \"nats\")")?;
+                Journal::open_shared(Arc::new(store), key.clone(), options)
+                    .map_err(|e| anyhow!(e.to_string()))?
+            }
+        };
         let projections = Projections::start_with(
             &config.data_dir.join("projections"),
             journal.clone(),
@@ -231,22 +246,6 @@ impl Server {
         spindle_api::appservice::register_senders(&state)
             .await
             .map_err(|e| anyhow!("registering application service senders: {}", e.error))?;
-        let appservice_sender = if appservices.is_empty() {
-            None
-        } else {
-            Some(
-                appservice::AppServiceSender::start(
-                    journal.clone(),
-                    projections.clone(),
-                    appservices.clone(),
-                    config.appservices.clone(),
-                    &config.data_dir.join("consumers"),
-                    (state.typing.clone(), state.presence.clone()),
-                    shutdown_rx.clone(),
-                )
-                .map_err(|e| anyhow!("appservices: {e}"))?,
-            )
-        };
         let fed = spindle_federation::FedState::new(
             key.clone(),
             journal.clone(),
@@ -273,66 +272,73 @@ impl Server {
         } else {
             spindle_federation::key_routes(fed.clone())
         };
-        let sender = if config.federation.enabled {
-            Some(
-                spindle_federation::sender::FederationSender::start(
-                    fed.clone(),
-                    &config.data_dir.join("consumers"),
-                )
-                .map_err(|e| anyhow!("federation sender: {e}"))?,
-            )
-        } else {
-            None
-        };
-        if config.federation.enabled {
-            // Rooms joined with partial state before a restart go on fetching their
-            // members (MSC3902).
-            let fed = fed.clone();
-            tokio::spawn(async move { spindle_federation::partial::resume(&fed).await });
-        }
-        if let Some(sender) = &sender {
-            tokio::spawn(federation_edus::run_feed(
-                sender.clone(),
-                state.typing.clone(),
-                state.presence.clone(),
-                config.server_name.clone(),
-                config.federation.presence && config.presence.enabled,
-                shutdown_rx.clone(),
-            ));
-        }
-        let push_sender = if config.push.enabled {
-            Some(
-                push_gateway::PushSender::start(
-                    journal.clone(),
-                    projections.clone(),
-                    config.push.clone(),
-                    &config.data_dir.join("consumers"),
-                    shutdown_rx.clone(),
-                )
-                .map_err(|e| anyhow!("push: {e}"))?,
-            )
-        } else {
-            None
-        };
-        // Always on: guests registered while `allow_guest_access` was on are still
-        // guests after it is turned off.
-        guest_kick::start(
-            journal.clone(),
-            projections.clone(),
-            config.server_name.clone(),
-            &config.data_dir.join("consumers"),
-            shutdown_rx.clone(),
-        )
-        .map_err(|e| anyhow!("guest-kick: {e}"))?;
         let state = if config.federation.enabled {
             state.with_federation(fed.clone())
         } else {
             state
         };
-        tokio::spawn(spindle_api::delayed::run_worker(
-            state.clone(),
-            shutdown_rx.clone(),
-        ));
+        // The consumers that act on the world run once per deployment: always with the
+        // embedded journal; with a shared one on the process holding the writer lease,
+        // started when it wins it (their cursors are shared, see `Journal::cursors`).
+        let outbound = match config.journal.backend {
+            config::JournalBackend::Embedded => start_outbound(
+                &config,
+                &journal,
+                &projections,
+                &appservices,
+                &state,
+                &fed,
+                &shutdown_rx,
+            )?,
+            config::JournalBackend::Nats => {
+                let (config, journal, projections, appservices, state, fed, shutdown_rx) = (
+                    config.clone(),
+                    journal.clone(),
+                    projections.clone(),
+                    appservices.clone(),
+                    state.clone(),
+                    fed.clone(),
+                    shutdown_rx.clone(),
+                );
+                tokio::spawn(async move {
+                    let mut shutdown = shutdown_rx.clone();
+                    while journal.is_writer() != Some(true) {
+                        tokio::select! {
+                            _ = tokio::time::sleep(std::time::Duration::from_millis(200)) => {}
+                            _ = shutdown.changed() => return,
+                        }
+                    }
+                    // Retried: a NATS cluster still electing leaders times out the
+                    // cursor stream's creation.
+                    loop {
+                        match start_outbound(
+                            &config,
+                            &journal,
+                            &projections,
+                            &appservices,
+                            &state,
+                            &fed,
+                            &shutdown_rx,
+                        ) {
+                            Ok(outbound) => {
+                                tracing::info!("outbound consumers started on the journal writer");
+                                let _ = shutdown.wait_for(|v| *v).await;
+                                drop(outbound);
+                                return;
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "starting the outbound consumers failed; retrying");
+                                tokio::select! {
+                                    _ = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
+                                    _ = shutdown.changed() => return,
+                                }
+                            }
+                        }
+                    }
+                });
+                Outbound::default()
+            }
+        };
         let app = spindle_api::router(state.clone())
             .merge(ops::router(state.clone(), config.data_dir.clone()))
             .merge(fed_routes);
@@ -417,10 +423,10 @@ impl Server {
             wake_long_polls: shutdown_tx,
             task,
             tls,
-            federation_sender: sender,
+            federation_sender: outbound.federation_sender,
             federation: fed,
-            push_sender,
-            appservice_sender,
+            push_sender: outbound.push_sender,
+            appservice_sender: outbound.appservice_sender,
         })
     }
 
@@ -428,6 +434,8 @@ impl Server {
     /// in-flight requests (at most 10 s).
     pub async fn stop(mut self) {
         let _ = self.wake_long_polls.send(true);
+        // A shared journal's writer hands the lease over now, not after its ttl.
+        self.journal.step_down().await;
         if let Some(h) = &self.tls {
             h.graceful_shutdown(Some(std::time::Duration::from_secs(10)));
         }
@@ -445,6 +453,103 @@ impl Server {
             self.task.abort();
         }
     }
+}
+
+/// The consumers that act on the world: federation sender (and its EDU feed, the
+/// partial-state resumption), push delivery, application-service transactions, the
+/// guest kicker and the delayed-events worker.
+#[derive(Default)]
+struct Outbound {
+    federation_sender: Option<spindle_federation::sender::FederationSender>,
+    push_sender: Option<push_gateway::PushSender>,
+    appservice_sender: Option<appservice::AppServiceSender>,
+}
+
+fn start_outbound(
+    config: &Config,
+    journal: &Journal,
+    projections: &Projections,
+    appservices: &Arc<spindle_api::appservice::AppServices>,
+    state: &spindle_api::AppState,
+    fed: &spindle_federation::FedState,
+    shutdown_rx: &tokio::sync::watch::Receiver<bool>,
+) -> anyhow::Result<Outbound> {
+    let appservice_sender = if appservices.is_empty() {
+        None
+    } else {
+        Some(
+            appservice::AppServiceSender::start(
+                journal.clone(),
+                projections.clone(),
+                appservices.clone(),
+                config.appservices.clone(),
+                &config.data_dir.join("consumers"),
+                (state.typing.clone(), state.presence.clone()),
+                shutdown_rx.clone(),
+            )
+            .map_err(|e| anyhow!("appservices: {e}"))?,
+        )
+    };
+    let sender = if config.federation.enabled {
+        Some(
+            spindle_federation::sender::FederationSender::start(
+                fed.clone(),
+                &config.data_dir.join("consumers"),
+            )
+            .map_err(|e| anyhow!("federation sender: {e}"))?,
+        )
+    } else {
+        None
+    };
+    if config.federation.enabled {
+        // Rooms joined with partial state before a restart go on fetching their
+        // members (MSC3902).
+        let fed = fed.clone();
+        tokio::spawn(async move { spindle_federation::partial::resume(&fed).await });
+    }
+    if let Some(sender) = &sender {
+        tokio::spawn(federation_edus::run_feed(
+            sender.clone(),
+            state.typing.clone(),
+            state.presence.clone(),
+            config.server_name.clone(),
+            config.federation.presence && config.presence.enabled,
+            shutdown_rx.clone(),
+        ));
+    }
+    let push_sender = if config.push.enabled {
+        Some(
+            push_gateway::PushSender::start(
+                journal.clone(),
+                projections.clone(),
+                config.push.clone(),
+                &config.data_dir.join("consumers"),
+                shutdown_rx.clone(),
+            )
+            .map_err(|e| anyhow!("push: {e}"))?,
+        )
+    } else {
+        None
+    };
+    // Always on: guests registered while `allow_guest_access` was on are still
+    // guests after it is turned off.
+    guest_kick::start(
+        journal.clone(),
+        projections.clone(),
+        config.server_name.clone(),
+        &config.data_dir.join("consumers"),
+        shutdown_rx.clone(),
+    )
+    .map_err(|e| anyhow!("guest-kick: {e}"))?;
+    tokio::spawn(spindle_api::delayed::run_worker(
+        state.clone(),
+        shutdown_rx.clone(),
+    ));
+    Ok(Outbound {
+        federation_sender: sender,
+        push_sender,
+        appservice_sender,
+    })
 }
 
 /// Serves `GET /metrics` (Prometheus text format) on its own listener.

@@ -146,7 +146,7 @@ impl PushSender {
             .user_agent(concat!("Spindle/", env!("CARGO_PKG_VERSION")))
             .build()
             .map_err(|e| e.to_string())?;
-        let cursors = Cursors::open(consumers_dir, "push-gateway")?;
+        let cursors = journal.cursors(consumers_dir, "push-gateway")?;
         let start = cursors.get("").unwrap_or_else(|| journal.durable_head());
         let stored: Vec<(String, u64)> = cursors
             .all()

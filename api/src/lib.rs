@@ -66,6 +66,11 @@ pub use error::{ApiResult, MatrixError};
 /// How long a request waits for the projections to catch up with acknowledged writes.
 pub const READ_YOUR_WRITES_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a request carrying a token from another process of a shared journal
+/// (`journal.backend = "nats"`) waits for this process to reach it before the token is
+/// refused as being from the future.
+pub const SHARED_JOURNAL_TOKEN_WAIT: Duration = Duration::from_secs(10);
+
 /// Longest a request that needs a room's full state (`/members`, `/joined_members`,
 /// the whole `/state`, a remote member's event, a membership change of a remote user)
 /// waits while the state is partial ([`AppState::wait_for_full_state`]); Synapse waits

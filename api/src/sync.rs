@@ -1503,7 +1503,14 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
         .unwrap_or(0)
         .min(s.config.max_sync_timeout_ms);
     if let Some(since) = since {
-        if since.0 > s.journal.durable_head() {
+        // With a shared journal the token may come from another process that is a few
+        // records ahead of this one: wait for them (read-your-writes across processes).
+        if since.0 > s.journal.durable_head()
+            && !s
+                .journal
+                .wait_for_head(since.0, crate::SHARED_JOURNAL_TOKEN_WAIT)
+                .await
+        {
             return Err(MatrixError::invalid_param("since token is from the future"));
         }
         if timeout > 0 && !full_state {

@@ -105,7 +105,7 @@ impl FederationSender {
     /// Starts the sender: a worker per destination with a stored cursor, and the
     /// dispatcher. Errors if the cursor file cannot be read.
     pub fn start(st: FedState, consumers_dir: &Path) -> Result<FederationSender, String> {
-        let cursors = Cursors::open(consumers_dir, "federation-sender")?;
+        let cursors = st.journal.cursors(consumers_dir, "federation-sender")?;
         let start = cursors.get("").unwrap_or_else(|| st.journal.durable_head());
         let stored: Vec<(String, u64)> = cursors
             .all()

@@ -185,8 +185,9 @@ pub struct CommandEnvelope {
     pub body: CommandBody,
 }
 
-/// A command with the server key's signature over its canonical JSON.
-#[derive(Debug, Clone)]
+/// A command with the server key's signature over its canonical JSON. Serializable:
+/// a process of a shared journal forwards it to the writer as it is ([`crate::nats`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SignedCommand {
     /// The signed envelope.
     pub envelope: CommandEnvelope,

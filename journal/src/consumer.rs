@@ -20,8 +20,17 @@ use crate::{Journal, JournalError, StoredRecord};
 
 /// The durable cursors of one consumer: name -> journal position done.
 pub struct Cursors {
-    path: PathBuf,
+    backing: Backing,
     map: BTreeMap<String, u64>,
+}
+
+/// Where a consumer's cursors are kept.
+enum Backing {
+    /// `<dir>/<consumer>.json`.
+    File(PathBuf),
+    /// Key `<consumer>` of the shared journal's cursor bucket ([`crate::nats`]): the
+    /// process that takes the writer lease over resumes where the last one stopped.
+    Shared(std::sync::Arc<crate::NatsStore>, String),
 }
 
 impl Cursors {
@@ -37,7 +46,26 @@ impl Cursors {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => BTreeMap::new(),
             Err(e) => return Err(format!("{}: {e}", path.display())),
         };
-        Ok(Cursors { path, map })
+        Ok(Cursors {
+            backing: Backing::File(path),
+            map,
+        })
+    }
+
+    /// Loads a consumer's cursors from a shared journal's cursor bucket.
+    fn open_shared(
+        store: std::sync::Arc<crate::NatsStore>,
+        consumer: &str,
+    ) -> Result<Cursors, String> {
+        let map = match store.cursor_get(consumer)? {
+            Some(bytes) => serde_json::from_slice(&bytes)
+                .map_err(|e| format!("cursors of {consumer} in the shared bucket: {e}"))?,
+            None => BTreeMap::new(),
+        };
+        Ok(Cursors {
+            backing: Backing::Shared(store, consumer.to_owned()),
+            map,
+        })
     }
 
     /// Every cursor.
@@ -50,20 +78,35 @@ impl Cursors {
         self.map.get(name).copied()
     }
 
-    /// Sets a cursor and writes the file durably before returning.
+    /// Sets a cursor and writes it durably before returning (the file, fsynced; or the
+    /// shared bucket, acknowledged).
     pub fn set(&mut self, name: &str, position: u64) -> Result<(), String> {
         self.map.insert(name.to_owned(), position);
-        let tmp = self.path.with_extension("json.tmp");
         let bytes = serde_json::to_vec(&self.map).map_err(|e| e.to_string())?;
+        let path = match &self.backing {
+            Backing::File(path) => path,
+            Backing::Shared(store, consumer) => return store.cursor_put(consumer, bytes),
+        };
+        let tmp = path.with_extension("json.tmp");
         let mut f = std::fs::File::create(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
         f.write_all(&bytes)
             .and_then(|_| f.sync_all())
             .map_err(|e| format!("{}: {e}", tmp.display()))?;
-        std::fs::rename(&tmp, &self.path).map_err(|e| format!("{}: {e}", self.path.display()))
+        std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))
     }
 }
 
 impl Journal {
+    /// A consumer's cursors: `<dir>/<consumer>.json` with the embedded journal; with a
+    /// shared one ([`crate::nats`]) the stream's cursor bucket, so whichever process
+    /// runs the consumer resumes where the last one stopped.
+    pub fn cursors(&self, dir: &Path, consumer: &str) -> Result<Cursors, String> {
+        match self.shared_store() {
+            Some(store) => Cursors::open_shared(store, consumer),
+            None => Cursors::open(dir, consumer),
+        }
+    }
+
     /// Waits until the durable head passes `after`, then reads up to `limit` records
     /// after it. Returns an empty batch only when the journal stops.
     pub async fn next_after(

@@ -13,10 +13,12 @@
 
 pub mod blobs;
 pub mod chain;
+mod cluster;
 pub mod command;
 pub mod consumer;
 pub mod fork;
 pub mod migrate;
+pub mod nats;
 pub mod record;
 pub mod remote;
 pub mod snapshot;
@@ -43,6 +45,7 @@ pub use chain::{BreakKind, ChainBreak, ChainHead};
 pub use command::{
     CommandBody, CommandEnvelope, EventSpec, KeyClaimRequest, MembershipPrecondition, SignedCommand,
 };
+pub use nats::{NatsOptions, NatsStore};
 pub use record::{
     Fact, GENESIS_HASH, KeyClaim, RECORD_FORMAT, Record, RecordKind, RemoteDevice,
     RemoteDeviceUpdate, RemoteSigningKeys, SignatureAdded, StoredRecord, record_hash,
@@ -714,6 +717,9 @@ enum ToAppender {
     Hold,
     /// The run that sent the matching [`ToAppender::Hold`] is enqueued.
     Release,
+    /// This process took the writer lease of a shared journal ([`nats`]): the next
+    /// record follows this head (records other processes appended meanwhile).
+    Rebase(ChainHead),
 }
 
 /// Records the appender writes with one fsync at most when no batch holds it (group
@@ -870,6 +876,11 @@ struct Inner {
     /// nanoseconds; never across I/O) so the appender receives records in order.
     enqueue: parking_lot::Mutex<(u64, std::sync::mpsc::Sender<ToAppender>)>,
     durable: watch::Receiver<u64>,
+    /// Publishes the durable head: the appender after each fsync, and a follower of a
+    /// shared journal after each record it applied ([`nats`]).
+    durable_tx: Arc<watch::Sender<u64>>,
+    /// Set when the journal lives in a JetStream stream shared with other processes.
+    cluster: Option<cluster::Cluster>,
     stats: Arc<JournalStats>,
     /// Size of each federated room's fork window ([`JournalOptions::fork_window`]).
     fork_window: usize,
@@ -958,6 +969,31 @@ impl Journal {
         key: Arc<ServerKey>,
         options: JournalOptions,
     ) -> Result<Journal, JournalError> {
+        Self::open_inner(store, key, options, None)
+    }
+
+    /// Opens a journal kept in a JetStream stream shared with other Spindle processes
+    /// ([`nats`]): restores the write models from the store's local mirror as
+    /// [`Journal::open_with`] does, then follows the stream (applying what other
+    /// processes append) and competes for the writer lease. Until this process holds
+    /// the lease, [`Journal::submit`] forwards each command to the process that does.
+    /// Must be called inside a tokio runtime (the lease and forwarding tasks run on it).
+    pub fn open_shared(
+        store: Arc<NatsStore>,
+        key: Arc<ServerKey>,
+        options: JournalOptions,
+    ) -> Result<Journal, JournalError> {
+        let journal = Self::open_inner(store.clone(), key, options, Some(store))?;
+        journal.start_following().map_err(JournalError::Storage)?;
+        Ok(journal)
+    }
+
+    fn open_inner(
+        store: Arc<dyn JournalStore>,
+        key: Arc<ServerKey>,
+        options: JournalOptions,
+        shared: Option<Arc<NatsStore>>,
+    ) -> Result<Journal, JournalError> {
         let cap = options.fork_window;
         let stats = Arc::new(JournalStats::default());
         let opened = std::time::Instant::now();
@@ -1026,12 +1062,14 @@ impl Journal {
         } = models;
         let head = chain_head.position;
         let (durable_tx, durable_rx) = watch::channel(head);
+        let durable_tx = Arc::new(durable_tx);
         let (tx, rx) = std::sync::mpsc::channel::<ToAppender>();
         let recent = Arc::new(RecentRecords::default());
         {
             let store = store.clone();
             let stats = stats.clone();
             let recent = recent.clone();
+            let durable_tx = durable_tx.clone();
             let snapshots = snapshot::Background::new(every, last_snapshot, cap);
             std::thread::Builder::new()
                 .name("journal-appender".into())
@@ -1061,6 +1099,8 @@ impl Journal {
                 to_device_send: parking_lot::Mutex::new(()),
                 enqueue: parking_lot::Mutex::new((head, tx)),
                 durable: durable_rx,
+                durable_tx,
+                cluster: shared.map(|store| cluster::Cluster::new(store, chain_head)),
                 stats,
                 fork_window: cap,
             }),
@@ -1213,6 +1253,20 @@ impl Journal {
     /// Verifies, authorizes and durably appends a command. Returns once the records
     /// are fsynced.
     pub async fn submit(&self, cmd: SignedCommand) -> Result<Outcome, JournalError> {
+        if self.forwards() {
+            return self
+                .forward(std::slice::from_ref(&cmd))
+                .await?
+                .pop()
+                .unwrap_or_else(|| {
+                    Err(JournalError::Storage("the writer answered nothing".into()))
+                });
+        }
+        self.submit_here(cmd).await
+    }
+
+    /// [`Journal::submit`] on this process's own write models.
+    pub(crate) async fn submit_here(&self, cmd: SignedCommand) -> Result<Outcome, JournalError> {
         let staged = self.stage(&cmd).await?;
         self.finish(staged).await
     }
@@ -1234,6 +1288,23 @@ impl Journal {
     /// accepted command's result into [`JournalError::Storage`]. With no accepted
     /// command nothing is written (no fsync).
     pub async fn submit_batch(
+        &self,
+        cmds: Vec<SignedCommand>,
+    ) -> Vec<Result<Outcome, JournalError>> {
+        if self.forwards() {
+            let n = cmds.len();
+            return match self.forward(&cmds).await {
+                Ok(results) => results,
+                Err(e) => (0..n)
+                    .map(|_| Err(JournalError::Storage(e.to_string())))
+                    .collect(),
+            };
+        }
+        self.submit_batch_here(cmds).await
+    }
+
+    /// [`Journal::submit_batch`] on this process's own write models.
+    pub(crate) async fn submit_batch_here(
         &self,
         cmds: Vec<SignedCommand>,
     ) -> Vec<Result<Outcome, JournalError>> {
@@ -2124,7 +2195,7 @@ impl Journal {
 fn appender(
     store: Arc<dyn JournalStore>,
     rx: std::sync::mpsc::Receiver<ToAppender>,
-    durable: watch::Sender<u64>,
+    durable: Arc<watch::Sender<u64>>,
     stats: Arc<JournalStats>,
     mut chain: ChainHead,
     mut snapshots: snapshot::Background,
@@ -2159,6 +2230,15 @@ fn appender(
                     if holds == 1 && !records.is_empty() {
                         break;
                     }
+                }
+                Some(ToAppender::Rebase(head)) => {
+                    if !records.is_empty() {
+                        tracing::error!(
+                            "journal appender: a rebase with records pending; aborting"
+                        );
+                        std::process::abort();
+                    }
+                    chain = head;
                 }
                 Some(ToAppender::Release) => {
                     if holds == 0 {

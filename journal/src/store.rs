@@ -247,6 +247,28 @@ impl FjallStore {
         }
     }
 
+    /// Writes records as [`JournalStore::append`] does; with `sync` false the write is
+    /// not fsynced (the JetStream backend's local mirror, whose authority is the stream).
+    pub fn append_with(&self, records: &[EncodedRecord], sync: bool) -> Result<(), String> {
+        let mut batch = self.db.batch();
+        for r in records {
+            batch.insert(&self.records, r.position.to_be_bytes(), r.bytes.as_slice());
+            if let Some(room) = &r.room_id {
+                batch.insert(&self.room_log, room_key(room, r.position), b"");
+            }
+            if let Some(k) = &r.txn_key {
+                batch.insert(&self.txn_ids, k.as_slice(), r.position.to_be_bytes());
+            }
+        }
+        batch.commit().map_err(|e| e.to_string())?;
+        if !sync {
+            return Ok(());
+        }
+        self.db
+            .persist(PersistMode::SyncAll)
+            .map_err(|e| e.to_string())
+    }
+
     /// Writes the format marker durably (migration writes it last).
     pub fn set_format(&self, format: u16) -> Result<(), String> {
         self.meta
@@ -280,20 +302,7 @@ impl JournalStore for FjallStore {
     }
 
     fn append(&self, records: &[EncodedRecord]) -> Result<(), String> {
-        let mut batch = self.db.batch();
-        for r in records {
-            batch.insert(&self.records, r.position.to_be_bytes(), r.bytes.as_slice());
-            if let Some(room) = &r.room_id {
-                batch.insert(&self.room_log, room_key(room, r.position), b"");
-            }
-            if let Some(k) = &r.txn_key {
-                batch.insert(&self.txn_ids, k.as_slice(), r.position.to_be_bytes());
-            }
-        }
-        batch.commit().map_err(|e| e.to_string())?;
-        self.db
-            .persist(PersistMode::SyncAll)
-            .map_err(|e| e.to_string())
+        self.append_with(records, true)
     }
 
     fn read_raw_after(&self, after: u64, limit: usize) -> Result<Vec<(u64, Vec<u8>)>, String> {
