@@ -1199,7 +1199,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 172);
+        assert_eq!(want.len(), 180);
     }
 
     #[test]

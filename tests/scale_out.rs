@@ -404,3 +404,167 @@ async fn a_three_node_cluster_loses_no_acknowledged_event_when_a_node_dies() {
     }
     b.stop().await;
 }
+
+/// A Spindle binary (its own process, so it can be SIGKILLed) on the shared journal.
+struct Proc {
+    config: std::path::PathBuf,
+    data: std::path::PathBuf,
+    base: String,
+    child: Option<Child>,
+}
+
+impl Proc {
+    fn new(root: &Path, name: &str, nats: &str, stream: &str) -> Proc {
+        let port = free_port();
+        let data = root.join(name);
+        let config = root.join(format!("{name}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "server_name = \"localhost:8008\"\nbind = \"127.0.0.1:{port}\"\ndata_dir = \"{}\"\n\n\
+                 [rate_limits]\nenabled = false\n\n[journal]\nbackend = \"nats\"\n\n\
+                 [journal.nats]\nservers = [\"{nats}\"]\nstream = \"{stream}\"\nlease_ttl_ms = 3000\n",
+                data.display()
+            ),
+        )
+        .unwrap();
+        Proc {
+            config,
+            data,
+            base: format!("http://127.0.0.1:{port}"),
+            child: None,
+        }
+    }
+
+    async fn start(&mut self) {
+        self.child = Some(
+            Command::new(env!("CARGO_BIN_EXE_spindle"))
+                .arg("--config")
+                .arg(&self.config)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start spindle"),
+        );
+        let http = http();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            if let Ok(r) = http
+                .get(format!("{}/_matrix/client/versions", self.base))
+                .send()
+                .await
+                && r.status().is_success()
+            {
+                return;
+            }
+            assert!(Instant::now() < deadline, "spindle did not start");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Sends with one transaction id until a send is acknowledged (a send in flight when
+/// the writer died is retried with the same id, as a client does).
+async fn send_until_acked(c: &Client, room: &str, txn: &str, body: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        // Not through `Client::request`: a 503 while no writer answers is expected here.
+        let r = c
+            .http
+            .put(format!(
+                "{}/_matrix/client/v3/rooms/{}/send/m.room.message/{txn}",
+                c.base,
+                enc(room)
+            ))
+            .bearer_auth(c.token.as_deref().unwrap())
+            .json(&json!({"msgtype": "m.text", "body": body}))
+            .send()
+            .await;
+        if let Ok(r) = r {
+            let status = r.status().as_u16();
+            let v: serde_json::Value = r.json().await.unwrap_or_default();
+            if status == 200 {
+                return v["event_id"].as_str().unwrap().to_owned();
+            }
+            assert!(
+                status == 503 || status == 502,
+                "only 'no writer yet' may fail a send: {status} {v}"
+            );
+        }
+        assert!(Instant::now() < deadline, "send {txn} never acknowledged");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sigkill_of_the_writer_during_writes_loses_no_acknowledged_event() {
+    logs();
+    let nats = nats_node("n1", None, None);
+    let root = tempfile::tempdir().unwrap();
+    let mut a = Proc::new(root.path(), "a", &url(&nats), "s4");
+    a.start().await;
+    let mut b = Proc::new(root.path(), "b", &url(&nats), "s4");
+    std::fs::create_dir_all(&b.data).unwrap();
+    std::fs::copy(a.data.join("signing.key"), b.data.join("signing.key")).unwrap();
+    b.start().await;
+
+    let http = http();
+    let alice = register(&a.base, &http, "alice").await;
+    let room = alice.create_room(json!({})).await;
+    let alice_b = login(&b.base, &http, "alice", None).await;
+    // Writes through both; the writer (A, first to start) is killed half-way.
+    let mut acked = Vec::new();
+    for i in 0..10 {
+        acked.push(send_until_acked(&alice, &room, &format!("a{i}"), &format!("a{i}")).await);
+        acked.push(send_until_acked(&alice_b, &room, &format!("b{i}"), &format!("b{i}")).await);
+    }
+    let killer = async {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        a.kill();
+    };
+    let writes = async {
+        let mut ids = Vec::new();
+        for i in 10..40 {
+            ids.push(send_until_acked(&alice_b, &room, &format!("b{i}"), &format!("b{i}")).await);
+        }
+        ids
+    };
+    let ((), more) = tokio::join!(killer, writes);
+    acked.extend(more);
+
+    // Every acknowledged event is in B's timeline exactly once, in the order acked.
+    let tl = timeline(&alice_b, &room).await;
+    let positions: Vec<usize> = acked
+        .iter()
+        .map(|id| {
+            assert_eq!(tl.iter().filter(|x| *x == id).count(), 1, "{id} once");
+            tl.iter().position(|x| x == id).unwrap()
+        })
+        .collect();
+    assert!(
+        positions.windows(2).all(|w| w[0] < w[1]),
+        "acked order kept"
+    );
+
+    // A restarts on its own data directory: it copies what it missed into its mirror,
+    // follows B, and serves the same timeline.
+    a.start().await;
+    let alice_a = login(&a.base, &http, "alice", None).await;
+    assert_eq!(timeline(&alice_a, &room).await, tl);
+    let last = send_until_acked(&alice_a, &room, "after-restart", "after").await;
+    let tl_b = timeline(&alice_b, &room).await;
+    assert_eq!(tl_b.last(), Some(&last));
+}

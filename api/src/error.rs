@@ -134,6 +134,9 @@ impl From<JournalError> for MatrixError {
                 format!("Room version {v} is not supported"),
             ),
             JournalError::MediaExists(_) => crate::media::cannot_overwrite(),
+            JournalError::Unavailable(m) => {
+                MatrixError::new(StatusCode::SERVICE_UNAVAILABLE, "M_UNKNOWN", m.clone())
+            }
             JournalError::BadSignature | JournalError::Storage(_) => {
                 MatrixError::internal(e.to_string())
             }

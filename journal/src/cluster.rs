@@ -122,6 +122,7 @@ impl WireResult {
                     JournalError::Storage(m) => ("storage", m.clone()),
                     JournalError::MissingPrevEvents(m) => ("missing_prev_events", m.clone()),
                     JournalError::MediaExists(m) => ("media_exists", m.clone()),
+                    JournalError::Unavailable(m) => ("unavailable", m.clone()),
                 };
                 WireResult::Err {
                     kind: kind.into(),
@@ -167,6 +168,7 @@ impl WireResult {
                 "bad_signature" => JournalError::BadSignature,
                 "missing_prev_events" => JournalError::MissingPrevEvents(message),
                 "media_exists" => JournalError::MediaExists(message),
+                "unavailable" => JournalError::Unavailable(message),
                 _ => JournalError::Storage(message),
             }),
         }
@@ -276,8 +278,8 @@ impl Journal {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
                 Err(e) => {
-                    return Err(JournalError::Storage(format!(
-                        "forwarding to the journal writer: {e}"
+                    return Err(JournalError::Unavailable(format!(
+                        "the journal writer did not answer: {e}; try again"
                     )));
                 }
             }

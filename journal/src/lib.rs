@@ -93,6 +93,10 @@ pub enum JournalError {
     /// The media id already has content: 409 `M_CANNOT_OVERWRITE_MEDIA`.
     #[error("media {0} has already been uploaded")]
     MediaExists(String),
+    /// A shared journal's writer did not answer in time (an election under way, NATS
+    /// unreachable; [`nats`]): 503, the client may retry (with its transaction id).
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 impl From<PduError> for JournalError {
