@@ -27,7 +27,7 @@ pub struct Sink {
     pub projections: Projections,
 }
 
-fn joined_rooms(p: &Projections, user_id: &str) -> Vec<String> {
+pub(crate) fn joined_rooms(p: &Projections, user_id: &str) -> Vec<String> {
     p.membership
         .rooms_of(user_id)
         .into_iter()

@@ -8,6 +8,7 @@ mod guest_kick;
 mod ops;
 pub mod push_gateway;
 mod reactor;
+mod relay;
 
 use std::{net::SocketAddr, sync::Arc};
 
@@ -277,6 +278,16 @@ impl Server {
         } else {
             state
         };
+        // Typing and presence are in memory: shared with the deployment's other processes.
+        if let Some(channel) = journal.ephemeral_channel() {
+            relay::start(
+                channel,
+                state.typing.clone(),
+                state.presence.clone(),
+                projections.clone(),
+                config.presence.enabled,
+            );
+        }
         // The consumers that act on the world run once per deployment: always with the
         // embedded journal; with a shared one on the process holding the writer lease,
         // started when it wins it (their cursors are shared, see `Journal::cursors`).
@@ -309,30 +320,30 @@ impl Server {
                         }
                     }
                     // Retried: a NATS cluster still electing leaders times out the
-                    // cursor stream's creation.
-                    loop {
-                        match start_outbound(
-                            &config,
-                            &journal,
-                            &projections,
-                            &appservices,
-                            &state,
-                            &fed,
-                            &shutdown_rx,
-                        ) {
-                            Ok(outbound) => {
-                                tracing::info!("outbound consumers started on the journal writer");
-                                let _ = shutdown.wait_for(|v| *v).await;
-                                drop(outbound);
-                                return;
-                            }
-                            Err(e) => {
-                                tracing::warn!(error = %e, "starting the outbound consumers failed; retrying");
-                                tokio::select! {
-                                    _ = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
-                                    _ = shutdown.changed() => return,
-                                }
-                            }
+                    // cursor stream's creation. The consumers start once, after it.
+                    while let Err(e) = journal.prepare_cursors() {
+                        tracing::warn!(error = %e, "the consumers' cursor stream is not ready; retrying");
+                        tokio::select! {
+                            _ = tokio::time::sleep(std::time::Duration::from_secs(2)) => {}
+                            _ = shutdown.changed() => return,
+                        }
+                    }
+                    match start_outbound(
+                        &config,
+                        &journal,
+                        &projections,
+                        &appservices,
+                        &state,
+                        &fed,
+                        &shutdown_rx,
+                    ) {
+                        Ok(outbound) => {
+                            tracing::info!("outbound consumers started on the journal writer");
+                            let _ = shutdown.wait_for(|v| *v).await;
+                            drop(outbound);
+                        }
+                        Err(e) => {
+                            tracing::error!(error = %e, "starting the outbound consumers failed; restart this process")
                         }
                     }
                 });

@@ -117,6 +117,15 @@ enum JournalVerb {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Copy this data directory's embedded journal into the JetStream stream of
+    /// `[journal.nats]`, with the outbound consumers' cursors, then start with `backend =
+    /// "nats"` (docs/scale-out.md). The server must be stopped. An interrupted copy
+    /// resumes; a stream holding another journal is refused.
+    CopyToNats,
+    /// Copy every record of the `[journal.nats]` stream this data directory lacks into
+    /// its journal (fsynced), with the outbound consumers' cursors, then start with
+    /// `backend = "embedded"`. Stop every process of the deployment first.
+    CopyFromNats,
     /// Load a recorded journal into a fresh data directory (no journal yet). The chain
     /// is checked line by line; start the server on DIR afterwards to build projections.
     Import {
@@ -425,6 +434,74 @@ async fn run() -> anyhow::Result<()> {
                 data.display(),
                 h.head,
                 h.head_hash
+            );
+        }
+        Command::Journal {
+            verb: JournalVerb::CopyToNats,
+        } => {
+            let journal_dir = config.data_dir.join("journal");
+            if !journal_dir.exists() {
+                return Err(anyhow!("no journal in {}", config.data_dir.display()));
+            }
+            let key = spindle_federation::load_or_create_key(&config.data_dir, &config.server_name)
+                .map_err(|e| anyhow!(e))?;
+            let nats = config.journal.nats.clone();
+            let stream = nats.stream.clone();
+            let consumers = config.data_dir.join("consumers");
+            let memory = config.storage;
+            let c = tokio::task::spawn_blocking(move || {
+                spindle_journal::copy::copy_to_stream(
+                    &journal_dir,
+                    &consumers,
+                    memory,
+                    nats,
+                    &key.key_id(),
+                    &key.public_key_base64(),
+                )
+            })
+            .await?
+            .map_err(|e| anyhow!(e))
+            .context("copying the journal into JetStream (is the server stopped?)")?;
+            println!(
+                "copied {} records into stream {stream}; head {}; cursors of {} consumers; \
+                 start with [journal] backend = \"nats\" now",
+                c.records, c.head, c.cursors
+            );
+        }
+        Command::Journal {
+            verb: JournalVerb::CopyFromNats,
+        } => {
+            // A new key would sign as another server than the records it copies.
+            if !config.data_dir.join("signing.key").exists() {
+                return Err(anyhow!(
+                    "no signing.key in {}: copy it from one of the deployment's processes first",
+                    config.data_dir.display()
+                ));
+            }
+            let key = spindle_federation::load_or_create_key(&config.data_dir, &config.server_name)
+                .map_err(|e| anyhow!(e))?;
+            let nats = config.journal.nats.clone();
+            let stream = nats.stream.clone();
+            let journal_dir = config.data_dir.join("journal");
+            let consumers = config.data_dir.join("consumers");
+            let memory = config.storage;
+            let c = tokio::task::spawn_blocking(move || {
+                spindle_journal::copy::copy_from_stream(
+                    &journal_dir,
+                    &consumers,
+                    memory,
+                    nats,
+                    &key.key_id(),
+                    &key.public_key_base64(),
+                )
+            })
+            .await?
+            .map_err(|e| anyhow!(e))
+            .context("copying the journal from JetStream (is the server stopped?)")?;
+            println!(
+                "copied {} records from stream {stream}; head {}; cursors of {} consumers; \
+                 start with [journal] backend = \"embedded\" now",
+                c.records, c.head, c.cursors
             );
         }
         Command::Audit {

@@ -100,18 +100,11 @@ fn url(n: &Nats) -> String {
     format!("nats://127.0.0.1:{}", n.port)
 }
 
-/// A Spindle process on the shared journal, in `dir` (a fresh one if `None`), signing
-/// with `key` (every process of one deployment signs as the same server).
-async fn process_in(
-    servers: Vec<String>,
-    stream: &str,
-    key: Option<&[u8]>,
-    dir: Option<tempfile::TempDir>,
-) -> TestServer {
-    let dir = dir.unwrap_or_else(|| tempfile::tempdir().unwrap());
+/// The configuration of a process on the shared journal with its data under `root`.
+fn nats_config(servers: Vec<String>, stream: &str, root: &Path) -> spindle::Config {
     let mut config = spindle::Config {
         bind: "127.0.0.1:0".parse().unwrap(),
-        data_dir: dir.path().join("data"),
+        data_dir: root.join("data"),
         log: "warn".into(),
         rate_limits: spindle::config::RateLimits::lifted(),
         ..Default::default()
@@ -120,6 +113,25 @@ async fn process_in(
     config.journal.nats.servers = servers;
     config.journal.nats.stream = stream.to_owned();
     config.journal.nats.lease_ttl_ms = 6_000;
+    config
+}
+
+/// A Spindle process on the shared journal, in a fresh data directory, signing
+/// with `key` (every process of one deployment signs as the same server).
+async fn process(servers: Vec<String>, stream: &str, key: Option<&[u8]>) -> TestServer {
+    process_with(servers, stream, key, |_| {}).await
+}
+
+/// [`process`] with more configuration.
+async fn process_with(
+    servers: Vec<String>,
+    stream: &str,
+    key: Option<&[u8]>,
+    f: impl FnOnce(&mut spindle::Config),
+) -> TestServer {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = nats_config(servers, stream, dir.path());
+    f(&mut config);
     if let Some(key) = key {
         std::fs::create_dir_all(&config.data_dir).unwrap();
         std::fs::write(config.data_dir.join("signing.key"), key).unwrap();
@@ -132,10 +144,6 @@ async fn process_in(
         base,
         http: http(),
     }
-}
-
-async fn process(servers: Vec<String>, stream: &str, key: Option<&[u8]>) -> TestServer {
-    process_in(servers, stream, key, None).await
 }
 
 fn key_of(s: &TestServer) -> Vec<u8> {
@@ -167,6 +175,19 @@ async fn two_processes_share_one_journal_in_one_order() {
     .await;
     let b = process(vec![url(&nats)], "s1", Some(&key_of(&a))).await;
     assert_eq!(b.server.journal.is_writer(), Some(false));
+    // A process with a signing key of its own is refused before it serves: the writer
+    // would refuse its every command, and as the writer it would append records the
+    // others cannot verify.
+    let stranger = tempfile::tempdir().unwrap();
+    let err = spindle::Server::start(nats_config(vec![url(&nats)], "s1", stranger.path()))
+        .await
+        .err()
+        .expect("a process with another signing key is refused");
+    let err = format!("{err:#}");
+    assert!(
+        err.contains("is not the one the other processes of stream s1 sign with"),
+        "{err}"
+    );
 
     // Registration through B is forwarded to A, and B answers once it has the records.
     let alice = a.register("alice").await;
@@ -252,6 +273,162 @@ async fn two_processes_share_one_journal_in_one_order() {
 
     b.stop().await;
     a.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn typing_and_presence_reach_clients_of_the_other_process() {
+    logs();
+    let nats = nats_node("n1", None, None);
+    let a = process(vec![url(&nats)], "s6", None).await;
+    until("A becomes the writer", async || {
+        a.server.journal.is_writer() == Some(true)
+    })
+    .await;
+    let b = process(vec![url(&nats)], "s6", Some(&key_of(&a))).await;
+    let alice = a.register("alice").await;
+    let bob = b.register("bob").await;
+    let room = alice.create_room(json!({"preset": "public_chat"})).await;
+    bob.join(&room).await;
+    let since = bob.sync("timeout=0").await["next_batch"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    // Alice types through A; Bob's sync through B shows her typing.
+    let r = alice
+        .put(
+            &format!(
+                "/_matrix/client/v3/rooms/{}/typing/{}",
+                enc(&room),
+                enc(&alice.user_id)
+            ),
+            &json!({"typing": true, "timeout": 30000}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let mut typists = Vec::new();
+    until("Bob sees Alice typing through B", async || {
+        let s = bob.sync(&format!("since={since}&timeout=1000")).await;
+        typists = s["rooms"]["join"][&room]["ephemeral"]["events"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|e| e["type"] == "m.typing")
+            .map(|e| e["content"]["user_ids"].clone())
+            .collect();
+        !typists.is_empty()
+    })
+    .await;
+    assert_eq!(typists.last().unwrap(), &json!([alice.user_id]));
+
+    // Alice's presence set through A is what B tells Bob.
+    let r = alice
+        .put(
+            &format!("/_matrix/client/v3/presence/{}/status", enc(&alice.user_id)),
+            &json!({"presence": "unavailable", "status_msg": "at lunch"}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    until("B serves Alice's presence", async || {
+        let r = bob
+            .get(&format!(
+                "/_matrix/client/v3/presence/{}/status",
+                enc(&alice.user_id)
+            ))
+            .await;
+        r.status == 200 && r.body["presence"] == "unavailable" && r.body["status_msg"] == "at lunch"
+    })
+    .await;
+    a.stop().await;
+    b.stop().await;
+}
+
+/// Every notify body a push gateway on loopback received.
+async fn push_gateway() -> (
+    std::sync::Arc<parking_lot::Mutex<Vec<serde_json::Value>>>,
+    String,
+) {
+    let seen = std::sync::Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let s = seen.clone();
+    let app = axum::Router::new().route(
+        "/_matrix/push/v1/notify",
+        axum::routing::post(move |axum::Json(body): axum::Json<serde_json::Value>| {
+            let s = s.clone();
+            async move {
+                s.lock().push(body);
+                axum::Json(json!({ "rejected": [] }))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!(
+        "http://{}/_matrix/push/v1/notify",
+        listener.local_addr().unwrap()
+    );
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (seen, url)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn push_delivery_moves_to_the_standby_with_the_writer_lease() {
+    logs();
+    let nats = nats_node("n1", None, None);
+    let allow = |c: &mut spindle::Config| {
+        c.push.ip_range_allowlist = vec!["127.0.0.1/32".into()];
+        c.push.retry_initial_ms = 50;
+        c.push.retry_max_ms = 200;
+    };
+    let a = process_with(vec![url(&nats)], "s7", None, allow).await;
+    until("A becomes the writer", async || {
+        a.server.journal.is_writer() == Some(true)
+    })
+    .await;
+    let b = process_with(vec![url(&nats)], "s7", Some(&key_of(&a)), allow).await;
+    let (seen, gateway) = push_gateway().await;
+    let alice = a.register("alice").await;
+    let bob = b.register("bob").await;
+    let room = alice.create_room(json!({"preset": "public_chat"})).await;
+    bob.join(&room).await;
+    let r = bob
+        .post(
+            "/_matrix/client/v3/pushers/set",
+            &json!({
+                "kind": "http", "app_id": "org.example.push", "pushkey": "bob-phone",
+                "app_display_name": "Example", "device_display_name": "Phone", "lang": "en",
+                "data": { "url": gateway },
+            }),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let count = |id: &str| {
+        seen.lock()
+            .iter()
+            .filter(|v| v["notification"]["event_id"] == id)
+            .count()
+    };
+
+    // The writer (A) delivers.
+    let first = alice.send_text(&room, "first").await;
+    until("A pushes the first message", async || count(&first) == 1).await;
+
+    // A stops; B takes the lease and the push consumer with its cursor: the next message
+    // is pushed by B, the first is not pushed again.
+    a.stop().await;
+    until("B becomes the writer", async || {
+        b.server.journal.is_writer() == Some(true)
+    })
+    .await;
+    let alice_b = b.login("alice", None).await;
+    let second = alice_b.send_text(&room, "second").await;
+    until("B pushes the second message", async || count(&second) == 1).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        count(&first),
+        1,
+        "a delivered notification is not delivered again"
+    );
+    assert_eq!(count(&second), 1);
+    b.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -462,6 +639,33 @@ impl Proc {
         }
     }
 
+    /// Switches the configuration's `[journal] backend` ("embedded" or "nats").
+    fn backend(&self, backend: &str) {
+        let text = std::fs::read_to_string(&self.config).unwrap();
+        let text = text
+            .replace("backend = \"nats\"", &format!("backend = \"{backend}\""))
+            .replace(
+                "backend = \"embedded\"",
+                &format!("backend = \"{backend}\""),
+            );
+        std::fs::write(&self.config, text).unwrap();
+    }
+
+    /// Runs `spindle --config <this> <args>`: (success, stdout, stderr).
+    fn verb(&self, args: &[&str]) -> (bool, String, String) {
+        let out = Command::new(env!("CARGO_BIN_EXE_spindle"))
+            .arg("--config")
+            .arg(&self.config)
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
     fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -567,4 +771,148 @@ async fn sigkill_of_the_writer_during_writes_loses_no_acknowledged_event() {
     let last = send_until_acked(&alice_a, &room, "after-restart", "after").await;
     let tl_b = timeline(&alice_b, &room).await;
     assert_eq!(tl_b.last(), Some(&last));
+
+    // Killed outright, each process's mirror still holds the whole stream, chained.
+    let stream_head = {
+        let client = async_nats::connect(url(&nats)).await.unwrap();
+        let js = async_nats::jetstream::new(client);
+        let s = js.get_stream("s4").await.unwrap();
+        s.get_info().await.unwrap().state.last_sequence
+    };
+    a.kill();
+    b.kill();
+    for p in [&a, &b] {
+        let out = Command::new(env!("CARGO_BIN_EXE_spindle"))
+            .arg("--config")
+            .arg(&p.config)
+            .args(["journal", "check", "--chain-only"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            text.starts_with(&format!("ok\thead {stream_head}\t")),
+            "{text} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// The last sequence of a stream (its head position).
+async fn stream_head(nats: &Nats, stream: &str) -> u64 {
+    let client = async_nats::connect(url(nats)).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let s = js.get_stream(stream).await.unwrap();
+    s.get_info().await.unwrap().state.last_sequence
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_embedded_journal_moves_into_jetstream_and_back() {
+    logs();
+    let nats = nats_node("n1", None, None);
+    let root = tempfile::tempdir().unwrap();
+    let http = http();
+
+    // A single-box server on the embedded journal, with some history and a cursor.
+    let mut a = Proc::new(root.path(), "a", &url(&nats), "s5");
+    a.backend("embedded");
+    a.start().await;
+    let alice = register(&a.base, &http, "alice").await;
+    let room = alice.create_room(json!({"name": "moving"})).await;
+    for i in 0..5 {
+        send_until_acked(&alice, &room, &format!("t{i}"), &format!("m{i}")).await;
+    }
+    let before = timeline(&alice, &room).await;
+    a.kill();
+    std::fs::write(
+        a.data.join("consumers").join("test-consumer.json"),
+        br#"{"x":7}"#,
+    )
+    .unwrap();
+    let (ok, head_line, err) = a.verb(&["journal", "check", "--chain-only"]);
+    assert!(ok, "{err}");
+    let head: u64 = head_line.split('\t').nth(1).unwrap()["head ".len()..]
+        .parse()
+        .unwrap();
+
+    // Into the stream: every record, the cursor files; a second run copies nothing.
+    let (ok, out, err) = a.verb(&["journal", "copy-to-nats"]);
+    assert!(ok, "{out} {err}");
+    assert!(
+        out.starts_with(&format!(
+            "copied {head} records into stream s5; head {head}; cursors of "
+        )),
+        "{out}"
+    );
+    assert_eq!(stream_head(&nats, "s5").await, head);
+    let (ok, out, err) = a.verb(&["journal", "copy-to-nats"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.starts_with(&format!("copied 0 records into stream s5; head {head};")),
+        "{out}"
+    );
+
+    // Another server's journal is refused: the stream holds records it does not.
+    let mut stranger = Proc::new(root.path(), "stranger", &url(&nats), "s5");
+    stranger.backend("embedded");
+    stranger.start().await;
+    register(&stranger.base, &http, "mallory").await;
+    stranger.kill();
+    let (ok, _, err) = stranger.verb(&["journal", "copy-to-nats"]);
+    assert!(!ok);
+    assert!(
+        err.contains("is not a copy of this journal") || err.contains("holds another journal"),
+        "{err}"
+    );
+    assert_eq!(stream_head(&nats, "s5").await, head);
+
+    // The same data directory serves on the stream; a new process catches up from it.
+    a.backend("nats");
+    a.start().await;
+    let alice = login(&a.base, &http, "alice", None).await;
+    assert_eq!(timeline(&alice, &room).await, before);
+    let after = send_until_acked(&alice, &room, "after", "after the move").await;
+    let mut b = Proc::new(root.path(), "b", &url(&nats), "s5");
+    std::fs::create_dir_all(&b.data).unwrap();
+    std::fs::copy(a.data.join("signing.key"), b.data.join("signing.key")).unwrap();
+    b.start().await;
+    let alice_b = login(&b.base, &http, "alice", None).await;
+    let mut expected = before.clone();
+    expected.push(after.clone());
+    until("B has the whole room", async || {
+        timeline(&alice_b, &room).await == expected
+    })
+    .await;
+    let head = stream_head(&nats, "s5").await;
+    a.kill();
+    b.kill();
+
+    // And back: a new data directory (with the deployment's key) copies the stream and
+    // its cursors, and serves it on the embedded journal.
+    let mut c = Proc::new(root.path(), "c", &url(&nats), "s5");
+    let (ok, _, err) = c.verb(&["journal", "copy-from-nats"]);
+    assert!(!ok && err.contains("no signing.key"), "{err}");
+    std::fs::create_dir_all(&c.data).unwrap();
+    std::fs::copy(a.data.join("signing.key"), c.data.join("signing.key")).unwrap();
+    let (ok, out, err) = c.verb(&["journal", "copy-from-nats"]);
+    assert!(ok, "{out} {err}");
+    assert!(
+        out.starts_with(&format!(
+            "copied {head} records from stream s5; head {head}; cursors of "
+        )),
+        "{out}"
+    );
+    assert_eq!(
+        std::fs::read(c.data.join("consumers").join("test-consumer.json")).unwrap(),
+        br#"{"x":7}"#
+    );
+    let (ok, out, err) = c.verb(&["journal", "check"]);
+    assert!(
+        ok && out.starts_with(&format!("ok\thead {head}\t")),
+        "{out} {err}"
+    );
+    c.backend("embedded");
+    c.start().await;
+    let alice_c = login(&c.base, &http, "alice", None).await;
+    assert_eq!(timeline(&alice_c, &room).await, expected);
+    send_until_acked(&alice_c, &room, "embedded-again", "on one box again").await;
 }

@@ -35,6 +35,10 @@ use crate::{
 /// A user counts as `currently_active` this long after their last action, ms.
 pub const CURRENTLY_ACTIVE_MS: u64 = 5 * 60_000;
 
+/// How far `last_active` must move on before an unchanged presence is relayed to the
+/// deployment's other processes again, ms (shared journal only).
+pub const RELAY_REFRESH_MS: u64 = 60_000;
+
 /// Longest `status_msg` accepted, bytes (the cap inbound federation applies too).
 pub use spindle_federation::edus::MAX_STATUS_MSG_BYTES;
 
@@ -46,6 +50,8 @@ struct UserPresence {
     /// How many joined rooms the latest change was recorded under: a sync that sees
     /// another count records the user again (they joined or left a room since).
     rooms_recorded: usize,
+    /// `last_active_ms` as last relayed to the deployment's other processes.
+    relayed_ms: u64,
 }
 
 #[derive(Default)]
@@ -121,6 +127,10 @@ impl Presence {
     /// visible state changes, the change takes a counter value from `typing` and is
     /// recorded under each of `joined_rooms`; a repeat of the same state only
     /// refreshes `last_active`.
+    ///
+    /// The change goes to the deployment's other processes through `typing`'s relay
+    /// (shared journal only) when the visible state changed or `last_active` moved on by
+    /// [`RELAY_REFRESH_MS`] since the last relayed value.
     pub fn set(
         &self,
         typing: &crate::typing::Typing,
@@ -130,12 +140,54 @@ impl Presence {
         joined_rooms: &[String],
         now: u64,
     ) {
+        let relay = self.change(
+            typing,
+            user_id,
+            presence,
+            status_msg.clone(),
+            joined_rooms,
+            now,
+        );
+        if relay {
+            typing.relay(crate::typing::Relayed::Presence {
+                user_id: user_id.to_owned(),
+                presence: presence.to_owned(),
+                status_msg,
+                active_ms: now,
+            });
+        }
+    }
+
+    /// Applies a change another process relayed (see [`Presence::set`]; not relayed
+    /// again).
+    pub fn apply_relayed(
+        &self,
+        typing: &crate::typing::Typing,
+        user_id: &str,
+        presence: &str,
+        status_msg: Option<Option<String>>,
+        joined_rooms: &[String],
+        now: u64,
+    ) {
+        self.change(typing, user_id, presence, status_msg, joined_rooms, now);
+    }
+
+    /// [`Presence::set`] without the relay; whether to relay it.
+    fn change(
+        &self,
+        typing: &crate::typing::Typing,
+        user_id: &str,
+        presence: &str,
+        status_msg: Option<Option<String>>,
+        joined_rooms: &[String],
+        now: u64,
+    ) -> bool {
         let mut inner = self.inner.lock();
         let prev = inner.users.get(user_id).cloned();
         if prev.is_none() && inner.users.len() >= self.max_users {
             Self::evict(&mut inner, self.max_users);
         }
-        let next = UserPresence {
+        let mut next = UserPresence {
             presence: presence.to_owned(),
             status_msg: match status_msg {
                 Some(m) => m,
@@ -143,15 +195,23 @@ impl Presence {
             },
             last_active_ms: now,
             rooms_recorded: joined_rooms.len(),
+            relayed_ms: prev.as_ref().map_or(0, |p| p.relayed_ms),
         };
         let changed = prev.as_ref().is_none_or(|p| {
             p.presence != next.presence
                 || p.status_msg != next.status_msg
                 || p.rooms_recorded != next.rooms_recorded
         });
+        let relay = changed
+            || prev
+                .as_ref()
+                .is_none_or(|p| now >= p.relayed_ms.saturating_add(RELAY_REFRESH_MS));
+        if relay {
+            next.relayed_ms = now;
+        }
         inner.users.insert(user_id.to_owned(), next);
         if !changed {
-            return;
+            return relay;
         }
         let serial = typing.next_serial();
         for room in joined_rooms {
@@ -159,6 +219,7 @@ impl Presence {
             r.serial = serial;
             r.users.insert(user_id.to_owned(), serial);
         }
+        true
     }
 
     /// (user, room) pairs whose presence changed after counter value `after`, one per

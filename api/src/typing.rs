@@ -46,12 +46,45 @@ struct RoomTyping {
     serial: u64,
 }
 
+/// An ephemeral change relayed to the other processes of a deployment on a shared
+/// journal (SPEC §6 "Ephemeral data"): typing and presence live in each process's
+/// memory, so each change made here is published and applied by the others.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Relayed {
+    /// [`Typing::set`]: `user_id` typing (for `timeout_ms`) or not in `room_id`.
+    Typing {
+        /// The room.
+        room_id: String,
+        /// Who started or stopped typing.
+        user_id: String,
+        /// Typing now, or not any more.
+        typing: bool,
+        /// How long the typing lasts without a refresh, ms.
+        timeout_ms: u64,
+    },
+    /// [`crate::presence::Presence::set`]; the receiver records it under the user's
+    /// joined rooms as it knows them. `status_msg`: `None` keeps the previous one.
+    Presence {
+        /// Whose presence.
+        user_id: String,
+        /// `online`, `unavailable` or `offline`.
+        presence: String,
+        /// The status message: `None` keeps the previous one, `Some(None)` clears it.
+        status_msg: Option<Option<String>>,
+        /// When the user was last active, ms since the epoch.
+        active_ms: u64,
+    },
+}
+
 /// In-memory typing state: at most `max_rooms` rooms (config `caches.typing_rooms`).
 #[derive(Clone)]
 pub struct Typing {
     rooms: Arc<parking_lot::Mutex<HashMap<String, RoomTyping>>>,
     counter: Arc<watch::Sender<u64>>,
     max_rooms: usize,
+    /// Where changes made here go for the other processes (shared journal only).
+    relay: Arc<std::sync::OnceLock<tokio::sync::mpsc::UnboundedSender<Relayed>>>,
 }
 
 impl Default for Typing {
@@ -68,7 +101,33 @@ impl Typing {
             rooms: Arc::default(),
             counter: Arc::new(watch::channel(counter_seed()).0),
             max_rooms: max_rooms.max(1),
+            relay: Arc::default(),
         }
+    }
+
+    /// From now on, typing and presence changes made through [`Typing::set`] and
+    /// [`crate::presence::Presence::set`] are also sent to `tx` (the process's relay to
+    /// the others). Once per process; later calls are ignored.
+    pub fn relay_to(&self, tx: tokio::sync::mpsc::UnboundedSender<Relayed>) {
+        let _ = self.relay.set(tx);
+    }
+
+    /// Sends a change to the relay, if there is one.
+    pub(crate) fn relay(&self, change: Relayed) {
+        if let Some(tx) = self.relay.get() {
+            let _ = tx.send(change);
+        }
+    }
+
+    /// Applies a change another process relayed (not relayed again).
+    pub fn apply_relayed_typing(
+        &self,
+        room_id: &str,
+        user_id: &str,
+        typing: bool,
+        timeout: Duration,
+    ) {
+        self.change(room_id, user_id, typing, timeout);
     }
 
     /// Rooms with typing state kept now.
@@ -85,8 +144,19 @@ impl Typing {
         room.serial = next;
     }
 
-    /// Marks `user_id` typing (for `timeout`) or not typing in a room.
+    /// Marks `user_id` typing (for `timeout`) or not typing in a room, and relays the
+    /// change to the deployment's other processes (if any).
     pub fn set(&self, room_id: &str, user_id: &str, typing: bool, timeout: Duration) {
+        self.change(room_id, user_id, typing, timeout);
+        self.relay(Relayed::Typing {
+            room_id: room_id.to_owned(),
+            user_id: user_id.to_owned(),
+            typing,
+            timeout_ms: timeout.as_millis().min(u64::MAX as u128) as u64,
+        });
+    }
+
+    fn change(&self, room_id: &str, user_id: &str, typing: bool, timeout: Duration) {
         let mut rooms = self.rooms.lock();
         if !rooms.contains_key(room_id) {
             if !typing {

@@ -21,6 +21,21 @@ use crate::{
     send_to_appender,
 };
 
+/// What a process that lost the writer role answers to a forwarded command it did not
+/// run; the forwarding process sends it again to the next writer.
+const NOT_THE_WRITER: &str = "this process is no longer the journal writer";
+
+/// The header naming the process that published an ephemeral payload.
+const ORIGIN_HEADER: &str = "Spindle-Origin";
+
+/// See [`Journal::ephemeral_channel`].
+pub struct EphemeralChannel {
+    /// Payloads for the other processes (dropped while NATS is unreachable).
+    pub send: tokio::sync::mpsc::UnboundedSender<Vec<u8>>,
+    /// Payloads the other processes sent, in the order NATS delivered them.
+    pub recv: tokio::sync::mpsc::Receiver<Vec<u8>>,
+}
+
 /// Records a follower applies per batch (one mirror write, one head publish).
 const FOLLOW_BATCH: usize = 512;
 
@@ -200,6 +215,54 @@ impl Journal {
             .is_some_and(|c| !c.writer.load(Ordering::Acquire))
     }
 
+    /// For a shared journal: a channel to the deployment's other processes over NATS
+    /// core on `<stream>.ephemeral` (not stored, at most once; what one process sends,
+    /// every other one receives, never the sender itself), for state kept in memory
+    /// (typing, presence: SPEC §6). Received payloads beyond 1,024 unread are dropped.
+    /// `None` for an embedded journal.
+    pub fn ephemeral_channel(&self) -> Option<EphemeralChannel> {
+        let c = self.cluster()?;
+        let client = c.store.client().clone();
+        let subject = format!("{}.ephemeral", c.store.options().stream);
+        let origin = c.holder.clone();
+        let (send, mut outgoing) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
+        let (incoming, recv) = tokio::sync::mpsc::channel::<Vec<u8>>(1024);
+        let (sub_client, sub_subject, ours) = (client.clone(), subject.clone(), origin.clone());
+        c.store.spawn(async move {
+            let mut sub = match sub_client.subscribe(sub_subject).await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "journal: no ephemeral channel (typing and presence stay per process)");
+                    return;
+                }
+            };
+            while let Some(m) = sub.next().await {
+                let from = m.headers.as_ref().and_then(|h| h.get(ORIGIN_HEADER));
+                if from.is_some_and(|v| v.as_str() == ours) {
+                    continue;
+                }
+                if let Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) =
+                    incoming.try_send(m.payload.to_vec())
+                {
+                    return;
+                }
+            }
+        });
+        c.store.spawn(async move {
+            while let Some(bytes) = outgoing.recv().await {
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert(ORIGIN_HEADER, origin.as_str());
+                if let Err(e) = client
+                    .publish_with_headers(subject.clone(), headers, bytes.into())
+                    .await
+                {
+                    tracing::debug!(error = %e, "journal: an ephemeral change was not relayed");
+                }
+            }
+        });
+        Some(EphemeralChannel { send, recv })
+    }
+
     /// For a shared journal ([`crate::nats`]): whether this process holds the writer
     /// lease now. `None` for an embedded journal (always its own writer).
     pub fn is_writer(&self) -> Option<bool> {
@@ -287,6 +350,15 @@ impl Journal {
         let reply: WireReply = serde_json::from_slice(&reply.payload).map_err(|e| {
             JournalError::Storage(format!("the journal writer's answer is unreadable: {e}"))
         })?;
+        // Handed over meanwhile: nothing ran; the next writer gets it.
+        if Instant::now() < deadline
+            && reply.results.iter().any(
+                |r| matches!(r, WireResult::Err { kind, message } if kind == "unavailable" && message == NOT_THE_WRITER),
+            )
+        {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            return Box::pin(self.forward(cmds)).await;
+        }
         if reply.results.len() != cmds.len() {
             return Err(JournalError::Storage(format!(
                 "the journal writer answered {} results for {} commands",
@@ -314,6 +386,13 @@ impl Journal {
     /// the lease task.
     pub(crate) fn start_following(&self) -> Result<(), String> {
         let c = self.cluster().expect("a shared journal");
+        let key = &self.inner.key;
+        c.store
+            .check_signing_key(&key.key_id(), &key.public_key_base64())?;
+        tracing::info!(
+            position = c.follow.lock().chain.position,
+            "journal: following the shared stream (commands go to the writer until this process holds the lease)"
+        );
         let (tx, rx) = tokio::sync::mpsc::channel::<Followed>(FOLLOW_BATCH * 4);
         let from = c.follow.lock().chain.position;
         *c.consumer.lock() = Some(c.store.follow(from, tx)?);
@@ -508,6 +587,8 @@ impl Journal {
         let mut stop = c.stop.subscribe();
         if !options.writer {
             tracing::info!("journal: this process never writes (journal.nats.writer = false)");
+            let _ = stop.wait_for(|v| *v).await;
+            let _ = c.stop.send(false);
             return;
         }
         let lease = loop {

@@ -28,8 +28,8 @@ pub struct Cursors {
 enum Backing {
     /// `<dir>/<consumer>.json`.
     File(PathBuf),
-    /// Key `<consumer>` of the shared journal's cursor bucket ([`crate::nats`]): the
-    /// process that takes the writer lease over resumes where the last one stopped.
+    /// The consumer's subject of the shared journal's cursor stream ([`crate::nats`]):
+    /// the process that takes the writer lease over resumes where the last one stopped.
     Shared(std::sync::Arc<crate::NatsStore>, String),
 }
 
@@ -52,14 +52,14 @@ impl Cursors {
         })
     }
 
-    /// Loads a consumer's cursors from a shared journal's cursor bucket.
+    /// Loads a consumer's cursors from a shared journal's cursor stream.
     fn open_shared(
         store: std::sync::Arc<crate::NatsStore>,
         consumer: &str,
     ) -> Result<Cursors, String> {
         let map = match store.cursor_get(consumer)? {
             Some(bytes) => serde_json::from_slice(&bytes)
-                .map_err(|e| format!("cursors of {consumer} in the shared bucket: {e}"))?,
+                .map_err(|e| format!("cursors of {consumer} in the shared cursor stream: {e}"))?,
             None => BTreeMap::new(),
         };
         Ok(Cursors {
@@ -79,26 +79,74 @@ impl Cursors {
     }
 
     /// Sets a cursor and writes it durably before returning (the file, fsynced; or the
-    /// shared bucket, acknowledged).
+    /// shared cursor stream, acknowledged).
     pub fn set(&mut self, name: &str, position: u64) -> Result<(), String> {
         self.map.insert(name.to_owned(), position);
         let bytes = serde_json::to_vec(&self.map).map_err(|e| e.to_string())?;
-        let path = match &self.backing {
-            Backing::File(path) => path,
-            Backing::Shared(store, consumer) => return store.cursor_put(consumer, bytes),
-        };
-        let tmp = path.with_extension("json.tmp");
-        let mut f = std::fs::File::create(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
-        f.write_all(&bytes)
-            .and_then(|_| f.sync_all())
-            .map_err(|e| format!("{}: {e}", tmp.display()))?;
-        std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))
+        match &self.backing {
+            Backing::File(path) => write_file(path, &bytes),
+            Backing::Shared(store, consumer) => store.cursor_put(consumer, bytes),
+        }
     }
 }
 
+/// Writes a cursor file atomically: a temporary file, fsynced, renamed over `path`.
+fn write_file(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    let tmp = path.with_extension("json.tmp");
+    let mut f = std::fs::File::create(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
+    f.write_all(bytes)
+        .and_then(|_| f.sync_all())
+        .map_err(|e| format!("{}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Every consumer's cursor file in `dir` as (consumer, JSON bytes), checked to parse;
+/// none if `dir` does not exist.
+pub(crate) fn read_cursor_files(dir: &Path) -> Result<Vec<(String, Vec<u8>)>, String> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(format!("{}: {e}", dir.display())),
+    };
+    let mut files = Vec::new();
+    for entry in entries {
+        let path = entry.map_err(|e| format!("{}: {e}", dir.display()))?.path();
+        if path.extension().is_none_or(|x| x != "json") {
+            continue;
+        }
+        let Some(consumer) = path.file_stem().and_then(|s| s.to_str()) else {
+            continue;
+        };
+        let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        serde_json::from_slice::<BTreeMap<String, u64>>(&bytes)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        files.push((consumer.to_owned(), bytes));
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// Writes one consumer's cursors as `<dir>/<consumer>.json` (checked to parse).
+pub(crate) fn write_cursor_file(dir: &Path, consumer: &str, bytes: &[u8]) -> Result<(), String> {
+    serde_json::from_slice::<BTreeMap<String, u64>>(bytes)
+        .map_err(|e| format!("cursors of {consumer}: {e}"))?;
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    write_file(&dir.join(format!("{consumer}.json")), bytes)
+}
+
 impl Journal {
+    /// With a shared journal, makes sure the cursor stream exists (a NATS cluster still
+    /// electing leaders times its creation out: callers retry this, then start their
+    /// consumers once). Nothing with the embedded journal.
+    pub fn prepare_cursors(&self) -> Result<(), String> {
+        match self.shared_store() {
+            Some(store) => store.cursor_get("~probe").map(|_| ()),
+            None => Ok(()),
+        }
+    }
+
     /// A consumer's cursors: `<dir>/<consumer>.json` with the embedded journal; with a
-    /// shared one ([`crate::nats`]) the stream's cursor bucket, so whichever process
+    /// shared one ([`crate::nats`]) the stream `<stream>_cursors`, so whichever process
     /// runs the consumer resumes where the last one stopped.
     pub fn cursors(&self, dir: &Path, consumer: &str) -> Result<Cursors, String> {
         match self.shared_store() {

@@ -16,6 +16,7 @@ pub mod chain;
 mod cluster;
 pub mod command;
 pub mod consumer;
+pub mod copy;
 pub mod fork;
 pub mod migrate;
 pub mod nats;
@@ -42,6 +43,7 @@ use spindle_core::{
 use tokio::sync::watch;
 
 pub use chain::{BreakKind, ChainBreak, ChainHead};
+pub use cluster::EphemeralChannel;
 pub use command::{
     CommandBody, CommandEnvelope, EventSpec, KeyClaimRequest, MembershipPrecondition, SignedCommand,
 };

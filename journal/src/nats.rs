@@ -107,6 +107,13 @@ impl NatsOptions {
                 self.stream
             ));
         }
+        if self.stream.ends_with("_cursors") || self.stream.ends_with("_leases") {
+            return Err(format!(
+                "journal.nats.stream: {:?} ends in _cursors or _leases, the names of the \
+                 journal's own side streams",
+                self.stream
+            ));
+        }
         if !matches!(self.replicas, 1 | 3 | 5) {
             return Err("journal.nats.replicas: 1, 3 or 5".into());
         }
@@ -192,6 +199,18 @@ impl NatsStore {
         memory: StorageMemory,
         options: NatsOptions,
     ) -> Result<NatsStore, String> {
+        let store = NatsStore::connect(dir, memory, options)?;
+        store.catch_up()?;
+        Ok(store)
+    }
+
+    /// Connects to NATS, creates the stream if it is missing and opens the local store
+    /// in `dir`, without comparing or copying anything.
+    pub(crate) fn connect(
+        dir: &Path,
+        memory: StorageMemory,
+        options: NatsOptions,
+    ) -> Result<NatsStore, String> {
         options.validate()?;
         let local = FjallStore::open_with(dir, memory)?;
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -230,7 +249,6 @@ impl NatsStore {
             cursors: std::sync::OnceLock::new(),
         };
         store.ensure_stream()?;
-        store.catch_up()?;
         Ok(store)
     }
 
@@ -245,6 +263,11 @@ impl NatsStore {
         fut: impl Future<Output = T> + Send + 'static,
     ) -> Result<T, String> {
         run_on(&self.handle, fut)
+    }
+
+    /// Runs `fut` on the NATS client's runtime in the background.
+    pub(crate) fn spawn(&self, fut: impl Future<Output = ()> + Send + 'static) {
+        self.handle.spawn(fut);
     }
 
     /// The NATS client.
@@ -297,8 +320,122 @@ impl NatsStore {
         })?
     }
 
+    /// Whether the local store's record at `position` is the stream's (same bytes, by
+    /// hash). `position` must exist in both.
+    pub(crate) fn same_record_at(&self, position: u64) -> Result<bool, String> {
+        let ours = self
+            .local
+            .read_raw_after(position - 1, 1)?
+            .into_iter()
+            .next()
+            .filter(|(p, _)| *p == position)
+            .map(|(_, b)| record_hash(&b));
+        let js = self.js.clone();
+        let name = self.options.stream.clone();
+        let theirs = self.run(async move {
+            let s = js.get_stream(&name).await.map_err(|e| e.to_string())?;
+            let m = s
+                .get_raw_message(position)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>(record_hash(&m.payload))
+        })??;
+        Ok(ours == Some(theirs))
+    }
+
+    /// Publishes each record with `Nats-Expected-Last-Sequence: position - 1` (and a
+    /// message id of its position and hash) and waits for every acknowledgement;
+    /// errors if the stream refuses one (another process appended first) or does not
+    /// acknowledge it within `request_timeout_ms`.
+    pub(crate) fn publish(&self, records: &[EncodedRecord]) -> Result<(), String> {
+        let js = self.js.clone();
+        let messages: Vec<(String, PublishMessage, u64)> = records
+            .iter()
+            .map(|r| {
+                let hash = record_hash(&r.bytes);
+                let mut headers = HeaderMap::new();
+                if let Some(k) = &r.txn_key {
+                    headers.insert(
+                        TXN_HEADER,
+                        base64::engine::general_purpose::URL_SAFE_NO_PAD
+                            .encode(k)
+                            .as_str(),
+                    );
+                }
+                let msg = PublishMessage::build()
+                    .payload(r.bytes.clone().into())
+                    .headers(headers)
+                    .message_id(format!(
+                        "{}-{}",
+                        r.position,
+                        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&hash[..12])
+                    ))
+                    .expected_last_sequence(r.position - 1);
+                (self.options.subject(r.room_id.as_deref()), msg, r.position)
+            })
+            .collect();
+        let deadline =
+            std::time::Instant::now() + Duration::from_millis(self.options.request_timeout_ms);
+        self.run(async move {
+            // Pipelined: every record is sent before the first acknowledgement is awaited.
+            let mut acks = Vec::with_capacity(messages.len());
+            for (subject, msg, position) in &messages {
+                acks.push(js.send_publish(subject.clone(), msg.clone()).await.map(|a| (a, *position)));
+            }
+            // After the first failure every later record is sent again, in order: a
+            // pipelined record behind a lost one was refused by the fence only because
+            // its predecessor was not stored yet.
+            let mut failed = false;
+            for ((subject, msg, position), sent) in messages.iter().zip(acks) {
+                let mut attempt = if failed {
+                    Err(String::from("resending after an earlier failure"))
+                } else {
+                    match sent {
+                        Ok((ack, _)) => ack.await.map_err(|e| e.to_string()),
+                        Err(e) => Err(e.to_string()),
+                    }
+                };
+                let mut resent = failed;
+                if attempt.is_err() {
+                    failed = true;
+                }
+                // A lost acknowledgement or a NATS node going away: send the same record
+                // again. Its `Nats-Msg-Id` makes a record the stream already stored come
+                // back as a duplicate with its first sequence, never a second copy.
+                while let Err(e) = &attempt {
+                    let fenced = e.contains("wrong last sequence");
+                    if (fenced && resent) || std::time::Instant::now() >= deadline {
+                        return Err(format!("appending record {position} to the stream: {e}"));
+                    }
+                    if !fenced {
+                        tracing::warn!(position, error = %e, "journal: appending to the stream failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                    }
+                    resent = true;
+                    attempt = match js.send_publish(subject.clone(), msg.clone()).await {
+                        Ok(ack) => ack.await.map_err(|e| e.to_string()),
+                        Err(e) => Err(e.to_string()),
+                    };
+                }
+                let ack = attempt.expect("the loop leaves only on success");
+                if ack.sequence != *position {
+                    return Err(format!(
+                        "the stream stored record {position} at sequence {}",
+                        ack.sequence
+                    ));
+                }
+            }
+            Ok(())
+        })?
+    }
+
+    /// The local store (the mirror, or the embedded journal a copy publishes).
+    pub(crate) fn local(&self) -> &FjallStore {
+        &self.local
+    }
+
     /// Copies into the mirror every record the stream has after the mirror's last.
-    fn catch_up(&self) -> Result<(), String> {
+    pub(crate) fn catch_up(&self) -> Result<(), String> {
         let mirrored = self.local.last_position()?;
         let head = self.stream_head()?;
         if mirrored > head {
@@ -309,30 +446,12 @@ impl NatsStore {
                 self.options.stream
             ));
         }
-        if mirrored > 0 {
-            let ours = self
-                .local
-                .read_raw_after(mirrored - 1, 1)?
-                .into_iter()
-                .next()
-                .map(|(_, b)| record_hash(&b));
-            let js = self.js.clone();
-            let name = self.options.stream.clone();
-            let theirs = self.run(async move {
-                let s = js.get_stream(&name).await.map_err(|e| e.to_string())?;
-                let m = s
-                    .get_raw_message(mirrored)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                Ok::<_, String>(record_hash(&m.payload))
-            })??;
-            if ours != Some(theirs) {
-                return Err(format!(
-                    "the local journal mirror's record {mirrored} differs from stream {}'s: \
-                     this data directory belongs to another stream",
-                    self.options.stream
-                ));
-            }
+        if mirrored > 0 && !self.same_record_at(mirrored)? {
+            return Err(format!(
+                "the local journal mirror's record {mirrored} differs from stream {}'s: \
+                 this data directory belongs to another stream",
+                self.options.stream
+            ));
         }
         if head == mirrored {
             return Ok(());
@@ -381,9 +500,29 @@ impl NatsStore {
         })
     }
 
-    /// Writes records received from the stream into the mirror (no fsync).
+    /// Writes records received from the stream into the mirror (handed to the OS, no
+    /// fsync).
     pub(crate) fn mirror(&self, records: &[EncodedRecord]) -> Result<(), String> {
         self.local.append_with(records, false)
+    }
+
+    /// Checks that this process signs with the deployment's key: the first process
+    /// records its public key in the cursor stream (`~server-key`); any other process
+    /// with another key is refused, since the writer would refuse every command it
+    /// forwards, and a record it appended as the writer would not verify for the rest.
+    pub(crate) fn check_signing_key(&self, key_id: &str, public: &str) -> Result<(), String> {
+        let ours = format!("{key_id} {public}");
+        match self.cursor_get("~server-key")? {
+            Some(stored) if stored == ours.as_bytes() => Ok(()),
+            Some(stored) => Err(format!(
+                "this process's signing.key ({ours}) is not the one the other processes of \
+                 stream {} sign with ({}); copy signing.key from one of them into this data \
+                 directory (docs/scale-out.md, step 3)",
+                self.options.stream,
+                String::from_utf8_lossy(&stored)
+            )),
+            None => self.cursor_put("~server-key", ours.into_bytes()),
+        }
     }
 
     /// Starts an ordered consumer delivering every record after position `after` into
@@ -462,73 +601,11 @@ impl JournalStore for NatsStore {
         self.local.memory_use()
     }
 
-    /// Publishes each record with `Nats-Expected-Last-Sequence: position - 1` and
-    /// waits for every acknowledgement, then writes the mirror. Any refusal (another
-    /// process appended first) or failure is an error: the appender stops the process.
+    /// Publishes each record (see [`NatsStore::publish`]), then writes the mirror. Any
+    /// refusal (another process appended first) or failure is an error: the appender
+    /// stops the process.
     fn append(&self, records: &[EncodedRecord]) -> Result<(), String> {
-        let js = self.js.clone();
-        let messages: Vec<(String, PublishMessage, u64)> = records
-            .iter()
-            .map(|r| {
-                let hash = record_hash(&r.bytes);
-                let mut headers = HeaderMap::new();
-                if let Some(k) = &r.txn_key {
-                    headers.insert(
-                        TXN_HEADER,
-                        base64::engine::general_purpose::URL_SAFE_NO_PAD
-                            .encode(k)
-                            .as_str(),
-                    );
-                }
-                let msg = PublishMessage::build()
-                    .payload(r.bytes.clone().into())
-                    .headers(headers)
-                    .message_id(format!(
-                        "{}-{}",
-                        r.position,
-                        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(&hash[..12])
-                    ))
-                    .expected_last_sequence(r.position - 1);
-                (self.options.subject(r.room_id.as_deref()), msg, r.position)
-            })
-            .collect();
-        let deadline =
-            std::time::Instant::now() + Duration::from_millis(self.options.request_timeout_ms);
-        self.run(async move {
-            // Pipelined: every record is sent before the first acknowledgement is awaited.
-            let mut acks = Vec::with_capacity(messages.len());
-            for (subject, msg, position) in &messages {
-                acks.push(js.send_publish(subject.clone(), msg.clone()).await.map(|a| (a, *position)));
-            }
-            for ((subject, msg, position), sent) in messages.iter().zip(acks) {
-                let mut attempt = match sent {
-                    Ok((ack, _)) => ack.await.map_err(|e| e.to_string()),
-                    Err(e) => Err(e.to_string()),
-                };
-                // A lost acknowledgement or a NATS node going away: send the same record
-                // again. Its `Nats-Msg-Id` makes a record the stream already stored come
-                // back as a duplicate with its first sequence, never a second copy.
-                while let Err(e) = &attempt {
-                    if e.contains("wrong last sequence") || std::time::Instant::now() >= deadline {
-                        return Err(format!("appending record {position} to the stream: {e}"));
-                    }
-                    tracing::warn!(position, error = %e, "journal: appending to the stream failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(250)).await;
-                    attempt = match js.send_publish(subject.clone(), msg.clone()).await {
-                        Ok(ack) => ack.await.map_err(|e| e.to_string()),
-                        Err(e) => Err(e.to_string()),
-                    };
-                }
-                let ack = attempt.expect("the loop leaves only on success");
-                if ack.sequence != *position {
-                    return Err(format!(
-                        "the stream stored record {position} at sequence {}",
-                        ack.sequence
-                    ));
-                }
-            }
-            Ok(())
-        })??;
+        self.publish(records)?;
         self.local.append_with(records, false)
     }
 
@@ -615,6 +692,38 @@ impl NatsStore {
                 Err(e) => Err(e.to_string()),
             }
         })?
+    }
+
+    /// The consumers with cursors in the cursor stream (not the `~`-named entries the
+    /// journal keeps there for itself).
+    pub(crate) fn cursor_consumers(&self) -> Result<Vec<String>, String> {
+        let stream = self.cursor_stream()?;
+        let prefix = format!("{}_cursors.", self.options.stream);
+        let filter = format!("{prefix}*");
+        let subjects = self.run(async move {
+            let mut info = stream
+                .info_with_subjects(filter)
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut subjects = Vec::new();
+            while let Some(s) = info.next().await {
+                subjects.push(s.map_err(|e| e.to_string())?.0);
+            }
+            Ok::<_, String>(subjects)
+        })??;
+        let mut consumers: Vec<String> = subjects
+            .iter()
+            .filter_map(|s| s.strip_prefix(&prefix))
+            .filter_map(|b| {
+                base64::engine::general_purpose::URL_SAFE_NO_PAD
+                    .decode(b)
+                    .ok()
+            })
+            .filter_map(|b| String::from_utf8(b).ok())
+            .filter(|c| !c.starts_with('~'))
+            .collect();
+        consumers.sort();
+        Ok(consumers)
     }
 
     /// Stores a consumer's cursors (acknowledged by the stream's replicas).
@@ -717,7 +826,21 @@ impl Lease {
     /// Refreshes a held lease; an error means it is lost (`wrong last sequence`:
     /// someone else holds it now) or NATS is unreachable.
     pub(crate) async fn renew(&self, sequence: u64) -> Result<u64, String> {
-        self.publish(sequence).await
+        match self.publish(sequence).await {
+            Err(e) if e.contains("wrong last sequence") => {
+                // A refresh that was stored but whose acknowledgement was lost moved the
+                // sequence on: the last message is still ours.
+                match self
+                    .stream
+                    .get_last_raw_message_by_subject(&self.subject)
+                    .await
+                {
+                    Ok(m) if m.payload.as_ref() == self.holder.as_bytes() => Ok(m.sequence),
+                    _ => Err(e),
+                }
+            }
+            r => r,
+        }
     }
 
     /// Gives a held lease up (a clean stop), so a standby takes over at once.

@@ -247,8 +247,33 @@ impl FjallStore {
         }
     }
 
+    /// The transaction keys ([`crate::txn`]) of records after `after`, by position (a
+    /// full pass over the index: for copying a journal, not for serving).
+    pub fn txn_keys_after(
+        &self,
+        after: u64,
+    ) -> Result<std::collections::HashMap<u64, Vec<u8>>, String> {
+        let mut keys = std::collections::HashMap::new();
+        for kv in self.txn_ids.iter() {
+            let (k, v) = kv.into_inner().map_err(|e| e.to_string())?;
+            let position = position_of(&v)?;
+            if position > after {
+                keys.insert(position, k.to_vec());
+            }
+        }
+        Ok(keys)
+    }
+
+    /// Fsyncs everything written so far (after unsynced [`FjallStore::append_with`]).
+    pub fn sync(&self) -> Result<(), String> {
+        self.db
+            .persist(PersistMode::SyncAll)
+            .map_err(|e| e.to_string())
+    }
+
     /// Writes records as [`JournalStore::append`] does; with `sync` false the write is
-    /// not fsynced (the JetStream backend's local mirror, whose authority is the stream).
+    /// handed to the OS but not fsynced (the JetStream backend's local mirror, whose
+    /// authority is the stream: a machine crash loses at most a tail it copies again).
     pub fn append_with(&self, records: &[EncodedRecord], sync: bool) -> Result<(), String> {
         let mut batch = self.db.batch();
         for r in records {
@@ -261,11 +286,13 @@ impl FjallStore {
             }
         }
         batch.commit().map_err(|e| e.to_string())?;
-        if !sync {
-            return Ok(());
-        }
+        // Unsynced writes still reach the OS, so a process that stops keeps them.
         self.db
-            .persist(PersistMode::SyncAll)
+            .persist(if sync {
+                PersistMode::SyncAll
+            } else {
+                PersistMode::Buffer
+            })
             .map_err(|e| e.to_string())
     }
 
