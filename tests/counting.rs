@@ -1683,3 +1683,68 @@ async fn a_state_rendered_ahead_of_the_timeline_is_not_kept() {
     assert!(late.events.iter().any(|e| e.event_id == topic));
     assert_eq!(late.events.len(), early.events.len() + 1);
 }
+
+/// Single sends share search-index commits and the projections read new records from
+/// the journal's in-memory tail (issue 18 item 1). A tantivy commit per message made
+/// indexing and merging 40% of a run of single sends' CPU, so the index gathers
+/// records for `gather_ms` (250 ms) before it commits; and each of the ~25 projections
+/// reading every record from the store was a decode and a parse per projection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_sends_share_search_commits_and_projections_read_the_in_memory_tail() {
+    let h = Harness::start().await;
+    let (_, token) = h.register("alice").await;
+    let room = h.create_room(&token, json!({})).await;
+    h.quiesce().await;
+    let search = h.server.projections.search.stats().clone();
+    let journal = h.server.journal.stats();
+    let commits = search.commits.load(Ordering::Relaxed);
+    let recent = journal.recent_reads.load(Ordering::Relaxed);
+    let store = journal.records_read.load(Ordering::Relaxed);
+    const SENDS: u64 = 100;
+    for i in 0..SENDS {
+        h.send(
+            &token,
+            &room,
+            &format!("t{i}"),
+            &format!("needle{i} haystack"),
+        )
+        .await;
+    }
+    h.quiesce().await;
+    // The last message becomes searchable (the index commits on its own schedule).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let (status, v) = h
+            .call(
+                reqwest::Method::POST,
+                "/_matrix/client/v3/search",
+                Some(&token),
+                Some(json!({"search_categories": {"room_events": {"search_term": format!("needle{}", SENDS - 1)}}})),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+        if v["search_categories"]["room_events"]["count"] == 1 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the last send was never indexed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let commits = search.commits.load(Ordering::Relaxed) - commits;
+    let recent = journal.recent_reads.load(Ordering::Relaxed) - recent;
+    let store = journal.records_read.load(Ordering::Relaxed) - store;
+    eprintln!("{SENDS} sends: {commits} index commits, {recent} tail reads, {store} store reads");
+    assert!(
+        (1..=SENDS / 5).contains(&commits),
+        "{commits} search index commits for {SENDS} single sends"
+    );
+    // Every projection reads every new record from the tail; the store is read only by
+    // readers that do not share (the outbound consumers), far fewer.
+    assert!(recent >= SENDS * 20, "{recent} tail reads");
+    assert!(
+        store < recent / 4,
+        "{store} store reads against {recent} tail reads"
+    );
+}

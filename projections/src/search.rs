@@ -200,6 +200,8 @@ pub struct SearchStats {
     pub queries: AtomicU64,
     /// Hits returned by those queries.
     pub hits: AtomicU64,
+    /// Index commits (each writes a tantivy segment and feeds the merge threads).
+    pub commits: AtomicU64,
 }
 
 #[derive(Clone, Copy)]
@@ -679,6 +681,7 @@ impl Projection for Search {
         })();
         match result {
             Ok(_) => {
+                self.stats.commits.fetch_add(1, Ordering::Relaxed);
                 self.index_checkpoint
                     .fetch_max(checkpoint, Ordering::AcqRel);
                 self.dirty.store(false, Ordering::Release);

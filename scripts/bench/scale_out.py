@@ -71,17 +71,32 @@ def rss_mib(pid):
     return 0.0
 
 
+def free_ports(k):
+    """k distinct free ports (all held at once while chosen, so none repeats)."""
+    socks = []
+    for _ in range(k):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
 def start_nats(root, n):
-    routes = [free_port() for _ in range(n)]
+    ports = free_ports(2 * n)
+    routes, clients = ports[:n], ports[n:]
     nodes = []
     for i in range(n):
-        port = free_port()
+        port = clients[i]
         args = ["nats-server", "-js", "-a", "127.0.0.1", "-p", str(port), "-n", f"n{i}",
                 "-sd", os.path.join(root, f"nats{i}")]
         if n > 1:
             args += ["--cluster_name", "bench", "--cluster", f"nats://127.0.0.1:{routes[i]}",
                      "--routes", ",".join(f"nats://127.0.0.1:{p}" for j, p in enumerate(routes) if j != i)]
-        nodes.append((subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port))
+        log = open(os.path.join(root, f"nats{i}.log"), "w")
+        nodes.append((subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT), port))
     for _, port in nodes:
         wait_port(port)
     if n > 1:
