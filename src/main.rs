@@ -95,6 +95,17 @@ enum Command {
         #[arg(long)]
         data: Option<PathBuf>,
     },
+    /// Bytes on disk per keyspace of the journal and of the projections (server
+    /// stopped): one line per keyspace, largest first (`journal|projections <TAB>
+    /// keyspace <TAB> bytes <TAB> approximate items`), then `total <TAB>
+    /// journal|projections <TAB> table bytes <TAB> directory bytes` and `records <TAB>
+    /// <journal head>`. A keyspace's bytes are its compressed table files; what is still
+    /// in memtables is only in the directory total (fjall's write-ahead journal).
+    Storage {
+        /// Report on this data directory instead of the config's.
+        #[arg(long)]
+        data: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -604,6 +615,39 @@ async fn run() -> anyhow::Result<()> {
                 m.files.len()
             );
         }
+        Command::Storage { data } => {
+            use spindle_journal::JournalStore as _;
+            let data = data.unwrap_or_else(|| config.data_dir.clone());
+            let journal = spindle_replay::open_store(&data)?;
+            let head = journal.last_position().map_err(|e| anyhow!(e))?;
+            // Not created when missing (a journal whose projections were never built).
+            let projections = if data.join("projections").is_dir() {
+                spindle_projections::store::ProjectionDb::open(&data.join("projections"))
+                    .map_err(|e| anyhow!(e))
+                    .context("opening the projections (is the server still running?)")?
+                    .disk_use()
+                    .map_err(|e| anyhow!(e))?
+            } else {
+                Vec::new()
+            };
+            let mut text = String::new();
+            let mut totals = Vec::new();
+            for (db, rows) in [
+                ("journal", journal.disk_use().map_err(|e| anyhow!(e))?),
+                ("projections", projections),
+            ] {
+                for k in &rows {
+                    text.push_str(&format!("{db}\t{}\t{}\t{}\n", k.name, k.bytes, k.items));
+                }
+                totals.push((db, rows.iter().map(|k| k.bytes).sum::<u64>()));
+            }
+            for (db, bytes) in totals {
+                let dir = dir_bytes(&data.join(db));
+                text.push_str(&format!("total\t{db}\t{bytes}\t{dir}\n"));
+            }
+            text.push_str(&format!("records\t{head}\n"));
+            out(&text);
+        }
         Command::VerifyMedia { data } => {
             let data = data.unwrap_or_else(|| config.data_dir.clone());
             let report = spindle_replay::verify_media(&data)?;
@@ -761,6 +805,21 @@ async fn rebuild_online(base: &str, token: &str, name: &str) -> anyhow::Result<(
 
 /// Writes to stdout; a closed pipe (`spindle audit room … | head`) ends the program
 /// quietly instead of panicking.
+/// Bytes of the files under `dir` (0 if it does not exist).
+fn dir_bytes(dir: &std::path::Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.metadata() {
+            Ok(m) if m.is_dir() => dir_bytes(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
 fn out(text: &str) {
     use std::io::Write;
     let mut stdout = std::io::stdout().lock();

@@ -289,6 +289,30 @@ fn audit_verbs_read_an_imported_recorded_journal() {
     let head = header["head"].as_u64().unwrap();
     assert!(out.contains(&format!("head {head}")), "{out}");
 
+    // `spindle storage`: every keyspace of both databases, the journal's records
+    // keyspace holding one item per record, and the totals.
+    let (ok, report, err) = spindle(dir.path(), &data, &["storage"]);
+    assert!(ok, "{err}");
+    let rows: Vec<Vec<&str>> = report.lines().map(|l| l.split('\t').collect()).collect();
+    let records = rows
+        .iter()
+        .find(|r| r[0] == "journal" && r[1] == "records")
+        .unwrap_or_else(|| panic!("{report}"));
+    assert_eq!(records[3], head.to_string(), "{report}");
+    assert_eq!(rows.last().unwrap(), &vec!["records", &*head.to_string()]);
+    let totals: Vec<&Vec<&str>> = rows.iter().filter(|r| r[0] == "total").collect();
+    assert_eq!(totals.len(), 2, "{report}");
+    // The journal is on disk; the projections are built at the first start, not yet.
+    assert!(
+        totals[0][1] == "journal" && totals[0][3].parse::<u64>().unwrap() > 0,
+        "{report}"
+    );
+    assert_eq!(
+        totals[1],
+        &vec!["total", "projections", "0", "0"],
+        "{report}"
+    );
+
     // The room is the one whose create event comes first.
     let room = std::fs::read_to_string(&recorded)
         .unwrap()

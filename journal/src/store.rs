@@ -84,6 +84,36 @@ pub fn storage_use(db: &Database) -> StorageUse {
     }
 }
 
+/// One keyspace's size on disk: what `spindle storage` prints.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyspaceDisk {
+    /// The keyspace's name.
+    pub name: String,
+    /// Bytes its tables (SST files and blob files) take on disk, compressed; the
+    /// memtable and the database's write-ahead journal are not counted.
+    pub bytes: u64,
+    /// Its approximate number of items (tombstones and versions not yet compacted
+    /// away count too).
+    pub items: usize,
+}
+
+/// Every keyspace of `db` with its size on disk, largest first.
+pub fn disk_use(db: &Database) -> Result<Vec<KeyspaceDisk>, String> {
+    let mut out = Vec::new();
+    for name in db.list_keyspace_names() {
+        let ks = db
+            .keyspace(&name, KeyspaceCreateOptions::default)
+            .map_err(|e| e.to_string())?;
+        out.push(KeyspaceDisk {
+            name: name.to_string(),
+            bytes: ks.disk_space(),
+            items: ks.approximate_len(),
+        });
+    }
+    out.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.name.cmp(&b.name)));
+    Ok(out)
+}
+
 /// One record ready to be written: its position, its room (for the per-room index)
 /// and its encoded envelope.
 #[derive(Debug, Clone)]
@@ -262,6 +292,11 @@ impl FjallStore {
             }
         }
         Ok(keys)
+    }
+
+    /// Every keyspace's size on disk ([`disk_use`]).
+    pub fn disk_use(&self) -> Result<Vec<KeyspaceDisk>, String> {
+        disk_use(&self.db)
     }
 
     /// Fsyncs everything written so far (after unsynced [`FjallStore::append_with`]).

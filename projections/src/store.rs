@@ -177,6 +177,12 @@ impl ProjectionDb {
         }
     }
 
+    /// Every keyspace's size on disk, largest first (table keyspaces are named
+    /// `<projection>.<table>`, `#g<n>` after the projection in a rebuilt generation).
+    pub fn disk_use(&self) -> Result<Vec<spindle_journal::store::KeyspaceDisk>, String> {
+        spindle_journal::store::disk_use(&self.db)
+    }
+
     /// What this database holds in memory now (memtables, block cache).
     pub fn storage_use(&self) -> StorageUse {
         spindle_journal::store::storage_use(&self.db)
