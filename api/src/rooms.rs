@@ -778,6 +778,31 @@ pub(crate) async fn create_room(
 /// Most invitees' servers `createRoom` asks at once.
 pub const REMOTE_INVITES_IN_FLIGHT: usize = 8;
 
+/// Whether this server has the room's state. With a shared journal a room this
+/// process does not know yet may have just been created through another one: it first
+/// waits (at most [`crate::SHARED_JOURNAL_TOKEN_WAIT`]) for its projections to reach
+/// the stream's head, instead of treating the room as remote.
+async fn room_known(s: &AppState, room_id: &str) -> bool {
+    if s.projections.state.room(room_id).is_some() {
+        return true;
+    }
+    let Some(head) = s
+        .journal
+        .shared_head(crate::SHARED_JOURNAL_TOKEN_WAIT)
+        .await
+    else {
+        return false;
+    };
+    s.journal
+        .wait_for_head(head, crate::SHARED_JOURNAL_TOKEN_WAIT)
+        .await
+        && s.projections
+            .runtime
+            .wait_for(head, crate::SHARED_JOURNAL_TOKEN_WAIT)
+            .await
+        && s.projections.state.room(room_id).is_some()
+}
+
 /// Joins `room_id` as the requester, through `via` when this server is not in the
 /// room; rate limited per user (`rate_limits.joins`; a join of a room already joined
 /// is free).
@@ -806,7 +831,7 @@ async fn join(
     // through a server that is (spec: server-server API, "Joining Rooms"). So is a
     // restricted room none of whose local members may vouch for the join (spec:
     // "Restricted rooms": the join must be authorised by a server that can).
-    let known = s.projections.state.room(room_id).is_some();
+    let known = room_known(s, room_id).await;
     let here = known && crate::visibility::server_is_joined(s, room_id).await;
     let mut content = member_content(s, &r.user_id, "join", None);
     let mut no_authoriser = false;
@@ -927,7 +952,7 @@ async fn knock(
         target
     };
     let reason = opt_str(&body, "reason")?;
-    let known = s.projections.state.room(&room_id).is_some();
+    let known = room_known(&s, &room_id).await;
     if !known || !crate::visibility::server_is_joined(&s, &room_id).await {
         if let Some((_, origin)) = room_id.split_once(':')
             && !via.iter().any(|v| v == origin)

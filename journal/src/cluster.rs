@@ -286,6 +286,19 @@ impl Journal {
         )
     }
 
+    /// For a shared journal: the stream's head now (the position of the last record any
+    /// process appended), so a reader can wait for its own copy to reach it before it
+    /// answers "unknown" about something another process may just have written (a room
+    /// created through another process). `None` for an embedded journal (every write is
+    /// its own) or when NATS does not answer within `timeout`.
+    pub async fn shared_head(&self, timeout: Duration) -> Option<u64> {
+        let store = self.cluster()?.store.clone();
+        match tokio::time::timeout(timeout, store.stream_head_async()).await {
+            Ok(Ok(head)) => Some(head),
+            _ => None,
+        }
+    }
+
     /// Gives the writer lease up if this process holds it (a clean stop), so a standby
     /// takes over at once instead of after the lease's time to live; then stops
     /// following. Waits at most 2 s. Nothing for an embedded journal.

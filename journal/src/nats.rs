@@ -434,6 +434,24 @@ impl NatsStore {
         &self.local
     }
 
+    /// [`NatsStore::stream_head`] without blocking the caller's thread.
+    pub(crate) async fn stream_head_async(&self) -> Result<u64, String> {
+        let js = self.js.clone();
+        let name = self.options.stream.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.handle.spawn(async move {
+            let head = async {
+                let s = js.get_stream(&name).await.map_err(|e| e.to_string())?;
+                let info = s.get_info().await.map_err(|e| e.to_string())?;
+                Ok::<_, String>(info.state.last_sequence)
+            }
+            .await;
+            let _ = tx.send(head);
+        });
+        rx.await
+            .map_err(|_| "the NATS client runtime stopped".to_string())?
+    }
+
     /// Copies into the mirror every record the stream has after the mirror's last.
     pub(crate) fn catch_up(&self) -> Result<(), String> {
         let mirrored = self.local.last_position()?;
