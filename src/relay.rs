@@ -35,8 +35,9 @@ pub(crate) fn start(
             let Ok(bytes) = serde_json::to_vec(&change) else {
                 continue;
             };
-            if send.send(bytes).is_err() {
-                return;
+            match send.try_send(bytes) {
+                Ok(()) | Err(tokio::sync::mpsc::error::TrySendError::Full(_)) => {}
+                Err(tokio::sync::mpsc::error::TrySendError::Closed(_)) => return,
             }
         }
     });

@@ -354,6 +354,26 @@ async fn typing_and_presence_reach_clients_of_the_other_process() {
         r.status == 200 && r.body["presence"] == "unavailable" && r.body["status_msg"] == "at lunch"
     })
     .await;
+    // Cleared through A (an explicit null), cleared on B too.
+    let r = alice
+        .put(
+            &format!("/_matrix/client/v3/presence/{}/status", enc(&alice.user_id)),
+            &json!({"presence": "online", "status_msg": null}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    until("B clears Alice's status message", async || {
+        let r = bob
+            .get(&format!(
+                "/_matrix/client/v3/presence/{}/status",
+                enc(&alice.user_id)
+            ))
+            .await;
+        r.status == 200
+            && r.body["presence"] == "online"
+            && r.body.get("status_msg").is_none_or(|m| m.is_null())
+    })
+    .await;
     a.stop().await;
     b.stop().await;
 }
@@ -860,10 +880,19 @@ async fn an_embedded_journal_moves_into_jetstream_and_back() {
         "{out}"
     );
     assert_eq!(stream_head(&nats, "s5").await, head);
+    // A second run copies nothing, and keeps the stream's cursors (a process that ran
+    // on the stream has newer ones than the files it left behind).
+    std::fs::write(
+        a.data.join("consumers").join("test-consumer.json"),
+        br#"{"x":1}"#,
+    )
+    .unwrap();
     let (ok, out, err) = a.verb(&["journal", "copy-to-nats"]);
     assert!(ok, "{err}");
     assert!(
-        out.starts_with(&format!("copied 0 records into stream s5; head {head};")),
+        out.starts_with(&format!(
+            "copied 0 records into stream s5; head {head}; cursors of 0 consumers;"
+        )),
         "{out}"
     );
 
@@ -904,6 +933,15 @@ async fn an_embedded_journal_moves_into_jetstream_and_back() {
 
     // And back: a new data directory (with the deployment's key) copies the stream and
     // its cursors, and serves it on the embedded journal.
+    // A stream that does not exist is not created by a copy from it.
+    let missing = Proc::new(root.path(), "missing", &url(&nats), "s5-typo");
+    std::fs::create_dir_all(&missing.data).unwrap();
+    std::fs::copy(a.data.join("signing.key"), missing.data.join("signing.key")).unwrap();
+    let (ok, _, err) = missing.verb(&["journal", "copy-from-nats"]);
+    assert!(
+        !ok && err.contains("stream s5-typo does not exist"),
+        "{err}"
+    );
     let mut c = Proc::new(root.path(), "c", &url(&nats), "s5");
     let (ok, _, err) = c.verb(&["journal", "copy-from-nats"]);
     assert!(!ok && err.contains("no signing.key"), "{err}");

@@ -147,6 +147,7 @@ impl Presence {
             status_msg.clone(),
             joined_rooms,
             now,
+            false,
         );
         if relay {
             typing.relay(crate::typing::Relayed::Presence {
@@ -159,7 +160,9 @@ impl Presence {
     }
 
     /// Applies a change another process relayed (see [`Presence::set`]; not relayed
-    /// again).
+    /// again). A change older than the user's presence here (`now` before its
+    /// `last_active`: the two crossed in flight) is ignored, so every process ends on
+    /// the latest.
     pub fn apply_relayed(
         &self,
         typing: &crate::typing::Typing,
@@ -169,10 +172,20 @@ impl Presence {
         joined_rooms: &[String],
         now: u64,
     ) {
-        self.change(typing, user_id, presence, status_msg, joined_rooms, now);
+        self.change(
+            typing,
+            user_id,
+            presence,
+            status_msg,
+            joined_rooms,
+            now,
+            true,
+        );
     }
 
-    /// [`Presence::set`] without the relay; whether to relay it.
+    /// [`Presence::set`] without the relay; whether to relay it. `relayed`: from another
+    /// process (ignored when older than what is kept).
+    #[allow(clippy::too_many_arguments)]
     fn change(
         &self,
         typing: &crate::typing::Typing,
@@ -181,9 +194,13 @@ impl Presence {
         status_msg: Option<Option<String>>,
         joined_rooms: &[String],
         now: u64,
+        relayed: bool,
     ) -> bool {
         let mut inner = self.inner.lock();
         let prev = inner.users.get(user_id).cloned();
+        if relayed && prev.as_ref().is_some_and(|p| p.last_active_ms > now) {
+            return false;
+        }
         if prev.is_none() && inner.users.len() >= self.max_users {
             Self::evict(&mut inner, self.max_users);
         }

@@ -786,20 +786,13 @@ async fn room_known(s: &AppState, room_id: &str) -> bool {
     if s.projections.state.room(room_id).is_some() {
         return true;
     }
-    let Some(head) = s
-        .journal
-        .shared_head(crate::SHARED_JOURNAL_TOKEN_WAIT)
-        .await
-    else {
+    let deadline = tokio::time::Instant::now() + crate::SHARED_JOURNAL_TOKEN_WAIT;
+    let left = || deadline.saturating_duration_since(tokio::time::Instant::now());
+    let Some(head) = s.journal.shared_head(left()).await else {
         return false;
     };
-    s.journal
-        .wait_for_head(head, crate::SHARED_JOURNAL_TOKEN_WAIT)
-        .await
-        && s.projections
-            .runtime
-            .wait_for(head, crate::SHARED_JOURNAL_TOKEN_WAIT)
-            .await
+    s.journal.wait_for_head(head, left()).await
+        && s.projections.runtime.wait_for(head, left()).await
         && s.projections.state.room(room_id).is_some()
 }
 

@@ -70,11 +70,24 @@ pub enum Relayed {
         user_id: String,
         /// `online`, `unavailable` or `offline`.
         presence: String,
-        /// The status message: `None` keeps the previous one, `Some(None)` clears it.
+        /// The status message: `None` (absent) keeps the previous one, `Some(None)`
+        /// (`null`) clears it.
+        #[serde(
+            default,
+            skip_serializing_if = "Option::is_none",
+            deserialize_with = "present"
+        )]
         status_msg: Option<Option<String>>,
-        /// When the user was last active, ms since the epoch.
+        /// When the user was last active, ms since the epoch; a receiver ignores a
+        /// change older than what it has.
         active_ms: u64,
     },
+}
+
+/// A field that is present (even as `null`) is `Some`; an absent one is `None` through
+/// `#[serde(default)]`.
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<String>>, D::Error> {
+    <Option<String> as serde::Deserialize>::deserialize(d).map(Some)
 }
 
 /// In-memory typing state: at most `max_rooms` rooms (config `caches.typing_rooms`).

@@ -25,13 +25,18 @@ use crate::{
 /// run; the forwarding process sends it again to the next writer.
 const NOT_THE_WRITER: &str = "this process is no longer the journal writer";
 
+/// Ephemeral payloads waiting to be published, at most.
+pub const EPHEMERAL_QUEUE: usize = 1024;
+
 /// The header naming the process that published an ephemeral payload.
 const ORIGIN_HEADER: &str = "Spindle-Origin";
 
 /// See [`Journal::ephemeral_channel`].
 pub struct EphemeralChannel {
-    /// Payloads for the other processes (dropped while NATS is unreachable).
-    pub send: tokio::sync::mpsc::UnboundedSender<Vec<u8>>,
+    /// Payloads for the other processes, at most [`EPHEMERAL_QUEUE`] waiting (send with
+    /// `try_send` and drop what does not fit: while NATS is unreachable the queue fills
+    /// and later changes are dropped, not kept to be replayed stale).
+    pub send: tokio::sync::mpsc::Sender<Vec<u8>>,
     /// Payloads the other processes sent, in the order NATS delivered them.
     pub recv: tokio::sync::mpsc::Receiver<Vec<u8>>,
 }
@@ -225,7 +230,7 @@ impl Journal {
         let client = c.store.client().clone();
         let subject = format!("{}.ephemeral", c.store.options().stream);
         let origin = c.holder.clone();
-        let (send, mut outgoing) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
+        let (send, mut outgoing) = tokio::sync::mpsc::channel::<Vec<u8>>(EPHEMERAL_QUEUE);
         let (incoming, recv) = tokio::sync::mpsc::channel::<Vec<u8>>(1024);
         let (sub_client, sub_subject, ours) = (client.clone(), subject.clone(), origin.clone());
         c.store.spawn(async move {

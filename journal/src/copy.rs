@@ -44,7 +44,8 @@ pub struct StreamCopy {
 /// (`key_id`, `public` base64) as the deployment's, refusing a stream whose processes
 /// sign with another. Errors, leaving the stream a prefix of the journal, if NATS is
 /// unreachable, if the stream holds records this journal does not, or if it refuses
-/// an append (a process is writing into it).
+/// an append (a process is writing into it). Cursors the stream already has are kept
+/// (a process that ran on the stream has newer ones); `cursors` counts those copied.
 pub fn copy_to_stream(
     journal_dir: &Path,
     consumers_dir: &Path,
@@ -93,19 +94,27 @@ pub fn copy_to_stream(
         store.publish(&records)?;
         at = last;
     }
-    let files = consumer::read_cursor_files(consumers_dir)?;
-    for (name, bytes) in &files {
-        store.cursor_put(name, bytes.clone())?;
+    // Only cursors the stream does not have yet: once a process ran on the stream its
+    // cursors there are newer than these files (which nothing updates any more), and
+    // putting the files back would send federation, push and application services'
+    // work again from an old position.
+    let mut cursors = 0;
+    for (name, bytes) in consumer::read_cursor_files(consumers_dir)? {
+        if store.cursor_get(&name)?.is_none() {
+            store.cursor_put(&name, bytes)?;
+            cursors += 1;
+        }
     }
     Ok(StreamCopy {
         records: at - head,
         head: at,
-        cursors: files.len(),
+        cursors,
     })
 }
 
 /// Copies every record of the stream of `options` that the journal in `journal_dir`
-/// lacks into it (creating it if missing), fsyncs it, and writes the cursor stream's
+/// lacks into it (creating the journal if missing; a missing or empty stream is an
+/// error, never created), fsyncs it, and writes the cursor stream's
 /// cursors as files in `consumers_dir`. Errors if the local journal holds records the
 /// stream does not (another stream's data directory), if the deployment signs with
 /// another key than (`key_id`, `public`), or if NATS is unreachable.
@@ -117,7 +126,13 @@ pub fn copy_from_stream(
     key_id: &str,
     public: &str,
 ) -> Result<StreamCopy, String> {
-    let store = NatsStore::connect(journal_dir, memory, options)?;
+    let store = NatsStore::connect_existing(journal_dir, memory, options)?;
+    if store.stream_head()? == 0 {
+        return Err(format!(
+            "stream {} is empty: nothing to copy (check journal.nats.stream)",
+            store.options().stream
+        ));
+    }
     store.check_signing_key(key_id, public)?;
     let before = store.local().last_position()?;
     store.catch_up()?;

@@ -43,7 +43,7 @@ use spindle_core::{
 use tokio::sync::watch;
 
 pub use chain::{BreakKind, ChainBreak, ChainHead};
-pub use cluster::EphemeralChannel;
+pub use cluster::{EPHEMERAL_QUEUE, EphemeralChannel};
 pub use command::{
     CommandBody, CommandEnvelope, EventSpec, KeyClaimRequest, MembershipPrecondition, SignedCommand,
 };

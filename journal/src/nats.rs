@@ -186,8 +186,18 @@ fn run_on<T: Send + 'static>(
     handle.spawn(async move {
         let _ = tx.send(fut.await);
     });
-    rx.recv()
-        .map_err(|_| "the NATS client runtime stopped".to_string())
+    let wait = || {
+        rx.recv()
+            .map_err(|_| "the NATS client runtime stopped".to_string())
+    };
+    // On a worker of a multi-threaded runtime (a consumer saving its cursors), let the
+    // runtime move its other tasks to another worker while this one waits for NATS.
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(wait)
+        }
+        _ => wait(),
+    }
 }
 
 impl NatsStore {
@@ -207,6 +217,34 @@ impl NatsStore {
     /// Connects to NATS, creates the stream if it is missing and opens the local store
     /// in `dir`, without comparing or copying anything.
     pub(crate) fn connect(
+        dir: &Path,
+        memory: StorageMemory,
+        options: NatsOptions,
+    ) -> Result<NatsStore, String> {
+        let store = NatsStore::connect_only(dir, memory, options)?;
+        store.ensure_stream()?;
+        Ok(store)
+    }
+
+    /// [`NatsStore::connect`] to a stream that must exist already (an error naming it
+    /// otherwise; nothing is created on NATS).
+    pub(crate) fn connect_existing(
+        dir: &Path,
+        memory: StorageMemory,
+        options: NatsOptions,
+    ) -> Result<NatsStore, String> {
+        let store = NatsStore::connect_only(dir, memory, options)?;
+        let js = store.js.clone();
+        let name = store.options.stream.clone();
+        store.run(async move {
+            js.get_stream(&name).await.map(|_| ()).map_err(|e| {
+                format!("stream {name} does not exist or is unreachable ({e}): check journal.nats.stream")
+            })
+        })??;
+        Ok(store)
+    }
+
+    fn connect_only(
         dir: &Path,
         memory: StorageMemory,
         options: NatsOptions,
@@ -248,7 +286,6 @@ impl NatsStore {
             options,
             cursors: std::sync::OnceLock::new(),
         };
-        store.ensure_stream()?;
         Ok(store)
     }
 
@@ -459,8 +496,10 @@ impl NatsStore {
         if mirrored > head {
             return Err(format!(
                 "the local journal mirror ends at position {mirrored}, but stream {} ends at \
-                 {head}: this data directory belongs to another stream (or the stream lost \
-                 records); move the data directory away to rebuild it from the stream",
+                 {head}: if this data directory's embedded journal was being copied into the \
+                 stream, run `spindle journal copy-to-nats` again to finish the copy; \
+                 otherwise it belongs to another stream (or the stream lost records): move \
+                 it away to rebuild it from the stream",
                 self.options.stream
             ));
         }
