@@ -605,7 +605,33 @@ async fn a_three_node_cluster_loses_no_acknowledged_event_when_a_node_dies() {
     a.stop().await;
     // A fresh process (an empty data directory, only the key) rebuilds everything from
     // the two surviving nodes.
-    let b = process(vec![urls[0].clone(), urls[2].clone()], "s3", Some(&key)).await;
+    // Until the surviving nodes have re-elected the streams' leaders, JetStream requests
+    // time out: a start that fails on that is tried again, as an operator would.
+    let b = {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let dir = tempfile::tempdir().unwrap();
+            let config = nats_config(vec![urls[0].clone(), urls[2].clone()], "s3", dir.path());
+            std::fs::create_dir_all(&config.data_dir).unwrap();
+            std::fs::write(config.data_dir.join("signing.key"), &key).unwrap();
+            match spindle::Server::start(config).await {
+                Ok(server) => {
+                    let base = format!("http://{}", server.addr);
+                    break TestServer {
+                        server,
+                        dir,
+                        base,
+                        http: http(),
+                    };
+                }
+                Err(e) if Instant::now() < deadline => {
+                    eprintln!("surviving nodes not ready yet: {e:#}");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => panic!("the surviving nodes never served: {e:#}"),
+            }
+        }
+    };
     let alice_b = b.login("alice", None).await;
     let tl = timeline(&alice_b, &room).await;
     for id in &acked {

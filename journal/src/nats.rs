@@ -329,10 +329,21 @@ impl NatsStore {
                 duplicate_window: Duration::from_secs(120),
                 ..Default::default()
             };
-            let mut s = js
-                .get_or_create_stream(config)
-                .await
-                .map_err(|e| format!("creating the journal stream {}: {e}", o.stream))?;
+            // A cluster still electing leaders (starting, or a node just died) times
+            // requests out for a few seconds: retried until `request_timeout_ms`.
+            let deadline = std::time::Instant::now() + Duration::from_millis(o.request_timeout_ms);
+            let mut s = loop {
+                match js.get_or_create_stream(config.clone()).await {
+                    Ok(s) => break s,
+                    Err(e) if std::time::Instant::now() < deadline => {
+                        tracing::warn!(error = %e, "journal: the stream is not ready; retrying");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    Err(e) => {
+                        return Err(format!("creating the journal stream {}: {e}", o.stream));
+                    }
+                }
+            };
             let info = s.info().await.map_err(|e| e.to_string())?;
             if info.config.num_replicas != o.replicas {
                 tracing::warn!(
@@ -714,17 +725,31 @@ impl NatsStore {
         let js = self.js.clone();
         let name = format!("{}_cursors", self.options.stream);
         let replicas = self.options.replicas;
+        let deadline =
+            std::time::Instant::now() + Duration::from_millis(self.options.request_timeout_ms);
         self.run(async move {
-            js.get_or_create_stream(stream::Config {
-                name: name.clone(),
-                subjects: vec![format!("{name}.*")],
-                storage: stream::StorageType::File,
-                num_replicas: replicas,
-                max_messages_per_subject: 1,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| format!("creating the cursor stream {name}: {e}"))
+            loop {
+                let attempt = js
+                    .get_or_create_stream(stream::Config {
+                        name: name.clone(),
+                        subjects: vec![format!("{name}.*")],
+                        storage: stream::StorageType::File,
+                        num_replicas: replicas,
+                        max_messages_per_subject: 1,
+                        ..Default::default()
+                    })
+                    .await;
+                match attempt {
+                    Ok(s) => return Ok(s),
+                    // A cluster re-electing leaders (a node just died) times requests
+                    // out for a few seconds.
+                    Err(e) if std::time::Instant::now() < deadline => {
+                        tracing::warn!(error = %e, "journal: the cursor stream is not ready; retrying");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                    Err(e) => return Err(format!("creating the cursor stream {name}: {e}")),
+                }
+            }
         })?
         .map(|s| self.cursors.get_or_init(|| s).clone())
     }
