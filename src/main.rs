@@ -448,42 +448,15 @@ async fn run() -> anyhow::Result<()> {
             );
         }
         Command::Journal {
-            verb: JournalVerb::CopyToNats,
+            verb: verb @ (JournalVerb::CopyToNats | JournalVerb::CopyFromNats),
         } => {
+            let to_nats = matches!(verb, JournalVerb::CopyToNats);
             let journal_dir = config.data_dir.join("journal");
-            if !journal_dir.exists() {
+            if to_nats && !journal_dir.exists() {
                 return Err(anyhow!("no journal in {}", config.data_dir.display()));
             }
-            let key = spindle_federation::load_or_create_key(&config.data_dir, &config.server_name)
-                .map_err(|e| anyhow!(e))?;
-            let nats = config.journal.nats.clone();
-            let stream = nats.stream.clone();
-            let consumers = config.data_dir.join("consumers");
-            let memory = config.storage;
-            let c = tokio::task::spawn_blocking(move || {
-                spindle_journal::copy::copy_to_stream(
-                    &journal_dir,
-                    &consumers,
-                    memory,
-                    nats,
-                    &key.key_id(),
-                    &key.public_key_base64(),
-                )
-            })
-            .await?
-            .map_err(|e| anyhow!(e))
-            .context("copying the journal into JetStream (is the server stopped?)")?;
-            println!(
-                "copied {} records into stream {stream}; head {}; cursors of {} consumers; \
-                 start with [journal] backend = \"nats\" now",
-                c.records, c.head, c.cursors
-            );
-        }
-        Command::Journal {
-            verb: JournalVerb::CopyFromNats,
-        } => {
             // A new key would sign as another server than the records it copies.
-            if !config.data_dir.join("signing.key").exists() {
+            if !to_nats && !config.data_dir.join("signing.key").exists() {
                 return Err(anyhow!(
                     "no signing.key in {}: copy it from one of the deployment's processes first",
                     config.data_dir.display()
@@ -493,11 +466,15 @@ async fn run() -> anyhow::Result<()> {
                 .map_err(|e| anyhow!(e))?;
             let nats = config.journal.nats.clone();
             let stream = nats.stream.clone();
-            let journal_dir = config.data_dir.join("journal");
             let consumers = config.data_dir.join("consumers");
             let memory = config.storage;
             let c = tokio::task::spawn_blocking(move || {
-                spindle_journal::copy::copy_from_stream(
+                let copy = if to_nats {
+                    spindle_journal::copy::copy_to_stream
+                } else {
+                    spindle_journal::copy::copy_from_stream
+                };
+                copy(
                     &journal_dir,
                     &consumers,
                     memory,
@@ -508,10 +485,20 @@ async fn run() -> anyhow::Result<()> {
             })
             .await?
             .map_err(|e| anyhow!(e))
-            .context("copying the journal from JetStream (is the server stopped?)")?;
+            .with_context(|| {
+                format!(
+                    "copying the journal {} JetStream (is the server stopped?)",
+                    if to_nats { "into" } else { "from" }
+                )
+            })?;
+            let (direction, backend) = if to_nats {
+                ("into", "nats")
+            } else {
+                ("from", "embedded")
+            };
             println!(
-                "copied {} records from stream {stream}; head {}; cursors of {} consumers; \
-                 start with [journal] backend = \"embedded\" now",
+                "copied {} records {direction} stream {stream}; head {}; cursors of {} \
+                 consumers; start with [journal] backend = \"{backend}\" now",
                 c.records, c.head, c.cursors
             );
         }
