@@ -521,47 +521,12 @@ async fn a_three_node_cluster_loses_no_acknowledged_event_when_a_node_dies() {
         .collect();
     let urls: Vec<String> = nodes.iter().map(|n| url(n.as_ref().unwrap())).collect();
     // JetStream needs its meta leader elected before a stream can be created.
-    let a = {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let urls = urls.clone();
-            let attempt = tokio::spawn(async move {
-                let dir = tempfile::tempdir().unwrap();
-                let mut config = spindle::Config {
-                    bind: "127.0.0.1:0".parse().unwrap(),
-                    data_dir: dir.path().join("data"),
-                    log: "warn".into(),
-                    rate_limits: spindle::config::RateLimits::lifted(),
-                    ..Default::default()
-                };
-                config.journal.backend = spindle::config::JournalBackend::Nats;
-                config.journal.nats.servers = urls;
-                config.journal.nats.stream = "s3".into();
-                config.journal.nats.replicas = 3;
-                // A node's death re-elects the lease bucket's leader: give it time.
-                config.journal.nats.lease_ttl_ms = 15_000;
-                spindle::Server::start(config).await.map(|s| (s, dir))
-            })
-            .await
-            .unwrap();
-            match attempt {
-                Ok((server, dir)) => {
-                    let base = format!("http://{}", server.addr);
-                    break TestServer {
-                        server,
-                        dir,
-                        base,
-                        http: http(),
-                    };
-                }
-                Err(e) if Instant::now() < deadline => {
-                    eprintln!("cluster not ready yet: {e:#}");
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                }
-                Err(e) => panic!("cluster never became ready: {e:#}"),
-            }
-        }
-    };
+    let a = start_when_served(urls.clone(), "s3", None, |config| {
+        config.journal.nats.replicas = 3;
+        // A node's death re-elects the lease's leader: give it time.
+        config.journal.nats.lease_ttl_ms = 15_000;
+    })
+    .await;
     until("A becomes the writer", async || {
         a.server.journal.is_writer() == Some(true)
     })
@@ -607,31 +572,13 @@ async fn a_three_node_cluster_loses_no_acknowledged_event_when_a_node_dies() {
     // the two surviving nodes.
     // Until the surviving nodes have re-elected the streams' leaders, JetStream requests
     // time out: a start that fails on that is tried again, as an operator would.
-    let b = {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let dir = tempfile::tempdir().unwrap();
-            let config = nats_config(vec![urls[0].clone(), urls[2].clone()], "s3", dir.path());
-            std::fs::create_dir_all(&config.data_dir).unwrap();
-            std::fs::write(config.data_dir.join("signing.key"), &key).unwrap();
-            match spindle::Server::start(config).await {
-                Ok(server) => {
-                    let base = format!("http://{}", server.addr);
-                    break TestServer {
-                        server,
-                        dir,
-                        base,
-                        http: http(),
-                    };
-                }
-                Err(e) if Instant::now() < deadline => {
-                    eprintln!("surviving nodes not ready yet: {e:#}");
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                }
-                Err(e) => panic!("the surviving nodes never served: {e:#}"),
-            }
-        }
-    };
+    let b = start_when_served(
+        vec![urls[0].clone(), urls[2].clone()],
+        "s3",
+        Some(&key),
+        |_| {},
+    )
+    .await;
     let alice_b = b.login("alice", None).await;
     let tl = timeline(&alice_b, &room).await;
     for id in &acked {
@@ -642,6 +589,43 @@ async fn a_three_node_cluster_loses_no_acknowledged_event_when_a_node_dies() {
         );
     }
     b.stop().await;
+}
+
+/// A process on the shared journal (configured by `f` over [`nats_config`]), started
+/// again in a fresh data directory until it starts or 120 s have passed: a NATS
+/// cluster electing leaders times JetStream requests out for a while.
+async fn start_when_served(
+    servers: Vec<String>,
+    stream: &str,
+    key: Option<&[u8]>,
+    f: impl Fn(&mut spindle::Config),
+) -> TestServer {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = nats_config(servers.clone(), stream, dir.path());
+        f(&mut config);
+        if let Some(key) = key {
+            std::fs::create_dir_all(&config.data_dir).unwrap();
+            std::fs::write(config.data_dir.join("signing.key"), key).unwrap();
+        }
+        match spindle::Server::start(config).await {
+            Ok(server) => {
+                let base = format!("http://{}", server.addr);
+                return TestServer {
+                    server,
+                    dir,
+                    base,
+                    http: http(),
+                };
+            }
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("NATS not serving yet: {e:#}");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("NATS never served: {e:#}"),
+        }
+    }
 }
 
 /// A Spindle binary (its own process, so it can be SIGKILLed) on the shared journal.
