@@ -21,7 +21,6 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -31,34 +30,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import sitting  # noqa: E402  (start_spindle, start_synapse, synapse_venv, wait_ready, stop)
+import sitting  # noqa: E402  (start_synapse, synapse_venv, wait_ready, stop)
+from scale_out import Conn, free_port  # noqa: E402
 
 CLIENTS = 8
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-class Conn:
-    def __init__(self, port: int, token: str | None = None):
-        self.c = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        self.token = token
-
-    def req(self, method: str, path: str, body=None):
-        headers = {"Content-Type": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        self.c.request(method, path, json.dumps(body) if body is not None else None, headers)
-        r = self.c.getresponse()
-        data = r.read()
-        if r.status != 200:
-            raise RuntimeError(f"{method} {path}: {r.status} {data[:300]!r}")
-        return json.loads(data) if data else {}
 
 
 def body_of(i: int) -> str:
