@@ -165,8 +165,14 @@ fn key_of(s: &TestServer) -> Vec<u8> {
     std::fs::read(s.dir.path().join("data").join("signing.key")).unwrap()
 }
 
-async fn until(what: &str, mut f: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
+async fn until(what: &str, f: impl AsyncFnMut() -> bool) {
+    until_within(what, Duration::from_secs(30), f).await
+}
+
+/// [`until`] with its own deadline (a NATS cluster re-electing leaders on a loaded
+/// machine takes longer than 30 s).
+async fn until_within(what: &str, within: Duration, mut f: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + within;
     while !f().await {
         assert!(Instant::now() < deadline, "timed out waiting: {what}");
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -578,6 +584,12 @@ async fn a_three_node_cluster_loses_no_acknowledged_event_when_a_node_dies() {
         Some(&key),
         |_| {},
     )
+    .await;
+    // The lease stream's leader is elected again among the two survivors and A's lease
+    // (15 s) runs out before B may write; until then a request gets 503 "try again".
+    until_within("B becomes the writer", Duration::from_secs(120), async || {
+        b.server.journal.is_writer() == Some(true)
+    })
     .await;
     let alice_b = b.login("alice", None).await;
     let tl = timeline(&alice_b, &room).await;
