@@ -47,9 +47,6 @@ use crate::config::AppServicesConfig;
 /// Records read from the journal per step.
 const READ_BATCH: usize = 256;
 
-/// How often a cursor that moved without a transaction is saved.
-const IDLE_SAVE_INTERVAL: Duration = Duration::from_secs(10);
-
 /// Rooms whose interest a worker remembers before it starts over.
 const ROOM_CACHE_MAX: usize = 100_000;
 
@@ -235,7 +232,6 @@ impl AppServiceSender {
         let cfg = self.config.clone();
         let max = cfg.transaction_events_max.max(1);
         let mut rooms = RoomInterest::default();
-        let mut idle_saved = std::time::Instant::now();
         loop {
             let mut txn = Txn::default();
             let mut covered = cursor;
@@ -254,11 +250,8 @@ impl AppServiceSender {
                     break;
                 }
                 cursor = covered;
-                if idle_saved.elapsed() >= IDLE_SAVE_INTERVAL {
-                    idle_saved = std::time::Instant::now();
-                    if let Err(e) = self.cursors.lock().set(&a.id, cursor) {
-                        tracing::warn!(error = %e, "appservice: cursor not saved");
-                    }
+                if let Err(e) = self.cursors.lock().advance(&a.id, cursor) {
+                    tracing::warn!(error = %e, "appservice: cursor not saved");
                 }
             }
             let txn_id = format!("{}-{}", cursor + 1, covered);

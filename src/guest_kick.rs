@@ -108,7 +108,9 @@ pub(crate) fn start(
                     kick_guests(&journal, &projections, &server_name, &room).await;
                 }
                 after = batch.last().map(|r| r.position()).unwrap_or(after);
-                if let Err(e) = cursors.set("", after) {
+                // A kick is its own command (at least once: repeated after a restart it
+                // appends nothing), so the cursor is saved now and then, not per batch.
+                if let Err(e) = cursors.advance("", after) {
                     tracing::warn!(error = %e, "guest-kick: cursor not saved");
                 }
             }

@@ -69,9 +69,6 @@ use crate::config::Push as PushConfig;
 /// Records read from the journal per step.
 const READ_BATCH: usize = 256;
 
-/// How often a cursor that moved without a delivery is saved.
-const IDLE_SAVE_INTERVAL: Duration = Duration::from_secs(10);
-
 /// How often the push queue is pruned ([`PushSender::prune_queue`]); a prune that
 /// finds nothing done journals nothing.
 pub const PRUNE_INTERVAL: Duration = Duration::from_secs(60);
@@ -254,7 +251,6 @@ impl PushSender {
     }
 
     async fn dispatch(self, mut after: u64) {
-        let mut last_saved = std::time::Instant::now();
         while let Some(batch) = self.read(after).await {
             for rec in &batch {
                 for (user, _) in self.users_of(rec) {
@@ -268,11 +264,8 @@ impl PushSender {
                 after = rec.position();
             }
             self.progress.lock().insert(String::new(), after);
-            if last_saved.elapsed() >= IDLE_SAVE_INTERVAL {
-                last_saved = std::time::Instant::now();
-                if let Err(e) = self.cursors.lock().set("", after) {
-                    tracing::warn!(error = %e, "push: cursor not saved");
-                }
+            if let Err(e) = self.cursors.lock().advance("", after) {
+                tracing::warn!(error = %e, "push: cursor not saved");
             }
         }
     }
@@ -463,7 +456,6 @@ impl PushSender {
         mut wake: tokio::sync::watch::Receiver<()>,
     ) {
         let cfg = self.config.clone();
-        let mut idle_saved = std::time::Instant::now();
         loop {
             let mut pending = Vec::new();
             let mut covered = cursor;
@@ -483,11 +475,8 @@ impl PushSender {
                 }
                 cursor = covered;
                 self.progress.lock().insert(url.clone(), cursor);
-                if idle_saved.elapsed() >= IDLE_SAVE_INTERVAL {
-                    idle_saved = std::time::Instant::now();
-                    if let Err(e) = self.cursors.lock().set(&url, cursor) {
-                        tracing::warn!(error = %e, "push: cursor not saved");
-                    }
+                if let Err(e) = self.cursors.lock().advance(&url, cursor) {
+                    tracing::warn!(error = %e, "push: cursor not saved");
                 }
             }
             let mut backoff_ms = cfg.retry_initial_ms;

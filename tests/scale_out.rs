@@ -587,9 +587,11 @@ async fn a_three_node_cluster_loses_no_acknowledged_event_when_a_node_dies() {
     .await;
     // The lease stream's leader is elected again among the two survivors and A's lease
     // (15 s) runs out before B may write; until then a request gets 503 "try again".
-    until_within("B becomes the writer", Duration::from_secs(120), async || {
-        b.server.journal.is_writer() == Some(true)
-    })
+    until_within(
+        "B becomes the writer",
+        Duration::from_secs(120),
+        async || b.server.journal.is_writer() == Some(true),
+    )
     .await;
     let alice_b = b.login("alice", None).await;
     let tl = timeline(&alice_b, &room).await;

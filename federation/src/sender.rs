@@ -50,9 +50,6 @@ pub const MAX_QUEUED_EDUS: usize = 100;
 /// Records read from the journal per step.
 const READ_BATCH: usize = 256;
 
-/// How often a cursor that moved without a delivery is saved.
-const IDLE_SAVE_INTERVAL: Duration = Duration::from_secs(10);
-
 /// Counters for tests: transactions sent and acknowledged, PDUs delivered.
 #[derive(Debug, Default)]
 pub struct SenderStats {
@@ -247,7 +244,6 @@ impl FederationSender {
     }
 
     async fn dispatch(self, mut after: u64) {
-        let mut last_saved = std::time::Instant::now();
         loop {
             let batch = match self.st.journal.next_after(after, READ_BATCH).await {
                 Ok(b) if b.is_empty() => return,
@@ -271,11 +267,8 @@ impl FederationSender {
             self.dispatched.store(after, Ordering::Release);
             // Only where to look for new destinations: saved now and then (a restart
             // from an older position finds the same destinations again).
-            if last_saved.elapsed() >= IDLE_SAVE_INTERVAL {
-                last_saved = std::time::Instant::now();
-                if let Err(e) = self.cursors.lock().set("", after) {
-                    tracing::warn!(error = %e, "federation sender: cursor not saved");
-                }
+            if let Err(e) = self.cursors.lock().advance("", after) {
+                tracing::warn!(error = %e, "federation sender: cursor not saved");
             }
         }
     }
@@ -432,7 +425,6 @@ impl FederationSender {
     ) {
         let cfg = self.st.config.clone();
         let mut backoff_ms = cfg.retry_initial_ms;
-        let mut idle_saved = std::time::Instant::now();
         loop {
             // Collect up to 50 PDUs and 100 EDUs for this destination: what the journal
             // holds after the cursor, then the queued in-memory EDUs. Waits while there
@@ -479,11 +471,8 @@ impl FederationSender {
                 // saving the cursor now and then (not per record: that would be an
                 // fsync per local event; a restart just rescans a little).
                 cursor = covered;
-                if idle_saved.elapsed() >= IDLE_SAVE_INTERVAL {
-                    idle_saved = std::time::Instant::now();
-                    if let Err(e) = self.cursors.lock().set(&dest, cursor) {
-                        tracing::warn!(error = %e, "federation sender: cursor not saved");
-                    }
+                if let Err(e) = self.cursors.lock().advance(&dest, cursor) {
+                    tracing::warn!(error = %e, "federation sender: cursor not saved");
                 }
             }
             let seq = self.txn_seq.fetch_add(1, Ordering::Relaxed);

@@ -193,6 +193,21 @@ pub struct SignedCommand {
     pub envelope: CommandEnvelope,
     /// Unpadded base64 ed25519 signature of [`CommandEnvelope::canonical_bytes`].
     pub signature: String,
+    /// What [`SignedCommand::sign`] signed in this process: a command whose envelope
+    /// still has exactly these bytes, signature and key is verified by comparing
+    /// bytes instead of checking the ed25519 signature again (the journal's check of
+    /// a command it just watched being signed). Never serialized: a forwarded or
+    /// stored command is verified in full.
+    #[serde(skip)]
+    signed_here: Option<std::sync::Arc<SignedHere>>,
+}
+
+/// See [`SignedCommand`]'s `signed_here`.
+#[derive(Debug)]
+struct SignedHere {
+    bytes: Vec<u8>,
+    signature: String,
+    public_key: String,
 }
 
 impl CommandEnvelope {
@@ -210,9 +225,32 @@ impl SignedCommand {
     /// Signs an envelope with the server key.
     pub fn sign(key: &ServerKey, envelope: CommandEnvelope) -> Result<SignedCommand, String> {
         let bytes = envelope.canonical_bytes()?;
+        let signature = key.sign_bytes(&bytes);
         Ok(SignedCommand {
-            signature: key.sign_bytes(&bytes),
+            signature: signature.clone(),
             envelope,
+            signed_here: Some(std::sync::Arc::new(SignedHere {
+                bytes,
+                signature,
+                public_key: key.public_key_base64(),
+            })),
         })
+    }
+
+    /// Checks the signature with `key`: `bytes` are the envelope's canonical bytes
+    /// now. Signed by this process with `key` and unchanged since: a comparison;
+    /// otherwise an ed25519 verification. Returns whether the ed25519 check ran;
+    /// errors when the signature does not match.
+    pub(crate) fn verify(&self, key: &ServerKey, bytes: &[u8]) -> Result<bool, String> {
+        if let Some(here) = &self.signed_here
+            && here.bytes == bytes
+            && here.signature == self.signature
+            && here.public_key == key.public_key_base64()
+        {
+            return Ok(false);
+        }
+        key.verify_bytes(bytes, &self.signature)
+            .map(|()| true)
+            .map_err(|e| e.to_string())
     }
 }

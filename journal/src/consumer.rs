@@ -6,7 +6,10 @@
 //! an application service), each the journal position up to which its work is done.
 //! Cursors live in one small JSON file per consumer under `<data>/consumers/`, written
 //! atomically (temporary file, fsync, rename) after each delivery, so a restart resumes
-//! from the last acknowledged delivery: at least once, never lost. Cursors are not
+//! from the last acknowledged delivery: at least once, never lost. A cursor that only
+//! moves past records the consumer had nothing to do for is saved now and then
+//! ([`Cursors::advance`], at most every [`IDLE_SAVE_INTERVAL`]): a restart rescans
+//! those few records and again finds nothing to do. Cursors are not
 //! facts about the server's state (like a projection's checkpoint, they only say how
 //! far a reader got), which is why they are not journal records.
 
@@ -14,14 +17,24 @@ use std::{
     collections::BTreeMap,
     io::Write as _,
     path::{Path, PathBuf},
+    sync::atomic::Ordering,
+    time::{Duration, Instant},
 };
 
 use crate::{Journal, JournalError, StoredRecord};
+
+/// How often, at most, [`Cursors::advance`] writes: the longest stretch of idle
+/// records a restart may rescan (10 s of traffic).
+pub const IDLE_SAVE_INTERVAL: Duration = Duration::from_secs(10);
 
 /// The durable cursors of one consumer: name -> journal position done.
 pub struct Cursors {
     backing: Backing,
     map: BTreeMap<String, u64>,
+    /// When the cursors were last written.
+    saved: Instant,
+    /// The journal whose [`crate::JournalStats::cursor_writes`] counts the writes.
+    journal: Option<Journal>,
 }
 
 /// Where a consumer's cursors are kept.
@@ -49,6 +62,8 @@ impl Cursors {
         Ok(Cursors {
             backing: Backing::File(path),
             map,
+            saved: Instant::now(),
+            journal: None,
         })
     }
 
@@ -65,6 +80,8 @@ impl Cursors {
         Ok(Cursors {
             backing: Backing::Shared(store, consumer.to_owned()),
             map,
+            saved: Instant::now(),
+            journal: None,
         })
     }
 
@@ -82,7 +99,28 @@ impl Cursors {
     /// shared cursor stream, acknowledged).
     pub fn set(&mut self, name: &str, position: u64) -> Result<(), String> {
         self.map.insert(name.to_owned(), position);
+        self.write()
+    }
+
+    /// Moves a cursor past records the consumer had nothing to do for: kept in memory,
+    /// and written (with every other cursor of this consumer) only when the last write
+    /// is [`IDLE_SAVE_INTERVAL`] old. Returns whether it wrote. A restart resumes from
+    /// the last write and rescans the records in between, which is safe exactly when
+    /// they needed no work (at least once, never lost).
+    pub fn advance(&mut self, name: &str, position: u64) -> Result<bool, String> {
+        self.map.insert(name.to_owned(), position);
+        if self.saved.elapsed() < IDLE_SAVE_INTERVAL {
+            return Ok(false);
+        }
+        self.write().map(|()| true)
+    }
+
+    fn write(&mut self) -> Result<(), String> {
         let bytes = serde_json::to_vec(&self.map).map_err(|e| e.to_string())?;
+        self.saved = Instant::now();
+        if let Some(j) = &self.journal {
+            j.stats().cursor_writes.fetch_add(1, Ordering::Relaxed);
+        }
         match &self.backing {
             Backing::File(path) => write_file(path, &bytes),
             Backing::Shared(store, consumer) => store.cursor_put(consumer, bytes),
@@ -149,10 +187,12 @@ impl Journal {
     /// shared one ([`crate::nats`]) the stream `<stream>_cursors`, so whichever process
     /// runs the consumer resumes where the last one stopped.
     pub fn cursors(&self, dir: &Path, consumer: &str) -> Result<Cursors, String> {
-        match self.shared_store() {
+        let mut c = match self.shared_store() {
             Some(store) => Cursors::open_shared(store, consumer),
             None => Cursors::open(dir, consumer),
-        }
+        }?;
+        c.journal = Some(self.clone());
+        Ok(c)
     }
 
     /// Waits until the durable head passes `after`, then reads up to `limit` records
@@ -189,6 +229,19 @@ mod tests {
                 .map(|(k, v)| (k.as_str(), *v))
                 .collect::<Vec<_>>(),
             vec![("a.org", 42), ("b.org", 7)]
+        );
+        // An idle advance stays in memory until the interval has passed.
+        let mut c = Cursors::open(dir.path(), "federation-sender").unwrap();
+        assert!(!c.advance("a.org", 50).unwrap());
+        assert_eq!(c.get("a.org"), Some(50));
+        let reopened = Cursors::open(dir.path(), "federation-sender").unwrap();
+        assert_eq!(reopened.get("a.org"), Some(42));
+        c.saved -= IDLE_SAVE_INTERVAL;
+        assert!(c.advance("b.org", 9).unwrap());
+        let reopened = Cursors::open(dir.path(), "federation-sender").unwrap();
+        assert_eq!(
+            (reopened.get("a.org"), reopened.get("b.org")),
+            (Some(50), Some(9))
         );
         std::fs::write(dir.path().join("federation-sender.json"), b"{not json").unwrap();
         assert!(Cursors::open(dir.path(), "federation-sender").is_err());

@@ -790,6 +790,13 @@ pub struct JournalStats {
     pub recent_reads: AtomicU64,
     /// records handed to the appender (positioned, not yet necessarily durable).
     pub enqueued: AtomicU64,
+    /// Commands whose envelope signature was checked with ed25519: those not signed
+    /// by this process ([`SignedCommand::sign`] here, unchanged since, is a byte
+    /// comparison), such as commands forwarded by another process.
+    pub signature_checks: AtomicU64,
+    /// Writes of consumers' cursors ([`consumer::Cursors`]): a file fsynced, or a
+    /// message to the shared cursor stream.
+    pub cursor_writes: AtomicU64,
     /// Fork-case counters ([`fork`]): resolutions whose states were equal after all,
     /// settled by the window merge, run through state resolution v2, and failed (the
     /// log order kept).
@@ -1359,10 +1366,15 @@ impl Journal {
             .envelope
             .canonical_bytes()
             .map_err(JournalError::BadJson)?;
-        self.inner
-            .key
-            .verify_bytes(&bytes, &cmd.signature)
-            .map_err(|_| JournalError::BadSignature)?;
+        if cmd
+            .verify(&self.inner.key, &bytes)
+            .map_err(|_| JournalError::BadSignature)?
+        {
+            self.inner
+                .stats
+                .signature_checks
+                .fetch_add(1, Ordering::Relaxed);
+        }
         let outcome = match &cmd.envelope.body {
             CommandBody::Fact {
                 fact: fact @ Fact::RoomForgotten { room_id, user_id },

@@ -37,7 +37,7 @@ use std::{
         Arc,
         atomic::{AtomicU64, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use spindle_journal::{Journal, StoredRecord};
@@ -160,6 +160,16 @@ pub enum RebuildError {
 /// Commits between two "backfilling" progress log lines.
 const PROGRESS_EVERY_BATCHES: u64 = 64;
 
+/// A batch that changed nothing in a projection (no row, no hook) leaves its stored
+/// checkpoint where it was, until the checkpoint is this many records or
+/// [`IDLE_CHECKPOINT_INTERVAL`] behind: most projections ignore most events, and a
+/// commit per batch per projection was a store write each for nothing. A restart
+/// replays those records again, and they change nothing again.
+const IDLE_CHECKPOINT_RECORDS: u64 = 10_000;
+
+/// See [`IDLE_CHECKPOINT_RECORDS`].
+const IDLE_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(10);
+
 /// Runs every projection and answers "has everything applied position P yet".
 #[derive(Clone)]
 pub struct Runtime {
@@ -239,6 +249,8 @@ impl Runtime {
     fn tail(&self, i: usize, journal: Journal) {
         let slot = &self.slots[i];
         let mut batches = 0u64;
+        // The checkpoint last written to the store, and when (IDLE_CHECKPOINT_RECORDS).
+        let mut stored = (slot.checkpoint.load(Ordering::Acquire), Instant::now());
         let mut head_rx = journal.subscribe();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -266,6 +278,15 @@ impl Runtime {
             if records.is_empty() {
                 let done = rt.block_on(async { head_rx.wait_for(|h| *h > cp).await.is_err() });
                 if done {
+                    // The journal stops: store a checkpoint idle batches left behind, so
+                    // the next start does not replay them.
+                    let _guard = slot.apply_lock.lock();
+                    let cp = slot.checkpoint.load(Ordering::Acquire);
+                    if cp > stored.0
+                        && let Err(e) = ApplyCtx::new().commit(&self.db, slot.projection.name(), cp)
+                    {
+                        tracing::warn!(projection = slot.projection.name(), error = %e, "checkpoint not stored at stop");
+                    }
                     return;
                 }
                 continue;
@@ -291,11 +312,17 @@ impl Runtime {
                 std::thread::sleep(Duration::from_millis(200));
                 continue;
             }
-            if let Err(e) = ctx.commit(&self.db, slot.projection.name(), last) {
-                drop(guard);
-                tracing::error!(projection = slot.projection.name(), error = %e, "projection commit failed");
-                std::thread::sleep(Duration::from_millis(200));
-                continue;
+            let idle = ctx.is_empty()
+                && last.saturating_sub(stored.0) < IDLE_CHECKPOINT_RECORDS
+                && stored.1.elapsed() < IDLE_CHECKPOINT_INTERVAL;
+            if !idle {
+                if let Err(e) = ctx.commit(&self.db, slot.projection.name(), last) {
+                    drop(guard);
+                    tracing::error!(projection = slot.projection.name(), error = %e, "projection commit failed");
+                    std::thread::sleep(Duration::from_millis(200));
+                    continue;
+                }
+                stored = (last, Instant::now());
             }
             slot.projection.committed(last);
             slot.checkpoint.store(last, Ordering::Release);

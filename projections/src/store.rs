@@ -36,6 +36,9 @@ pub struct StoreStats {
     pub reads: AtomicU64,
     /// Rows returned by range scans.
     pub rows_scanned: AtomicU64,
+    /// Batches committed by projections ([`ApplyCtx::commit`]): staged rows and the
+    /// checkpoint, one write to the store each.
+    pub commits: AtomicU64,
 }
 
 impl StoreStats {
@@ -538,6 +541,11 @@ impl ApplyCtx {
         self.hooks.push(Box::new(f));
     }
 
+    /// Whether nothing was staged: no row written or deleted and no hook to run.
+    pub fn is_empty(&self) -> bool {
+        self.hooks.is_empty() && self.overlay.lock().is_empty()
+    }
+
     /// Commits staged writes and the checkpoint atomically, then runs the hooks.
     pub fn commit(
         self,
@@ -554,6 +562,7 @@ impl ApplyCtx {
         }
         batch.insert(&db.checkpoints, projection, checkpoint.to_be_bytes());
         batch.commit().map_err(|e| e.to_string())?;
+        db.stats.commits.fetch_add(1, Ordering::Relaxed);
         for hook in self.hooks {
             hook();
         }

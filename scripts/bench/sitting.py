@@ -15,9 +15,12 @@ What it does, in order:
   5. prints the comparison (scripts/bench/compare.py).
 
 Servers:
-  spindle      the release binary with its embedded defaults (only bind and data_dir set)
+  spindle      the release binary with its embedded defaults (bind, data_dir and rate limits off)
   synapse      Synapse on SQLite: open registration, every rate limit lifted; all dimensions
   synapse-pg   Synapse on PostgreSQL, same settings: the concurrency (throughput) dimension
+  tuwunel      Tuwunel built from source (../shared/peers/README.md), its binary named by
+               TUWUNEL_BIN, configured from ../shared/peers/tuwunel.toml.in (open UIA-dummy
+               registration, federation off, RocksDB in the leg's directory)
 
 Usage:
   scripts/bench/sitting.py                          the full sitting, committed data
@@ -41,7 +44,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-PORTS = {"spindle": 18008, "synapse": 18018, "synapse-pg": 18028}
+PORTS = {"spindle": 18008, "synapse": 18018, "synapse-pg": 18028, "tuwunel": 18038}
+# The peer's config template and how-to live beside the project, never inside it.
+PEERS = Path(os.environ.get("PEERS_DIR", ROOT.parent / "shared" / "peers"))
 PG_PORT = 15432
 # Rate limits Synapse applies to one busy client; the driver is one busy client.
 LIFTED = {"per_second": 100000, "burst_count": 1000000}
@@ -126,8 +131,10 @@ def spindle_version() -> str:
 def start_spindle(exe: Path, work: Path, port: int) -> subprocess.Popen:
     work.mkdir(parents=True)
     cfg = work / "spindle.toml"
-    # Only where to listen and where to keep data: everything else is the embedded default.
-    cfg.write_text(f'bind = "127.0.0.1:{port}"\ndata_dir = "{work / "data"}"\n')
+    # Where to listen, where to keep data, and no rate limits (Synapse's are lifted and
+    # Tuwunel has none): everything else is the embedded default.
+    cfg.write_text(f'bind = "127.0.0.1:{port}"\ndata_dir = "{work / "data"}"\n\n'
+                   '[rate_limits]\nenabled = false\n')
     log_file = open(work / "spindle.log", "w")
     return subprocess.Popen([str(exe), "--config", str(cfg)], stdout=log_file, stderr=subprocess.STDOUT)
 
@@ -195,6 +202,33 @@ def start_synapse(venv: Path, work: Path, port: int, database: dict) -> subproce
     out = open(work / "stdout.log", "w")
     return subprocess.Popen([py, "-m", "synapse.app.homeserver", "--config-path", str(cfg)],
                             stdout=out, stderr=subprocess.STDOUT)
+
+
+# ------------------------------------------------------------------------ Tuwunel
+def tuwunel_bin() -> Path:
+    exe = os.environ.get("TUWUNEL_BIN")
+    if not exe or not os.access(exe, os.X_OK):
+        raise SystemExit("the tuwunel leg needs TUWUNEL_BIN set to a built binary "
+                         f"(how to build it: {PEERS / 'README.md'})")
+    return Path(exe)
+
+
+def tuwunel_version(exe: Path) -> str:
+    out = subprocess.run([str(exe), "--version"], capture_output=True, text=True)
+    return (out.stdout.strip().split() or ["?"])[-1]
+
+
+def start_tuwunel(exe: Path, work: Path, port: int) -> subprocess.Popen:
+    """What ../shared/peers/start_tuwunel.sh does, kept as a child so the leg can stop it."""
+    (work / "db").mkdir(parents=True)
+    template = (PEERS / "tuwunel.toml.in").read_text()
+    cfg = work / "tuwunel.toml"
+    cfg.write_text(template.replace("@DATADIR@", str(work)).replace("@PORT@", str(port)))
+    # Tuwunel reads every TUWUNEL_* variable as a config key: pass only the config path.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TUWUNEL_")}
+    env["TUWUNEL_CONFIG"] = str(cfg)
+    out = open(work / "tuwunel.log", "w")
+    return subprocess.Popen([str(exe)], stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 # ------------------------------------------------------------------------ PostgreSQL
@@ -271,6 +305,10 @@ def main() -> None:
             exe = Path(meta["target_directory"]) / "release" / "spindle"
     venv = synapse_venv() if any(s.startswith("synapse") for s in servers) else None
     versions = {"spindle": spindle_version()}
+    tuwunel = None
+    if "tuwunel" in servers:
+        tuwunel = tuwunel_bin()
+        versions["tuwunel"] = tuwunel_version(tuwunel)
     if venv:
         versions["synapse"] = versions["synapse-pg"] = synapse_version(venv)
     pg = None
@@ -291,6 +329,8 @@ def main() -> None:
                 port = PORTS[s]
                 if s == "spindle":
                     proc = start_spindle(exe, leg, port)
+                elif s == "tuwunel":
+                    proc = start_tuwunel(tuwunel, leg, port)
                 elif s == "synapse":
                     proc = start_synapse(venv, leg, port,
                                          {"name": "sqlite3", "args": {"database": str(leg / "homeserver.db")}})
