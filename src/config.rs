@@ -99,6 +99,10 @@ pub struct Caches {
     /// Bytes of room state rendered for `/state` and `/members`, kept by state root;
     /// full, the oldest renderings are dropped (0: no cache).
     pub rendered_state_bytes: usize,
+    /// Bytes of parsed events kept by id (room lists, `/sync` and sliding sync read the
+    /// same state events and newest messages again and again); full, the oldest are
+    /// dropped (0: no cache). Counted as each PDU's JSON length plus 512 bytes.
+    pub timeline_event_bytes: usize,
 }
 
 impl Default for Caches {
@@ -113,6 +117,7 @@ impl Default for Caches {
             sync_room_summaries: d.sync_room_summaries,
             sync_lazy_loaded_members_devices: d.sync_lazy_loaded_members_devices,
             rendered_state_bytes: d.rendered_state_bytes,
+            timeline_event_bytes: spindle_projections::timeline::EVENT_CACHE_BYTES,
         }
     }
 }

@@ -141,6 +141,7 @@ impl Server {
                     writer_heap_bytes: config.search.writer_heap_bytes,
                 },
                 storage: config.storage,
+                timeline_event_bytes: config.caches.timeline_event_bytes,
             },
         )
         .map_err(|e| anyhow!(e))?;

@@ -16,14 +16,21 @@ struct Harness {
 }
 
 impl Harness {
+    /// A server whose timeline event cache is off: the guards here count what a
+    /// request reads from the store, which a warm cache would hide.
     async fn start() -> Harness {
+        Self::start_with(|c| c.caches.timeline_event_bytes = 0).await
+    }
+
+    async fn start_with(f: impl FnOnce(&mut spindle::Config)) -> Harness {
         let dir = tempfile::tempdir().unwrap();
-        let config = spindle::Config {
+        let mut config = spindle::Config {
             bind: "127.0.0.1:0".parse().unwrap(),
             data_dir: dir.path().to_path_buf(),
             rate_limits: spindle::config::RateLimits::lifted(),
             ..Default::default()
         };
+        f(&mut config);
         let server = spindle::Server::start(config).await.unwrap();
         let base = format!("http://{}", server.addr);
         Harness {
@@ -1807,4 +1814,79 @@ async fn sends_commit_only_the_projections_they_change_and_write_no_cursor() {
     // ed25519 verification per command (a tampered envelope still fails: see
     // journal/tests/journal.rs).
     assert_eq!(signature_checks, 0);
+}
+
+/// The Element X room-list window asked again on a new connection (a restarted app,
+/// a second device) parses no event: the timeline's event cache holds the rooms'
+/// state events and newest messages (issue 18 item 3: each event read was a store
+/// read, a decode and a PDU parse, ~190 per window of 11 rooms).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_sliding_window_parses_no_event_again() {
+    let h = Harness::start_with(|_| {}).await;
+    let (_, token) = h.register("eve").await;
+    for i in 0..11 {
+        let room = h
+            .create_room(
+                &token,
+                json!({ "preset": "public_chat", "name": format!("room {i}"), "topic": "t" }),
+            )
+            .await;
+        for k in 0..3 {
+            h.send(&token, &room, &format!("m{i}-{k}"), "hello").await;
+        }
+    }
+    h.quiesce().await;
+    const SS: &str = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync";
+    let body = |conn: &str| {
+        json!({
+            "conn_id": conn,
+            "lists": { "all": {
+                "ranges": [[0, 10]],
+                "timeline_limit": 3,
+                "required_state": [
+                    ["m.room.name", ""], ["m.room.avatar", ""], ["m.room.topic", ""],
+                    ["m.room.canonical_alias", ""], ["m.room.encryption", ""],
+                    ["m.room.join_rules", ""], ["m.room.power_levels", ""],
+                    ["m.room.create", ""], ["m.room.history_visibility", ""],
+                    ["m.room.member", "$ME"], ["m.room.member", "$LAZY"]
+                ],
+            } }
+        })
+    };
+    let cache = h.server.projections.timeline.cache();
+    let (status, first) = h
+        .call(reqwest::Method::POST, SS, Some(&token), Some(body("a")))
+        .await;
+    assert_eq!(status, 200, "{first}");
+    let misses = cache.misses.load(Ordering::Relaxed);
+    let hits = cache.hits.load(Ordering::Relaxed);
+    let (status, second) = h
+        .call(reqwest::Method::POST, SS, Some(&token), Some(body("b")))
+        .await;
+    assert_eq!(status, 200, "{second}");
+    let misses = cache.misses.load(Ordering::Relaxed) - misses;
+    let hits = cache.hits.load(Ordering::Relaxed) - hits;
+    eprintln!("second window: {hits} cached event reads, {misses} parsed");
+    assert_eq!(misses, 0, "the second window parsed {misses} events");
+    // 11 rooms: the newest messages (3, plus one to tell `limited`) and 9 state events.
+    assert!(hits >= 11 * 10, "{hits} cached event reads");
+    // Cached or parsed, the same answer (bar `unsigned.age`, which moves with the clock).
+    let (mut first, mut second) = (first["rooms"].clone(), second["rooms"].clone());
+    strip_ages(&mut first);
+    strip_ages(&mut second);
+    assert_eq!(first, second);
+}
+
+/// Removes every `unsigned.age` from `v`.
+fn strip_ages(v: &mut Value) {
+    match v {
+        Value::Object(o) => {
+            if let Some(Value::Object(u)) = o.get_mut("unsigned") {
+                u.remove("age");
+            }
+            o.values_mut().for_each(strip_ages);
+        }
+        Value::Array(a) => a.iter_mut().for_each(strip_ages),
+        _ => {}
+    }
 }

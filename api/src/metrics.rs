@@ -388,6 +388,11 @@ impl Metrics {
                 s.state_render.usage().1,
                 caches.rendered_state_bytes,
             ),
+            (
+                "timeline_event_bytes",
+                s.projections.timeline.cache().usage().1,
+                s.projections.timeline.cache().budget(),
+            ),
         ] {
             let labels = vec![("cache", cache.to_owned())];
             self.cache_entries.get_or_create(&labels).set(len as i64);

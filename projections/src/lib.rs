@@ -156,12 +156,25 @@ fn open_by_name(
 }
 
 /// Settings of the projections that have any.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct ProjectionOptions {
     /// The search index.
     pub search: search::SearchOptions,
     /// Memory settings of the projections database (`[storage]`).
     pub storage: spindle_journal::StorageMemory,
+    /// Bytes of parsed events the timeline keeps by id ([`timeline::EventCache`];
+    /// `[caches] timeline_event_bytes`; 0: none).
+    pub timeline_event_bytes: usize,
+}
+
+impl Default for ProjectionOptions {
+    fn default() -> Self {
+        ProjectionOptions {
+            search: Default::default(),
+            storage: Default::default(),
+            timeline_event_bytes: timeline::EVENT_CACHE_BYTES,
+        }
+    }
 }
 
 impl Projections {
@@ -199,7 +212,10 @@ impl Projections {
         options: ProjectionOptions,
     ) -> Result<Projections, String> {
         let db = ProjectionDb::open_with(dir, options.storage)?;
-        let timeline = Arc::new(timeline::Timeline::open(&db)?);
+        let timeline = Arc::new(timeline::Timeline::open_with(
+            &db,
+            options.timeline_event_bytes,
+        )?);
         let state = Arc::new(state::State::open(&db)?);
         let membership = Arc::new(membership::Memberships::open(&db)?);
         let accounts = Arc::new(accounts::Accounts::open(&db)?);

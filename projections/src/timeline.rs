@@ -15,10 +15,21 @@
 //!   the newest backfilled event, each one after it older (the order the journal's
 //!   `Backfilled` records came in, newest first).
 //! - `backfill_seq`: room id -> the last backfill sequence used
+//!
+//! Events read by id are kept parsed in a cache bounded in bytes ([`EventCache`]):
+//! room lists, `/sync` and sliding sync read the same state events (name, avatar,
+//! power levels, the user's membership) and the newest messages over and over, and a
+//! read from the store is a decode and a PDU parse each time.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{
+    collections::{HashMap, VecDeque},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+};
 
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
 use spindle_core::pdu::Pdu;
 use spindle_journal::StoredRecord;
@@ -103,6 +114,109 @@ pub struct Timeline {
     recency: Arc<RwLock<HashMap<String, u64>>>,
     bumped: Arc<RwLock<HashMap<String, u64>>>,
     redaction_generations: Arc<RedactionGenerations>,
+    cache: Arc<EventCache>,
+}
+
+/// Events by id, parsed, bounded in bytes (the PDU JSON's length plus a fixed
+/// [`EventCache::OVERHEAD`] per event; past the budget the oldest entries go first).
+///
+/// A stored event can be rewritten (an outlier that later arrives in the timeline, a
+/// backfilled copy): every write of an id removes it after its batch commits, and
+/// bumps `writes` first, so a reader that read the old row before the commit does not
+/// put it back (it inserts only if `writes` did not move since before its read).
+pub struct EventCache {
+    inner: Mutex<CacheInner>,
+    writes: AtomicU64,
+    budget: usize,
+    /// Reads answered from the cache.
+    pub hits: AtomicU64,
+    /// Reads that went to the store (and parsed what they read).
+    pub misses: AtomicU64,
+}
+
+#[derive(Default)]
+struct CacheInner {
+    map: HashMap<String, (EventRecord, usize)>,
+    order: VecDeque<String>,
+    bytes: usize,
+}
+
+impl EventCache {
+    /// Bytes counted per event beside its PDU JSON (the parsed fields, the key, the
+    /// record's other fields): an estimate, so the budget is approximate.
+    pub const OVERHEAD: usize = 512;
+
+    fn new(budget: usize) -> EventCache {
+        EventCache {
+            inner: Mutex::default(),
+            writes: AtomicU64::new(0),
+            budget,
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+        }
+    }
+
+    fn get(&self, event_id: &str) -> Option<EventRecord> {
+        let hit = self.inner.lock().map.get(event_id).map(|(e, _)| e.clone());
+        let counter = if hit.is_some() {
+            &self.hits
+        } else {
+            &self.misses
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        hit
+    }
+
+    /// Keeps `ev`, read from the store after `writes` was `seen`.
+    fn put(&self, event_id: &str, ev: &EventRecord, seen: u64) {
+        let size = ev.pdu.json.len() + Self::OVERHEAD;
+        if self.budget == 0 || size > self.budget / 8 {
+            return;
+        }
+        let mut inner = self.inner.lock();
+        if self.writes.load(Ordering::Acquire) != seen || inner.map.contains_key(event_id) {
+            return;
+        }
+        // Forgotten ids leave their `order` entries behind: drop them now and then.
+        if inner.order.len() > 2 * inner.map.len() + 64 {
+            let CacheInner { map, order, .. } = &mut *inner;
+            order.retain(|id| map.contains_key(id));
+        }
+        while inner.bytes + size > self.budget {
+            let Some(old) = inner.order.pop_front() else {
+                break;
+            };
+            if let Some((_, n)) = inner.map.remove(&old) {
+                inner.bytes -= n;
+            }
+        }
+        inner.order.push_back(event_id.to_owned());
+        inner.map.insert(event_id.to_owned(), (ev.clone(), size));
+        inner.bytes += size;
+    }
+
+    /// Forgets `ids` (written again by a committed batch).
+    fn forget(&self, ids: &[String]) {
+        self.writes.fetch_add(1, Ordering::AcqRel);
+        let mut inner = self.inner.lock();
+        for id in ids {
+            if let Some((_, n)) = inner.map.remove(id) {
+                inner.bytes -= n;
+                // Its `order` entry stays until it reaches the front (then it is skipped).
+            }
+        }
+    }
+
+    /// The budget in bytes (0: the cache is off).
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// Events and bytes held now.
+    pub fn usage(&self) -> (usize, usize) {
+        let inner = self.inner.lock();
+        (inner.map.len(), inner.bytes)
+    }
 }
 
 /// How many redactions each room has had applied since the process started, plus an
@@ -127,9 +241,18 @@ pub struct RedactionGeneration {
     pub count: u64,
 }
 
+/// The default of [`Timeline::open_with`]'s event cache budget (16 MiB; the
+/// `[caches] timeline_event_bytes` setting).
+pub const EVENT_CACHE_BYTES: usize = 16 * 1024 * 1024;
+
 impl Timeline {
-    /// Opens the tables.
+    /// Opens the tables, with an event cache of [`EVENT_CACHE_BYTES`].
     pub fn open(db: &ProjectionDb) -> Result<Timeline, String> {
+        Self::open_with(db, EVENT_CACHE_BYTES)
+    }
+
+    /// Opens the tables, with an event cache of `cache_bytes` (0: none).
+    pub fn open_with(db: &ProjectionDb, cache_bytes: usize) -> Result<Timeline, String> {
         Ok(Timeline {
             events: db.table("timeline", "events")?,
             room_events: db.table("timeline", "room_events")?,
@@ -141,7 +264,13 @@ impl Timeline {
             recency: Arc::default(),
             bumped: Arc::default(),
             redaction_generations: Arc::default(),
+            cache: Arc::new(EventCache::new(cache_bytes)),
         })
+    }
+
+    /// The event cache (its counters and size).
+    pub fn cache(&self) -> &EventCache {
+        &self.cache
     }
 
     /// The room's [`RedactionGeneration`] (in memory; no store read). Read it before
@@ -155,18 +284,42 @@ impl Timeline {
         }
     }
 
-    /// Loads an event by id (one point read).
+    /// Loads an event by id: from the event cache, else one point read and a parse.
     pub fn event(&self, event_id: &str) -> Option<EventRecord> {
+        if let Some(ev) = self.cache.get(event_id) {
+            return Some(ev);
+        }
+        let seen = self.cache.writes.load(Ordering::Acquire);
         let raw = self.events.get(event_id.as_bytes())?;
         let stored: StoredEvent = serde_json::from_slice(&raw).ok()?;
         let pdu = stored.parse(event_id)?;
-        Some(EventRecord {
+        let ev = EventRecord {
             position: stored.position,
             pdu: Arc::new(pdu),
             device_id: stored.device_id,
             txn_id: stored.txn_id,
             backfill: stored.backfill,
-        })
+        };
+        self.cache.put(event_id, &ev, seen);
+        Some(ev)
+    }
+
+    /// Stages an `events` row and forgets the id's cached copy once the batch commits.
+    fn put_event(
+        &self,
+        ctx: &mut ApplyCtx,
+        event_id: &str,
+        stored: &StoredEvent,
+    ) -> Result<(), String> {
+        ctx.put(
+            &self.events,
+            event_id.as_bytes().to_vec(),
+            serde_json::to_vec(stored).map_err(|e| e.to_string())?,
+        );
+        let cache = self.cache.clone();
+        let id = vec![event_id.to_owned()];
+        ctx.after_commit(move || cache.forget(&id));
+        Ok(())
     }
 
     /// Event ids of a room with positions in `(after, upto]`, ascending, at most `limit`.
@@ -335,11 +488,7 @@ impl Projection for Timeline {
             txn_id: record.txn_id().map(str::to_owned),
             backfill: None,
         };
-        ctx.put(
-            &self.events,
-            event_id.clone().into_bytes(),
-            serde_json::to_vec(&stored).map_err(|e| e.to_string())?,
-        );
+        self.put_event(ctx, &event_id, &stored)?;
         // An outlier is fetchable by id (state, auth chains) but not in the timeline.
         if record.is_outlier() {
             return Ok(());
@@ -411,11 +560,7 @@ impl Timeline {
             txn_id: None,
             backfill: Some(seq),
         };
-        ctx.put(
-            &self.events,
-            event_id.clone().into_bytes(),
-            serde_json::to_vec(&stored).map_err(|e| e.to_string())?,
-        );
+        self.put_event(ctx, &event_id, &stored)?;
         ctx.put(
             &self.backfill,
             key::with_pos(&[&room], seq),
@@ -439,5 +584,57 @@ impl Timeline {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(position: u64) -> EventRecord {
+        let json = br#"{"auth_events":[],"content":{"body":"hi","msgtype":"m.text"},"depth":2,"hashes":{"sha256":"aaaa"},"origin_server_ts":1,"prev_events":[],"room_id":"!r:x","sender":"@a:x","signatures":{},"type":"m.room.message"}"#;
+        let pdu = Pdu::parse(json, "10", Some("$e".try_into().unwrap()), None).unwrap();
+        EventRecord {
+            position,
+            pdu: Arc::new(pdu),
+            device_id: None,
+            txn_id: None,
+            backfill: None,
+        }
+    }
+
+    #[test]
+    fn a_read_that_raced_a_rewrite_is_not_cached_and_the_budget_holds() {
+        let cache = EventCache::new(64 * 1024);
+        // A reader saw `writes` at 0, read the old row; the rewrite committed and
+        // forgot the id meanwhile: the old row must not be put back.
+        let seen = cache.writes.load(Ordering::Acquire);
+        cache.forget(&["$e".to_owned()]);
+        cache.put("$e", &record(1), seen);
+        assert!(cache.get("$e").is_none());
+        // Read after the rewrite: kept, and served.
+        cache.put("$e", &record(2), cache.writes.load(Ordering::Acquire));
+        assert_eq!(cache.get("$e").map(|e| e.position), Some(2));
+        // Forgotten when written again.
+        cache.forget(&["$e".to_owned()]);
+        assert!(cache.get("$e").is_none());
+        // Past the budget the oldest go first; bytes never exceed it.
+        let size = record(0).pdu.json.len() + EventCache::OVERHEAD;
+        let fits = 64 * 1024 / size;
+        for i in 0..fits + 10 {
+            cache.put(
+                &format!("$e{i}"),
+                &record(i as u64),
+                cache.writes.load(Ordering::Acquire),
+            );
+        }
+        let (n, bytes) = cache.usage();
+        assert_eq!(n, fits);
+        assert!(bytes <= 64 * 1024);
+        assert!(cache.get("$e0").is_none());
+        assert_eq!(
+            cache.get(&format!("$e{}", fits + 9)).map(|e| e.position),
+            Some(fits as u64 + 9)
+        );
     }
 }
