@@ -1204,7 +1204,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 180);
+        assert_eq!(want.len(), 181);
     }
 
     #[test]

@@ -464,6 +464,8 @@ impl Server {
             tracing::warn!("in-flight requests did not finish within 10 s; stopping anyway");
             self.task.abort();
         }
+        // Checkpoints idle batches left in memory: the next start resumes from them.
+        self.projections.runtime.store_checkpoints();
     }
 }
 

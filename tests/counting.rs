@@ -1890,3 +1890,37 @@ fn strip_ages(v: &mut Value) {
         _ => {}
     }
 }
+
+/// A projection that ignores messages keeps its stored checkpoint in place while they
+/// arrive (no store write per batch), and the server writes it when it stops, so the
+/// next start applies nothing again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_checkpoints_are_stored_when_the_server_stops() {
+    let h = Harness::start().await;
+    let (_, token) = h.register("ida").await;
+    let room = h.create_room(&token, json!({})).await;
+    for i in 0..20 {
+        h.send(&token, &room, &format!("t{i}"), "idle for most projections")
+            .await;
+    }
+    let head = h.server.journal.durable_head();
+    assert!(
+        h.server
+            .projections
+            .runtime
+            .wait_for_all(head, std::time::Duration::from_secs(10))
+            .await
+    );
+    let db = h.server.projections.db.clone();
+    let runtime_cp = h.server.projections.runtime.checkpoint("filters");
+    eprintln!(
+        "filters: checkpoint {runtime_cp:?} in memory, {} stored, head {head}",
+        db.checkpoint("filters")
+    );
+    assert_eq!(runtime_cp, Some(head));
+    let Harness { server, _dir, .. } = h;
+    server.stop().await;
+    for name in ["filters", "media", "timeline"] {
+        assert_eq!(db.checkpoint(name), head, "{name}'s stored checkpoint");
+    }
+}

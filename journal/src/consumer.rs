@@ -117,14 +117,17 @@ impl Cursors {
 
     fn write(&mut self) -> Result<(), String> {
         let bytes = serde_json::to_vec(&self.map).map_err(|e| e.to_string())?;
-        self.saved = Instant::now();
         if let Some(j) = &self.journal {
             j.stats().cursor_writes.fetch_add(1, Ordering::Relaxed);
         }
         match &self.backing {
             Backing::File(path) => write_file(path, &bytes),
             Backing::Shared(store, consumer) => store.cursor_put(consumer, bytes),
-        }
+        }?;
+        // Only a write that succeeded starts the next interval (a failed one is tried
+        // again with the next advance).
+        self.saved = Instant::now();
+        Ok(())
     }
 }
 

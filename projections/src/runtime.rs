@@ -96,6 +96,9 @@ struct Slot {
     /// [`Projection::gates_reads`], read once.
     gates: bool,
     checkpoint: AtomicU64,
+    /// The checkpoint last written to the store (it lags `checkpoint` by batches that
+    /// changed nothing: [`IDLE_CHECKPOINT_RECORDS`]).
+    stored: AtomicU64,
     /// `false` while backfilling (see the module doc); never goes back to `false`.
     ready: std::sync::atomic::AtomicBool,
     /// Held by the tail thread around apply + commit; an online rebuild's swap holds it
@@ -207,6 +210,7 @@ impl Runtime {
                 Slot {
                     gates: p.gates_reads(),
                     checkpoint: AtomicU64::new(checkpoint),
+                    stored: AtomicU64::new(checkpoint),
                     ready: std::sync::atomic::AtomicBool::new(!backfilling),
                     apply_lock: parking_lot::Mutex::new(()),
                     generation: std::sync::atomic::AtomicU32::new(db.generation(p.name())),
@@ -249,8 +253,8 @@ impl Runtime {
     fn tail(&self, i: usize, journal: Journal) {
         let slot = &self.slots[i];
         let mut batches = 0u64;
-        // The checkpoint last written to the store, and when (IDLE_CHECKPOINT_RECORDS).
-        let mut stored = (slot.checkpoint.load(Ordering::Acquire), Instant::now());
+        // When the checkpoint was last written to the store (IDLE_CHECKPOINT_RECORDS).
+        let mut stored_at = Instant::now();
         let mut head_rx = journal.subscribe();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -278,15 +282,6 @@ impl Runtime {
             if records.is_empty() {
                 let done = rt.block_on(async { head_rx.wait_for(|h| *h > cp).await.is_err() });
                 if done {
-                    // The journal stops: store a checkpoint idle batches left behind, so
-                    // the next start does not replay them.
-                    let _guard = slot.apply_lock.lock();
-                    let cp = slot.checkpoint.load(Ordering::Acquire);
-                    if cp > stored.0
-                        && let Err(e) = ApplyCtx::new().commit(&self.db, slot.projection.name(), cp)
-                    {
-                        tracing::warn!(projection = slot.projection.name(), error = %e, "checkpoint not stored at stop");
-                    }
                     return;
                 }
                 continue;
@@ -312,9 +307,13 @@ impl Runtime {
                 std::thread::sleep(Duration::from_millis(200));
                 continue;
             }
+            // Never before the first stored checkpoint: a projection at 0 reads as new
+            // (backfilling) on the next start.
+            let stored = slot.stored.load(Ordering::Acquire);
             let idle = ctx.is_empty()
-                && last.saturating_sub(stored.0) < IDLE_CHECKPOINT_RECORDS
-                && stored.1.elapsed() < IDLE_CHECKPOINT_INTERVAL;
+                && stored > 0
+                && last.saturating_sub(stored) < IDLE_CHECKPOINT_RECORDS
+                && stored_at.elapsed() < IDLE_CHECKPOINT_INTERVAL;
             if !idle {
                 if let Err(e) = ctx.commit(&self.db, slot.projection.name(), last) {
                     drop(guard);
@@ -322,7 +321,8 @@ impl Runtime {
                     std::thread::sleep(Duration::from_millis(200));
                     continue;
                 }
-                stored = (last, Instant::now());
+                slot.stored.store(last, Ordering::Release);
+                stored_at = Instant::now();
             }
             slot.projection.committed(last);
             slot.checkpoint.store(last, Ordering::Release);
@@ -498,6 +498,7 @@ impl Runtime {
         let old: Vec<_> = pairs.into_iter().map(|(t, n)| t.swap_keyspace(n)).collect();
         slot.generation.store(generation, Ordering::Release);
         slot.checkpoint.store(cp, Ordering::Release);
+        slot.stored.store(cp, Ordering::Release);
         slot.projection.reload();
         drop(guard);
         drop(shadow);
@@ -529,6 +530,26 @@ impl Runtime {
             .map(|s| ProjectionHold {
                 _guard: s.apply_lock.lock(),
             })
+    }
+
+    /// Writes every projection's checkpoint that batches which changed nothing left
+    /// ahead of the stored one ([`IDLE_CHECKPOINT_RECORDS`]), so the next start does
+    /// not apply those records again. The server calls it when it stops; safe at any
+    /// time (each projection's apply lock is held while its row is written).
+    pub fn store_checkpoints(&self) {
+        for slot in self.slots.iter() {
+            let _guard = slot.apply_lock.lock();
+            let cp = slot.checkpoint.load(Ordering::Acquire);
+            if cp <= slot.stored.load(Ordering::Acquire) {
+                continue;
+            }
+            match ApplyCtx::new().commit(&self.db, slot.projection.name(), cp) {
+                Ok(()) => slot.stored.store(cp, Ordering::Release),
+                Err(e) => {
+                    tracing::warn!(projection = slot.projection.name(), error = %e, "checkpoint not stored")
+                }
+            }
+        }
     }
 
     /// The checkpoint of projection `name` (`None` for an unknown name).

@@ -207,6 +207,14 @@ impl EventCache {
         }
     }
 
+    /// Forgets every event (the tables were swapped: an online rebuild); a read that
+    /// raced the swap is not put back.
+    fn clear(&self) {
+        self.writes.fetch_add(1, Ordering::AcqRel);
+        let mut inner = self.inner.lock();
+        *inner = CacheInner::default();
+    }
+
     /// The budget in bytes (0: the cache is off).
     pub fn budget(&self) -> usize {
         self.budget
@@ -463,10 +471,12 @@ impl Projection for Timeline {
     fn reload(&self) {
         load_positions(&self.rooms, &mut self.recency.write());
         load_positions(&self.bumps, &mut self.bumped.write());
-        // New tables (an online rebuild) may hold redactions the counts never saw.
+        // New tables (an online rebuild) may hold redactions the counts never saw,
+        // and rows the cached events were not read from.
         self.redaction_generations
             .epoch
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.cache.clear();
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
@@ -636,5 +646,12 @@ mod tests {
             cache.get(&format!("$e{}", fits + 9)).map(|e| e.position),
             Some(fits as u64 + 9)
         );
+        // Swapped tables (an online rebuild): everything goes, and a read that raced
+        // the swap is not put back.
+        let seen = cache.writes.load(Ordering::Acquire);
+        cache.clear();
+        assert_eq!(cache.usage(), (0, 0));
+        cache.put("$x", &record(5), seen);
+        assert!(cache.get("$x").is_none());
     }
 }
