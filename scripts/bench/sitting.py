@@ -25,6 +25,8 @@ Servers:
 Usage:
   scripts/bench/sitting.py                          the full sitting, committed data
   scripts/bench/sitting.py --quick --rounds 1       a smoke run (~3 minutes), data in /tmp
+  TUWUNEL_BIN=/path/to/tuwunel scripts/bench/sitting.py --servers spindle,tuwunel,synapse
+                                                    against Tuwunel too (~20 minutes idle)
   scripts/bench/sitting.py --help
 """
 
