@@ -122,6 +122,20 @@ impl Harness {
         stats.reads.load(Ordering::Relaxed) + stats.rows_scanned.load(Ordering::Relaxed)
     }
 
+    /// Waits until every projection (the gating ones and the others: search, push
+    /// delivery's tables) has applied the journal's head; returns the head.
+    async fn settle(&self) -> u64 {
+        let head = self.server.journal.durable_head();
+        assert!(
+            self.server
+                .projections
+                .runtime
+                .wait_for_all(head, std::time::Duration::from_secs(10))
+                .await
+        );
+        head
+    }
+
     async fn quiesce(&self) {
         let head = self.server.journal.durable_head();
         assert!(
@@ -1766,14 +1780,7 @@ async fn sends_commit_only_the_projections_they_change_and_write_no_cursor() {
     let h = Harness::start().await;
     let (_, token) = h.register("alice").await;
     let room = h.create_room(&token, json!({})).await;
-    let head = h.server.journal.durable_head();
-    assert!(
-        h.server
-            .projections
-            .runtime
-            .wait_for_all(head, std::time::Duration::from_secs(10))
-            .await
-    );
+    h.settle().await;
     let store = h.server.projections.db.stats().clone();
     let journal = h.server.journal.stats();
     let commits = store.commits.load(Ordering::Relaxed);
@@ -1784,14 +1791,7 @@ async fn sends_commit_only_the_projections_they_change_and_write_no_cursor() {
         h.send(&token, &room, &format!("t{i}"), &format!("message {i}"))
             .await;
     }
-    let head = h.server.journal.durable_head();
-    assert!(
-        h.server
-            .projections
-            .runtime
-            .wait_for_all(head, std::time::Duration::from_secs(10))
-            .await
-    );
+    h.settle().await;
     let commits = store.commits.load(Ordering::Relaxed) - commits;
     let cursor_writes = journal.cursor_writes.load(Ordering::Relaxed) - cursor_writes;
     let signature_checks = journal.signature_checks.load(Ordering::Relaxed) - signature_checks;
@@ -1903,14 +1903,7 @@ async fn idle_checkpoints_are_stored_when_the_server_stops() {
         h.send(&token, &room, &format!("t{i}"), "idle for most projections")
             .await;
     }
-    let head = h.server.journal.durable_head();
-    assert!(
-        h.server
-            .projections
-            .runtime
-            .wait_for_all(head, std::time::Duration::from_secs(10))
-            .await
-    );
+    let head = h.settle().await;
     let db = h.server.projections.db.clone();
     let runtime_cp = h.server.projections.runtime.checkpoint("filters");
     eprintln!(
