@@ -22,12 +22,26 @@ Dimensions (each cell is one operation at one size):
                sends/s, mean and p95 latency.
   tenants      one user's incremental sync after 0/50/200/800 events were sent in
                rooms they are not in (and one in theirs).
+  rooms        one user in 50/200/500 rooms (5 messages and a name each, created by that
+               user): sync_initial (a fresh device per sample), sliding_window (the same
+               11-room window), sync_incremental with one active room (another user sends
+               one message into one of the N rooms) and sync_poll (nothing new). Not in
+               the default --dimensions (seeding 750 rooms costs minutes on Synapse);
+               --quick (3 and 6 rooms) and --big run it.
 
 Rooms are seeded one request at a time per room (concurrent sends would fork a DAG
 server's room); different rooms are seeded in parallel.
 
+Presets (an option given explicitly wins over its preset):
+  --quick  smoke sizes, every dimension: events 50,200; members 10,40; concurrency 1,4
+           for 2 s; tenants 0,50; rooms 3,6; 5 samples after 1 warm-up.
+  --big    issue 18's bigger shapes, every dimension: events 200,3200,50000; members
+           50,800,5000; rooms 50,200,500 (seeding alone is many minutes on Synapse:
+           50,000 sends one at a time into one room, 5,000 registrations and joins).
+
 Usage:
-  driver.py --base http://127.0.0.1:8008 --label spindle --out round.json [--quick]
+  driver.py --base http://127.0.0.1:8008 --label spindle --out round.json [--quick|--big]
+  driver.py ... --dimensions rooms --rooms 5,20     (one dimension, sizes of your own)
   driver.py ... --dimensions events,members --ops sliding_window   (one operation only)
   driver.py --help      (every size, sample count and duration is an option)
 
@@ -198,6 +212,7 @@ class Bench:
         self.skipped: dict[str, str] = {}
         self.txn = 0
         self.floor_samples: list[float] = []
+        self._tl = threading.local()
 
     # ---------------------------------------------------------------- helpers
     def next_name(self, prefix: str) -> str:
@@ -210,10 +225,17 @@ class Bench:
             self.txn += 1
             return f"t{self.run_id}{self.txn}"
 
+    def anon_conn(self) -> Conn:
+        """A keep-alive connection without a token, one per thread (for registration)."""
+        c = getattr(self._tl, "conn", None)
+        if c is None:
+            c = self._tl.conn = Conn(self.base)
+        return c
+
     def register(self, prefix: str = "u") -> User:
         """The UIA dance a real client does: ask, read the session, answer the dummy stage."""
         name = self.next_name(prefix)
-        conn = Conn(self.base)
+        conn = self.anon_conn()
         body = {"username": name, "password": PASSWORD, "initial_device_display_name": "bench"}
         status, v = conn.request("POST", "/_matrix/client/v3/register", body)
         if status == 401 and v and "session" in v:
@@ -227,8 +249,20 @@ class Bench:
         return User(self.base, v["user_id"], name, v["access_token"], v["device_id"])
 
     def register_many(self, n: int, prefix: str = "u") -> list[User]:
+        """n accounts, registered by 4 threads (each on its own keep-alive connection)."""
+        done = [0]
+
+        def one(_):
+            u = self.register(prefix)
+            if n >= 2000:
+                with self.lock:
+                    done[0] += 1
+                    if done[0] % 1000 == 0:
+                        log(f"  registered {done[0]} of {n}")
+            return u
+
         with ThreadPoolExecutor(max_workers=4) as ex:
-            return list(ex.map(lambda _: self.register(prefix), range(n)))
+            return list(ex.map(one, range(n)))
 
     def login_device(self, user: User) -> str:
         """A new device for `user` (password login); returns its access token."""
@@ -266,8 +300,11 @@ class Bench:
     def seed_messages(self, user: User, room: str, n: int, tag: str) -> None:
         """n messages, one request at a time (a room is seeded sequentially)."""
         conn = Conn(self.base, user.token)
+        t0 = time.time()
         for i in range(n):
             self.send(user, room, f"{tag} message {i} " + "lorem ipsum " * 4, conn=conn)
+            if n >= 10000 and (i + 1) % 5000 == 0:
+                log(f"  {tag}: sent {i + 1} of {n} ({time.time() - t0:.0f} s)")
 
     def parallel(self, jobs) -> None:
         """Runs callables in parallel threads (one per room) and re-raises failures."""
@@ -455,8 +492,14 @@ class Bench:
             rooms[n] = (a, self.create_room(a, f"members {n}"))
 
         def fill(n, a, room):
-            for u in pool[: n - 1]:
-                self.join(u, room)
+            # One keep-alive connection per room, each join with its member's token; the
+            # joins into one room stay sequential (concurrent joins would fork a DAG room).
+            conn = Conn(self.base)
+            t0 = time.time()
+            for k, u in enumerate(pool[: n - 1], 1):
+                conn.ok("POST", f"/_matrix/client/v3/rooms/{q(room)}/join", {}, token=u.token)
+                if n >= 2000 and k % 1000 == 0:
+                    log(f"  members {n}: joined {k} of {n - 1} ({time.time() - t0:.0f} s)")
             self.seed_messages(a, room, self.args.members_messages, f"m{n}")
 
         t0 = time.time()
@@ -554,6 +597,91 @@ class Bench:
                           "GET", f"/_matrix/client/v3/sync?timeout=0&since={q(since)}", token=toks[i]),
                       check)
 
+    def dim_rooms(self) -> None:
+        """One user in N rooms: what a client with many rooms pays per request."""
+        sizes, per = self.args.rooms, self.args.rooms_messages
+        log(f"rooms dimension: {sizes} rooms per user, {per} messages each")
+        nsamp = self.args.warmup + self.args.samples
+        users = {n: self.register("r") for n in sizes}
+        made: dict[int, list[str]] = {n: [] for n in sizes}
+        total, done = sum(sizes), [0]
+
+        def seed(n, k):
+            # The user's thread-local connection: each seeding thread keeps one keep-alive
+            # connection per user instead of one per room.
+            u = users[n]
+            rid = self.create_room(u, f"rooms {n}/{k}")
+            for i in range(per):
+                self.send(u, rid, f"r{n}/{k} message {i} " + "lorem ipsum " * 4)
+            with self.lock:
+                made[n].append(rid)
+                done[0] += 1
+                if done[0] % 100 == 0:
+                    log(f"  created {done[0]} of {total} rooms")
+
+        t0 = time.time()
+        self.parallel([lambda n=n, k=k: seed(n, k) for n in sizes for k in range(n)])
+        log(f"  seeded {total} rooms with {total * per} messages in {time.time() - t0:.1f} s")
+
+        for n in sizes:
+            u, rooms = users[n], sorted(made[n])
+            want = set(rooms)
+            # The active room: another user joins it and, for sync_incremental, sends one
+            # message into it per sample.
+            active = rooms[len(rooms) // 2]
+            writer = self.register("w")
+            self.join(writer, active)
+
+            def all_rooms(v, want=want, n=n):
+                joined = set((v or {}).get("rooms", {}).get("join", {}))
+                return None if joined == want else f"join map has {len(joined)} rooms, {len(joined & want)} of {n} expected"
+
+            toks = self.devices(u, nsamp)
+            self.cell("rooms", "sync_initial", n,
+                      lambda i, u=u, toks=toks: u.conn.timed("GET", "/_matrix/client/v3/sync?timeout=0", token=toks[i]),
+                      all_rooms)
+
+            if not self.args.no_sliding and self.sliding_served(u):
+                def window(v, want=want, n=n):
+                    count = (v or {}).get("lists", {}).get("all", {}).get("count")
+                    got = set((v or {}).get("rooms", {}))
+                    if count != n:
+                        return f"list count {count} != {n}"
+                    if len(got) != min(11, n) or not got <= want:
+                        return f"window has {len(got)} rooms ({len(got & want)} of the user's), not {min(11, n)}"
+                    return None
+
+                self.cell("rooms", "sliding_window", n,
+                          lambda i, u=u: u.conn.timed("POST", SLIDING_PATH + "?timeout=0", SLIDING_BODY), window)
+
+            # sync_incremental: one new message in one of the N rooms since the last token;
+            # the answer holds that room alone, with the message.
+            state = {"since": self.sync_token(u)}
+
+            def incremental(i, u=u, writer=writer, active=active, state=state):
+                eid = self.send(writer, active, f"active {i}")
+                ms, status, v = u.conn.timed("GET", f"/_matrix/client/v3/sync?timeout=0&since={q(state['since'])}")
+                if status == 200:
+                    state["since"] = v["next_batch"]
+                    joined = v.get("rooms", {}).get("join", {})
+                    evs = joined.get(active, {}).get("timeline", {}).get("events", [])
+                    if not any(e.get("event_id") == eid for e in evs):
+                        return ms, 200, {"_bad": f"new event {eid} missing"}
+                    if len(joined) != 1:
+                        return ms, 200, {"_bad": f"{len(joined)} rooms in the answer, not the active one alone"}
+                return ms, status, v
+
+            self.cell("rooms", "sync_incremental", n, incremental, lambda v: v.get("_bad") if v else "empty")
+
+            # sync_poll: nothing new in any room; a different device per sample.
+            toks = self.devices(u, nsamp)
+            since = self.sync_token(u)
+            self.cell("rooms", "sync_poll", n,
+                      lambda i, u=u, toks=toks, since=since: u.conn.timed(
+                          "GET", f"/_matrix/client/v3/sync?timeout=0&since={q(since)}", token=toks[i]),
+                      lambda v: None if v is not None and not v.get("rooms", {}).get("join")
+                      else f"poll not empty: {sorted((v or {}).get('rooms', {}).get('join', {}))[:3]}")
+
     def floor(self, when: str) -> None:
         """The trivial request (/versions): what the client and HTTP stack alone cost.
 
@@ -585,7 +713,9 @@ class Bench:
             "params": {
                 "dimensions": a.dimensions, "events": a.events, "members": a.members,
                 "members_messages": a.members_messages, "concurrency": a.concurrency,
-                "duration_s": a.duration, "tenants": a.tenants, "samples": a.samples, "warmup": a.warmup,
+                "duration_s": a.duration, "tenants": a.tenants, "rooms": a.rooms,
+                "rooms_messages": a.rooms_messages, "samples": a.samples, "warmup": a.warmup,
+                "preset": a.preset,
             },
             "meta": dict(kv.split("=", 1) for kv in a.meta),
             "skipped": {k: v for k, v in self.skipped.items() if k != "sliding"},
@@ -615,19 +745,30 @@ def ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+DIMENSIONS = ("events", "members", "concurrency", "tenants", "rooms")
+DEFAULT_DIMENSIONS = ("events", "members", "concurrency", "tenants")
+QUICK = {"dimensions": ",".join(DIMENSIONS), "events": "50,200", "members": "10,40", "concurrency": "1,4",
+         "tenants": "0,50", "rooms": "3,6", "duration": 2.0, "samples": 5, "warmup": 1, "members_messages": 5}
+# Issue 18 item 6: members up to 5,000, events up to 50,000 per room, a user in 500 rooms.
+BIG = {"dimensions": ",".join(DIMENSIONS), "events": "200,3200,50000", "members": "50,800,5000",
+       "rooms": "50,200,500"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="http://127.0.0.1:8008", help="server base URL")
     p.add_argument("--label", default="server", help="name written into the results")
     p.add_argument("--out", help="write the JSON results here (default: stdout)")
-    p.add_argument("--dimensions", default="events,members,concurrency,tenants",
-                   help="comma list of: events, members, concurrency, tenants")
+    p.add_argument("--dimensions", default=",".join(DEFAULT_DIMENSIONS),
+                   help="comma list of: " + ", ".join(DIMENSIONS) + " (default: all but rooms)")
     p.add_argument("--events", default="200,800,3200", help="messages per room (events dimension)")
     p.add_argument("--members", default="50,200,800", help="joined members per room (members dimension)")
     p.add_argument("--members-messages", type=int, default=20, help="messages in each members room")
     p.add_argument("--concurrency", default="1,2,4,8", help="client counts (concurrency dimension)")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per concurrency level")
     p.add_argument("--tenants", default="0,50,200,800", help="strangers' events (tenants dimension)")
+    p.add_argument("--rooms", default="50,200,500", help="rooms one user is in (rooms dimension)")
+    p.add_argument("--rooms-messages", type=int, default=5, help="messages in each of those rooms")
     p.add_argument("--samples", type=int, default=10, help="timed samples per cell")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up requests per cell")
     p.add_argument("--no-sliding", action="store_true", help="do not probe or time sliding_window")
@@ -635,19 +776,28 @@ def main() -> None:
                    help="comma list of per-room operations to time (default: all), e.g. "
                         "sliding_window; the rooms are seeded the same either way")
     p.add_argument("--meta", action="append", default=[], help="KEY=VALUE recorded in the results")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke sizes: events 50,200; members 10,40; concurrency 1,4 for 2 s; "
-                        "tenants 0,50; 5 samples, 1 warm-up")
+    preset = p.add_mutually_exclusive_group()
+    preset.add_argument("--quick", action="store_true",
+                        help="smoke sizes, every dimension: events 50,200; members 10,40; concurrency 1,4 "
+                             "for 2 s; tenants 0,50; rooms 3,6; 5 samples, 1 warm-up")
+    preset.add_argument("--big", action="store_true",
+                        help="issue 18's bigger shapes, every dimension: events 200,3200,50000; "
+                             "members 50,800,5000; rooms 50,200,500 (long to seed on Synapse)")
     a = p.parse_args()
-    if a.quick:
-        a.events, a.members, a.concurrency, a.tenants = "50,200", "10,40", "1,4", "0,50"
-        a.duration, a.samples, a.warmup, a.members_messages = 2.0, 5, 1, 5
+    # A preset changes the defaults only: an option given explicitly still wins.
+    if a.quick or a.big:
+        p.set_defaults(**(QUICK if a.quick else BIG))
+        a = p.parse_args()
+    a.preset = "quick" if a.quick else "big" if a.big else ""
     a.dimensions = [d.strip() for d in a.dimensions.split(",") if d.strip()]
     a.ops = {o.strip() for o in a.ops.split(",") if o.strip()}
     for d in a.dimensions:
-        if d not in ("events", "members", "concurrency", "tenants"):
+        if d not in DIMENSIONS:
             p.error(f"unknown dimension {d}")
-    a.events, a.members, a.concurrency, a.tenants = map(ints, (a.events, a.members, a.concurrency, a.tenants))
+    a.events, a.members, a.concurrency, a.tenants, a.rooms = map(
+        ints, (a.events, a.members, a.concurrency, a.tenants, a.rooms))
+    if any(r < 1 for r in a.rooms):
+        p.error("rooms sizes must be >= 1")
     if any(m < 2 for m in a.members):
         p.error("members sizes must be >= 2")
     result = Bench(a).run()

@@ -25,6 +25,9 @@ Servers:
 Usage:
   scripts/bench/sitting.py                          the full sitting, committed data
   scripts/bench/sitting.py --quick --rounds 1       a smoke run (~3 minutes), data in /tmp
+  scripts/bench/sitting.py --big --group big-...    issue 18's bigger shapes (driver.py --big:
+                                                    50,000 events, 5,000 members, 500 rooms;
+                                                    the Synapse legs take most of the time)
   TUWUNEL_BIN=/path/to/tuwunel scripts/bench/sitting.py --servers spindle,tuwunel,synapse
                                                     against Tuwunel too (~20 minutes idle)
   scripts/bench/sitting.py --help
@@ -281,7 +284,11 @@ def main() -> None:
     p.add_argument("--group", default=time.strftime("sitting-%Y%m%d"), help="file name prefix of the results")
     p.add_argument("--out-dir", help="default: docs/benchmarks/data (or a temp dir with --quick)")
     p.add_argument("--work", default=None, help="scratch directory for data dirs (default: a temp dir)")
-    p.add_argument("--quick", action="store_true", help="the driver's smoke sizes")
+    preset = p.add_mutually_exclusive_group()
+    preset.add_argument("--quick", action="store_true", help="the driver's smoke sizes")
+    preset.add_argument("--big", action="store_true",
+                        help="the driver's bigger shapes (events 200,3200,50000; members 50,800,5000; "
+                             "rooms 50,200,500)")
     p.add_argument("--no-build", action="store_true", help="use the existing release binary")
     p.add_argument("--driver-arg", action="append", default=[],
                    help="extra argument for driver.py (repeatable), e.g. --driver-arg=--samples=30")
@@ -344,6 +351,7 @@ def main() -> None:
                     dims = ["--dimensions", "concurrency"] if s == "synapse-pg" else []
                     cmd = [sys.executable, str(HERE / "driver.py"), "--base", f"http://127.0.0.1:{port}",
                            "--label", s, "--out", str(out), *dims, *(["--quick"] if a.quick else []),
+                           *(["--big"] if a.big else []),
                            "--meta", f"round={r}", "--meta", f"order={','.join(order)}",
                            "--meta", f"version={versions.get(s, '')}", "--meta", f"uptime_before={uptime()}",
                            *a.driver_arg]
