@@ -212,6 +212,8 @@ impl Projections {
         options: ProjectionOptions,
     ) -> Result<Projections, String> {
         let db = ProjectionDb::open_with(dir, options.storage)?;
+        // Projections whose row shapes changed since an earlier release are rebuilt.
+        db.ensure_layout("push", push::LAYOUT)?;
         let timeline = Arc::new(timeline::Timeline::open_with(
             &db,
             options.timeline_event_bytes,

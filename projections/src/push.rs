@@ -2,26 +2,53 @@
 //! recipient as each event is applied, producing running notification and highlight
 //! counts per room and per thread, and the list `GET /notifications` pages through.
 //!
-//! Tables:
+//! **The default recipient.** Most members of a room have the server-default rules,
+//! and the server-default rules treat every member alike unless the event names them
+//! (`.m.rule.invite_for_me` compares the state key with the user id,
+//! `.m.rule.is_user_mention` looks for it in `m.mentions.user_ids`). So what an
+//! event does is worked out once per event, for [`DEFAULT_RECIPIENT`] (a user of no
+//! server, with the server-default rules, whom no event names), and stored once per
+//! room: running counts under the user `""`, the notification in
+//! `room_notifications`. A recipient's own rows are written only where its outcome
+//! differs from the default's (its own rules, or the event names it): an
+//! *exception*. A message in a room of 800 default-rule members writes a handful of
+//! rows, not 800 of each (BRIEF §4: no per-member fan-out on the write path).
+//! A user's count is the room's default count plus the user's own adjustments,
+//! taken from the user's join, so it is exactly what evaluating every event for that
+//! user would give.
+//!
+//! Tables (layout [`LAYOUT`]):
 //! - `rules`: user -> ruma `Ruleset` JSON, for users who changed a rule (others have
 //!   the server default)
 //! - `rules_log`: user, 0x00, position -> empty (push rule changes, for `/sync`)
-//! - `members`: room, 0x00, user -> display name (joined members, as the push
-//!   projection itself saw them: apply reads only its own tables)
+//! - `members`: room, 0x00, user -> join position (8 bytes BE) + display name (joined
+//!   members, as the push projection itself saw them: apply reads only its own
+//!   tables)
+//! - `memberships`: user, 0x00, room, 0x00, join position -> leave position (8 bytes
+//!   BE; `u64::MAX` while joined): the spans in which the room's default
+//!   notifications are the user's (`GET /notifications`)
 //! - `rooms`: room -> [`RoomRow`] (joined count, power levels, creators)
 //! - `event_thread`: event id -> thread root (events that belong to a thread)
 //! - `sent`: room, 0x00, user, 0x00, thread ("" for any) -> position of the user's last
 //!   event (sending an event marks everything before it read, spec: "Receiving
 //!   notifications")
 //! - `counts`: room, 0x00, user, 0x00, thread ("" for the whole room, "main" for the
-//!   main timeline, else the root id), 0x00, position -> running (notify, highlight)
+//!   main timeline, else the root id), 0x00, position -> running (notify, highlight),
+//!   two u64 BE added with wrapping: for the user `""` the default recipient's counts
+//!   (they only grow), for a user that user's adjustments to them (which may be
+//!   negative: a muted room, the user's own events)
 //! - `thread_latest`: room, 0x00, user, 0x00, thread -> latest notifying position
+//!   (user `""`: the default recipient)
 //! - `thread_recent`: room, 0x00, user, 0x00, position -> thread (one row per thread,
 //!   at its latest notifying position: threads with unread notifications are found by
-//!   a scan from the read position, never over every thread)
-//! - `notifications`: user, 0x00, position -> [`Notification`]
-//! - `highlights`: user, 0x00, position -> empty
-//! - `queue`: position (BE), user -> empty: the push queue, one row per notification
+//!   a scan from the read position, never over every thread; user `""` as above)
+//! - `room_notifications`: room, 0x00, position -> [`Notification`] (the default
+//!   recipient's, with the sender, whose own event it is not); `room_highlights`: room, 0x00, position -> empty (those highlighted)
+//! - `notifications`: user, 0x00, position -> [`Notification`] of an exception, or
+//!   empty: the room's default notification at that position is not the user's (its
+//!   rules suppress it)
+//! - `highlights`: user, 0x00, position -> empty (exceptions that highlight)
+//! - `queue`: position (BE), user -> room: the push queue, one row per notification
 //!   of a user in `pushered`, in position order, which the push-gateway consumer reads
 //!   by position (it asks the `pushers` projection for the user's pushers at delivery);
 //!   a `PushQueuePruned { upto }` fact deletes the rows at or before `upto` (the
@@ -30,8 +57,10 @@
 //!   consumer narrows; it keeps users without pushers, most users and every bot, out
 //!   of the queue, so their notifications cost the consumer nothing)
 //!
-//! A count is four seeks (BRIEF §4): the last running row at or before `upto` minus
-//! the last at or before the read position, never a walk over events.
+//! A count is four range reads and two point reads whatever the room's size (BRIEF
+//! §4): for the room's default and for the user's adjustments, the last running row
+//! at or before `upto` minus the last at or before the read position (the user's join,
+//! read receipt or own last event, whichever is latest); never a walk over events.
 
 use std::{collections::HashMap, sync::Arc};
 
@@ -48,6 +77,15 @@ use crate::{
 
 /// Compiled rulesets kept in memory; past this the cache is emptied and refilled.
 pub const RULESET_CACHE_MAX: usize = 10_000;
+
+/// The version of this projection's row shapes ([`ProjectionDb::ensure_layout`]):
+/// 2 since the default recipient (tables written in layout 1 are rebuilt).
+pub const LAYOUT: u32 = 2;
+
+/// The default recipient (see the module doc): a user id no server can have (`.invalid`
+/// is reserved, RFC 2606). An event that names it anyway is evaluated for every
+/// recipient one by one.
+pub const DEFAULT_RECIPIENT: &str = "@default.recipient:spindle.invalid";
 
 /// What the push projection keeps per room.
 #[derive(Serialize, Deserialize, Debug, Clone, Default)]
@@ -81,6 +119,10 @@ pub struct Notification {
     pub ts: u64,
     /// Whether the highlight tweak was set.
     pub highlight: bool,
+    /// The event's sender, in a room's default notification (`room_notifications`):
+    /// the sender's own event is not its notification. Empty in a user's own row.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub sender: String,
 }
 
 /// Unread counts (spec: `UnreadNotificationCounts`).
@@ -97,19 +139,47 @@ pub struct Push {
     rules: Table,
     rules_log: Table,
     members: Table,
+    memberships: Table,
     rooms: Table,
     event_thread: Table,
     sent: Table,
     counts: Table,
     thread_latest: Table,
     thread_recent: Table,
+    room_notifications: Table,
+    room_highlights: Table,
     notifications: Table,
     highlights: Table,
     queue: Table,
     pushered: Table,
     last_rules: LastChange,
     globs: GlobCache,
-    compiled: Mutex<HashMap<String, Arc<CompiledRuleset>>>,
+    /// User -> their compiled rules if they changed any (`None`: the server default).
+    compiled: Mutex<HashMap<String, Option<Arc<CompiledRuleset>>>>,
+    /// The server-default rules of [`DEFAULT_RECIPIENT`].
+    default_rules: CompiledRuleset,
+    stats: PushStats,
+}
+
+/// What the push projection did (counting tests).
+#[derive(Debug, Default)]
+pub struct PushStats {
+    /// Recipients whose rules were evaluated one by one (their own rules, or named
+    /// by the event): the default recipient's evaluation covers the others.
+    pub evaluations: std::sync::atomic::AtomicU64,
+    /// Exceptions: recipients whose outcome differs from the default recipient's, so
+    /// that rows of their own were written.
+    pub exceptions: std::sync::atomic::AtomicU64,
+}
+
+/// How a recipient stands to an event's default outcome.
+#[derive(Clone, Copy)]
+struct Baseline {
+    /// The default notification applies to the recipient (a joined member): an
+    /// exception is stored against it. `false` for an invitee, who is not a member.
+    member: bool,
+    notify: bool,
+    highlight: bool,
 }
 
 fn queue_key(pos: u64, user: &str) -> Vec<u8> {
@@ -138,6 +208,13 @@ fn encode_pair(n: u64, h: u64) -> Vec<u8> {
     let mut v = n.to_be_bytes().to_vec();
     v.extend_from_slice(&h.to_be_bytes());
     v
+}
+
+fn join_position(member_row: &[u8]) -> u64 {
+    member_row
+        .get(..8)
+        .map(|b| u64::from_be_bytes(b.try_into().expect("8")))
+        .unwrap_or(0)
 }
 
 /// The server-default ruleset for a user.
@@ -266,23 +343,32 @@ impl Push {
     /// Opens the tables.
     pub fn open(db: &ProjectionDb) -> Result<Push, String> {
         let t = |name: &str| db.table("push", name);
+        let globs = GlobCache::default();
         Ok(Push {
             rules: t("rules")?,
             rules_log: t("rules_log")?,
             members: t("members")?,
+            memberships: t("memberships")?,
             rooms: t("rooms")?,
             event_thread: t("event_thread")?,
             sent: t("sent")?,
             counts: t("counts")?,
             thread_latest: t("thread_latest")?,
             thread_recent: t("thread_recent")?,
+            room_notifications: t("room_notifications")?,
+            room_highlights: t("room_highlights")?,
             notifications: t("notifications")?,
             highlights: t("highlights")?,
             queue: t("queue")?,
             pushered: t("pushered")?,
             last_rules: LastChange::default(),
-            globs: GlobCache::default(),
+            default_rules: CompiledRuleset::compile(
+                &default_ruleset(DEFAULT_RECIPIENT).ok_or("the default recipient's id")?,
+                &globs,
+            ),
+            globs,
             compiled: Mutex::new(HashMap::new()),
+            stats: PushStats::default(),
         })
     }
 
@@ -302,6 +388,11 @@ impl Push {
     /// Position of the user's latest push rule change (memory after the first ask).
     pub fn rules_last_change(&self, user_id: &str) -> u64 {
         self.last_rules.get(user_id, &self.rules_log)
+    }
+
+    /// What apply did: evaluations and exceptions (counting tests).
+    pub fn stats(&self) -> &PushStats {
+        &self.stats
     }
 
     /// Globs compiled so far (counting tests).
@@ -330,10 +421,18 @@ impl Push {
             .unwrap_or(0)
     }
 
+    /// The position of the user's join of the room, if the user is joined.
+    fn joined_at(&self, room_id: &str, user_id: &str) -> Option<u64> {
+        self.members
+            .get(&key::join(&[room_id, user_id]))
+            .map(|v| join_position(&v))
+    }
+
     /// Unread counts for `user_id` in `room_id` in `(from, upto]`, where `from` is the
-    /// read receipt's position; the user's own last event counts as read too.
+    /// read receipt's position; the user's join and own last event count as read too.
     /// `thread`: "" for the whole room, "main" for the main timeline, or a thread root.
-    /// Four seeks plus one point read, whatever the room's size.
+    /// Zero for a user who is not joined (invited and left rooms have no counts).
+    /// Four range reads and two point reads, whatever the room's size.
     pub fn unread(
         &self,
         room_id: &str,
@@ -342,24 +441,40 @@ impl Push {
         from: u64,
         upto: u64,
     ) -> Counts {
+        let Some(joined) = self.joined_at(room_id, user_id) else {
+            return Counts::default();
+        };
         // Only the user's last own event is kept: one sent after `upto` (a count taken
-        // at an older position) cannot say what was read by then, so it is ignored.
+        // at an older position) cannot say what was read by then, so it is ignored
+        // (and the user's own events in the span count in the room's default then; the
+        // next count, at a newer position, is exact).
         let sent = self.last_sent(room_id, user_id, thread);
-        let from = if sent <= upto { from.max(sent) } else { from };
+        let mut from = from.max(joined);
+        if sent <= upto {
+            from = from.max(sent);
+        }
         if upto <= from {
             return Counts::default();
         }
-        let parts = [room_id, user_id, thread];
-        let (n1, h1) = self.last_pair(&self.counts, &parts, upto);
-        let (n0, h0) = self.last_pair(&self.counts, &parts, from);
+        let span = |parts: &[&str]| {
+            let (n1, h1) = self.last_pair(&self.counts, parts, upto);
+            let (n0, h0) = self.last_pair(&self.counts, parts, from);
+            (n1.wrapping_sub(n0), h1.wrapping_sub(h0))
+        };
+        let (rn, rh) = span(&[room_id, "", thread]);
+        let (un, uh) = span(&[room_id, user_id, thread]);
+        // Adjustments never take a count below zero; clamped all the same.
+        let total = |a: u64, b: u64| (a.wrapping_add(b) as i64).max(0) as u64;
         Counts {
-            notification_count: n1.saturating_sub(n0),
-            highlight_count: h1.saturating_sub(h0),
+            notification_count: total(rn, un),
+            highlight_count: total(rh, uh),
         }
     }
 
-    /// Threads of a room whose latest notification for the user is in `(after, upto]`,
-    /// newest first, at most `limit`: the candidates for per-thread unread counts.
+    /// Threads of a room whose latest notification for the user (or for the room's
+    /// default recipient) is in `(after, upto]` and after the user's join, newest
+    /// first, at most `limit`: the candidates for per-thread unread counts (a
+    /// candidate may count zero for the user).
     pub fn threads_notified(
         &self,
         room_id: &str,
@@ -368,19 +483,38 @@ impl Push {
         upto: u64,
         limit: usize,
     ) -> Vec<String> {
+        let Some(joined) = self.joined_at(room_id, user_id) else {
+            return vec![];
+        };
+        let after = after.max(joined);
         if upto <= after {
             return vec![];
         }
-        self.thread_recent
-            .scan_range(
-                &key::with_pos(&[room_id, user_id], after + 1),
-                &key::with_pos(&[room_id, user_id], upto.saturating_add(1)),
-                true,
-                limit,
-            )
-            .into_iter()
-            .map(|(_, v)| String::from_utf8_lossy(&v).into_owned())
-            .collect()
+        let mut rows: Vec<(u64, String)> = Vec::new();
+        for who in [user_id, ""] {
+            rows.extend(
+                self.thread_recent
+                    .scan_range(
+                        &key::with_pos(&[room_id, who], after + 1),
+                        &key::with_pos(&[room_id, who], upto.saturating_add(1)),
+                        true,
+                        limit,
+                    )
+                    .into_iter()
+                    .map(|(k, v)| (key::trailing_pos(&k), String::from_utf8_lossy(&v).into_owned())),
+            );
+        }
+        rows.sort_by(|a, b| b.0.cmp(&a.0));
+        let mut out: Vec<String> = Vec::new();
+        for (_, thread) in rows {
+            if out.len() == limit {
+                break;
+            }
+            if !out.contains(&thread) {
+                out.push(thread);
+            }
+        }
+        out
     }
 
     /// The thread root an event belongs to, if it is in a thread.
@@ -390,8 +524,30 @@ impl Push {
             .map(|v| String::from_utf8_lossy(&v).into_owned())
     }
 
+    /// The rooms the user is or was joined to, with each span's join and leave
+    /// positions (`u64::MAX` while joined).
+    fn spans(&self, user_id: &str) -> Vec<(String, u64, u64)> {
+        let prefix = key::prefix(&[user_id]);
+        self.memberships
+            .scan_prefix(&prefix, usize::MAX)
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let room = k.get(prefix.len()..k.len().checked_sub(9)?)?;
+                let leave = u64::from_be_bytes(v.get(..8)?.try_into().ok()?);
+                Some((
+                    String::from_utf8_lossy(room).into_owned(),
+                    key::trailing_pos(&k),
+                    leave,
+                ))
+            })
+            .collect()
+    }
+
     /// A user's notifications at positions below `before`, newest first, at most
-    /// `limit`; `highlights_only` for `only=highlight`.
+    /// `limit`; `highlights_only` for `only=highlight`. The user's exceptions merged
+    /// with the default notifications of every room in the spans the user was joined
+    /// (one range read per span, then one point read per default notification to see
+    /// whether the user has an exception at its position).
     pub fn notifications(
         &self,
         user_id: &str,
@@ -399,26 +555,91 @@ impl Push {
         limit: usize,
         highlights_only: bool,
     ) -> Vec<(u64, Notification)> {
-        let start = key::with_pos(&[user_id], 0);
-        let end = key::with_pos(&[user_id], before);
-        if highlights_only {
-            self.highlights
-                .scan_range(&start, &end, true, limit)
-                .into_iter()
-                .filter_map(|(k, _)| {
-                    let pos = key::trailing_pos(&k);
-                    let v = self.notifications.get(&key::with_pos(&[user_id], pos))?;
-                    Some((pos, serde_json::from_slice(&v).ok()?))
-                })
-                .collect()
+        if limit == 0 {
+            return vec![];
+        }
+        let spans = self.spans(user_id);
+        let (own, of_room) = if highlights_only {
+            (&self.highlights, &self.room_highlights)
         } else {
-            self.notifications
-                .scan_range(&start, &end, true, limit)
-                .into_iter()
-                .filter_map(|(k, v)| {
-                    Some((key::trailing_pos(&k), serde_json::from_slice(&v).ok()?))
-                })
-                .collect()
+            (&self.notifications, &self.room_notifications)
+        };
+        enum Candidate {
+            Own,
+            Room(String),
+        }
+        // Each source is read newest first, `fetch` rows at most; a source that filled
+        // its `fetch` may hold older rows, so only candidates at or above the highest
+        // such cut are known to be complete. Too few of them: read again, deeper.
+        let mut fetch = limit;
+        loop {
+            let mut cut = 0u64;
+            let mut candidates: std::collections::BTreeMap<u64, Candidate> = Default::default();
+            let rows = own.scan_range(
+                &key::with_pos(&[user_id], 0),
+                &key::with_pos(&[user_id], before),
+                true,
+                fetch,
+            );
+            if rows.len() == fetch {
+                cut = cut.max(rows.last().map_or(0, |(k, _)| key::trailing_pos(k)));
+            }
+            for (k, v) in rows {
+                // An empty row in `notifications` is a suppression, not a notification.
+                if highlights_only || !v.is_empty() {
+                    candidates.insert(key::trailing_pos(&k), Candidate::Own);
+                }
+            }
+            for (room, join, leave) in &spans {
+                let end = (*leave).min(before);
+                if end <= join.saturating_add(1) {
+                    continue;
+                }
+                let rows = of_room.scan_range(
+                    &key::with_pos(&[room], join + 1),
+                    &key::with_pos(&[room], end),
+                    true,
+                    fetch,
+                );
+                if rows.len() == fetch {
+                    cut = cut.max(rows.last().map_or(0, |(k, _)| key::trailing_pos(k)));
+                }
+                for (k, _) in rows {
+                    candidates
+                        .entry(key::trailing_pos(&k))
+                        .or_insert_with(|| Candidate::Room(room.clone()));
+                }
+            }
+            let mut out = Vec::new();
+            for (&pos, candidate) in candidates.iter().rev() {
+                if pos < cut || out.len() == limit {
+                    break;
+                }
+                let row = match candidate {
+                    Candidate::Own => self.notifications.get(&key::with_pos(&[user_id], pos)),
+                    Candidate::Room(room) => {
+                        match self.notifications.get(&key::with_pos(&[user_id], pos)) {
+                            Some(own) => Some(own),
+                            None => self.room_notifications.get(&key::with_pos(&[room], pos)),
+                        }
+                    }
+                };
+                let Some(n) = row
+                    .filter(|v| !v.is_empty())
+                    .and_then(|v| serde_json::from_slice::<Notification>(&v).ok())
+                else {
+                    continue;
+                };
+                // The sender's own event is in the room's default notifications.
+                if (highlights_only && !n.highlight) || n.sender == user_id {
+                    continue;
+                }
+                out.push((pos, n));
+            }
+            if out.len() >= limit || cut == 0 {
+                return out;
+            }
+            fetch = fetch.saturating_mul(4);
         }
     }
 
@@ -429,9 +650,14 @@ impl Push {
         self.queue
             .scan_prefix(&prefix, limit)
             .into_iter()
-            .filter_map(|(k, _)| {
+            .filter_map(|(k, room)| {
                 let user = String::from_utf8_lossy(&k[8..]).into_owned();
-                let v = self.notifications.get(&key::with_pos(&[&user], position))?;
+                let v = match self.notifications.get(&key::with_pos(&[&user], position)) {
+                    Some(own) => own,
+                    None => self
+                        .room_notifications
+                        .get(&key::with_pos(&[std::str::from_utf8(&room).ok()?], position))?,
+                };
                 Some((user, serde_json::from_slice(&v).ok()?))
             })
             .collect()
@@ -451,27 +677,25 @@ impl Push {
             .map(|(k, _)| u64::from_be_bytes(k[..8].try_into().expect("8-byte position")))
     }
 
-    fn compiled(&self, ctx: &ApplyCtx, user_id: &str) -> Option<Arc<CompiledRuleset>> {
+    /// The user's own compiled rules, or `None` for a user with the server default
+    /// (no stored edits). Cached; an edit drops the user's entry.
+    fn custom_rules(&self, ctx: &ApplyCtx, user_id: &str) -> Option<Arc<CompiledRuleset>> {
         if let Some(c) = self.compiled.lock().get(user_id) {
-            return Some(c.clone());
+            return c.clone();
         }
-        let ruleset = match ctx.get(&self.rules, user_id.as_bytes()) {
-            Some(v) => {
-                let mut set: Ruleset = serde_json::from_slice(&v).ok()?;
-                if let Some(d) = default_ruleset(user_id) {
-                    set.update_with_server_default(d);
-                }
-                set
+        let compiled = ctx.get(&self.rules, user_id.as_bytes()).and_then(|v| {
+            let mut set: Ruleset = serde_json::from_slice(&v).ok()?;
+            if let Some(d) = default_ruleset(user_id) {
+                set.update_with_server_default(d);
             }
-            None => default_ruleset(user_id)?,
-        };
-        let compiled = Arc::new(CompiledRuleset::compile(&ruleset, &self.globs));
+            Some(Arc::new(CompiledRuleset::compile(&set, &self.globs)))
+        });
         let mut cache = self.compiled.lock();
         if cache.len() >= RULESET_CACHE_MAX {
             cache.clear();
         }
         cache.insert(user_id.to_owned(), compiled.clone());
-        Some(compiled)
+        compiled
     }
 
     fn latest_pair(&self, ctx: &ApplyCtx, parts: &[&str], before: u64) -> (u64, u64) {
@@ -482,13 +706,84 @@ impl Push {
         }
     }
 
-    fn bump(&self, ctx: &ApplyCtx, parts: &[&str], pos: u64, highlight: bool) {
+    /// Adds `(dn, dh)` (wrapping: adjustments may be negative) to the running counts
+    /// under `parts` at `pos`.
+    fn bump(&self, ctx: &ApplyCtx, parts: &[&str], pos: u64, dn: i64, dh: i64) {
         let (n, h) = self.latest_pair(ctx, parts, pos);
         ctx.put(
             &self.counts,
             key::with_pos(parts, pos),
-            encode_pair(n + 1, h + u64::from(highlight)),
+            encode_pair(n.wrapping_add(dn as u64), h.wrapping_add(dh as u64)),
         );
+    }
+
+    /// Marks `thread` as notified at `pos` for `who` (`""`: the default recipient).
+    fn note_thread(&self, ctx: &ApplyCtx, room: &str, who: &str, thread: &str, pos: u64) {
+        let latest_key = key::join(&[room, who, thread]);
+        if let Some(old) = ctx.get(&self.thread_latest, &latest_key)
+            && old.len() == 8
+        {
+            let old = u64::from_be_bytes(old[..8].try_into().expect("8"));
+            ctx.delete(&self.thread_recent, key::with_pos(&[room, who], old));
+        }
+        ctx.put(&self.thread_latest, latest_key, pos.to_be_bytes().to_vec());
+        ctx.put(
+            &self.thread_recent,
+            key::with_pos(&[room, who], pos),
+            thread.as_bytes().to_vec(),
+        );
+    }
+
+    /// Queues a notification of `user` for the push gateways, if the user ever set
+    /// a pusher.
+    fn enqueue(&self, ctx: &ApplyCtx, room: &str, user: &str, pos: u64) {
+        if ctx.get(&self.pushered, user.as_bytes()).is_some() {
+            ctx.put(&self.queue, queue_key(pos, user), room.as_bytes().to_vec());
+        }
+    }
+
+    /// Stores an exception: `user`'s outcome (`own`: its notification, `None` when
+    /// the event does not notify it) where it differs from `base`.
+    #[allow(clippy::too_many_arguments)]
+    fn except(
+        &self,
+        ctx: &ApplyCtx,
+        room: &str,
+        user: &str,
+        threads: (Option<&str>, &str),
+        pos: u64,
+        base: Baseline,
+        own: Option<Notification>,
+    ) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.stats.exceptions.fetch_add(1, Relaxed);
+        let (thread, thread_key) = threads;
+        let (on, oh) = own.as_ref().map_or((false, false), |n| (true, n.highlight));
+        if base.member {
+            let dn = i64::from(on) - i64::from(base.notify);
+            let dh = i64::from(oh) - i64::from(base.highlight);
+            if dn != 0 || dh != 0 {
+                self.bump(ctx, &[room, user, ""], pos, dn, dh);
+                self.bump(ctx, &[room, user, thread_key], pos, dn, dh);
+            }
+        }
+        let nkey = key::with_pos(&[user], pos);
+        match own {
+            Some(n) => {
+                if let Some(t) = thread
+                    && !(base.member && base.notify)
+                {
+                    self.note_thread(ctx, room, user, t, pos);
+                }
+                if n.highlight {
+                    ctx.put(&self.highlights, nkey.clone(), Vec::new());
+                }
+                ctx.put(&self.notifications, nkey, json(&n));
+                self.enqueue(ctx, room, user, pos);
+            }
+            None if base.member && base.notify => ctx.put(&self.notifications, nkey, Vec::new()),
+            None => {}
+        }
     }
 
     fn apply_fact(&self, ctx: &mut ApplyCtx, record: &StoredRecord, fact: Fact) {
@@ -562,32 +857,25 @@ impl Push {
             .get(&self.rooms, room.as_bytes())
             .and_then(|v| serde_json::from_slice(&v).ok())
             .unwrap_or_default();
-        // Recipients: joined members but the sender, and the target of an invite.
+        // Recipients: joined members but the sender (user, display name), and the
+        // target of an invite, who is not a member.
         let prefix = key::prefix(&[&room]);
-        let mut recipients: Vec<(String, String)> = ctx
-            .scan_prefix(&self.members, &prefix)
-            .into_iter()
-            .map(|(k, v)| {
-                (
-                    String::from_utf8_lossy(&k[prefix.len()..]).into_owned(),
-                    String::from_utf8_lossy(&v).into_owned(),
-                )
-            })
-            .filter(|(u, _)| *u != sender)
-            .collect();
+        let members = ctx.scan_prefix(&self.members, &prefix);
         let membership = content["membership"]
             .as_str()
             .unwrap_or_default()
             .to_owned();
-        if kind == "m.room.member"
-            && membership == "invite"
-            && let Some(target) = &pdu.state_key
-            && *target != sender
-            && !recipients.iter().any(|(u, _)| u == target)
-        {
-            recipients.push((target.clone(), String::new()));
-        }
-        if !recipients.is_empty()
+        let invitee = pdu.state_key.as_ref().filter(|target| {
+            kind == "m.room.member"
+                && membership == "invite"
+                && **target != sender
+                && ctx
+                    .get(&self.members, &key::join(&[&room, target]))
+                    .is_none()
+        });
+        let recipients = members.len() + usize::from(invitee.is_some())
+            - usize::from(members.iter().any(|(k, _)| &k[prefix.len()..] == sender.as_bytes()));
+        if recipients > 0
             && let Some(flat) = flatten(&pdu.json)
         {
             let sender_power = room_row
@@ -602,52 +890,105 @@ impl Push {
                 sender_is_creator: room_row.creators.contains(&sender),
             };
             let ts = u64::from(pdu.origin_server_ts.0);
-            for (user, display_name) in &recipients {
-                let Some(rules) = self.compiled(ctx, user) else {
-                    continue;
-                };
-                let Some(outcome) = rules.evaluate(&flat, &rctx, display_name) else {
-                    continue;
-                };
-                if !outcome.notify() {
-                    continue;
-                }
-                let highlight = outcome.highlight();
-                self.bump(ctx, &[&room, user, ""], pos, highlight);
-                self.bump(ctx, &[&room, user, &thread_key], pos, highlight);
+            // Whom the server-default rules treat apart: the state key's user
+            // (`.m.rule.invite_for_me`, matched case-insensitively) and the users in
+            // `m.mentions.user_ids` (`.m.rule.is_user_mention`).
+            let state_key_lower = pdu.state_key.as_deref().map(str::to_lowercase);
+            let mentioned: Vec<&str> = content["m.mentions"]["user_ids"]
+                .as_array()
+                .map(|a| a.iter().filter_map(|v| v.as_str()).collect())
+                .unwrap_or_default();
+            let named = |user: &str| {
+                mentioned.contains(&user)
+                    || state_key_lower
+                        .as_deref()
+                        .is_some_and(|k| k == user.to_lowercase())
+            };
+            // An event naming the default recipient itself is evaluated for everyone.
+            let trusted = !named(DEFAULT_RECIPIENT);
+            let actions_of = |o: Option<crate::push_rules::Outcome>| {
+                o.map(|o| o.actions).unwrap_or_default()
+            };
+            let default_actions = actions_of(self.default_rules.evaluate(&flat, &rctx, ""));
+            let default_json = serde_json::to_value(&default_actions).unwrap_or_default();
+            let notification = |actions: serde_json::Value, highlight: bool| Notification {
+                room_id: room.clone(),
+                event_id: event_id.clone(),
+                actions,
+                ts,
+                highlight,
+                sender: String::new(),
+            };
+            let base = Baseline {
+                member: true,
+                notify: default_actions.iter().any(|a| a.should_notify()),
+                highlight: default_actions.iter().any(|a| a.is_highlight()),
+            };
+            let threads = (thread.as_deref(), thread_key.as_str());
+            if base.notify {
+                let dh = i64::from(base.highlight);
+                self.bump(ctx, &[&room, "", ""], pos, 1, dh);
+                self.bump(ctx, &[&room, "", &thread_key], pos, 1, dh);
                 if let Some(t) = &thread {
-                    let latest_key = key::join(&[&room, user, t]);
-                    if let Some(old) = ctx.get(&self.thread_latest, &latest_key)
-                        && old.len() == 8
-                    {
-                        let old = u64::from_be_bytes(old[..8].try_into().expect("8"));
-                        ctx.delete(&self.thread_recent, key::with_pos(&[&room, user], old));
-                    }
-                    ctx.put(&self.thread_latest, latest_key, pos.to_be_bytes().to_vec());
-                    ctx.put(
-                        &self.thread_recent,
-                        key::with_pos(&[&room, user], pos),
-                        t.clone().into_bytes(),
-                    );
+                    self.note_thread(ctx, &room, "", t, pos);
                 }
-                let actions = serde_json::to_value(&outcome.actions).unwrap_or_default();
+                let rkey = key::with_pos(&[&room], pos);
+                if base.highlight {
+                    ctx.put(&self.room_highlights, rkey.clone(), Vec::new());
+                }
                 ctx.put(
-                    &self.notifications,
-                    key::with_pos(&[user], pos),
+                    &self.room_notifications,
+                    rkey,
                     json(&Notification {
-                        room_id: room.clone(),
-                        event_id: event_id.clone(),
-                        actions,
-                        ts,
-                        highlight,
+                        sender: sender.clone(),
+                        ..notification(default_json.clone(), base.highlight)
                     }),
                 );
-                if highlight {
-                    ctx.put(&self.highlights, key::with_pos(&[user], pos), Vec::new());
+            }
+            // The invitee's row: keyed like a member's, with no join position.
+            let invitee = invitee.map(|u| ([prefix.as_slice(), u.as_bytes()].concat(), Vec::new()));
+            for (k, v) in members.iter().chain(invitee.iter()) {
+                let user = String::from_utf8_lossy(&k[prefix.len()..]);
+                if user == sender {
+                    continue;
                 }
-                if ctx.get(&self.pushered, user.as_bytes()).is_some() {
-                    ctx.put(&self.queue, queue_key(pos, user), Vec::new());
+                let base = Baseline {
+                    member: !v.is_empty(),
+                    ..base
+                };
+                let own_rules = match self.custom_rules(ctx, &user) {
+                    Some(rules) => Some(rules),
+                    None if !trusted || named(&user) || !base.member => {
+                        default_ruleset(&user).map(|r| Arc::new(CompiledRuleset::compile(&r, &self.globs)))
+                    }
+                    None => None,
+                };
+                let Some(rules) = own_rules else {
+                    // The default recipient's outcome is this member's.
+                    if base.notify {
+                        self.enqueue(ctx, &room, &user, pos);
+                    }
+                    continue;
+                };
+                self.stats
+                    .evaluations
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let display_name = v.get(8..).map(String::from_utf8_lossy).unwrap_or_default();
+                let actions = actions_of(rules.evaluate(&flat, &rctx, &display_name));
+                let notify = actions.iter().any(|a| a.should_notify());
+                let highlight = actions.iter().any(|a| a.is_highlight());
+                let actions_json = serde_json::to_value(&actions).unwrap_or_default();
+                if base.member && actions_json == default_json {
+                    if notify {
+                        self.enqueue(ctx, &room, &user, pos);
+                    }
+                    continue;
                 }
+                if !notify && !(base.member && base.notify) {
+                    continue;
+                }
+                let own = notify.then(|| notification(actions_json, highlight));
+                self.except(ctx, &room, &user, threads, pos, base, own);
             }
         }
 
@@ -660,16 +1001,29 @@ impl Push {
         match kind.as_str() {
             "m.room.member" => {
                 let mkey = key::join(&[&room, &state_key]);
-                let was_joined = ctx.get(&self.members, &mkey).is_some();
+                let was = ctx.get(&self.members, &mkey);
                 if membership == "join" {
+                    let joined_at = was.as_deref().map_or(pos, join_position);
                     let name = content["displayname"].as_str().unwrap_or_default();
-                    ctx.put(&self.members, mkey, name.as_bytes().to_vec());
-                    if !was_joined {
+                    let mut v = joined_at.to_be_bytes().to_vec();
+                    v.extend_from_slice(name.as_bytes());
+                    ctx.put(&self.members, mkey, v);
+                    if was.is_none() {
                         row.joined += 1;
+                        ctx.put(
+                            &self.memberships,
+                            key::with_pos(&[&state_key, &room], pos),
+                            u64::MAX.to_be_bytes().to_vec(),
+                        );
                     }
-                } else if was_joined {
+                } else if let Some(was) = was {
                     ctx.delete(&self.members, mkey);
                     row.joined = row.joined.saturating_sub(1);
+                    ctx.put(
+                        &self.memberships,
+                        key::with_pos(&[&state_key, &room], join_position(&was)),
+                        pos.to_be_bytes().to_vec(),
+                    );
                 }
             }
             "m.room.power_levels" if state_key.is_empty() => {
@@ -712,12 +1066,15 @@ impl Projection for Push {
             self.rules.clone(),
             self.rules_log.clone(),
             self.members.clone(),
+            self.memberships.clone(),
             self.rooms.clone(),
             self.event_thread.clone(),
             self.sent.clone(),
             self.counts.clone(),
             self.thread_latest.clone(),
             self.thread_recent.clone(),
+            self.room_notifications.clone(),
+            self.room_highlights.clone(),
             self.notifications.clone(),
             self.highlights.clone(),
             self.queue.clone(),

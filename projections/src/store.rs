@@ -16,6 +16,11 @@
 //! keyspaces of any other generation (a rebuild interrupted by a restart) are deleted.
 //! Table *names* (digests, renders, staging) are always the logical
 //! `<projection>.<table>`, whatever the generation.
+//!
+//! **Layouts.** A projection whose row shapes change between releases declares a new
+//! layout version; [`ProjectionDb::ensure_layout`] (called before its tables open)
+//! deletes tables written in another layout so they are rebuilt from the journal.
+//! The version is kept in `generations` under `<projection>#layout` (absent: 1).
 
 use std::{
     collections::BTreeMap,
@@ -75,6 +80,11 @@ fn keyspace_prefix(projection: &str, generation: u32) -> String {
 /// The checkpoint key of an online rebuild of `projection` into `generation`.
 pub(crate) fn rebuild_checkpoint_key(projection: &str, generation: u32) -> String {
     format!("{projection}#g{generation}")
+}
+
+/// The key of `projection`'s layout version in the `generations` keyspace.
+fn layout_key(projection: &str) -> String {
+    format!("{projection}#layout")
 }
 
 /// (projection, generation) of a table keyspace name; `None` for other keyspaces.
@@ -281,6 +291,48 @@ impl ProjectionDb {
             .persist(fjall::PersistMode::SyncAll)
             .map_err(|e| e.to_string())?;
         Ok((deleted, had_checkpoint))
+    }
+
+    /// The layout version `projection`'s tables are written in (see
+    /// [`ProjectionDb::ensure_layout`]); 1 when none was recorded (every projection
+    /// before layouts were versioned).
+    pub fn layout(&self, projection: &str) -> u32 {
+        match self.generations.get(layout_key(projection)) {
+            Ok(Some(v)) if v.len() == 4 => u32::from_be_bytes(v[..4].try_into().expect("4 bytes")),
+            _ => 1,
+        }
+    }
+
+    /// Makes sure `projection`'s tables are in `layout`, the version of the row shapes
+    /// the running code reads and writes. Tables written in another layout are deleted
+    /// with the checkpoint (as [`ProjectionDb::reset_projection`] does), so the runtime
+    /// starting next replays the projection from position 0 while the server serves
+    /// (see [`crate::runtime`], "Backfilling"); then `layout` is recorded, durably.
+    /// Call before the projection's tables are opened. Returns whether tables were
+    /// reset (`false` for a database that had none of them).
+    pub fn ensure_layout(&self, projection: &str, layout: u32) -> Result<bool, String> {
+        let found = self.layout(projection);
+        if found == layout {
+            return Ok(false);
+        }
+        let (tables, had_checkpoint) = self.reset_projection(projection)?;
+        let reset = tables > 0 || had_checkpoint;
+        if reset {
+            tracing::warn!(
+                projection,
+                from = found,
+                to = layout,
+                tables,
+                "projection layout changed: its tables are rebuilt from the journal (served meanwhile from what is rebuilt so far)"
+            );
+        }
+        self.generations
+            .insert(layout_key(projection), layout.to_be_bytes())
+            .map_err(|e| e.to_string())?;
+        self.db
+            .persist(fjall::PersistMode::SyncAll)
+            .map_err(|e| e.to_string())?;
+        Ok(reset)
     }
 
     /// Counters.
