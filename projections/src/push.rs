@@ -154,6 +154,9 @@ pub struct Push {
     pushered: Table,
     last_rules: LastChange,
     globs: GlobCache,
+    /// The `pushered` table in memory (read for every notified member; it only
+    /// grows, and apply is its only writer).
+    pushered_users: parking_lot::RwLock<std::collections::HashSet<String>>,
     /// User -> their compiled rules if they changed any (`None`: the server default).
     compiled: Mutex<HashMap<String, Option<Arc<CompiledRuleset>>>>,
     /// The server-default rules of [`DEFAULT_RECIPIENT`].
@@ -344,7 +347,7 @@ impl Push {
     pub fn open(db: &ProjectionDb) -> Result<Push, String> {
         let t = |name: &str| db.table("push", name);
         let globs = GlobCache::default();
-        Ok(Push {
+        let push = Push {
             rules: t("rules")?,
             rules_log: t("rules_log")?,
             members: t("members")?,
@@ -369,7 +372,10 @@ impl Push {
             globs,
             compiled: Mutex::new(HashMap::new()),
             stats: PushStats::default(),
-        })
+            pushered_users: Default::default(),
+        };
+        push.reload();
+        Ok(push)
     }
 
     /// A user's ruleset: stored edits over the server default (kept current with the
@@ -737,7 +743,7 @@ impl Push {
     /// Queues a notification of `user` for the push gateways, if the user ever set
     /// a pusher.
     fn enqueue(&self, ctx: &ApplyCtx, room: &str, user: &str, pos: u64) {
-        if ctx.get(&self.pushered, user.as_bytes()).is_some() {
+        if self.pushered_users.read().contains(user) {
             ctx.put(&self.queue, queue_key(pos, user), room.as_bytes().to_vec());
         }
     }
@@ -1084,6 +1090,12 @@ impl Projection for Push {
 
     fn reload(&self) {
         self.compiled.lock().clear();
+        *self.pushered_users.write() = self
+            .pushered
+            .scan_prefix(&[], usize::MAX)
+            .into_iter()
+            .map(|(k, _)| String::from_utf8_lossy(&k).into_owned())
+            .collect();
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
@@ -1093,6 +1105,9 @@ impl Projection for Push {
         if let Some(fact) = record.fact() {
             if let Fact::PusherSet { user_id, .. } = &fact {
                 ctx.put(&self.pushered, user_id.clone().into_bytes(), Vec::new());
+                // At once, for the rest of the batch (a batch applied again after a
+                // failed commit stages the same row again).
+                self.pushered_users.write().insert(user_id.clone());
             }
             if let Fact::PushQueuePruned { upto } = fact {
                 // The queue is keyed by position first: the rows to delete are a prefix
