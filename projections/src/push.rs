@@ -27,6 +27,11 @@
 //! - `memberships`: user, 0x00, room, 0x00, join position -> leave position (8 bytes
 //!   BE; `u64::MAX` while joined): the spans in which the room's default
 //!   notifications are the user's (`GET /notifications`)
+//! - `custom_members`: room, 0x00, user -> empty: joined members with rules of their
+//!   own (a `rules` row); `pushered_members`: room, 0x00, user -> empty: joined
+//!   members in `pushered`. With the members an event names, these are the only
+//!   members a message is evaluated for one by one: a message costs the same in a
+//!   room of 8 members and of 8,000
 //! - `rooms`: room -> [`RoomRow`] (joined count, power levels, creators)
 //! - `event_thread`: event id -> thread root (events that belong to a thread)
 //! - `sent`: room, 0x00, user, 0x00, thread ("" for any) -> position of the user's last
@@ -140,6 +145,8 @@ pub struct Push {
     rules_log: Table,
     members: Table,
     memberships: Table,
+    custom_members: Table,
+    pushered_members: Table,
     rooms: Table,
     event_thread: Table,
     sent: Table,
@@ -352,6 +359,8 @@ impl Push {
             rules_log: t("rules_log")?,
             members: t("members")?,
             memberships: t("memberships")?,
+            custom_members: t("custom_members")?,
+            pushered_members: t("pushered_members")?,
             rooms: t("rooms")?,
             event_thread: t("event_thread")?,
             sent: t("sent")?,
@@ -740,6 +749,19 @@ impl Push {
         );
     }
 
+    /// The rooms `user` is joined to now (as this projection saw them).
+    fn current_rooms(&self, ctx: &ApplyCtx, user: &str) -> Vec<String> {
+        let prefix = key::prefix(&[user]);
+        ctx.scan_prefix(&self.memberships, &prefix)
+            .into_iter()
+            .filter(|(_, v)| v.as_slice() == u64::MAX.to_be_bytes())
+            .filter_map(|(k, _)| {
+                let room = k.get(prefix.len()..k.len().checked_sub(9)?)?;
+                Some(String::from_utf8_lossy(room).into_owned())
+            })
+            .collect()
+    }
+
     /// Queues a notification of `user` for the push gateways, if the user ever set
     /// a pusher.
     fn enqueue(&self, ctx: &ApplyCtx, room: &str, user: &str, pos: u64) {
@@ -796,10 +818,9 @@ impl Push {
         let Some(user) = rule_fact_user(&fact).map(str::to_owned) else {
             return;
         };
-        let mut ruleset = match ctx
-            .get(&self.rules, user.as_bytes())
-            .and_then(|v| serde_json::from_slice::<Ruleset>(&v).ok())
-        {
+        let stored = ctx.get(&self.rules, user.as_bytes());
+        let first_edit = stored.is_none();
+        let mut ruleset = match stored.and_then(|v| serde_json::from_slice::<Ruleset>(&v).ok()) {
             Some(r) => r,
             None => match default_ruleset(&user) {
                 Some(r) => r,
@@ -811,6 +832,11 @@ impl Push {
             return;
         }
         ctx.put(&self.rules, user.clone().into_bytes(), json(&ruleset));
+        if first_edit {
+            for room in self.current_rooms(ctx, &user) {
+                ctx.put(&self.custom_members, key::join(&[&room, &user]), Vec::new());
+            }
+        }
         ctx.put(
             &self.rules_log,
             key::with_pos(&[&user], record.position()),
@@ -866,7 +892,6 @@ impl Push {
         // Recipients: joined members but the sender (user, display name), and the
         // target of an invite, who is not a member.
         let prefix = key::prefix(&[&room]);
-        let members = ctx.scan_prefix(&self.members, &prefix);
         let membership = content["membership"]
             .as_str()
             .unwrap_or_default()
@@ -879,8 +904,11 @@ impl Push {
                     .get(&self.members, &key::join(&[&room, target]))
                     .is_none()
         });
-        let recipients = members.len() + usize::from(invitee.is_some())
-            - usize::from(members.iter().any(|(k, _)| &k[prefix.len()..] == sender.as_bytes()));
+        let sender_joined = ctx
+            .get(&self.members, &key::join(&[&room, &sender]))
+            .is_some();
+        let recipients = (room_row.joined as usize + usize::from(invitee.is_some()))
+            .saturating_sub(usize::from(sender_joined));
         if recipients > 0
             && let Some(flat) = flatten(&pdu.json)
         {
@@ -952,6 +980,30 @@ impl Push {
                 );
             }
             // The invitee's row: keyed like a member's, with no join position.
+            // Whom to evaluate one by one: the members with rules of their own, those
+            // with pushers (their notifications are queued), and those the event names;
+            // every member when the event names the default recipient or is a
+            // membership event (`.m.rule.invite_for_me` matches the state key
+            // case-insensitively, so the member it names is not found by its key).
+            let members: Vec<(Vec<u8>, Vec<u8>)> = if trusted && kind != "m.room.member" {
+                let mut set = std::collections::BTreeMap::new();
+                for table in [&self.custom_members, &self.pushered_members] {
+                    for (k, _) in ctx.scan_prefix(table, &prefix) {
+                        if let Some(v) = ctx.get(&self.members, &k) {
+                            set.insert(k, v);
+                        }
+                    }
+                }
+                for user in &mentioned {
+                    let k = key::join(&[&room, user]);
+                    if let Some(v) = ctx.get(&self.members, &k) {
+                        set.insert(k, v);
+                    }
+                }
+                set.into_iter().collect()
+            } else {
+                ctx.scan_prefix(&self.members, &prefix)
+            };
             let invitee = invitee.map(|u| ([prefix.as_slice(), u.as_bytes()].concat(), Vec::new()));
             for (k, v) in members.iter().chain(invitee.iter()) {
                 let user = String::from_utf8_lossy(&k[prefix.len()..]);
@@ -1021,8 +1073,17 @@ impl Push {
                             key::with_pos(&[&state_key, &room], pos),
                             u64::MAX.to_be_bytes().to_vec(),
                         );
+                        let mkey = key::join(&[&room, &state_key]);
+                        if ctx.get(&self.rules, state_key.as_bytes()).is_some() {
+                            ctx.put(&self.custom_members, mkey.clone(), Vec::new());
+                        }
+                        if ctx.get(&self.pushered, state_key.as_bytes()).is_some() {
+                            ctx.put(&self.pushered_members, mkey, Vec::new());
+                        }
                     }
                 } else if let Some(was) = was {
+                    ctx.delete(&self.custom_members, mkey.clone());
+                    ctx.delete(&self.pushered_members, mkey.clone());
                     ctx.delete(&self.members, mkey);
                     row.joined = row.joined.saturating_sub(1);
                     ctx.put(
@@ -1073,6 +1134,8 @@ impl Projection for Push {
             self.rules_log.clone(),
             self.members.clone(),
             self.memberships.clone(),
+            self.custom_members.clone(),
+            self.pushered_members.clone(),
             self.rooms.clone(),
             self.event_thread.clone(),
             self.sent.clone(),
@@ -1104,6 +1167,11 @@ impl Projection for Push {
         }
         if let Some(fact) = record.fact() {
             if let Fact::PusherSet { user_id, .. } = &fact {
+                if ctx.get(&self.pushered, user_id.as_bytes()).is_none() {
+                    for room in self.current_rooms(ctx, user_id) {
+                        ctx.put(&self.pushered_members, key::join(&[&room, user_id]), Vec::new());
+                    }
+                }
                 ctx.put(&self.pushered, user_id.clone().into_bytes(), Vec::new());
                 // At once, for the rest of the batch (a batch applied again after a
                 // failed commit stages the same row again).
