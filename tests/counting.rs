@@ -287,7 +287,7 @@ async fn push_rule_globs_are_compiled_once_not_per_event() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_in_a_big_room_is_evaluated_once_not_per_member() {
     use std::sync::atomic::Ordering::Relaxed;
-    let h = Harness::start().await;
+    let h = Harness::start_with(|c| c.push.enabled = false).await;
     let (alice, at) = h.register("alice").await;
     let (bob, bt) = h.register("bob").await;
     let room = h.create_room(&at, json!({ "preset": "public_chat" })).await;
@@ -298,6 +298,21 @@ async fn a_message_in_a_big_room_is_evaluated_once_not_per_member() {
         h.join(&t, &room).await;
         members.push((id, t));
     }
+    // member9 sets a pusher after joining: its notifications are queued (delivery is
+    // off in this test, so the queue keeps them).
+    let (status, v) = h
+        .call(
+            reqwest::Method::POST,
+            "/_matrix/client/v3/pushers/set",
+            Some(&members[9].1),
+            Some(json!({
+                "kind": "http", "app_id": "a", "pushkey": "k", "app_display_name": "A",
+                "device_display_name": "D", "lang": "en",
+                "data": { "url": "https://push.example.org/_matrix/push/v1/notify" },
+            })),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
     // Bob mutes the room (a room rule without actions).
     let (status, v) = h
         .call(
@@ -332,6 +347,8 @@ async fn a_message_in_a_big_room_is_evaluated_once_not_per_member() {
         .await;
     assert_eq!(status, 200, "{v}");
     h.settle().await;
+    // member9's eleven notifications are queued for its gateway, nobody else's.
+    assert_eq!(push.queue_len(), 11);
     // 11 messages: bob (custom rules) is evaluated for each, member7 for the mention.
     assert_eq!(push.stats().evaluations.load(Relaxed) - evals, 12);
     // Bob's 11 suppressions and member7's highlight; nobody else has a row of their own.
