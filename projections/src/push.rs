@@ -516,7 +516,12 @@ impl Push {
                         limit,
                     )
                     .into_iter()
-                    .map(|(k, v)| (key::trailing_pos(&k), String::from_utf8_lossy(&v).into_owned())),
+                    .map(|(k, v)| {
+                        (
+                            key::trailing_pos(&k),
+                            String::from_utf8_lossy(&v).into_owned(),
+                        )
+                    }),
             );
         }
         rows.sort_by(|a, b| b.0.cmp(&a.0));
@@ -669,9 +674,10 @@ impl Push {
                 let user = String::from_utf8_lossy(&k[8..]).into_owned();
                 let v = match self.notifications.get(&key::with_pos(&[&user], position)) {
                     Some(own) => own,
-                    None => self
-                        .room_notifications
-                        .get(&key::with_pos(&[std::str::from_utf8(&room).ok()?], position))?,
+                    None => self.room_notifications.get(&key::with_pos(
+                        &[std::str::from_utf8(&room).ok()?],
+                        position,
+                    ))?,
                 };
                 Some((user, serde_json::from_slice(&v).ok()?))
             })
@@ -940,9 +946,8 @@ impl Push {
             };
             // An event naming the default recipient itself is evaluated for everyone.
             let trusted = !named(DEFAULT_RECIPIENT);
-            let actions_of = |o: Option<crate::push_rules::Outcome>| {
-                o.map(|o| o.actions).unwrap_or_default()
-            };
+            let actions_of =
+                |o: Option<crate::push_rules::Outcome>| o.map(|o| o.actions).unwrap_or_default();
             let default_actions = actions_of(self.default_rules.evaluate(&flat, &rctx, ""));
             let default_json = serde_json::to_value(&default_actions).unwrap_or_default();
             let notification = |actions: serde_json::Value, highlight: bool| Notification {
@@ -1016,9 +1021,8 @@ impl Push {
                 };
                 let own_rules = match self.custom_rules(ctx, &user) {
                     Some(rules) => Some(rules),
-                    None if !trusted || named(&user) || !base.member => {
-                        default_ruleset(&user).map(|r| Arc::new(CompiledRuleset::compile(&r, &self.globs)))
-                    }
+                    None if !trusted || named(&user) || !base.member => default_ruleset(&user)
+                        .map(|r| Arc::new(CompiledRuleset::compile(&r, &self.globs))),
                     None => None,
                 };
                 let Some(rules) = own_rules else {
@@ -1169,7 +1173,11 @@ impl Projection for Push {
             if let Fact::PusherSet { user_id, .. } = &fact {
                 if ctx.get(&self.pushered, user_id.as_bytes()).is_none() {
                     for room in self.current_rooms(ctx, user_id) {
-                        ctx.put(&self.pushered_members, key::join(&[&room, user_id]), Vec::new());
+                        ctx.put(
+                            &self.pushered_members,
+                            key::join(&[&room, user_id]),
+                            Vec::new(),
+                        );
                     }
                 }
                 ctx.put(&self.pushered, user_id.clone().into_bytes(), Vec::new());
