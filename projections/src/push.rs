@@ -524,7 +524,7 @@ impl Push {
                     }),
             );
         }
-        rows.sort_by(|a, b| b.0.cmp(&a.0));
+        rows.sort_by_key(|r| std::cmp::Reverse(r.0));
         let mut out: Vec<String> = Vec::new();
         for (_, thread) in rows {
             if out.len() == limit {
@@ -1046,7 +1046,8 @@ impl Push {
                     }
                     continue;
                 }
-                if !notify && !(base.member && base.notify) {
+                // Neither notifies: nothing to store.
+                if !(notify || base.member && base.notify) {
                     continue;
                 }
                 let own = notify.then(|| notification(actions_json, highlight));
