@@ -3,8 +3,9 @@
 //! Tokens are `s<position>_<typing>`: the highest journal position every projection
 //! has applied when the response was built (never ahead, BRIEF §3.6) and the typing
 //! counter. Incremental syncs scan only the user's own rooms from the token, through
-//! the (room, position) index; a room with no activity since the token costs one
-//! in-memory comparison (BRIEF §4, "incremental /sync").
+//! the (room, position) index; the room list is the membership projection's in-memory
+//! copy, so a room with no activity since the token costs in-memory comparisons and no
+//! store read (BRIEF §4, "incremental /sync"; issue 18: the same cost in 5 rooms or 500).
 
 use std::{
     cell::{Cell, RefCell},
@@ -1020,12 +1021,6 @@ impl Ctx<'_> {
     }
 
     fn joined_room(&self, room: &str, m: &Membership) -> Option<Value> {
-        let access = Access {
-            membership: Some(m.clone()),
-            cap: u64::MAX,
-            was_joined: false,
-            left_at: None,
-        };
         let since = self.since.map(|s| s.0);
         // Newly joined = not joined at the token, or left and joined again since (as
         // Synapse: the client may have dropped the room, and what changed while the
@@ -1080,6 +1075,12 @@ impl Ctx<'_> {
             }
             return Some(out);
         }
+        let access = Access {
+            membership: Some(m.clone()),
+            cap: u64::MAX,
+            was_joined: false,
+            left_at: None,
+        };
         let (timeline, limited) = self.timeline(room, &access, after, self.upto);
         // A newly joined room is always `limited` (as Synapse): the client pages back
         // from `prev_batch` for history rather than take the timeline as all there is.
@@ -1522,10 +1523,10 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
             let joined: Vec<String> = s
                 .projections
                 .membership
-                .rooms_of(&r.user_id)
-                .into_iter()
+                .rooms_kept(&r.user_id)
+                .iter()
                 .filter(|(_, m)| m.membership == "join")
-                .map(|(room, _)| room)
+                .map(|(room, _)| room.clone())
                 .collect();
             let mut shutdown = s.shutdown.clone();
             loop {
@@ -1556,9 +1557,11 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
     let mut upto = s.projections.runtime.applied();
     // The membership projection may be ahead of the slowest projection; let everything
     // reach the newest membership change so each room is classified consistently.
+    // The user's room list is kept in memory by the membership projection: a room with
+    // nothing new since the token costs in-memory comparisons, no store read.
     let rooms = loop {
-        let rooms = s.projections.membership.rooms_of(&r.user_id);
-        let newest = rooms.iter().map(|(_, m)| m.position).max().unwrap_or(0);
+        let rooms = s.projections.membership.rooms_kept(&r.user_id);
+        let newest = rooms.values().map(|m| m.position).max().unwrap_or(0);
         if newest <= upto {
             break rooms;
         }
@@ -1597,35 +1600,30 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
         ignored: crate::read::ignored_users(&s, &r.user_id),
         sent,
     };
-    let joined_rooms: Vec<String> = rooms
-        .iter()
-        .filter(|(_, m)| m.membership == "join")
-        .map(|(room, _)| room.clone())
-        .collect();
     let mut join = serde_json::Map::new();
     let mut invite = serde_json::Map::new();
     let mut leave = serde_json::Map::new();
     let mut knock = serde_json::Map::new();
-    for (room, m) in rooms {
-        if !ctx.filter.rooms.allows_room(&room) {
+    for (room, m) in rooms.iter() {
+        if !ctx.filter.rooms.allows_room(room) {
             continue;
         }
         let changed_in_window = since.is_none_or(|(sp, _)| m.position > sp);
         match m.membership.as_str() {
             "join" => {
-                if let Some(v) = ctx.joined_room(&room, &m) {
-                    join.insert(room, v);
+                if let Some(v) = ctx.joined_room(room, m) {
+                    join.insert(room.clone(), v);
                 }
             }
             // An invite from an ignored user is not shown (spec: "Ignoring Users").
             "invite" if changed_in_window && !ctx.ignored.contains(&m.sender) => {
-                if let Some(v) = ctx.invited_room(&m) {
-                    invite.insert(room, v);
+                if let Some(v) = ctx.invited_room(m) {
+                    invite.insert(room.clone(), v);
                 }
             }
             "knock" if changed_in_window => {
-                if let Some(v) = ctx.knocked_room(&m) {
-                    knock.insert(room, v);
+                if let Some(v) = ctx.knocked_room(m) {
+                    knock.insert(room.clone(), v);
                 }
             }
             "leave" | "ban" if !m.forgotten => {
@@ -1633,8 +1631,8 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
                     None => ctx.filter.include_leave,
                     Some(_) => changed_in_window,
                 };
-                if include && let Some(v) = ctx.left_room(&room, &m) {
-                    leave.insert(room, v);
+                if include && let Some(v) = ctx.left_room(room, m) {
+                    leave.insert(room.clone(), v);
                 }
             }
             _ => {}

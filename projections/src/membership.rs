@@ -2,11 +2,25 @@
 //! per-user log of membership changes, whose latest position tells a waiting `/sync`
 //! that the user's room list changed.
 //!
+//! Every user's room list is also kept in memory ([`Memberships::rooms_kept`]), so a
+//! sync of a user in many rooms reads no row per room: loaded from `user_rooms` at
+//! reload (start-up, a rebuild's swap, both before any record is applied to the tables
+//! read), then each committed member event or forget replaces that room's entry. It is
+//! exact, never stale: the rows the table holds, at most one batch's hooks behind the
+//! commit (as every in-memory position here). It costs memory per membership row (local
+//! and remote users alike) and a scan of `user_rooms` at start-up.
+//!
 //! Tables:
 //! - `user_rooms`: user, 0x00, room -> [`Membership`] JSON
 //! - `room_members`: room, 0x00, user -> [`Membership`] JSON
 //! - `user_log`: user, 0x00, position BE -> room id
 
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::Arc,
+};
+
+use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 use spindle_journal::{Fact, StoredRecord};
 
@@ -37,12 +51,22 @@ pub struct Membership {
     pub forgotten: bool,
 }
 
+/// A user's memberships by room id (the rows of `user_rooms` under that user).
+pub type RoomList = Arc<BTreeMap<String, Membership>>;
+
 /// The membership projection.
 pub struct Memberships {
     user_rooms: Table,
     room_members: Table,
     user_log: Table,
     last: LastChange,
+    kept: Arc<RwLock<HashMap<String, RoomList>>>,
+}
+
+/// Replaces one room's entry in a user's kept room list. Runs after the commit that
+/// wrote the row (a list a reader holds is copied first: readers keep their snapshot).
+fn keep(kept: &RwLock<HashMap<String, RoomList>>, user: String, room: String, m: Membership) {
+    Arc::make_mut(kept.write().entry(user).or_default()).insert(room, m);
 }
 
 fn decode(v: &[u8]) -> Option<Membership> {
@@ -57,7 +81,15 @@ impl Memberships {
             room_members: db.table("membership", "room_members")?,
             user_log: db.table("membership", "user_log")?,
             last: LastChange::default(),
+            kept: Arc::default(),
         })
+    }
+
+    /// Every room the user has a membership in, as [`Self::rooms_of`], from memory (no
+    /// store read): sync and sliding sync ask it on every request, so a room with
+    /// nothing new costs them in-memory comparisons only.
+    pub fn rooms_kept(&self, user_id: &str) -> RoomList {
+        self.kept.read().get(user_id).cloned().unwrap_or_default()
     }
 
     /// Every room the user has a membership in (any state), with that membership.
@@ -124,6 +156,8 @@ impl Projection for Memberships {
                     k,
                     serde_json::to_vec(&m).map_err(|e| e.to_string())?,
                 );
+                let kept = self.kept.clone();
+                ctx.after_commit(move || keep(&kept, user_id, room_id, m));
             }
             return Ok(());
         }
@@ -165,10 +199,33 @@ impl Projection for Memberships {
         ctx.put(
             &self.user_log,
             key::with_pos(&[&user], record.position()),
-            room.into_bytes(),
+            room.clone().into_bytes(),
         );
-        let (last, pos) = (self.last.clone(), record.position());
-        ctx.after_commit(move || last.bump(user, pos));
+        let (last, kept, pos) = (self.last.clone(), self.kept.clone(), record.position());
+        ctx.after_commit(move || {
+            keep(&kept, user.clone(), room, m);
+            last.bump(user, pos);
+        });
         Ok(())
+    }
+
+    fn reload(&self) {
+        let mut lists: HashMap<String, BTreeMap<String, Membership>> = HashMap::new();
+        for (k, v) in self.user_rooms.all() {
+            let Some(sep) = k.iter().position(|b| *b == 0) else {
+                continue;
+            };
+            let Some(m) = decode(&v) else {
+                continue;
+            };
+            lists
+                .entry(String::from_utf8_lossy(&k[..sep]).into_owned())
+                .or_default()
+                .insert(String::from_utf8_lossy(&k[sep + 1..]).into_owned(), m);
+        }
+        *self.kept.write() = lists
+            .into_iter()
+            .map(|(user, rooms)| (user, Arc::new(rooms)))
+            .collect();
     }
 }

@@ -184,10 +184,10 @@ async fn wait_for_updates(
     let joined: Vec<String> = s
         .projections
         .membership
-        .rooms_of(user)
-        .into_iter()
+        .rooms_kept(user)
+        .iter()
         .filter(|(_, m)| m.membership == "join")
-        .map(|(room, _)| room)
+        .map(|(room, _)| room.clone())
         .collect();
     loop {
         applied_rx.borrow_and_update();
@@ -295,8 +295,9 @@ impl<'a> Build<'a> {
         // As in /sync: the membership projection may be ahead of the slowest one; let
         // everything reach the newest membership change so rooms classify consistently.
         let rooms = loop {
-            let rooms = s.projections.membership.rooms_of(&r.user_id);
-            let newest = rooms.iter().map(|(_, m)| m.position).max().unwrap_or(0);
+            // Memory: the membership projection keeps every user's room list.
+            let rooms = s.projections.membership.rooms_kept(&r.user_id);
+            let newest = rooms.values().map(|m| m.position).max().unwrap_or(0);
             if newest <= upto {
                 break rooms;
             }
@@ -336,33 +337,30 @@ impl<'a> Build<'a> {
             joined,
             ignored: crate::read::ignored_users(s, &r.user_id),
         };
-        b.respond(rooms, typing)
+        b.respond(&rooms, typing)
     }
 
     fn respond(
         &mut self,
-        rooms: Vec<(String, Membership)>,
+        rooms: &BTreeMap<String, Membership>,
         typing: u64,
     ) -> ApiResult<(Snapshot, Value, bool)> {
         let s = self.s;
         // The user's room list, newest first (memory only: the timeline projection's
         // last activity per room, or the membership's own position when not joined).
-        let mut ordered: Vec<(u64, String, Membership)> = rooms
-            .into_iter()
+        let mut ordered: Vec<(u64, &String, &Membership)> = rooms
+            .iter()
             .filter(|(room, m)| self.in_room_list(room, m))
-            .map(|(room, m)| {
-                let recency = self.recency(&room, &m);
-                (recency, room, m)
-            })
+            .map(|(room, m)| (self.recency(room, m), room, m))
             .collect();
-        ordered.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+        ordered.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(b.1)));
 
         let mut selected: BTreeMap<String, Selected> = BTreeMap::new();
         let mut lists_out = serde_json::Map::new();
         let mut list_counts = BTreeMap::new();
         let req = self.req;
         for (name, list) in &req.lists {
-            let matching: Vec<&(u64, String, Membership)> = ordered
+            let matching: Vec<&(u64, &String, &Membership)> = ordered
                 .iter()
                 .filter(|(_, room, m)| self.passes(&list.filters, room, m))
                 .collect();
@@ -383,8 +381,8 @@ impl<'a> Build<'a> {
                     .skip(start as usize)
                     .take((end - start + 1) as usize)
                 {
-                    let e = selected.entry(room.clone()).or_insert_with(|| Selected {
-                        membership: m.clone(),
+                    let e = selected.entry((*room).clone()).or_insert_with(|| Selected {
+                        membership: (*m).clone(),
                         config: list.config.clone(),
                         lists: BTreeSet::new(),
                         subscribed: false,
