@@ -461,8 +461,7 @@ impl Push {
         };
         // Only the user's last own event is kept: one sent after `upto` (a count taken
         // at an older position) cannot say what was read by then, so it is ignored
-        // (and the user's own events in the span count in the room's default then; the
-        // next count, at a newer position, is exact).
+        // (the user's own events never count: the sender's adjustments take them out).
         let sent = self.last_sent(room_id, user_id, thread);
         let mut from = from.max(joined);
         if sent <= upto {
@@ -974,6 +973,13 @@ impl Push {
                 let rkey = key::with_pos(&[&room], pos);
                 if base.highlight {
                     ctx.put(&self.room_highlights, rkey.clone(), Vec::new());
+                }
+                // The sender's own event is not its notification: its counts are
+                // adjusted back (so a count taken at a position before the sender's
+                // last own event is still exact), and the room's notification names it.
+                if sender_joined {
+                    self.bump(ctx, &[&room, &sender, ""], pos, -1, -dh);
+                    self.bump(ctx, &[&room, &sender, &thread_key], pos, -1, -dh);
                 }
                 ctx.put(
                     &self.room_notifications,
