@@ -122,12 +122,17 @@ fn open_by_name(
     name: &str,
     db: &ProjectionDb,
     server_name: &str,
+    journal: &Journal,
 ) -> Option<Result<Arc<dyn Projection>, String>> {
     fn arc<P: Projection>(p: Result<P, String>) -> Result<Arc<dyn Projection>, String> {
         p.map(|p| Arc::new(p) as Arc<dyn Projection>)
     }
     Some(match name {
-        "timeline" => arc(timeline::Timeline::open(db)),
+        "timeline" => arc(timeline::Timeline::open_on(
+            db,
+            timeline::EVENT_CACHE_BYTES,
+            Some(journal.clone()),
+        )),
         "state" => arc(state::State::open(db)),
         "membership" => arc(membership::Memberships::open(db)),
         "accounts" => arc(accounts::Accounts::open(db)),
@@ -187,7 +192,7 @@ impl Projections {
         }
         let generation = self.runtime.next_generation(name);
         let db = self.db.for_generation(name, generation);
-        let shadow = open_by_name(name, &db, &self.server_name)
+        let shadow = open_by_name(name, &db, &self.server_name, self.runtime.journal())
             .ok_or_else(|| RebuildError::Unknown(name.to_owned()))?
             .map_err(RebuildError::Store)?;
         if shadow.name() != name {
@@ -214,9 +219,10 @@ impl Projections {
         let db = ProjectionDb::open_with(dir, options.storage)?;
         // Projections whose row shapes changed since an earlier release are rebuilt.
         db.ensure_layout("push", push::LAYOUT)?;
-        let timeline = Arc::new(timeline::Timeline::open_with(
+        let timeline = Arc::new(timeline::Timeline::open_on(
             &db,
             options.timeline_event_bytes,
+            Some(journal.clone()),
         )?);
         let state = Arc::new(state::State::open(&db)?);
         let membership = Arc::new(membership::Memberships::open(&db)?);
@@ -266,7 +272,7 @@ impl Projections {
         ];
         debug_assert!(
             all.iter()
-                .all(|p| open_by_name(p.name(), &db, &server_name).is_some()),
+                .all(|p| open_by_name(p.name(), &db, &server_name, &journal).is_some()),
             "open_by_name knows every projection"
         );
         let runtime = Runtime::start(journal, db.clone(), all);

@@ -185,6 +185,11 @@ pub struct Runtime {
 }
 
 impl Runtime {
+    /// The journal the projections tail.
+    pub fn journal(&self) -> &Journal {
+        &self.journal
+    }
+
     /// Starts one tailing thread per projection. Each resumes from its checkpoint.
     pub fn start(
         journal: Journal,
