@@ -134,7 +134,7 @@ fn open_by_name(
             Some(journal.clone()),
         )),
         "state" => arc(state::State::open(db)),
-        "membership" => arc(membership::Memberships::open(db)),
+        "membership" => arc(membership::Memberships::open_local(db, server_name)),
         "accounts" => arc(accounts::Accounts::open(db)),
         "filters" => arc(user_data::Filters::open(db)),
         "account_data" => arc(user_data::AccountData::open(db)),
@@ -225,7 +225,10 @@ impl Projections {
             Some(journal.clone()),
         )?);
         let state = Arc::new(state::State::open(&db)?);
-        let membership = Arc::new(membership::Memberships::open(&db)?);
+        let membership = Arc::new(membership::Memberships::open_local(
+            &db,
+            journal.key().server_name(),
+        )?);
         let accounts = Arc::new(accounts::Accounts::open(&db)?);
         let filters = Arc::new(user_data::Filters::open(&db)?);
         let account_data = Arc::new(user_data::AccountData::open(&db)?);

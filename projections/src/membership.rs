@@ -2,13 +2,14 @@
 //! per-user log of membership changes, whose latest position tells a waiting `/sync`
 //! that the user's room list changed.
 //!
-//! Every user's room list is also kept in memory ([`Memberships::rooms_kept`]), so a
-//! sync of a user in many rooms reads no row per room: loaded from `user_rooms` at
+//! Every local user's room list is also kept in memory ([`Memberships::rooms_kept`]),
+//! so a sync of a user in many rooms reads no row per room: loaded from `user_rooms` at
 //! reload (start-up, a rebuild's swap, both before any record is applied to the tables
 //! read), then each committed member event or forget replaces that room's entry. It is
 //! exact, never stale: the rows the table holds, at most one batch's hooks behind the
-//! commit (as every in-memory position here). It costs memory per membership row (local
-//! and remote users alike) and a scan of `user_rooms` at start-up.
+//! commit (as every in-memory position here). It costs memory per membership row of a
+//! local user (remote users never sync: their rows are not kept) and a scan of
+//! `user_rooms` at start-up.
 //!
 //! Tables:
 //! - `user_rooms`: user, 0x00, room -> [`Membership`] JSON
@@ -61,11 +62,22 @@ pub struct Memberships {
     user_log: Table,
     last: LastChange,
     kept: Arc<RwLock<HashMap<String, RoomList>>>,
+    /// `:<server name>`: whose room lists are kept (`None`: everyone's).
+    local: Option<Arc<str>>,
 }
 
 /// Replaces one room's entry in a user's kept room list. Runs after the commit that
 /// wrote the row (a list a reader holds is copied first: readers keep their snapshot).
-fn keep(kept: &RwLock<HashMap<String, RoomList>>, user: String, room: String, m: Membership) {
+fn keep(
+    kept: &RwLock<HashMap<String, RoomList>>,
+    local: Option<&str>,
+    user: String,
+    room: String,
+    m: Membership,
+) {
+    if local.is_some_and(|suffix| !user.ends_with(suffix)) {
+        return;
+    }
     Arc::make_mut(kept.write().entry(user).or_default()).insert(room, m);
 }
 
@@ -82,6 +94,16 @@ impl Memberships {
             user_log: db.table("membership", "user_log")?,
             last: LastChange::default(),
             kept: Arc::default(),
+            local: None,
+        })
+    }
+
+    /// [`Memberships::open`], keeping in memory only the room lists of the users of
+    /// `server_name` (the ones who sync).
+    pub fn open_local(db: &ProjectionDb, server_name: &str) -> Result<Memberships, String> {
+        Ok(Memberships {
+            local: Some(Arc::from(format!(":{server_name}"))),
+            ..Self::open(db)?
         })
     }
 
@@ -156,8 +178,8 @@ impl Projection for Memberships {
                     k,
                     serde_json::to_vec(&m).map_err(|e| e.to_string())?,
                 );
-                let kept = self.kept.clone();
-                ctx.after_commit(move || keep(&kept, user_id, room_id, m));
+                let (kept, local) = (self.kept.clone(), self.local.clone());
+                ctx.after_commit(move || keep(&kept, local.as_deref(), user_id, room_id, m));
             }
             return Ok(());
         }
@@ -202,8 +224,9 @@ impl Projection for Memberships {
             room.clone().into_bytes(),
         );
         let (last, kept, pos) = (self.last.clone(), self.kept.clone(), record.position());
+        let local = self.local.clone();
         ctx.after_commit(move || {
-            keep(&kept, user.clone(), room, m);
+            keep(&kept, local.as_deref(), user.clone(), room, m);
             last.bump(user, pos);
         });
         Ok(())
@@ -218,6 +241,13 @@ impl Projection for Memberships {
             let Some(m) = decode(&v) else {
                 continue;
             };
+            if self
+                .local
+                .as_deref()
+                .is_some_and(|suffix| !k[..sep].ends_with(suffix.as_bytes()))
+            {
+                continue;
+            }
             lists
                 .entry(String::from_utf8_lossy(&k[..sep]).into_owned())
                 .or_default()

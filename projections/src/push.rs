@@ -990,7 +990,6 @@ impl Push {
                     }),
                 );
             }
-            // The invitee's row: keyed like a member's, with no join position.
             // Whom to evaluate one by one: the members with rules of their own, those
             // with pushers (their notifications are queued), and those the event names;
             // every member when the event names the default recipient or is a
@@ -1015,6 +1014,7 @@ impl Push {
             } else {
                 ctx.scan_prefix(&self.members, &prefix)
             };
+            // The invitee's row: keyed like a member's, with no join position.
             let invitee = invitee.map(|u| ([prefix.as_slice(), u.as_bytes()].concat(), Vec::new()));
             for (k, v) in members.iter().chain(invitee.iter()) {
                 let user = String::from_utf8_lossy(&k[prefix.len()..]);
