@@ -1131,6 +1131,46 @@ async fn join_and_send_reads_do_not_grow_with_members() {
     );
 }
 
+/// A join is not evaluated against every joined member's push rules either: the same
+/// store reads (what every projection reads to apply it included) for a join into a
+/// room of 2 joined members and of 30 (push rules of the server default match a join
+/// for nobody; only an invite names a member).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_reads_the_same_whatever_the_joined_members() {
+    let h = Harness::start().await;
+    let (_ivy, it) = h.register("ivy").await;
+    let small = h.create_room(&it, json!({ "preset": "public_chat" })).await;
+    let big = h.create_room(&it, json!({ "preset": "public_chat" })).await;
+    for i in 0..29 {
+        let (_, t) = h.register(&format!("m{i}")).await;
+        h.join(&t, &big).await;
+    }
+    let (_, t) = h.register("small1").await;
+    h.join(&t, &small).await;
+    let mut measure = Vec::new();
+    for (k, room) in [&small, &big].into_iter().enumerate() {
+        let (pat, pt) = h.register(&format!("pat{k}")).await;
+        h.settle().await;
+        let before = h.reads();
+        h.join(&pt, room).await;
+        h.settle().await;
+        measure.push(h.reads() - before);
+        assert_eq!(
+            h.server
+                .projections
+                .membership
+                .get(room, &pat)
+                .unwrap()
+                .membership,
+            "join"
+        );
+    }
+    assert_eq!(
+        measure[0], measure[1],
+        "join reads grew with joined members (2 vs 30): {measure:?}"
+    );
+}
+
 /// A journal store whose next append, once armed, blocks until released: it holds an
 /// fsync "in progress" for as long as a test needs. Records every batch size.
 struct GatedStore {

@@ -992,10 +992,12 @@ impl Push {
             }
             // Whom to evaluate one by one: the members with rules of their own, those
             // with pushers (their notifications are queued), and those the event names;
-            // every member when the event names the default recipient or is a
-            // membership event (`.m.rule.invite_for_me` matches the state key
-            // case-insensitively, so the member it names is not found by its key).
-            let members: Vec<(Vec<u8>, Vec<u8>)> = if trusted && kind != "m.room.member" {
+            // every member when the event names the default recipient or is an invite
+            // (`.m.rule.invite_for_me` matches the state key case-insensitively, so the
+            // member it names is not found by its key; other membership events, joins
+            // and leaves, match it for nobody).
+            let invite = kind == "m.room.member" && membership == "invite";
+            let members: Vec<(Vec<u8>, Vec<u8>)> = if trusted && !invite {
                 let mut set = std::collections::BTreeMap::new();
                 for table in [&self.custom_members, &self.pushered_members] {
                     for (k, _) in ctx.scan_prefix(table, &prefix) {
