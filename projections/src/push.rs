@@ -1404,3 +1404,39 @@ impl Projection for Pushers {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The default recipient stands for every member with the server-default rules whom
+    /// an event does not name. That holds while the server default of two users differs
+    /// only in `.m.rule.invite_for_me` and `.m.rule.is_user_mention` (what `named` looks
+    /// at): a ruma upgrade that adds a rule on the user id, localpart or display name
+    /// fails here and must extend `named`.
+    #[test]
+    fn the_server_default_differs_between_users_only_in_the_rules_that_name_them() {
+        let alice = "@alice:a.example";
+        let rules = |user: &str| serde_json::to_value(default_ruleset(user).unwrap()).unwrap();
+        let a = rules(alice);
+        let mut naming: Vec<String> = Vec::new();
+        for kind in ["override", "content", "room", "sender", "underride"] {
+            for rule in a[kind].as_array().into_iter().flatten() {
+                let text = rule.to_string();
+                if text.contains("alice") || text.contains("display_name") {
+                    naming.push(rule["rule_id"].as_str().unwrap().to_owned());
+                }
+            }
+        }
+        naming.sort();
+        assert_eq!(
+            naming,
+            vec![".m.rule.invite_for_me", ".m.rule.is_user_mention"]
+        );
+        // Apart from the user id in those two, the default recipient's rules are anyone's.
+        let d = rules(DEFAULT_RECIPIENT)
+            .to_string()
+            .replace(DEFAULT_RECIPIENT, alice);
+        assert_eq!(serde_json::from_str::<serde_json::Value>(&d).unwrap(), a);
+    }
+}
