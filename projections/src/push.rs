@@ -340,9 +340,14 @@ fn rule_fact_user(fact: &Fact) -> Option<&str> {
 }
 
 fn thread_of(content: &serde_json::Value) -> (Option<String>, Option<String>) {
-    // (m.thread root, related event id)
+    // (m.thread root, related event id). Only an event id: a thread root is a key part
+    // of the running counts, and a string such as "main" or one holding 0x00 would
+    // write into another thread's (or the whole room's) counts.
     let rel = &content["m.relates_to"];
-    let target = rel["event_id"].as_str().map(str::to_owned);
+    let target = rel["event_id"]
+        .as_str()
+        .filter(|id| !id.contains('\0') && ruma::EventId::parse(id).is_ok())
+        .map(str::to_owned);
     if rel["rel_type"] == "m.thread" {
         return (target.clone(), target);
     }
@@ -1414,6 +1419,27 @@ mod tests {
     /// only in `.m.rule.invite_for_me` and `.m.rule.is_user_mention` (what `named` looks
     /// at): a ruma upgrade that adds a rule on the user id, localpart or display name
     /// fails here and must extend `named`.
+    #[test]
+    fn a_thread_root_that_is_not_an_event_id_is_no_thread() {
+        let rel = |id: &str| serde_json::json!({ "m.relates_to": { "rel_type": "m.thread", "event_id": id } });
+        assert_eq!(
+            thread_of(&rel("$root:example.org")),
+            (
+                Some("$root:example.org".into()),
+                Some("$root:example.org".into())
+            )
+        );
+        for hostile in [
+            "main",
+            "",
+            "main\u{0}00000000",
+            "$root\u{0}00000000",
+            "@user:example.org",
+        ] {
+            assert_eq!(thread_of(&rel(hostile)), (None, None), "{hostile:?}");
+        }
+    }
+
     #[test]
     fn the_server_default_differs_between_users_only_in_the_rules_that_name_them() {
         let alice = "@alice:a.example";

@@ -309,6 +309,10 @@ impl Runtime {
             }
             if let Err(e) = slot.projection.prepare_commit(last) {
                 tracing::error!(projection = slot.projection.name(), error = %e, "projection commit failed");
+                // What apply changed in memory for the batch (compiled rules, sets
+                // extended as records were applied) is rebuilt from the committed
+                // tables before the batch is applied again.
+                slot.projection.reload();
                 std::thread::sleep(Duration::from_millis(200));
                 continue;
             }
@@ -321,8 +325,10 @@ impl Runtime {
                 && stored_at.elapsed() < IDLE_CHECKPOINT_INTERVAL;
             if !idle {
                 if let Err(e) = ctx.commit(&self.db, slot.projection.name(), last) {
-                    drop(guard);
                     tracing::error!(projection = slot.projection.name(), error = %e, "projection commit failed");
+                    // As above: in-memory state from the failed batch goes.
+                    slot.projection.reload();
+                    drop(guard);
                     std::thread::sleep(Duration::from_millis(200));
                     continue;
                 }
