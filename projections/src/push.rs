@@ -599,16 +599,20 @@ impl Push {
         loop {
             let mut cut = 0u64;
             let mut candidates: std::collections::BTreeMap<u64, Candidate> = Default::default();
-            let rows = own.scan_range(
-                &key::with_pos(&[user_id], 0),
-                &key::with_pos(&[user_id], before),
-                true,
-                fetch,
-            );
-            if rows.len() == fetch {
-                cut = cut.max(rows.last().map_or(0, |(k, _)| key::trailing_pos(k)));
-            }
-            for (k, v) in rows {
+            // Newest first in `[lo, hi)` under `part`, raising `cut` if the read was full.
+            let mut read = |table: &Table, part: &str, lo: u64, hi: u64| {
+                let rows = table.scan_range(
+                    &key::with_pos(&[part], lo),
+                    &key::with_pos(&[part], hi),
+                    true,
+                    fetch,
+                );
+                if rows.len() == fetch {
+                    cut = cut.max(rows.last().map_or(0, |(k, _)| key::trailing_pos(k)));
+                }
+                rows
+            };
+            for (k, v) in read(own, user_id, 0, before) {
                 // An empty row in `notifications` is a suppression, not a notification.
                 if highlights_only || !v.is_empty() {
                     candidates.insert(key::trailing_pos(&k), Candidate::Own);
@@ -619,16 +623,7 @@ impl Push {
                 if end <= join.saturating_add(1) {
                     continue;
                 }
-                let rows = of_room.scan_range(
-                    &key::with_pos(&[room], join + 1),
-                    &key::with_pos(&[room], end),
-                    true,
-                    fetch,
-                );
-                if rows.len() == fetch {
-                    cut = cut.max(rows.last().map_or(0, |(k, _)| key::trailing_pos(k)));
-                }
-                for (k, _) in rows {
+                for (k, _) in read(of_room, room, join + 1, end) {
                     candidates
                         .entry(key::trailing_pos(&k))
                         .or_insert_with(|| Candidate::Room(room.clone()));

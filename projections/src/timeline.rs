@@ -447,21 +447,26 @@ impl Timeline {
 
     /// Stages an `events` row (an [`EventRow`] when PDUs are read from the journal)
     /// and forgets the id's cached copy once the batch commits.
+    /// The PDU is copied into the row only when there is no journal to read it from.
     fn put_event(
         &self,
         ctx: &mut ApplyCtx,
         event_id: &str,
-        stored: &StoredEvent,
+        row: EventRow,
+        pdu: &Pdu,
     ) -> Result<(), String> {
         let row = match self.journal {
-            Some(_) => EventRow {
-                position: stored.position,
-                device_id: stored.device_id.clone(),
-                txn_id: stored.txn_id.clone(),
-                backfill: stored.backfill,
-            }
-            .encode(),
-            None => serde_json::to_vec(stored).map_err(|e| e.to_string())?,
+            Some(_) => row.encode(),
+            None => serde_json::to_vec(&StoredEvent {
+                position: row.position,
+                room_version: pdu.room_version.clone(),
+                room_id: pdu.room_id.to_string(),
+                pdu: String::from_utf8_lossy(&pdu.json).into_owned(),
+                device_id: row.device_id,
+                txn_id: row.txn_id,
+                backfill: row.backfill,
+            })
+            .map_err(|e| e.to_string())?,
         };
         ctx.put(&self.events, event_id.as_bytes().to_vec(), row);
         let cache = self.cache.clone();
@@ -629,16 +634,13 @@ impl Projection for Timeline {
         let pdu = record.room_pdu().ok_or("unreadable PDU")?;
         let room = pdu.room_id.to_string();
         let event_id = pdu.event_id.to_string();
-        let stored = StoredEvent {
+        let row = EventRow {
             position: record.position(),
-            room_version: pdu.room_version.clone(),
-            room_id: room.clone(),
-            pdu: String::from_utf8_lossy(&pdu.json).into_owned(),
             device_id: record.device_id().map(str::to_owned),
             txn_id: record.txn_id().map(str::to_owned),
             backfill: None,
         };
-        self.put_event(ctx, &event_id, &stored)?;
+        self.put_event(ctx, &event_id, row, &pdu)?;
         // An outlier is fetchable by id (state, auth chains) but not in the timeline.
         if record.is_outlier() {
             return Ok(());
@@ -701,16 +703,13 @@ impl Timeline {
             .unwrap_or(0)
             + 1;
         let event_id = pdu.event_id.to_string();
-        let stored = StoredEvent {
+        let row = EventRow {
             position: record.position(),
-            room_version: pdu.room_version.clone(),
-            room_id: room.clone(),
-            pdu: String::from_utf8_lossy(&pdu.json).into_owned(),
             device_id: None,
             txn_id: None,
             backfill: Some(seq),
         };
-        self.put_event(ctx, &event_id, &stored)?;
+        self.put_event(ctx, &event_id, row, &pdu)?;
         ctx.put(
             &self.backfill,
             key::with_pos(&[&room], seq),
