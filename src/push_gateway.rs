@@ -218,7 +218,7 @@ impl PushSender {
 
     /// Reads the journal after `after` once the projections have applied what it read
     /// ([`crate::reactor::read_applied`]).
-    async fn read(&self, after: u64) -> Option<Vec<StoredRecord>> {
+    async fn read(&self, after: u64) -> Option<Vec<std::sync::Arc<StoredRecord>>> {
         crate::reactor::read_applied(&self.journal, &self.projections, after, READ_BATCH, "push")
             .await
     }

@@ -17,7 +17,7 @@ pub(crate) async fn read_applied(
     after: u64,
     batch: usize,
     reactor: &'static str,
-) -> Option<Vec<StoredRecord>> {
+) -> Option<Vec<std::sync::Arc<StoredRecord>>> {
     loop {
         match journal.next_after(after, batch).await {
             Ok(b) if b.is_empty() => return None,

@@ -486,7 +486,11 @@ impl Journal {
         *chain = head;
         self.inner.enqueue.lock().0 = head.position;
         self.inner.recent.push(&encoded);
-        self.inner.durable_tx.send_replace(head.position);
+        let mut last_of_class = [None; 3];
+        for rec in &records {
+            last_of_class[rec.class().index()] = Some(rec.position());
+        }
+        self.inner.durable_tx.publish(head.position, last_of_class);
         Ok(())
     }
 

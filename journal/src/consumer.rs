@@ -199,17 +199,19 @@ impl Journal {
     }
 
     /// Waits until the durable head passes `after`, then reads up to `limit` records
-    /// after it. Returns an empty batch only when the journal stops.
+    /// after it: from the in-memory tail of recent records when they are still there
+    /// ([`Journal::read_after_shared`], shared with the projections, PDU parsed once),
+    /// else from the store. Returns an empty batch only when the journal stops.
     pub async fn next_after(
         &self,
         after: u64,
         limit: usize,
-    ) -> Result<Vec<StoredRecord>, JournalError> {
+    ) -> Result<Vec<std::sync::Arc<StoredRecord>>, JournalError> {
         let mut rx = self.subscribe();
         if rx.wait_for(|h| *h > after).await.is_err() {
             return Ok(Vec::new());
         }
-        self.read_after(after, limit)
+        self.read_after_shared(after, limit)
     }
 }
 

@@ -18,6 +18,7 @@ pub mod command;
 pub mod consumer;
 pub mod copy;
 pub mod fork;
+mod head;
 pub mod migrate;
 pub mod nats;
 pub mod record;
@@ -47,6 +48,7 @@ pub use cluster::{EPHEMERAL_QUEUE, EphemeralChannel};
 pub use command::{
     CommandBody, CommandEnvelope, EventSpec, KeyClaimRequest, MembershipPrecondition, SignedCommand,
 };
+pub use head::{Heads, Interest};
 pub use nats::{NatsOptions, NatsStore};
 pub use record::{
     Fact, GENESIS_HASH, KeyClaim, RECORD_FORMAT, Record, RecordKind, RemoteDevice,
@@ -891,7 +893,7 @@ struct Inner {
     durable: watch::Receiver<u64>,
     /// Publishes the durable head: the appender after each fsync, and a follower of a
     /// shared journal after each record it applied ([`nats`]).
-    durable_tx: Arc<watch::Sender<u64>>,
+    durable_tx: Arc<head::DurableHead>,
     /// Set when the journal lives in a JetStream stream shared with other processes.
     cluster: Option<cluster::Cluster>,
     stats: Arc<JournalStats>,
@@ -1074,7 +1076,7 @@ impl Journal {
             ..
         } = models;
         let head = chain_head.position;
-        let (durable_tx, durable_rx) = watch::channel(head);
+        let (durable_tx, durable_rx) = head::DurableHead::new(head);
         let durable_tx = Arc::new(durable_tx);
         let (tx, rx) = std::sync::mpsc::channel::<ToAppender>();
         let recent = Arc::new(RecentRecords::default());
@@ -1130,9 +1132,29 @@ impl Journal {
         *self.inner.durable.borrow()
     }
 
-    /// A watch on the durable head, for tailers.
+    /// A watch on the durable head, for async tailers.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.inner.durable.clone()
+    }
+
+    /// The durable head and where the last durable record of each kind is, read
+    /// together ([`Heads::covered`]). Never behind [`Journal::durable_head`] read
+    /// before it: the heads are published before the watch.
+    pub fn heads(&self) -> Heads {
+        self.inner.durable_tx.heads()
+    }
+
+    /// Blocks the calling thread (a projection's tailing thread, not an async task)
+    /// until a record `interest` reads is durable after position `after`, at most
+    /// `timeout`. Returns the heads then (also at the timeout, unchanged), or `None`
+    /// once the journal's appender has stopped. Records of other kinds do not wake it.
+    pub fn wait_for_records(
+        &self,
+        after: u64,
+        interest: Interest,
+        timeout: std::time::Duration,
+    ) -> Option<Heads> {
+        self.inner.durable_tx.wait(after, interest, timeout)
     }
 
     /// Counters for counting tests.
@@ -2213,7 +2235,7 @@ impl Journal {
 fn appender(
     store: Arc<dyn JournalStore>,
     rx: std::sync::mpsc::Receiver<ToAppender>,
-    durable: Arc<watch::Sender<u64>>,
+    durable: Arc<head::DurableHead>,
     stats: Arc<JournalStats>,
     mut chain: ChainHead,
     mut snapshots: snapshot::Background,
@@ -2270,10 +2292,15 @@ fn appender(
             }
         }
         if records.is_empty() {
+            durable.close();
             return;
         }
         let mut encoded = Vec::with_capacity(records.len());
+        // The last record of each class (Interest::class_of) in the group.
+        let mut last_of_class = [None; 3];
         for (mut r, txn_key) in records.drain(..) {
+            let class = Interest::class_of(r.kind == RecordKind::Fact, &r.payload);
+            last_of_class[class.index()] = Some(r.position);
             if r.position != chain.position + 1 {
                 tracing::error!(
                     expected = chain.position + 1,
@@ -2306,7 +2333,7 @@ fn appender(
             .fetch_add(encoded.len() as u64, Ordering::Relaxed);
         // Before the head moves, so a tailer woken by it finds the records in memory.
         recent.push(&encoded);
-        durable.send_replace(last);
+        durable.publish(last, last_of_class);
         snapshots.after_append(&store, &stats, chain);
     }
 }

@@ -109,6 +109,8 @@ pub struct StoredRecord {
     /// projections read one `Arc<StoredRecord>` from the journal's recent tail, so a
     /// PDU is parsed once, not once per projection).
     parsed: std::sync::OnceLock<Option<std::sync::Arc<spindle_core::pdu::Pdu>>>,
+    /// [`StoredRecord::class`], computed on first use.
+    class: std::sync::OnceLock<crate::Interest>,
 }
 
 impl std::fmt::Debug for StoredRecord {
@@ -130,6 +132,7 @@ impl StoredRecord {
         Ok(StoredRecord {
             bytes: aligned,
             parsed: std::sync::OnceLock::new(),
+            class: std::sync::OnceLock::new(),
         })
     }
 
@@ -174,6 +177,19 @@ impl StoredRecord {
     /// Whether this is a room event of the timeline (else a fact or an outlier).
     pub fn is_event(&self) -> bool {
         matches!(self.view().kind, ArchivedRecordKind::Event)
+    }
+
+    /// Whether this is a fact ([`RecordKind::Fact`]): not a room record.
+    pub fn is_fact(&self) -> bool {
+        matches!(self.view().kind, ArchivedRecordKind::Fact)
+    }
+
+    /// The record's class ([`crate::Interest::class_of`]): what the appender woke
+    /// tailers by, and what a projection's [`crate::Interest`] filters on.
+    pub fn class(&self) -> crate::Interest {
+        *self
+            .class
+            .get_or_init(|| crate::Interest::class_of(self.is_fact(), self.payload()))
     }
 
     /// Whether this is an outlier: a room event imported as state or auth chain.

@@ -19,7 +19,7 @@
 //! deleting the device revokes them with its access tokens.
 
 use serde::{Deserialize, Serialize};
-use spindle_journal::{Fact, StoredRecord};
+use spindle_journal::{Fact, Interest, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -385,6 +385,11 @@ impl Accounts {
 impl Projection for Accounts {
     fn name(&self) -> &'static str {
         "accounts"
+    }
+
+    /// Facts only: a message does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::FACTS
     }
 
     fn tables(&self) -> Vec<Table> {

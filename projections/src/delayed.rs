@@ -23,7 +23,7 @@ use std::sync::{
 };
 
 use serde::{Deserialize, Serialize};
-use spindle_journal::{Fact, StoredRecord};
+use spindle_journal::{Fact, Interest, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -262,6 +262,11 @@ impl DelayedEvents {
 impl Projection for DelayedEvents {
     fn name(&self) -> &'static str {
         "delayed_events"
+    }
+
+    /// Facts and state events (which cancel delayed state): a message does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::FACTS.and(Interest::STATE_EVENTS)
     }
 
     fn tables(&self) -> Vec<Table> {

@@ -53,7 +53,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use spindle_journal::{Fact, RemoteDevice, RemoteDeviceUpdate, RemoteSigningKeys, StoredRecord};
+use spindle_journal::{
+    Fact, Interest, RemoteDevice, RemoteDeviceUpdate, RemoteSigningKeys, StoredRecord,
+};
 
 use crate::{
     runtime::Projection,
@@ -970,6 +972,11 @@ impl DeviceKeys {
 impl Projection for DeviceKeys {
     fn name(&self) -> &'static str {
         "device_keys"
+    }
+
+    /// Facts and state events (member events): a message does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::FACTS.and(Interest::STATE_EVENTS)
     }
 
     fn tables(&self) -> Vec<Table> {

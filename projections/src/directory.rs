@@ -18,7 +18,7 @@
 //! - `by_ts`: room, 0x00, origin_server_ts BE, position BE -> event id, so "the first
 //!   event at or after / at or before time T" is one range seek.
 
-use spindle_journal::{Fact, StoredRecord};
+use spindle_journal::{Fact, Interest, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -111,6 +111,11 @@ impl Directory {
 impl Projection for Directory {
     fn name(&self) -> &'static str {
         "directory"
+    }
+
+    /// Facts (visibility) and state events (join rules, members, names): a message does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::FACTS.and(Interest::STATE_EVENTS)
     }
 
     fn tables(&self) -> Vec<Table> {
@@ -276,6 +281,11 @@ impl EventTimes {
 impl Projection for EventTimes {
     fn name(&self) -> &'static str {
         "event_times"
+    }
+
+    /// Room records only: a fact (a receipt, a login) does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::ROOM
     }
 
     fn tables(&self) -> Vec<Table> {

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use spindle_journal::{Fact, StoredRecord};
+use spindle_journal::{Fact, Interest, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -157,6 +157,11 @@ impl KeyBackup {
 impl Projection for KeyBackup {
     fn name(&self) -> &'static str {
         "key_backup"
+    }
+
+    /// Facts only: a message does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::FACTS
     }
 
     fn tables(&self) -> Vec<Table> {

@@ -5,7 +5,7 @@
 //! Table `media`: media id -> [`MediaRecord`] JSON.
 
 use serde::{Deserialize, Serialize};
-use spindle_journal::{Fact, StoredRecord};
+use spindle_journal::{Fact, Interest, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -54,6 +54,11 @@ impl Media {
 impl Projection for Media {
     fn name(&self) -> &'static str {
         "media"
+    }
+
+    /// Facts only: a message does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::FACTS
     }
 
     fn tables(&self) -> Vec<Table> {

@@ -23,7 +23,7 @@ use std::{
 
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
-use spindle_journal::{Fact, StoredRecord};
+use spindle_journal::{Fact, Interest, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -158,6 +158,11 @@ impl Memberships {
 impl Projection for Memberships {
     fn name(&self) -> &'static str {
         "membership"
+    }
+
+    /// Facts (a room forgotten) and state events (member events): a message does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::FACTS.and(Interest::STATE_EVENTS)
     }
 
     fn tables(&self) -> Vec<Table> {

@@ -72,7 +72,7 @@ use std::{collections::HashMap, sync::Arc};
 use parking_lot::Mutex;
 use ruma::push::Ruleset;
 use serde::{Deserialize, Serialize};
-use spindle_journal::{Fact, StoredRecord};
+use spindle_journal::{Fact, Interest, StoredRecord};
 
 use crate::{
     push_rules::{CompiledRuleset, GlobCache, RoomContext, flatten, power_value},
@@ -1327,6 +1327,11 @@ pub const PUSHERS_PER_USER_MAX: usize = 1000;
 impl Projection for Pushers {
     fn name(&self) -> &'static str {
         "pushers"
+    }
+
+    /// Facts only: a message does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::FACTS
     }
 
     fn tables(&self) -> Vec<Table> {

@@ -22,7 +22,7 @@
 //! move back (a thread left empty is no thread), a reference count drops.
 
 use serde::{Deserialize, Serialize};
-use spindle_journal::StoredRecord;
+use spindle_journal::{Interest, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -288,6 +288,11 @@ impl Relations {
 impl Projection for Relations {
     fn name(&self) -> &'static str {
         "relations"
+    }
+
+    /// Room records only: a fact (a receipt, a login) does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::ROOM
     }
 
     fn tables(&self) -> Vec<Table> {

@@ -14,7 +14,7 @@
 //! A member event moves the user's row: it reads the previous class from `members`
 //! (one point read), adjusts the counts and re-keys the `heroes` row.
 
-use spindle_journal::StoredRecord;
+use spindle_journal::{Interest, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -110,6 +110,11 @@ impl RoomSummary {
 impl Projection for RoomSummary {
     fn name(&self) -> &'static str {
         "room_summary"
+    }
+
+    /// State events only (member events): neither a message nor a fact wakes it.
+    fn interest(&self) -> Interest {
+        Interest::STATE_EVENTS
     }
 
     fn tables(&self) -> Vec<Table> {

@@ -40,7 +40,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use spindle_journal::{Journal, StoredRecord};
+use spindle_journal::{Heads, Interest, Journal, StoredRecord};
 use tokio::sync::watch;
 
 use crate::store::{ApplyCtx, ProjectionDb, Table};
@@ -82,6 +82,14 @@ pub trait Projection: Send + Sync + 'static {
     fn gates_reads(&self) -> bool {
         true
     }
+    /// Which records the projection reads: `apply` sees only those, and its thread is
+    /// woken only when one of them is appended. A projection that reads facts only is
+    /// not woken by a message, yet counts as having applied it once it has applied
+    /// every fact before it ([`Heads::covered`]). The default reads everything; a
+    /// projection may narrow it only if its `apply` ignores every other record.
+    fn interest(&self) -> Interest {
+        Interest::ALL
+    }
     /// A deterministic, readable rendering of everything the projection holds, for
     /// snapshot tests from recorded journals (`tests/snapshots.rs`). The default
     /// renders every table row by row ([`crate::render`]); override it only when rows
@@ -95,6 +103,10 @@ struct Slot {
     projection: Arc<dyn Projection>,
     /// [`Projection::gates_reads`], read once.
     gates: bool,
+    /// [`Projection::interest`], read once.
+    interest: Interest,
+    /// The last position applied (records the projection does not read included, up
+    /// to where its tail last read: see [`Slot::covered`] for where it stands).
     checkpoint: AtomicU64,
     /// The checkpoint last written to the store (it lags `checkpoint` by batches that
     /// changed nothing: [`IDLE_CHECKPOINT_RECORDS`]).
@@ -108,6 +120,39 @@ struct Slot {
     generation: std::sync::atomic::AtomicU32,
     /// The online rebuild under way, if any.
     rebuild: parking_lot::Mutex<Option<RebuildProgress>>,
+    /// Batches of records the tail thread read and applied ([`Runtime::batches`]).
+    batches: AtomicU64,
+    /// Set by a reader waiting for this projection: its tail stops gathering
+    /// ([`Projection::gather_ms`]) and applies what is there.
+    hurry: parking_lot::Mutex<bool>,
+    hurried: parking_lot::Condvar,
+}
+
+impl Slot {
+    /// Sleeps up to `gather` ms unless a reader hurries the projection meanwhile
+    /// ([`Runtime::wait_for_projection`]); clears the request.
+    fn gather(&self, gather: u64) {
+        let deadline = Instant::now() + Duration::from_millis(gather);
+        let mut hurry = self.hurry.lock();
+        while !*hurry {
+            if self.hurried.wait_until(&mut hurry, deadline).timed_out() {
+                break;
+            }
+        }
+        *hurry = false;
+    }
+
+    /// Ends the current (or the next) gathering at once.
+    fn hurry(&self) {
+        *self.hurry.lock() = true;
+        self.hurried.notify_all();
+    }
+
+    /// Where the projection stands in effect: its checkpoint, or the head when no
+    /// record it reads is after its checkpoint ([`Heads::covered`]).
+    fn covered(&self, heads: &Heads) -> u64 {
+        heads.covered(self.interest, self.checkpoint.load(Ordering::Acquire))
+    }
 }
 
 /// A projection held still by [`Runtime::hold`] until this is dropped.
@@ -129,7 +174,7 @@ pub struct RebuildProgress {
 pub struct ProjectionStatus {
     /// Name.
     pub name: &'static str,
-    /// Last applied position.
+    /// The position applied in effect ([`Runtime::checkpoint`]).
     pub checkpoint: u64,
     /// `false` while backfilling.
     pub ready: bool,
@@ -214,17 +259,21 @@ impl Runtime {
                 }
                 Slot {
                     gates: p.gates_reads(),
+                    interest: p.interest(),
                     checkpoint: AtomicU64::new(checkpoint),
                     stored: AtomicU64::new(checkpoint),
                     ready: std::sync::atomic::AtomicBool::new(!backfilling),
                     apply_lock: parking_lot::Mutex::new(()),
                     generation: std::sync::atomic::AtomicU32::new(db.generation(p.name())),
                     rebuild: parking_lot::Mutex::new(None),
+                    batches: AtomicU64::new(0),
+                    hurry: parking_lot::Mutex::new(false),
+                    hurried: parking_lot::Condvar::new(),
                     projection: p,
                 }
             })
             .collect();
-        let min = Self::min_ready(&slots);
+        let min = Self::min_ready(&slots, &journal.heads());
         let (tx, _) = watch::channel(min);
         let rt = Runtime {
             slots: Arc::new(slots),
@@ -245,12 +294,13 @@ impl Runtime {
         rt
     }
 
-    /// The lowest checkpoint among ready projections that gate reads (0 if none).
-    fn min_ready(slots: &[Slot]) -> u64 {
+    /// The lowest position covered ([`Slot::covered`]) among ready projections that
+    /// gate reads (0 if none).
+    fn min_ready(slots: &[Slot], heads: &Heads) -> u64 {
         slots
             .iter()
             .filter(|s| s.gates && s.ready.load(Ordering::Acquire))
-            .map(|s| s.checkpoint.load(Ordering::Acquire))
+            .map(|s| s.covered(heads))
             .min()
             .unwrap_or(0)
     }
@@ -260,11 +310,6 @@ impl Runtime {
         let mut batches = 0u64;
         // When the checkpoint was last written to the store (IDLE_CHECKPOINT_RECORDS).
         let mut stored_at = Instant::now();
-        let mut head_rx = journal.subscribe();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
         loop {
             let cp = slot.checkpoint.load(Ordering::Acquire);
             let gather = slot.projection.gather_ms();
@@ -273,7 +318,7 @@ impl Runtime {
                 // Let records gather (see `Projection::gather_ms`), unless there is no
                 // record at all yet: then wait for one below first.
                 if journal.durable_head() > cp {
-                    std::thread::sleep(Duration::from_millis(gather));
+                    slot.gather(gather);
                 }
             }
             let records = match journal.read_after_shared(cp, BATCH) {
@@ -285,8 +330,12 @@ impl Runtime {
                 }
             };
             if records.is_empty() {
-                let done = rt.block_on(async { head_rx.wait_for(|h| *h > cp).await.is_err() });
-                if done {
+                // Records this projection does not read do not wake it (Heads::covered
+                // accounts for them); bounded only to notice a journal that stopped.
+                if journal
+                    .wait_for_records(cp, slot.interest, Duration::from_secs(60))
+                    .is_none()
+                {
                     return;
                 }
                 continue;
@@ -297,15 +346,18 @@ impl Runtime {
                 // its checkpoint.
                 continue;
             }
+            slot.batches.fetch_add(1, Ordering::Relaxed);
             let mut ctx = ApplyCtx::new();
             let mut last = cp;
-            for rec in &records {
+            for rec in records.iter().filter(|r| slot.interest.reads(r.class())) {
                 if let Err(e) = slot.projection.apply(&mut ctx, rec) {
                     // A record a projection cannot apply is a bug in the projection; the
                     // record is skipped (logged) so one bad record cannot stall reads.
                     tracing::error!(projection = slot.projection.name(), position = rec.position(), error = %e, "apply failed");
                 }
-                last = rec.position();
+            }
+            if let Some(r) = records.last() {
+                last = r.position();
             }
             if let Err(e) = slot.projection.prepare_commit(last) {
                 tracing::error!(projection = slot.projection.name(), error = %e, "projection commit failed");
@@ -341,10 +393,11 @@ impl Runtime {
             self.commits_tx.send_modify(|n| *n += 1);
             if !slot.ready.load(Ordering::Acquire) {
                 batches += 1;
-                let head = journal.durable_head();
+                let heads = journal.heads();
+                let head = heads.head;
                 // At the head, the projection is at least where every ready one is
                 // (applied <= head), so joining cannot move `applied` backwards.
-                if last >= head {
+                if slot.covered(&heads) >= head {
                     slot.ready.store(true, Ordering::Release);
                     tracing::info!(
                         projection = slot.projection.name(),
@@ -366,7 +419,7 @@ impl Runtime {
 
     /// Raises [`Runtime::applied`] to the lowest ready checkpoint (never lowers it).
     fn publish_applied(&self) {
-        let min = Self::min_ready(&self.slots);
+        let min = Self::min_ready(&self.slots, &self.journal.heads());
         self.applied_tx.send_if_modified(|v| {
             if min > *v {
                 *v = min;
@@ -449,7 +502,8 @@ impl Runtime {
             return Ok(cp);
         };
         let mut ctx = ApplyCtx::new();
-        for rec in &records {
+        let interest = shadow.interest();
+        for rec in records.iter().filter(|r| interest.reads(r.class())) {
             if let Err(e) = shadow.apply(&mut ctx, rec) {
                 tracing::error!(projection = shadow.name(), position = rec.position(), error = %e, "apply failed");
             }
@@ -550,12 +604,16 @@ impl Runtime {
     pub fn store_checkpoints(&self) {
         for slot in self.slots.iter() {
             let _guard = slot.apply_lock.lock();
-            let cp = slot.checkpoint.load(Ordering::Acquire);
+            // Records it does not read after its checkpoint are applied in effect.
+            let cp = slot.covered(&self.journal.heads());
             if cp <= slot.stored.load(Ordering::Acquire) {
                 continue;
             }
             match ApplyCtx::new().commit(&self.db, slot.projection.name(), cp) {
-                Ok(()) => slot.stored.store(cp, Ordering::Release),
+                Ok(()) => {
+                    slot.stored.store(cp, Ordering::Release);
+                    slot.checkpoint.fetch_max(cp, Ordering::AcqRel);
+                }
                 Err(e) => {
                     tracing::warn!(projection = slot.projection.name(), error = %e, "checkpoint not stored")
                 }
@@ -563,12 +621,15 @@ impl Runtime {
         }
     }
 
-    /// The checkpoint of projection `name` (`None` for an unknown name).
+    /// The position projection `name` has applied in effect: its checkpoint, or the
+    /// durable head when no record it reads ([`Projection::interest`]) is after it
+    /// (`None` for an unknown name).
     pub fn checkpoint(&self, name: &str) -> Option<u64> {
+        let heads = self.journal.heads();
         self.slots
             .iter()
             .find(|s| s.projection.name() == name)
-            .map(|s| s.checkpoint.load(Ordering::Acquire))
+            .map(|s| s.covered(&heads))
     }
 
     /// A watch on [`Runtime::applied`] (long-poll `/sync` wakes on it).
@@ -595,10 +656,14 @@ impl Runtime {
             return false;
         };
         let mut rx = self.commits_tx.subscribe();
-        let reached = || slot.checkpoint.load(Ordering::Acquire) >= position;
+        // A record it does not read moves no checkpoint and bumps no commit: it is
+        // covered as soon as it is durable (the heads are read again on each check).
+        let reached = || slot.covered(&self.journal.heads()) >= position;
         if reached() {
             return true;
         }
+        // A reader is waiting: a projection that lets records gather applies them now.
+        slot.hurry();
         let wait = async {
             loop {
                 if reached() {
@@ -617,11 +682,8 @@ impl Runtime {
     pub async fn wait_for_all(&self, position: u64, timeout: Duration) -> bool {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            if self
-                .slots
-                .iter()
-                .all(|s| s.checkpoint.load(Ordering::Acquire) >= position)
-            {
+            let heads = self.journal.heads();
+            if self.slots.iter().all(|s| s.covered(&heads) >= position) {
                 return true;
             }
             if tokio::time::Instant::now() >= deadline {
@@ -646,13 +708,25 @@ impl Runtime {
             .any(|s| s.projection.name() == name && s.gates)
     }
 
+    /// How many batches of records projection `name`'s thread has read and applied
+    /// since the start: each is a wake-up of its thread (`None` for an unknown name).
+    /// For counting tests: a record a projection does not read
+    /// ([`Projection::interest`]) adds none.
+    pub fn batches(&self, name: &str) -> Option<u64> {
+        self.slots
+            .iter()
+            .find(|s| s.projection.name() == name)
+            .map(|s| s.batches.load(Ordering::Relaxed))
+    }
+
     /// Every projection's checkpoint and readiness, in registration order.
     pub fn status(&self) -> Vec<ProjectionStatus> {
+        let heads = self.journal.heads();
         self.slots
             .iter()
             .map(|s| ProjectionStatus {
                 name: s.projection.name(),
-                checkpoint: s.checkpoint.load(Ordering::Acquire),
+                checkpoint: s.covered(&heads),
                 ready: s.ready.load(Ordering::Acquire),
                 generation: s.generation.load(Ordering::Acquire),
                 rebuilding: *s.rebuild.lock(),
@@ -662,9 +736,10 @@ impl Runtime {
 
     /// Checkpoint of each projection, by name.
     pub fn checkpoints(&self) -> Vec<(&'static str, u64)> {
+        let heads = self.journal.heads();
         self.slots
             .iter()
-            .map(|s| (s.projection.name(), s.checkpoint.load(Ordering::Acquire)))
+            .map(|s| (s.projection.name(), s.covered(&heads)))
             .collect()
     }
 

@@ -49,7 +49,7 @@ use std::{
 
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
-use spindle_journal::StoredRecord;
+use spindle_journal::{Interest, StoredRecord};
 use tantivy::{
     DocAddress, Index, IndexReader, IndexWriter, ReloadPolicy, Searcher, SegmentReader,
     TantivyDocument, Term,
@@ -82,7 +82,7 @@ pub const WRITER_HEAP_BYTES_DEFAULT: usize = 32 * 1024 * 1024;
 
 /// How long the search index gathers records before it applies and commits them
 /// ([`Projection::gather_ms`]).
-pub const SEARCH_GATHER_MS: u64 = 250;
+pub const SEARCH_GATHER_MS: u64 = 1000;
 
 /// Settings of the search projection.
 #[derive(Debug, Clone, Copy)]
@@ -595,6 +595,11 @@ impl Projection for Search {
         "search"
     }
 
+    /// Room records only: a fact (a receipt, a login) does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::ROOM
+    }
+
     fn tables(&self) -> Vec<Table> {
         vec![
             self.docs.clone(),
@@ -705,8 +710,9 @@ impl Projection for Search {
     /// A tantivy commit writes a segment and feeds the merge threads: one per message
     /// made indexing and merging 40% of the CPU of a run of single sends (perf, issue
     /// 18). Gathering records for up to this long first makes one segment of many.
-    /// Searches wait for the index alone, so a search right after a send waits at most
-    /// this much longer.
+    /// A search waits for the index alone and cuts the gathering short
+    /// ([`Runtime::wait_for_projection`](crate::Runtime::wait_for_projection) hurries
+    /// it), so a search right after a send does not wait for it.
     fn gather_ms(&self) -> u64 {
         SEARCH_GATHER_MS
     }

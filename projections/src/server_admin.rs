@@ -17,7 +17,7 @@
 //!   refused)
 
 use serde::{Deserialize, Serialize};
-use spindle_journal::{Fact, StoredRecord};
+use spindle_journal::{Fact, Interest, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -159,6 +159,11 @@ fn json<T: Serialize>(v: &T) -> Result<Vec<u8>, String> {
 impl Projection for ServerAdmin {
     fn name(&self) -> &'static str {
         "server_admin"
+    }
+
+    /// Facts only: a message does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::FACTS
     }
 
     fn tables(&self) -> Vec<Table> {

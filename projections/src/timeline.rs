@@ -36,7 +36,7 @@ use std::{
 use parking_lot::{Mutex, RwLock};
 use serde::{Deserialize, Serialize};
 use spindle_core::pdu::Pdu;
-use spindle_journal::StoredRecord;
+use spindle_journal::{Interest, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -599,6 +599,11 @@ fn load_positions(table: &Table, map: &mut HashMap<String, u64>) {
 impl Projection for Timeline {
     fn name(&self) -> &'static str {
         "timeline"
+    }
+
+    /// Room records only: a fact (a receipt, a login) does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::ROOM
     }
 
     fn tables(&self) -> Vec<Table> {

@@ -14,7 +14,7 @@
 //!   `{sender, type, content}` from the record at that position
 
 use serde_json::{Value, json};
-use spindle_journal::{Fact, StoredRecord};
+use spindle_journal::{Fact, Interest, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -113,6 +113,11 @@ impl ToDevice {
 impl Projection for ToDevice {
     fn name(&self) -> &'static str {
         "to_device"
+    }
+
+    /// Facts only: a message does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::FACTS
     }
 
     fn tables(&self) -> Vec<Table> {

@@ -2,7 +2,7 @@
 //! and room aliases. One job each.
 
 use serde::{Deserialize, Serialize};
-use spindle_journal::{Fact, StoredRecord};
+use spindle_journal::{Fact, Interest, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -35,6 +35,11 @@ impl Filters {
 impl Projection for Filters {
     fn name(&self) -> &'static str {
         "filters"
+    }
+
+    /// Facts only: a message does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::FACTS
     }
     fn tables(&self) -> Vec<Table> {
         vec![self.filters.clone()]
@@ -136,6 +141,11 @@ impl AccountData {
 impl Projection for AccountData {
     fn name(&self) -> &'static str {
         "account_data"
+    }
+
+    /// Facts only: a message does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::FACTS
     }
     fn tables(&self) -> Vec<Table> {
         vec![self.data.clone(), self.log.clone()]
@@ -410,6 +420,11 @@ impl Aliases {
 impl Projection for Aliases {
     fn name(&self) -> &'static str {
         "aliases"
+    }
+
+    /// Facts only: a message does not wake it.
+    fn interest(&self) -> Interest {
+        Interest::FACTS
     }
     fn tables(&self) -> Vec<Table> {
         vec![self.aliases.clone(), self.room_aliases.clone()]
