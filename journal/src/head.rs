@@ -151,8 +151,11 @@ impl DurableHead {
                     *slot = (*slot).max(p);
                 }
             }
+            // Under the lock: a tailer that finds the heads moved also finds the
+            // records below the watch head (it reads up to that), instead of spinning
+            // between an empty read and a wait that returns at once.
+            self.watch.send_replace(head);
         }
-        self.watch.send_replace(head);
         let classes = last
             .iter()
             .enumerate()

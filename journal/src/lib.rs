@@ -2339,11 +2339,12 @@ fn appender(
 }
 
 /// Most records the in-memory tail keeps ([`Journal::read_after_shared`]): a few
-/// batches of every projection (512 records each), so a projection that is not far
-/// behind never reads the store.
-const RECENT_RECORDS: usize = 2048;
+/// batches of every projection (512 records each; 4,096 for the search index, which
+/// gathers up to a second of records before it commits), so a projection that is not
+/// far behind never reads the store.
+const RECENT_RECORDS: usize = 8192;
 /// Most bytes the in-memory tail keeps (records are at most 64 KiB each).
-const RECENT_BYTES: usize = 8 * 1024 * 1024;
+const RECENT_BYTES: usize = 12 * 1024 * 1024;
 
 /// The last durable records, in position order, contiguous, bounded by
 /// [`RECENT_RECORDS`] and [`RECENT_BYTES`]; the appender adds each group after its

@@ -48,6 +48,12 @@ use crate::store::{ApplyCtx, ProjectionDb, Table};
 /// Records applied per batch (one commit each).
 const BATCH: usize = 512;
 
+/// Records applied per batch by a projection that lets records gather
+/// ([`Projection::gather_ms`]): its commits are the costly ones (a tantivy segment
+/// each, which the merge threads rewrite later), so under load it waits for this many
+/// rather than [`BATCH`] (the journal's in-memory tail keeps more than this).
+const GATHER_BATCH: usize = 4096;
+
 /// A read model built from the journal. `apply` must be deterministic: no clocks, no
 /// randomness, only the record and the projection's own tables.
 pub trait Projection: Send + Sync + 'static {
@@ -122,6 +128,9 @@ struct Slot {
     rebuild: parking_lot::Mutex<Option<RebuildProgress>>,
     /// Batches of records the tail thread read and applied ([`Runtime::batches`]).
     batches: AtomicU64,
+    /// The highest position [`Slot::covered`] has answered: what it reports never goes
+    /// back when a record it reads arrives after a run it did not read.
+    covered: AtomicU64,
     /// Set by a reader waiting for this projection: its tail stops gathering
     /// ([`Projection::gather_ms`]) and applies what is there.
     hurry: parking_lot::Mutex<bool>,
@@ -151,7 +160,8 @@ impl Slot {
     /// Where the projection stands in effect: its checkpoint, or the head when no
     /// record it reads is after its checkpoint ([`Heads::covered`]).
     fn covered(&self, heads: &Heads) -> u64 {
-        heads.covered(self.interest, self.checkpoint.load(Ordering::Acquire))
+        let now = heads.covered(self.interest, self.checkpoint.load(Ordering::Acquire));
+        self.covered.fetch_max(now, Ordering::AcqRel).max(now)
     }
 }
 
@@ -218,6 +228,12 @@ const IDLE_CHECKPOINT_RECORDS: u64 = 10_000;
 /// See [`IDLE_CHECKPOINT_RECORDS`].
 const IDLE_CHECKPOINT_INTERVAL: Duration = Duration::from_secs(10);
 
+/// How often a projection asleep through records it does not read
+/// ([`Projection::interest`]) moves its checkpoint past them without reading them: at
+/// its next wake-up it reads at most this long's records (from the journal's
+/// in-memory tail under any load this machine sustains).
+const IDLE_SKIP_INTERVAL: Duration = Duration::from_secs(1);
+
 /// Runs every projection and answers "has everything applied position P yet".
 #[derive(Clone)]
 pub struct Runtime {
@@ -267,6 +283,7 @@ impl Runtime {
                     generation: std::sync::atomic::AtomicU32::new(db.generation(p.name())),
                     rebuild: parking_lot::Mutex::new(None),
                     batches: AtomicU64::new(0),
+                    covered: AtomicU64::new(checkpoint),
                     hurry: parking_lot::Mutex::new(false),
                     hurried: parking_lot::Condvar::new(),
                     projection: p,
@@ -312,16 +329,31 @@ impl Runtime {
         let mut stored_at = Instant::now();
         loop {
             let cp = slot.checkpoint.load(Ordering::Acquire);
+            let heads = journal.heads();
+            if heads.head > cp && heads.last_of(slot.interest) <= cp {
+                // Nothing this projection reads after its checkpoint: move it to the
+                // head without reading (so the records it sleeps through never pile up
+                // for its next wake-up, nor for a replay after a crash).
+                if !self.skip_to(slot, cp, heads.head, &mut stored_at) {
+                    return;
+                }
+                continue;
+            }
             let gather = slot.projection.gather_ms();
-            if gather > 0 && !slot.gates && journal.durable_head().saturating_sub(cp) < BATCH as u64
+            let limit = if gather > 0 && !slot.gates {
+                GATHER_BATCH
+            } else {
+                BATCH
+            };
+            if gather > 0 && !slot.gates && journal.durable_head().saturating_sub(cp) < limit as u64
             {
                 // Let records gather (see `Projection::gather_ms`), unless there is no
-                // record at all yet: then wait for one below first.
-                if journal.durable_head() > cp {
+                // record it reads yet: then wait for one below first.
+                if heads.last_of(slot.interest) > cp {
                     slot.gather(gather);
                 }
             }
-            let records = match journal.read_after_shared(cp, BATCH) {
+            let records = match journal.read_after_shared(cp, limit) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::error!(projection = slot.projection.name(), error = %e, "journal read failed");
@@ -331,9 +363,16 @@ impl Runtime {
             };
             if records.is_empty() {
                 // Records this projection does not read do not wake it (Heads::covered
-                // accounts for them); bounded only to notice a journal that stopped.
+                // accounts for them); it looks every IDLE_SKIP_INTERVAL to move its
+                // checkpoint past them. Until its first checkpoint is stored it wakes for
+                // every record: one left at 0 would read as new after a crash.
+                let interest = if slot.stored.load(Ordering::Acquire) == 0 {
+                    Interest::ALL
+                } else {
+                    slot.interest
+                };
                 if journal
-                    .wait_for_records(cp, slot.interest, Duration::from_secs(60))
+                    .wait_for_records(cp, interest, IDLE_SKIP_INTERVAL)
                     .is_none()
                 {
                     return;
@@ -415,6 +454,48 @@ impl Runtime {
             }
             self.publish_applied();
         }
+    }
+
+    /// Moves a projection with nothing to read in `(cp, head]` to `head` without reading
+    /// (under its apply lock; nothing if the checkpoint moved meanwhile), storing the
+    /// checkpoint by the rules of a batch that changed nothing
+    /// ([`IDLE_CHECKPOINT_RECORDS`]). Then waits for a record it reads, at most
+    /// [`IDLE_SKIP_INTERVAL`]; `false` once the journal has stopped.
+    fn skip_to(&self, slot: &Slot, cp: u64, head: u64, stored_at: &mut Instant) -> bool {
+        {
+            let _guard = slot.apply_lock.lock();
+            if slot.checkpoint.load(Ordering::Acquire) == cp {
+                let stored = slot.stored.load(Ordering::Acquire);
+                let idle = stored > 0
+                    && head.saturating_sub(stored) < IDLE_CHECKPOINT_RECORDS
+                    && stored_at.elapsed() < IDLE_CHECKPOINT_INTERVAL;
+                if !idle {
+                    match ApplyCtx::new().commit(&self.db, slot.projection.name(), head) {
+                        Ok(()) => {
+                            slot.stored.store(head, Ordering::Release);
+                            *stored_at = Instant::now();
+                        }
+                        Err(e) => {
+                            tracing::warn!(projection = slot.projection.name(), error = %e, "checkpoint not stored");
+                        }
+                    }
+                }
+                slot.checkpoint.store(head, Ordering::Release);
+                if !slot.ready.load(Ordering::Acquire) {
+                    // At the head: see the backfill's end in `tail`.
+                    slot.ready.store(true, Ordering::Release);
+                    tracing::info!(
+                        projection = slot.projection.name(),
+                        checkpoint = head,
+                        "backfill done; the projection is ready"
+                    );
+                }
+            }
+        }
+        self.publish_applied();
+        self.journal
+            .wait_for_records(head, slot.interest, IDLE_SKIP_INTERVAL)
+            .is_some()
     }
 
     /// Raises [`Runtime::applied`] to the lowest ready checkpoint (never lowers it).
