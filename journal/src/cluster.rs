@@ -485,12 +485,13 @@ impl Journal {
         }
         *chain = head;
         self.inner.enqueue.lock().0 = head.position;
-        self.inner.recent.push(&encoded);
-        let mut last_of_class = [None; 3];
-        for rec in &records {
-            last_of_class[rec.class().index()] = Some(rec.position());
-        }
-        self.inner.durable_tx.publish(head.position, last_of_class);
+        let last =
+            crate::head::last_of_each_class(records.iter().map(|r| (r.position(), r.class())));
+        let n = records.len();
+        self.inner
+            .recent
+            .push_records(records.into_iter().map(std::sync::Arc::new).collect(), n);
+        self.inner.durable_tx.publish(head.position, last);
         Ok(())
     }
 

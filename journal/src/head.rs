@@ -106,6 +106,19 @@ impl Heads {
     }
 }
 
+/// The last position of each class among `(position, class)` pairs, in
+/// [`Heads::last`]'s order (`None`: no record of that class): what
+/// [`DurableHead::publish`] takes for a durable group of records.
+pub(crate) fn last_of_each_class(
+    records: impl IntoIterator<Item = (u64, Interest)>,
+) -> [Option<u64>; 3] {
+    let mut last = [None; 3];
+    for (position, class) in records {
+        last[class.index()] = Some(position);
+    }
+    last
+}
+
 /// Condition variables for tailers, one per non-empty interest (indexed by its bits).
 const WAIT_SETS: usize = 8;
 

@@ -2296,11 +2296,11 @@ fn appender(
             return;
         }
         let mut encoded = Vec::with_capacity(records.len());
-        // The last record of each class (Interest::class_of) in the group.
-        let mut last_of_class = [None; 3];
+        // Each record's class (Interest::class_of), kept on the tail's copy so no
+        // reader scans its JSON again.
+        let mut classes = Vec::with_capacity(records.len());
         for (mut r, txn_key) in records.drain(..) {
-            let class = Interest::class_of(r.kind == RecordKind::Fact, &r.payload);
-            last_of_class[class.index()] = Some(r.position);
+            classes.push(Interest::class_of(r.kind == RecordKind::Fact, &r.payload));
             if r.position != chain.position + 1 {
                 tracing::error!(
                     expected = chain.position + 1,
@@ -2332,8 +2332,11 @@ fn appender(
             .appended
             .fetch_add(encoded.len() as u64, Ordering::Relaxed);
         // Before the head moves, so a tailer woken by it finds the records in memory.
-        recent.push(&encoded);
-        durable.publish(last, last_of_class);
+        recent.push(&encoded, &classes);
+        durable.publish(
+            last,
+            head::last_of_each_class(encoded.iter().map(|e| e.position).zip(classes)),
+        );
         snapshots.after_append(&store, &stats, chain);
     }
 }
@@ -2355,14 +2358,25 @@ struct RecentRecords {
 }
 
 impl RecentRecords {
-    fn push(&self, encoded: &[EncodedRecord]) {
+    /// Adds the appender's records, each with the class it computed.
+    fn push(&self, encoded: &[EncodedRecord], classes: &[Interest]) {
         let records: Vec<Arc<StoredRecord>> = encoded
             .iter()
-            .filter_map(|e| StoredRecord::from_bytes(&e.bytes).ok().map(Arc::new))
+            .zip(classes)
+            .filter_map(|(e, c)| {
+                let r = StoredRecord::from_bytes(&e.bytes).ok()?;
+                Some(Arc::new(r.with_class(*c)))
+            })
             .collect();
+        self.push_records(records, encoded.len());
+    }
+
+    /// Adds records already decoded (a follower's); `expected` is how many there should
+    /// be (fewer: one did not decode, and the tail starts over rather than keep a hole).
+    fn push_records(&self, records: Vec<Arc<StoredRecord>>, expected: usize) {
         let mut tail = self.tail.lock();
         let (queue, bytes) = &mut *tail;
-        if records.len() != encoded.len()
+        if records.len() != expected
             || queue
                 .back()
                 .zip(records.first())

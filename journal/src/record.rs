@@ -184,6 +184,13 @@ impl StoredRecord {
         matches!(self.view().kind, ArchivedRecordKind::Fact)
     }
 
+    /// The record with its class already known (the appender computed it from the
+    /// same payload), so [`StoredRecord::class`] does not scan the JSON again.
+    pub(crate) fn with_class(self, class: crate::Interest) -> StoredRecord {
+        let _ = self.class.set(class);
+        self
+    }
+
     /// The record's class ([`crate::Interest::class_of`]): what the appender woke
     /// tailers by, and what a projection's [`crate::Interest`] filters on.
     pub fn class(&self) -> crate::Interest {
