@@ -10,10 +10,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use spindle_core::keys::ServerKey;
-use spindle_journal::{
-    CommandBody, CommandEnvelope, Fact, FjallStore, Journal, SignedCommand, StoredRecord,
-};
+mod common;
+
+use common::journal_with;
+use spindle_journal::StoredRecord;
 use spindle_projections::{
     Projection, ProjectionDb, Runtime,
     store::{ApplyCtx, Table},
@@ -57,29 +57,6 @@ fn rows(
         rows: db.table(name, "rows").unwrap(),
         gate,
     })
-}
-
-async fn journal_with(n: usize, dir: &std::path::Path) -> Journal {
-    let key = Arc::new(ServerKey::generate("example.org"));
-    let journal = Journal::open(Arc::new(FjallStore::open(dir).unwrap()), key.clone()).unwrap();
-    for i in 0..n {
-        let cmd = SignedCommand::sign(
-            &key,
-            CommandEnvelope {
-                principal: "@a:example.org".into(),
-                device_id: None,
-                issued_at: 1,
-                body: CommandBody::Fact {
-                    fact: Fact::TokenRevoked {
-                        token_hash: format!("h{i}"),
-                    },
-                },
-            },
-        )
-        .unwrap();
-        journal.submit(cmd).await.unwrap();
-    }
-    journal
 }
 
 async fn until(what: &str, mut f: impl FnMut() -> bool) {

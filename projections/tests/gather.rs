@@ -3,25 +3,28 @@
 //! the others yet counts as having applied them, and moves its checkpoint past them
 //! without reading them (`Projection::interest`).
 
+mod common;
+
 use std::{sync::Arc, time::Duration};
 
-use spindle_core::keys::ServerKey;
-use spindle_journal::{
-    CommandBody, CommandEnvelope, Fact, FjallStore, Interest, Journal, SignedCommand, StoredRecord,
-};
+use common::{append_facts, journal_with};
+use spindle_journal::{Interest, StoredRecord};
 use spindle_projections::{
     Projection, ProjectionDb, Runtime,
     store::{ApplyCtx, Table},
 };
 
-/// One row per record it reads; gathers for a minute; does not gate reads.
-struct Slow {
+/// One row per record it reads, with the reading habits under test.
+struct Rows {
+    name: &'static str,
     rows: Table,
+    gather_ms: u64,
+    interest: Interest,
 }
 
-impl Projection for Slow {
+impl Projection for Rows {
     fn name(&self) -> &'static str {
-        "slow"
+        self.name
     }
     fn tables(&self) -> Vec<Table> {
         vec![self.rows.clone()]
@@ -31,73 +34,39 @@ impl Projection for Slow {
         Ok(())
     }
     fn gather_ms(&self) -> u64 {
-        60_000
+        self.gather_ms
     }
+    /// Only a projection that does not gate reads may gather.
     fn gates_reads(&self) -> bool {
-        false
-    }
-}
-
-/// One row per record it reads; reads room records only.
-struct RoomOnly {
-    rows: Table,
-}
-
-impl Projection for RoomOnly {
-    fn name(&self) -> &'static str {
-        "room_only"
-    }
-    fn tables(&self) -> Vec<Table> {
-        vec![self.rows.clone()]
-    }
-    fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
-        ctx.put(&self.rows, record.position().to_be_bytes().to_vec(), vec![]);
-        Ok(())
+        self.gather_ms == 0
     }
     fn interest(&self) -> Interest {
-        Interest::ROOM
+        self.interest
     }
-}
-
-async fn revoke(journal: &Journal, key: &Arc<ServerKey>, i: usize) {
-    let cmd = SignedCommand::sign(
-        key,
-        CommandEnvelope {
-            principal: "@a:example.org".into(),
-            device_id: None,
-            issued_at: 1,
-            body: CommandBody::Fact {
-                fact: Fact::TokenRevoked {
-                    token_hash: format!("h{i}"),
-                },
-            },
-        },
-    )
-    .unwrap();
-    journal.submit(cmd).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_reader_cuts_the_gathering_short() {
     let dir = tempfile::tempdir().unwrap();
-    let key = Arc::new(ServerKey::generate("example.org"));
-    let store = Arc::new(FjallStore::open(&dir.path().join("journal")).unwrap());
-    let journal = Journal::open(store, key.clone()).unwrap();
+    let journal = journal_with(0, &dir.path().join("journal")).await;
     let db = ProjectionDb::open(&dir.path().join("projections")).unwrap();
-    let slow = Arc::new(Slow {
-        rows: db.table("slow", "rows").unwrap(),
-    });
-    let room_only = Arc::new(RoomOnly {
-        rows: db.table("room_only", "rows").unwrap(),
-    });
+    let rows = |name, gather_ms, interest| {
+        Arc::new(Rows {
+            name,
+            rows: db.table(name, "rows").unwrap(),
+            gather_ms,
+            interest,
+        })
+    };
+    // Gathers for a minute; reads room records only.
+    let slow = rows("slow", 60_000, Interest::ALL);
+    let room_only = rows("room_only", 0, Interest::ROOM);
     let runtime = Runtime::start(
         journal.clone(),
         db.clone(),
         vec![slow.clone(), room_only.clone()],
     );
-    for i in 0..3 {
-        revoke(&journal, &key, i).await;
-    }
+    append_facts(&journal, 0..3).await;
     // Without the hurry the slow projection would sit in its minute of gathering.
     assert!(
         runtime
