@@ -26,6 +26,7 @@ use axum::{
     routing::get,
 };
 use serde_json::{Value, json};
+use spindle_projections::change_index::{ChangeIndex, changed_or_all};
 
 use crate::{
     ApiResult, AppState, MatrixError,
@@ -56,8 +57,6 @@ struct UserPresence {
 
 #[derive(Default)]
 struct RoomPresence {
-    /// Counter value of the room's latest presence change.
-    serial: u64,
     /// Users of the room with a presence, and the counter value of their latest change.
     users: BTreeMap<String, u64>,
 }
@@ -66,6 +65,9 @@ struct RoomPresence {
 struct Inner {
     users: HashMap<String, UserPresence>,
     rooms: HashMap<String, RoomPresence>,
+    /// Each room's latest presence change by counter value: `/sync` walks the rooms
+    /// that changed since its token, not every joined room.
+    changed: ChangeIndex,
 }
 
 /// In-memory presence state: at most `max_users` users (config
@@ -117,8 +119,12 @@ impl Presence {
             .map(|(_, u)| u)
             .collect();
         inner.users.retain(|u, _| !gone.contains(u));
-        inner.rooms.retain(|_, r| {
+        let Inner { rooms, changed, .. } = inner;
+        rooms.retain(|id, r| {
             r.users.retain(|u, _| !gone.contains(u));
+            if r.users.is_empty() {
+                changed.remove(id);
+            }
             !r.users.is_empty()
         });
     }
@@ -233,48 +239,51 @@ impl Presence {
         let serial = typing.next_serial();
         for room in joined_rooms {
             let r = inner.rooms.entry(room.clone()).or_default();
-            r.serial = serial;
             r.users.insert(user_id.to_owned(), serial);
+            inner.changed.bump(room, serial);
         }
         true
     }
 
     /// (user, room) pairs whose presence changed after counter value `after`, one per
     /// user (the first room found), sorted, and the highest counter value among those
-    /// changes (`after` when none): the application-service pusher's feed (one pass
-    /// over the rooms with a presence change).
+    /// changes (`after` when none): the application-service pusher's feed (walks the
+    /// rooms with a presence change after `after`).
     pub fn changed_after(&self, after: u64) -> (Vec<(String, String)>, u64) {
-        let (rooms, upto) = {
-            let inner = self.inner.lock();
-            let mut upto = after;
-            let rooms: Vec<String> = inner
-                .rooms
-                .iter()
-                .filter(|(_, r)| r.serial > after)
-                .map(|(id, r)| {
-                    upto = upto.max(r.serial);
-                    id.clone()
-                })
-                .collect();
-            (rooms, upto)
-        };
-        (self.changed_users(&rooms, Some(after)), upto)
+        let inner = self.inner.lock();
+        let rooms = inner
+            .changed
+            .changed_after(after, usize::MAX)
+            .unwrap_or_default();
+        let upto = rooms
+            .last()
+            .and_then(|r| inner.changed.get(r))
+            .unwrap_or(after);
+        let users = Self::users_in(&inner, rooms.iter().map(|r| &**r), Some(after));
+        (users, upto)
     }
 
     /// Users whose presence changed after counter value `after`, each with every room
     /// the change was recorded under (the user's joined rooms at the change), sorted,
     /// and the highest counter value among those changes (`after` when none): the
-    /// federation feed's input. Memory only: one pass over the rooms with a change
-    /// after `after`.
+    /// federation feed's input. Memory only: walks the rooms with a change after
+    /// `after`.
     pub fn changed_after_with_rooms(&self, after: u64) -> (Vec<(String, Vec<String>)>, u64) {
         let inner = self.inner.lock();
         let mut upto = after;
         let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
-        for (room, r) in inner.rooms.iter().filter(|(_, r)| r.serial > after) {
-            upto = upto.max(r.serial);
+        for room in inner
+            .changed
+            .changed_after(after, usize::MAX)
+            .unwrap_or_default()
+        {
+            upto = upto.max(inner.changed.get(&room).unwrap_or(0));
+            let Some(r) = inner.rooms.get(&*room) else {
+                continue;
+            };
             for (user, serial) in &r.users {
                 if *serial > after {
-                    out.entry(user.clone()).or_default().push(room.clone());
+                    out.entry(user.clone()).or_default().push(room.to_string());
                 }
             }
         }
@@ -302,28 +311,45 @@ impl Presence {
     }
 
     /// Whether any of `rooms` saw a presence change after counter value `since`.
+    /// With `rooms` sorted, walks the rooms that changed, not `rooms`.
     pub fn changed_since(&self, rooms: &[String], since: u64) -> bool {
         let inner = self.inner.lock();
-        rooms
-            .iter()
-            .any(|r| inner.rooms.get(r).is_some_and(|p| p.serial > since))
+        changed_or_all(inner.changed.changed_after(since, rooms.len()), rooms)
+            .into_iter()
+            .any(|r| inner.changed.get(r).is_some_and(|p| p > since))
     }
 
     /// Users of `rooms` whose presence changed after counter value `since` (all users
-    /// with a presence when `since` is `None`), deduplicated, sorted.
+    /// with a presence when `since` is `None`), deduplicated, sorted. With `rooms`
+    /// sorted and a `since`, walks the rooms that changed, not `rooms`.
     fn changed_users(&self, rooms: &[String], since: Option<u64>) -> Vec<(String, String)> {
         let inner = self.inner.lock();
+        match since {
+            Some(s) => {
+                let rooms = changed_or_all(inner.changed.changed_after(s, rooms.len()), rooms);
+                Self::users_in(&inner, rooms.into_iter(), since)
+            }
+            None => Self::users_in(&inner, rooms.iter().map(String::as_str), since),
+        }
+    }
+
+    /// [`Presence::changed_users`] over the given rooms.
+    fn users_in<'a>(
+        inner: &Inner,
+        rooms: impl Iterator<Item = &'a str>,
+        since: Option<u64>,
+    ) -> Vec<(String, String)> {
         let mut out = BTreeSet::new();
         for room in rooms {
             let Some(p) = inner.rooms.get(room) else {
                 continue;
             };
-            if since.is_some_and(|s| p.serial <= s) {
+            if since.is_some_and(|s| inner.changed.get(room).is_none_or(|c| c <= s)) {
                 continue;
             }
             for (user, serial) in &p.users {
                 if since.is_none_or(|s| *serial > s) {
-                    out.insert((user.clone(), room.clone()));
+                    out.insert((user.clone(), room.to_owned()));
                 }
             }
         }

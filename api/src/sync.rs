@@ -9,7 +9,7 @@
 
 use std::{
     cell::{Cell, RefCell},
-    collections::HashSet,
+    collections::{BTreeSet, HashSet},
     sync::Arc,
     time::Duration,
 };
@@ -1412,8 +1412,11 @@ pub(crate) fn has_updates(
     {
         return true;
     }
-    for room in joined {
-        let room = room.as_str();
+    let rooms = match rooms_with_news(s, joined, since) {
+        Some(rooms) => rooms.into_iter().collect(),
+        None => joined.iter().map(String::as_str).collect::<Vec<_>>(),
+    };
+    for room in rooms {
         if p.timeline
             .last_activity(room)
             .is_some_and(|pos| pos > since.0)
@@ -1433,6 +1436,45 @@ pub(crate) fn has_updates(
         }
     }
     s.config.presence_enabled && s.presence.changed_since(joined, since.1)
+}
+
+/// Of `joined` (sorted, as read from the membership projection's room list), the rooms
+/// where something a `/sync` room entry shows may have changed after `since`
+/// ((position, ephemeral counter)): a new event, a typing or receipt change, a
+/// partial-state room completed. Found from the in-memory change indexes, so the cost
+/// follows the rooms that changed rather than the rooms joined (a user in 500 rooms
+/// polling for one message). A superset: each room is still checked. `None` when an
+/// index cannot tell (a token older than the process knows, more rooms changed than
+/// joined, `joined` unsorted): check every joined room.
+///
+/// Room account data and the user's own membership changes are not here: `/sync`
+/// reads those from the user's own logs.
+pub(crate) fn rooms_with_news<'a>(
+    s: &AppState,
+    joined: &'a [String],
+    since: (u64, u64),
+) -> Option<BTreeSet<&'a str>> {
+    use spindle_projections::change_index::changed_among;
+    let p = &s.projections;
+    let limit = joined.len();
+    let mut out = BTreeSet::new();
+    out.extend(changed_among(
+        p.timeline.rooms_active_after(since.0, limit),
+        joined,
+    )?);
+    out.extend(changed_among(
+        p.receipts.rooms_changed_after(since.0, limit),
+        joined,
+    )?);
+    out.extend(changed_among(
+        s.typing.rooms_changed_among(since.1, limit),
+        joined,
+    )?);
+    out.extend(changed_among(
+        p.state.completed_after(since.0, limit),
+        joined,
+    )?);
+    Some(out)
 }
 
 /// Whether the end-to-end encryption sections have news for this device: a to-device
@@ -1604,12 +1646,21 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
     let mut invite = serde_json::Map::new();
     let mut leave = serde_json::Map::new();
     let mut knock = serde_json::Map::new();
+    // On an incremental sync, the joined rooms that can have an entry: the rest cost
+    // a comparison each, not a look at the timeline, receipts and typing of each.
+    let news = since
+        .filter(|_| !full_state)
+        .and_then(|since| rooms_with_news(&s, &joined_rooms, since));
     for (room, m) in rooms.iter() {
         if !ctx.filter.rooms.allows_room(room) {
             continue;
         }
         let changed_in_window = since.is_none_or(|(sp, _)| m.position > sp);
         match m.membership.as_str() {
+            "join"
+                if !changed_in_window
+                    && news.as_ref().is_some_and(|n| !n.contains(room.as_str()))
+                    && !ctx.account_data_changes.iter().any(|(r, _)| r == room) => {}
             "join" => {
                 if let Some(v) = ctx.joined_room(room, m) {
                     join.insert(room.clone(), v);

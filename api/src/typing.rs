@@ -20,6 +20,7 @@ use axum::{
     extract::{Path, State},
 };
 use serde_json::{Value, json};
+use spindle_projections::change_index::ChangeIndex;
 use tokio::sync::watch;
 
 use crate::{
@@ -43,7 +44,15 @@ pub fn counter_seed() -> u64 {
 #[derive(Default)]
 struct RoomTyping {
     users: HashMap<String, Instant>,
-    serial: u64,
+}
+
+/// The rooms with typing state, and each one's last change by counter value (a
+/// [`ChangeIndex`]: `/sync` finds the rooms whose typing changed since its token
+/// without asking each joined room).
+#[derive(Default)]
+struct TypingRooms {
+    by_id: HashMap<String, RoomTyping>,
+    changed: ChangeIndex,
 }
 
 /// An ephemeral change relayed to the other processes of a deployment on a shared
@@ -93,7 +102,7 @@ fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Option<Strin
 /// In-memory typing state: at most `max_rooms` rooms (config `caches.typing_rooms`).
 #[derive(Clone)]
 pub struct Typing {
-    rooms: Arc<parking_lot::Mutex<HashMap<String, RoomTyping>>>,
+    rooms: Arc<parking_lot::Mutex<TypingRooms>>,
     counter: Arc<watch::Sender<u64>>,
     max_rooms: usize,
     /// Where changes made here go for the other processes (shared journal only).
@@ -145,16 +154,16 @@ impl Typing {
 
     /// Rooms with typing state kept now.
     pub fn rooms_len(&self) -> usize {
-        self.rooms.lock().len()
+        self.rooms.lock().by_id.len()
     }
 
-    fn bump(&self, room: &mut RoomTyping) {
+    fn bump(&self, rooms: &mut TypingRooms, room_id: &str) {
         let mut next = 0;
         self.counter.send_modify(|c| {
             *c += 1;
             next = *c;
         });
-        room.serial = next;
+        rooms.changed.bump(room_id, next);
     }
 
     /// Marks `user_id` typing (for `timeout`) or not typing in a room, and relays the
@@ -171,18 +180,25 @@ impl Typing {
 
     fn change(&self, room_id: &str, user_id: &str, typing: bool, timeout: Duration) {
         let mut rooms = self.rooms.lock();
-        if !rooms.contains_key(room_id) {
+        if !rooms.by_id.contains_key(room_id) {
             if !typing {
                 // Nothing to stop: no state to keep.
                 return;
             }
-            if rooms.len() >= self.max_rooms {
+            if rooms.by_id.len() >= self.max_rooms {
                 // Rooms where nobody types any more go first (their last change was
                 // "nobody": a sync that has not seen it yet shows a stale typist until
                 // the client's own timeout).
                 let now = Instant::now();
-                rooms.retain(|_, r| r.users.values().any(|t| *t > now));
-                if rooms.len() >= self.max_rooms {
+                let TypingRooms { by_id, changed } = &mut *rooms;
+                by_id.retain(|id, r| {
+                    let keep = r.users.values().any(|t| *t > now);
+                    if !keep {
+                        changed.remove(id);
+                    }
+                    keep
+                });
+                if rooms.by_id.len() >= self.max_rooms {
                     tracing::debug!(
                         room_id,
                         "typing: every kept room has a typist; notice dropped"
@@ -191,7 +207,7 @@ impl Typing {
                 }
             }
         }
-        let room = rooms.entry(room_id.to_owned()).or_default();
+        let room = rooms.by_id.entry(room_id.to_owned()).or_default();
         let changed = if typing {
             room.users
                 .insert(user_id.to_owned(), Instant::now() + timeout)
@@ -200,7 +216,7 @@ impl Typing {
             room.users.remove(user_id).is_some()
         };
         if changed {
-            self.bump(room);
+            self.bump(&mut rooms, room_id);
         }
         drop(rooms);
         if typing {
@@ -209,14 +225,14 @@ impl Typing {
             tokio::spawn(async move {
                 tokio::time::sleep(timeout + Duration::from_millis(10)).await;
                 let mut rooms = this.rooms.lock();
-                if let Some(room) = rooms.get_mut(&room_id)
+                if let Some(room) = rooms.by_id.get_mut(&room_id)
                     && room
                         .users
                         .get(&user_id)
                         .is_some_and(|t| *t <= Instant::now())
                 {
                     room.users.remove(&user_id);
-                    this.bump(room);
+                    this.bump(&mut rooms, &room_id);
                 }
             });
         }
@@ -227,6 +243,7 @@ impl Typing {
         let now = Instant::now();
         let rooms = self.rooms.lock();
         let mut users: Vec<String> = rooms
+            .by_id
             .get(room_id)
             .map(|r| {
                 r.users
@@ -241,27 +258,28 @@ impl Typing {
     }
 
     /// Rooms whose typing state changed after counter value `after`, with the counter
-    /// value of their last change (the application-service pusher's feed; costs one
-    /// pass over the rooms with typing state).
+    /// value of their last change, oldest first (the application-service pusher's
+    /// feed; walks only the rooms that changed).
     pub fn rooms_changed_after(&self, after: u64) -> Vec<(String, u64)> {
-        let mut out: Vec<(String, u64)> = self
-            .rooms
-            .lock()
-            .iter()
-            .filter(|(_, r)| r.serial > after)
-            .map(|(id, r)| (id.clone(), r.serial))
-            .collect();
-        out.sort_by_key(|(_, serial)| *serial);
-        out
+        let rooms = self.rooms.lock();
+        rooms
+            .changed
+            .changed_after(after, usize::MAX)
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|id| Some((id.to_string(), rooms.changed.get(&id)?)))
+            .collect()
+    }
+
+    /// Rooms whose typing state changed after counter value `after`, at most `limit`
+    /// (`None`: more did; ask [`Typing::room_serial`] room by room).
+    pub fn rooms_changed_among(&self, after: u64, limit: usize) -> Option<Vec<Arc<str>>> {
+        self.rooms.lock().changed.changed_after(after, limit)
     }
 
     /// The counter value of the room's last typing change.
     pub fn room_serial(&self, room_id: &str) -> u64 {
-        self.rooms
-            .lock()
-            .get(room_id)
-            .map(|r| r.serial)
-            .unwrap_or(0)
+        self.rooms.lock().changed.get(room_id).unwrap_or(0)
     }
 
     /// Takes the next counter value for another ephemeral change (presence shares the

@@ -242,7 +242,7 @@ impl DeviceKeys {
             room_members: t("room_members")?,
             room_log: t("room_log")?,
             user_log: t("user_log")?,
-            room_last: LastChange::default(),
+            room_last: LastChange::known_after(db.checkpoint("device_keys")),
             user_last: LastChange::default(),
             device_last: LastChange::default(),
         })
@@ -662,12 +662,24 @@ impl DeviceKeys {
     }
 
     /// Whether anything in `joined_rooms` or the user's own log changed after `after`
-    /// (memory only: for waiting long-polls).
+    /// (memory only: for waiting long-polls). With `joined_rooms` sorted, the cost
+    /// follows the rooms that changed after `after`, not the rooms joined.
     pub fn any_change_after(&self, user_id: &str, joined_rooms: &[String], after: u64) -> bool {
         self.user_last_change(user_id) > after
-            || joined_rooms
-                .iter()
+            || self
+                .rooms_changed_among(joined_rooms, after)
+                .into_iter()
                 .any(|r| self.room_last_change(r) > after)
+    }
+
+    /// Of `joined_rooms`, those with a device-list entry after `after`: from the rooms
+    /// that changed when few did (memory, not one lookup per joined room), else all of
+    /// them (the caller checks each with [`Self::room_last_change`] either way).
+    fn rooms_changed_among<'a>(&self, joined_rooms: &'a [String], after: u64) -> Vec<&'a str> {
+        crate::change_index::changed_or_all(
+            self.room_last.changed_after(after, joined_rooms.len()),
+            joined_rooms,
+        )
     }
 
     fn is_member(&self, room_id: &str, user_id: &str) -> bool {
@@ -721,7 +733,7 @@ impl DeviceKeys {
                 }
             }
         }
-        for room in joined_rooms {
+        for room in self.rooms_changed_among(joined_rooms, after) {
             if self.room_last_change(room) <= after {
                 continue;
             }
@@ -740,8 +752,9 @@ impl DeviceKeys {
 
     /// Device list changes `user_id` must hear of for `(after, upto]` (spec:
     /// `device_lists` in `/sync`, `GET /keys/changes`). `joined_rooms` are the user's
-    /// joined rooms now. Reads: the device-list log of each joined room that changed
-    /// after `after` (memory check first), the user's own log, and for a room the user
+    /// joined rooms now (sorted: the rooms that changed are found from the in-memory
+    /// index, not by asking each joined room). Reads: the device-list log of each
+    /// joined room that changed after `after`, the user's own log, and for a room the user
     /// joined or left in the window, its members; then one point lookup per (left
     /// candidate, joined room). Never other rooms' traffic.
     pub fn changes(
@@ -780,7 +793,7 @@ impl DeviceKeys {
                 }
             }
         }
-        for room in joined_rooms {
+        for room in self.rooms_changed_among(joined_rooms, after) {
             if self.room_last_change(room) <= after {
                 continue;
             }

@@ -29,6 +29,7 @@
 
 pub mod accounts;
 pub mod audit;
+pub mod change_index;
 pub mod delayed;
 pub mod device_keys;
 pub mod directory;

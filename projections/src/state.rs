@@ -26,6 +26,7 @@ use spindle_core::trie::{self, NodeHash, NodeStore, Root};
 use spindle_journal::StoredRecord;
 
 use crate::{
+    change_index::ChangeIndex,
     runtime::Projection,
     store::{ApplyCtx, ProjectionDb, Table},
 };
@@ -95,8 +96,25 @@ pub struct State {
 }
 
 /// See [`State::partial_rooms`] (shared with the commit hook that flips a room).
-type PartialRooms =
-    std::sync::Arc<parking_lot::RwLock<std::collections::HashMap<String, Option<u64>>>>;
+type PartialRooms = std::sync::Arc<parking_lot::RwLock<PartialRoomsInner>>;
+
+/// Rooms ever joined with partial state: room id -> `None` while partial,
+/// `Some(position)` once complete; and the completed ones by completion position, so
+/// `/sync` finds the rooms completed since its token without asking each joined room.
+#[derive(Default)]
+struct PartialRoomsInner {
+    rooms: std::collections::HashMap<String, Option<u64>>,
+    completed: ChangeIndex,
+}
+
+impl PartialRoomsInner {
+    fn set(&mut self, room: String, completed: Option<u64>) {
+        if let Some(position) = completed {
+            self.completed.bump(&room, position);
+        }
+        self.rooms.insert(room, completed);
+    }
+}
 
 fn root_from(bytes: &[u8]) -> Option<Root> {
     Root::from_bytes(bytes)
@@ -121,6 +139,7 @@ impl State {
     pub fn is_partial(&self, room_id: &str) -> bool {
         self.partial_rooms
             .read()
+            .rooms
             .get(room_id)
             .is_some_and(|c| c.is_none())
     }
@@ -128,7 +147,16 @@ impl State {
     /// The position at which a partial-state room's full state was imported, if it was
     /// ever partial and is complete now.
     pub fn completed_at(&self, room_id: &str) -> Option<u64> {
-        *self.partial_rooms.read().get(room_id)?
+        *self.partial_rooms.read().rooms.get(room_id)?
+    }
+
+    /// Partial-state rooms whose full state was imported after `after`, at most
+    /// `limit` (memory; `None`: more were, ask [`State::completed_at`] room by room).
+    pub fn completed_after(&self, after: u64, limit: usize) -> Option<Vec<Arc<str>>> {
+        self.partial_rooms
+            .read()
+            .completed
+            .changed_after(after, limit)
     }
 
     /// The room's metadata, if the room exists.
@@ -215,12 +243,12 @@ impl State {
 impl Projection for State {
     fn reload(&self) {
         let mut m = self.partial_rooms.write();
-        m.clear();
+        *m = PartialRoomsInner::default();
         for (k, v) in self.partial.scan_prefix(&[], usize::MAX) {
             let done = <[u8; 8]>::try_from(v.as_slice())
                 .ok()
                 .map(u64::from_be_bytes);
-            m.insert(String::from_utf8_lossy(&k).into_owned(), done);
+            m.set(String::from_utf8_lossy(&k).into_owned(), done);
         }
     }
 
@@ -339,7 +367,7 @@ impl Projection for State {
             // The memory copy changes with the staged write: a batch applied again
             // after a failed commit writes the same values.
             Some(spindle_journal::Fact::RoomStatePartial { room_id, .. }) => {
-                self.partial_rooms.write().insert(room_id.clone(), None);
+                self.partial_rooms.write().set(room_id.clone(), None);
                 ctx.put(&self.partial, room_id.into_bytes(), b"p".to_vec());
                 return Ok(());
             }
@@ -350,7 +378,7 @@ impl Projection for State {
                 let (rooms, position) = (self.partial_rooms.clone(), record.position());
                 let room = room_id.clone();
                 ctx.after_commit(move || {
-                    rooms.write().insert(room, Some(position));
+                    rooms.write().set(room, Some(position));
                 });
                 ctx.put(
                     &self.partial,

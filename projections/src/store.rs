@@ -34,6 +34,8 @@ use std::{
 use fjall::{Database, Keyspace, KeyspaceCreateOptions};
 use spindle_journal::{StorageMemory, StorageUse};
 
+use crate::change_index::ChangeIndex;
+
 /// Store counters for counting tests (BRIEF §3.9): point reads and rows scanned.
 #[derive(Debug, Default)]
 pub struct StoreStats {
@@ -432,12 +434,32 @@ impl Table {
 /// The latest position in a per-key log (`key`, 0x00, position BE), kept in memory
 /// once asked for: long-polling `/sync` asks "did anything change for this user or
 /// room since P?" on every commit anywhere, and must not pay a store read for it.
-#[derive(Clone, Default)]
+///
+/// Kept in a [`ChangeIndex`]: built with [`LastChange::known_after`] (the projection's
+/// checkpoint when it was opened; every later change is bumped in), it also answers
+/// "which keys changed after P" without asking key by key
+/// ([`LastChange::changed_after`]).
+#[derive(Clone)]
 pub struct LastChange {
-    map: Arc<parking_lot::RwLock<std::collections::HashMap<String, u64>>>,
+    index: Arc<parking_lot::RwLock<ChangeIndex>>,
+}
+
+impl Default for LastChange {
+    /// Answers [`LastChange::get`] only: [`LastChange::changed_after`] is always `None`.
+    fn default() -> Self {
+        LastChange::known_after(u64::MAX)
+    }
 }
 
 impl LastChange {
+    /// An empty cache that knows every change after `checkpoint` once the projection
+    /// bumps each change it commits ([`LastChange::bump`]).
+    pub fn known_after(checkpoint: u64) -> LastChange {
+        LastChange {
+            index: Arc::new(parking_lot::RwLock::new(ChangeIndex::new(checkpoint))),
+        }
+    }
+
     /// The latest position logged under `k` (0 if none): memory, or one reverse seek
     /// the first time.
     pub fn get(&self, k: &str, table: &Table) -> u64 {
@@ -456,21 +478,22 @@ impl LastChange {
     /// The position remembered under `k`, or `find()` (a read of the committed
     /// tables, 0 if nothing) the first time. For logs where not every row counts.
     pub fn get_or_find(&self, k: &str, find: impl FnOnce() -> u64) -> u64 {
-        if let Some(v) = self.map.read().get(k) {
-            return *v;
+        if let Some(v) = self.index.read().get(k) {
+            return v;
         }
         let found = find();
-        let mut map = self.map.write();
-        let entry = map.entry(k.to_owned()).or_insert(found);
-        *entry = (*entry).max(found);
-        *entry
+        self.index.write().bump(k, found)
     }
 
     /// Records a new position (called after the commit that wrote it).
     pub fn bump(&self, k: String, position: u64) {
-        let mut map = self.map.write();
-        let entry = map.entry(k).or_insert(position);
-        *entry = (*entry).max(position);
+        self.index.write().bump(&k, position);
+    }
+
+    /// Keys changed after `after`, at most `limit` (see [`ChangeIndex::changed_after`];
+    /// `None`: ask key by key).
+    pub fn changed_after(&self, after: u64, limit: usize) -> Option<Vec<Arc<str>>> {
+        self.index.read().changed_after(after, limit)
     }
 }
 

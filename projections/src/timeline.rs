@@ -39,6 +39,7 @@ use spindle_core::pdu::Pdu;
 use spindle_journal::{Interest, StoredRecord};
 
 use crate::{
+    change_index::ChangeIndex,
     runtime::Projection,
     store::{ApplyCtx, ProjectionDb, Table, key},
 };
@@ -193,7 +194,10 @@ pub struct Timeline {
     bumps: Table,
     backfill: Table,
     backfill_seq: Table,
-    recency: Arc<RwLock<HashMap<String, u64>>>,
+    recency: Arc<RwLock<ChangeIndex>>,
+    /// Calls of [`Timeline::last_activity`] (a counting test's measure: an incremental
+    /// sync must not ask it once per joined room).
+    activity_lookups: AtomicU64,
     bumped: Arc<RwLock<HashMap<String, u64>>>,
     redaction_generations: Arc<RedactionGenerations>,
     cache: Arc<EventCache>,
@@ -364,6 +368,7 @@ impl Timeline {
             backfill: db.table("timeline", "backfill")?,
             backfill_seq: db.table("timeline", "backfill_seq")?,
             recency: Arc::default(),
+            activity_lookups: AtomicU64::new(0),
             bumped: Arc::default(),
             redaction_generations: Arc::default(),
             cache: Arc::new(EventCache::new(cache_bytes)),
@@ -572,7 +577,20 @@ impl Timeline {
 
     /// Position of the room's latest event (in memory; no store read).
     pub fn last_activity(&self, room_id: &str) -> Option<u64> {
-        self.recency.read().get(room_id).copied()
+        self.activity_lookups.fetch_add(1, Ordering::Relaxed);
+        self.recency.read().get(room_id)
+    }
+
+    /// How many times [`Timeline::last_activity`] was asked (for counting tests).
+    pub fn activity_lookups(&self) -> u64 {
+        self.activity_lookups.load(Ordering::Relaxed)
+    }
+
+    /// Rooms whose latest event is after `after`, at most `limit` (in memory; walks
+    /// only those rooms). `None` when more than `limit` rooms did: ask
+    /// [`Timeline::last_activity`] room by room.
+    pub fn rooms_active_after(&self, after: u64, limit: usize) -> Option<Vec<Arc<str>>> {
+        self.recency.read().changed_after(after, limit)
     }
 
     /// Position of the room's latest event of a [`BUMP_EVENT_TYPES`] type (in memory;
@@ -619,7 +637,17 @@ impl Projection for Timeline {
     }
 
     fn reload(&self) {
-        load_positions(&self.rooms, &mut self.recency.write());
+        let mut recency = self.recency.write();
+        recency.clear(0);
+        for (k, v) in self.rooms.all() {
+            if v.len() == 8 {
+                recency.bump(
+                    &String::from_utf8_lossy(&k),
+                    u64::from_be_bytes(v[..8].try_into().expect("8")),
+                );
+            }
+        }
+        drop(recency);
         load_positions(&self.bumps, &mut self.bumped.write());
         // New tables (an online rebuild) may hold redactions the counts never saw,
         // and rows the cached events were not read from.
@@ -689,7 +717,7 @@ impl Projection for Timeline {
             if redacts {
                 *generations.rooms.write().entry(room.clone()).or_insert(0) += 1;
             }
-            recency.write().insert(room, pos);
+            recency.write().bump(&room, pos);
         });
         Ok(())
     }

@@ -212,7 +212,7 @@ impl Receipts {
             receipts: db.table("receipts", "receipts")?,
             log: db.table("receipts", "log")?,
             event_pos: db.table("receipts", "event_pos")?,
-            last: LastChange::default(),
+            last: LastChange::known_after(db.checkpoint("receipts")),
         })
     }
 
@@ -256,6 +256,17 @@ impl Receipts {
     /// Position of the room's latest receipt change (memory after the first ask).
     pub fn last_change(&self, room_id: &str) -> u64 {
         self.last.get(room_id, &self.log)
+    }
+
+    /// Rooms with a receipt change after `after`, at most `limit` (memory; `None`:
+    /// more did, or `after` is older than this process knows: ask
+    /// [`Receipts::last_change`] room by room).
+    pub fn rooms_changed_after(
+        &self,
+        after: u64,
+        limit: usize,
+    ) -> Option<Vec<std::sync::Arc<str>>> {
+        self.last.changed_after(after, limit)
     }
 
     /// Receipts changed in a room in `(after, upto]`: (user, type, thread).
