@@ -200,9 +200,22 @@ pub struct MediaConfig {
     pub remote_cache_bytes: usize,
 }
 
-/// Everything a handler needs.
+/// Everything a handler needs: one `Arc` around [`Shared`], so the state each request
+/// extracts is one pointer copy (it was some fifty `Arc` counts up and down a request,
+/// 5-8% of a small request's CPU). Fields are read through `Deref`.
 #[derive(Clone)]
-pub struct AppState {
+pub struct AppState(Arc<Shared>);
+
+impl std::ops::Deref for AppState {
+    type Target = Shared;
+    fn deref(&self) -> &Shared {
+        &self.0
+    }
+}
+
+/// The fields of [`AppState`].
+#[derive(Clone)]
+pub struct Shared {
     /// The journal (writes).
     pub journal: Journal,
     /// The projections (reads).
@@ -289,7 +302,7 @@ impl AppState {
             config.email.clone(),
             &config.identity,
         ));
-        AppState {
+        AppState(Arc::new(Shared {
             threepids,
             metrics: Arc::new(metrics::Metrics::new()),
             rate_limits,
@@ -319,19 +332,19 @@ impl AppState {
             federation: None,
             appservices: Arc::new(appservice::AppServices::empty()),
             guest_ids: Arc::default(),
-        }
+        }))
     }
 
     /// The same state with these application services registered.
     pub fn with_appservices(mut self, appservices: Arc<appservice::AppServices>) -> AppState {
-        self.appservices = appservices;
+        Arc::make_mut(&mut self.0).appservices = appservices;
         self
     }
 
     /// The same state with federation on: remote joins, aliases and profiles go
     /// through `fed`.
     pub fn with_federation(mut self, fed: spindle_federation::FedState) -> AppState {
-        self.federation = Some(fed);
+        Arc::make_mut(&mut self.0).federation = Some(fed);
         self
     }
 
