@@ -600,7 +600,7 @@ async fn changes(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult
     let to = crate::sync::parse_since(to)?
         .0
         .min(s.projections.runtime.applied());
-    let rooms = joined_rooms(&s, &r.user_id);
+    let rooms = spindle_projections::change_index::SortedKeys::new(joined_rooms(&s, &r.user_id));
     let c = s
         .projections
         .device_keys

@@ -26,7 +26,7 @@ use axum::{
     routing::get,
 };
 use serde_json::{Value, json};
-use spindle_projections::change_index::{ChangeIndex, changed_or_all};
+use spindle_projections::change_index::{ChangeIndex, SortedKeys, changed_or_all};
 
 use crate::{
     ApiResult, AppState, MatrixError,
@@ -312,7 +312,7 @@ impl Presence {
 
     /// Whether any of `rooms` saw a presence change after counter value `since`.
     /// With `rooms` sorted, walks the rooms that changed, not `rooms`.
-    pub fn changed_since(&self, rooms: &[String], since: u64) -> bool {
+    pub fn changed_since(&self, rooms: &SortedKeys, since: u64) -> bool {
         let inner = self.inner.lock();
         changed_or_all(inner.changed.changed_after(since, rooms.len()), rooms)
             .into_iter()
@@ -322,7 +322,7 @@ impl Presence {
     /// Users of `rooms` whose presence changed after counter value `since` (all users
     /// with a presence when `since` is `None`), deduplicated, sorted. With `rooms`
     /// sorted and a `since`, walks the rooms that changed, not `rooms`.
-    fn changed_users(&self, rooms: &[String], since: Option<u64>) -> Vec<(String, String)> {
+    fn changed_users(&self, rooms: &SortedKeys, since: Option<u64>) -> Vec<(String, String)> {
         let inner = self.inner.lock();
         match since {
             Some(s) => {
@@ -370,7 +370,7 @@ impl Presence {
 pub(crate) fn sync_events(
     s: &AppState,
     user_id: &str,
-    joined_rooms: &[String],
+    joined_rooms: &SortedKeys,
     since: Option<(u64, u64)>,
     upto: u64,
 ) -> Vec<Value> {

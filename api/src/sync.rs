@@ -18,7 +18,9 @@ use axum::{Json, Router, extract::State, routing::get};
 use serde_json::{Value, json};
 use spindle_core::{pdu::Pdu, trie::Root};
 use spindle_journal::{CommandBody, Fact};
-use spindle_projections::{membership::Membership, timeline::EventRecord, user_data::Receipt};
+use spindle_projections::{
+    change_index::SortedKeys, membership::Membership, timeline::EventRecord, user_data::Receipt,
+};
 
 use crate::{
     ApiResult, AppState, MatrixError,
@@ -1401,7 +1403,7 @@ pub(crate) fn newest_events(
 pub(crate) fn has_updates(
     s: &AppState,
     user: &str,
-    joined: &[String],
+    joined: &SortedKeys,
     since: (u64, u64),
     upto: u64,
 ) -> bool {
@@ -1451,7 +1453,7 @@ pub(crate) fn has_updates(
 /// reads those from the user's own logs.
 pub(crate) fn rooms_with_news<'a>(
     s: &AppState,
-    joined: &'a [String],
+    joined: &'a SortedKeys,
     since: (u64, u64),
 ) -> Option<BTreeSet<&'a str>> {
     use spindle_projections::change_index::changed_among;
@@ -1485,7 +1487,7 @@ pub(crate) fn rooms_with_news<'a>(
 pub(crate) fn e2ee_has_updates(
     s: &AppState,
     r: &Requester,
-    joined: &[String],
+    joined: &SortedKeys,
     device_lists_since: Option<u64>,
     to_device_acked: Option<u64>,
 ) -> bool {
@@ -1562,14 +1564,7 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
             let mut applied_rx = s.projections.runtime.subscribe();
             let mut typing_rx = s.typing.subscribe();
             // The joined rooms are read once; a membership change ends the wait anyway.
-            let joined: Vec<String> = s
-                .projections
-                .membership
-                .rooms_kept(&r.user_id)
-                .iter()
-                .filter(|(_, m)| m.membership == "join")
-                .map(|(room, _)| room.clone())
-                .collect();
+            let (_, joined) = s.projections.membership.joined_kept(&r.user_id);
             let mut shutdown = s.shutdown.clone();
             loop {
                 applied_rx.borrow_and_update();
@@ -1601,20 +1596,15 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
     // reach the newest membership change so each room is classified consistently.
     // The user's room list is kept in memory by the membership projection: a room with
     // nothing new since the token costs in-memory comparisons, no store read.
-    let rooms = loop {
-        let rooms = s.projections.membership.rooms_kept(&r.user_id);
+    let (rooms, joined_rooms) = loop {
+        let (rooms, joined) = s.projections.membership.joined_kept(&r.user_id);
         let newest = rooms.values().map(|m| m.position).max().unwrap_or(0);
         if newest <= upto {
-            break rooms;
+            break (rooms, joined);
         }
         s.wait_for(newest).await?;
         upto = s.projections.runtime.applied();
     };
-    let joined_rooms: Vec<String> = rooms
-        .iter()
-        .filter(|(_, m)| m.membership == "join")
-        .map(|(room, _)| room.clone())
-        .collect();
     crate::presence::on_sync(&s, &r.user_id, q.get("set_presence"), &joined_rooms);
     let typing = s.typing.current();
     let account_data_changes = match since {
@@ -1813,7 +1803,7 @@ pub(crate) struct DeviceSections {
 fn e2ee_sections(
     s: &AppState,
     r: &Requester,
-    joined_rooms: &[String],
+    joined_rooms: &SortedKeys,
     since: Option<(u64, u64)>,
     to_device_acked: u64,
     upto: u64,
@@ -1839,7 +1829,7 @@ fn e2ee_sections(
 pub(crate) fn device_sections(
     s: &AppState,
     r: &Requester,
-    joined_rooms: &[String],
+    joined_rooms: &SortedKeys,
     since: Option<u64>,
     upto: u64,
 ) -> DeviceSections {

@@ -110,31 +110,55 @@ impl ChangeIndex {
     }
 }
 
-/// The entries of `keys` (which must be sorted, as a user's room list read from a
-/// `BTreeMap` is) that `changed` lists, sorted, each once: `changed` is what a
-/// [`ChangeIndex::changed_after`] answered, so the cost follows the changed keys, not
-/// `keys`. `None` when `changed` is `None` or `keys` is not sorted: the caller then
-/// looks at every key.
-pub fn changed_among(changed: Option<Vec<Arc<str>>>, keys: &[String]) -> Option<Vec<&str>> {
-    let changed = changed?;
-    if !keys.is_sorted() {
-        return None;
+/// Keys (room ids) sorted and each once, so "is K one of them" is a binary search:
+/// a user's joined rooms as [`crate::membership::Memberships::joined_kept`] keeps them.
+/// Derefs to the slice.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SortedKeys(Arc<[String]>);
+
+impl SortedKeys {
+    /// Sorts and deduplicates `keys`.
+    pub fn new(mut keys: Vec<String>) -> SortedKeys {
+        keys.sort_unstable();
+        keys.dedup();
+        SortedKeys(keys.into())
     }
-    let mut out: Vec<&str> = changed
-        .iter()
-        .filter_map(|k| {
-            keys.binary_search_by(|x| x.as_str().cmp(k))
-                .ok()
-                .map(|i| keys[i].as_str())
-        })
-        .collect();
+
+    /// Keys read from an ordered map or set (already sorted and unique).
+    pub fn from_sorted<'a>(keys: impl Iterator<Item = &'a String>) -> SortedKeys {
+        let v: Vec<String> = keys.cloned().collect();
+        debug_assert!(v.windows(2).all(|w| w[0] < w[1]));
+        SortedKeys(v.into())
+    }
+
+    /// The kept copy of `key`, if it is one of the keys.
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.0
+            .binary_search_by(|x| x.as_str().cmp(key))
+            .ok()
+            .map(|i| self.0[i].as_str())
+    }
+}
+
+impl std::ops::Deref for SortedKeys {
+    type Target = [String];
+    fn deref(&self) -> &[String] {
+        &self.0
+    }
+}
+
+/// The entries of `keys` that `changed` lists, sorted, each once: `changed` is what a
+/// [`ChangeIndex::changed_after`] answered, so the cost follows the changed keys, not
+/// `keys`. `None` when `changed` is `None`: the caller then looks at every key.
+pub fn changed_among(changed: Option<Vec<Arc<str>>>, keys: &SortedKeys) -> Option<Vec<&str>> {
+    let mut out: Vec<&str> = changed?.iter().filter_map(|k| keys.get(k)).collect();
     out.sort_unstable();
     out.dedup();
     Some(out)
 }
 
 /// [`changed_among`], or every key of `keys` when it cannot tell.
-pub fn changed_or_all(changed: Option<Vec<Arc<str>>>, keys: &[String]) -> Vec<&str> {
+pub fn changed_or_all(changed: Option<Vec<Arc<str>>>, keys: &SortedKeys) -> Vec<&str> {
     changed_among(changed, keys).unwrap_or_else(|| keys.iter().map(String::as_str).collect())
 }
 
@@ -191,7 +215,11 @@ mod tests {
         for (k, p) in [("!c", 4), ("!a", 5), ("!x", 6), ("!b", 2)] {
             i.bump(k, p);
         }
-        let mine: Vec<String> = ["!a", "!b", "!c", "!d"].map(String::from).to_vec();
+        let mine = SortedKeys::new(["!d", "!c", "!b", "!a", "!c"].map(String::from).to_vec());
+        assert_eq!(
+            &*mine,
+            ["!a", "!b", "!c", "!d"].map(String::from).as_slice()
+        );
         assert_eq!(
             changed_among(i.changed_after(3, 10), &mine),
             Some(vec!["!a", "!c"])
@@ -201,11 +229,13 @@ mod tests {
             None,
             "over the limit"
         );
-        let unsorted: Vec<String> = ["!c", "!a"].map(String::from).to_vec();
-        assert_eq!(changed_among(i.changed_after(3, 10), &unsorted), None);
         assert_eq!(
-            changed_or_all(i.changed_after(3, 10), &unsorted),
-            vec!["!c", "!a"]
+            changed_or_all(i.changed_after(3, 2), &mine),
+            vec!["!a", "!b", "!c", "!d"]
+        );
+        assert_eq!(
+            changed_or_all(i.changed_after(6, 10), &mine),
+            Vec::<&str>::new()
         );
     }
 }

@@ -58,6 +58,7 @@ use spindle_journal::{
 };
 
 use crate::{
+    change_index::SortedKeys,
     runtime::Projection,
     store::{ApplyCtx, LastChange, ProjectionDb, Table, key},
 };
@@ -664,7 +665,7 @@ impl DeviceKeys {
     /// Whether anything in `joined_rooms` or the user's own log changed after `after`
     /// (memory only: for waiting long-polls). With `joined_rooms` sorted, the cost
     /// follows the rooms that changed after `after`, not the rooms joined.
-    pub fn any_change_after(&self, user_id: &str, joined_rooms: &[String], after: u64) -> bool {
+    pub fn any_change_after(&self, user_id: &str, joined_rooms: &SortedKeys, after: u64) -> bool {
         self.user_last_change(user_id) > after
             || self
                 .rooms_changed_among(joined_rooms, after)
@@ -675,7 +676,7 @@ impl DeviceKeys {
     /// Of `joined_rooms`, those with a device-list entry after `after`: from the rooms
     /// that changed when few did (memory, not one lookup per joined room), else all of
     /// them (the caller checks each with [`Self::room_last_change`] either way).
-    fn rooms_changed_among<'a>(&self, joined_rooms: &'a [String], after: u64) -> Vec<&'a str> {
+    fn rooms_changed_among<'a>(&self, joined_rooms: &'a SortedKeys, after: u64) -> Vec<&'a str> {
         crate::change_index::changed_or_all(
             self.room_last.changed_after(after, joined_rooms.len()),
             joined_rooms,
@@ -706,7 +707,7 @@ impl DeviceKeys {
     pub fn newly_shared(
         &self,
         user_id: &str,
-        joined_rooms: &[String],
+        joined_rooms: &SortedKeys,
         after: u64,
         upto: u64,
     ) -> Vec<String> {
@@ -760,7 +761,7 @@ impl DeviceKeys {
     pub fn changes(
         &self,
         user_id: &str,
-        joined_rooms: &[String],
+        joined_rooms: &SortedKeys,
         after: u64,
         upto: u64,
     ) -> DeviceListChanges {

@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 use spindle_journal::{Fact, Interest, StoredRecord};
 
 use crate::{
+    change_index::SortedKeys,
     runtime::Projection,
     store::{ApplyCtx, LastChange, ProjectionDb, Table, key},
 };
@@ -61,15 +62,39 @@ pub struct Memberships {
     room_members: Table,
     user_log: Table,
     last: LastChange,
-    kept: Arc<RwLock<HashMap<String, RoomList>>>,
+    kept: Arc<RwLock<HashMap<String, Kept>>>,
     /// `:<server name>`: whose room lists are kept (`None`: everyone's).
     local: Option<Arc<str>>,
+}
+
+/// A local user's room list as kept in memory: every room with a membership, and the
+/// joined ones' ids apart (sorted), which `/sync` hands to the change indexes.
+#[derive(Clone, Default)]
+struct Kept {
+    rooms: RoomList,
+    joined: SortedKeys,
+}
+
+impl Kept {
+    fn new(rooms: RoomList) -> Kept {
+        let joined = joined_of(&rooms);
+        Kept { rooms, joined }
+    }
+}
+
+fn joined_of(rooms: &RoomList) -> SortedKeys {
+    SortedKeys::from_sorted(
+        rooms
+            .iter()
+            .filter(|(_, m)| m.membership == "join")
+            .map(|(room, _)| room),
+    )
 }
 
 /// Replaces one room's entry in a user's kept room list. Runs after the commit that
 /// wrote the row (a list a reader holds is copied first: readers keep their snapshot).
 fn keep(
-    kept: &RwLock<HashMap<String, RoomList>>,
+    kept: &RwLock<HashMap<String, Kept>>,
     local: Option<&str>,
     user: String,
     room: String,
@@ -78,7 +103,15 @@ fn keep(
     if local.is_some_and(|suffix| !user.ends_with(suffix)) {
         return;
     }
-    Arc::make_mut(kept.write().entry(user).or_default()).insert(room, m);
+    let mut kept = kept.write();
+    let entry = kept.entry(user).or_default();
+    let joins = m.membership == "join";
+    let was_joined = Arc::make_mut(&mut entry.rooms)
+        .insert(room, m)
+        .is_some_and(|old| old.membership == "join");
+    if joins != was_joined {
+        entry.joined = joined_of(&entry.rooms);
+    }
 }
 
 fn decode(v: &[u8]) -> Option<Membership> {
@@ -111,7 +144,21 @@ impl Memberships {
     /// store read): sync and sliding sync ask it on every request, so a room with
     /// nothing new costs them in-memory comparisons only.
     pub fn rooms_kept(&self, user_id: &str) -> RoomList {
-        self.kept.read().get(user_id).cloned().unwrap_or_default()
+        self.kept
+            .read()
+            .get(user_id)
+            .map(|k| k.rooms.clone())
+            .unwrap_or_default()
+    }
+
+    /// The rooms a local user is joined to, sorted, from memory: both Arc copies of
+    /// one snapshot (`(every membership, the joined room ids)`), so the two agree.
+    pub fn joined_kept(&self, user_id: &str) -> (RoomList, SortedKeys) {
+        self.kept
+            .read()
+            .get(user_id)
+            .map(|k| (k.rooms.clone(), k.joined.clone()))
+            .unwrap_or_default()
     }
 
     /// Every room the user has a membership in (any state), with that membership.
@@ -260,7 +307,7 @@ impl Projection for Memberships {
         }
         *self.kept.write() = lists
             .into_iter()
-            .map(|(user, rooms)| (user, Arc::new(rooms)))
+            .map(|(user, rooms)| (user, Kept::new(Arc::new(rooms))))
             .collect();
     }
 }

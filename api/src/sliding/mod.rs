@@ -181,14 +181,7 @@ async fn wait_for_updates(
     let mut applied_rx = s.projections.runtime.subscribe();
     let mut typing_rx = s.typing.subscribe();
     let mut shutdown = s.shutdown.clone();
-    let joined: Vec<String> = s
-        .projections
-        .membership
-        .rooms_kept(user)
-        .iter()
-        .filter(|(_, m)| m.membership == "join")
-        .map(|(room, _)| room.clone())
-        .collect();
+    let (_, joined) = s.projections.membership.joined_kept(user);
     loop {
         applied_rx.borrow_and_update();
         typing_rx.borrow_and_update();
@@ -274,7 +267,7 @@ struct Build<'a> {
     /// The `to_device` extension's `since`: messages up to it are acknowledged.
     to_device_since: Option<u64>,
     /// The user's joined rooms (the `e2ee` extension's device-list changes).
-    joined: Vec<String>,
+    joined: spindle_projections::change_index::SortedKeys,
     /// The users the requester ignores (`m.ignored_user_list`, read once): their
     /// invites, non-state timeline events, typing and receipts are left out, as in
     /// `/sync`.
@@ -294,12 +287,12 @@ impl<'a> Build<'a> {
         let mut upto = s.projections.runtime.applied();
         // As in /sync: the membership projection may be ahead of the slowest one; let
         // everything reach the newest membership change so rooms classify consistently.
-        let rooms = loop {
+        let (rooms, joined) = loop {
             // Memory: the membership projection keeps every user's room list.
-            let rooms = s.projections.membership.rooms_kept(&r.user_id);
+            let (rooms, joined) = s.projections.membership.joined_kept(&r.user_id);
             let newest = rooms.values().map(|m| m.position).max().unwrap_or(0);
             if newest <= upto {
-                break rooms;
+                break (rooms, joined);
             }
             s.wait_for(newest).await?;
             upto = s.projections.runtime.applied();
@@ -318,11 +311,6 @@ impl<'a> Build<'a> {
                     .collect()
             })
             .unwrap_or_default();
-        let joined = rooms
-            .iter()
-            .filter(|(_, m)| m.membership == "join")
-            .map(|(room, _)| room.clone())
-            .collect();
         let mut b = Build {
             s,
             r,
