@@ -103,6 +103,10 @@ pub struct Caches {
     /// same state events and newest messages again and again); full, the oldest are
     /// dropped (0: no cache). Counted as each PDU's JSON length plus 512 bytes.
     pub timeline_event_bytes: usize,
+    /// Bytes of state-trie nodes kept by hash (every state read walks a path from a
+    /// room's state root, and active rooms' paths repeat); full, the oldest are
+    /// dropped (0: no cache). Counted as each node's length plus 96 bytes.
+    pub state_node_bytes: usize,
 }
 
 impl Default for Caches {
@@ -118,6 +122,7 @@ impl Default for Caches {
             sync_lazy_loaded_members_devices: d.sync_lazy_loaded_members_devices,
             rendered_state_bytes: d.rendered_state_bytes,
             timeline_event_bytes: spindle_projections::timeline::EVENT_CACHE_BYTES,
+            state_node_bytes: spindle_projections::state::NODE_CACHE_BYTES,
         }
     }
 }

@@ -142,6 +142,7 @@ impl Server {
                 },
                 storage: config.storage,
                 timeline_event_bytes: config.caches.timeline_event_bytes,
+                state_node_bytes: config.caches.state_node_bytes,
             },
         )
         .map_err(|e| anyhow!(e))?;

@@ -16,10 +16,14 @@ struct Harness {
 }
 
 impl Harness {
-    /// A server whose timeline event cache is off: the guards here count what a
-    /// request reads from the store, which a warm cache would hide.
+    /// A server whose timeline event and state node caches are off: the guards here
+    /// count what a request reads from the store, which a warm cache would hide.
     async fn start() -> Harness {
-        Self::start_with(|c| c.caches.timeline_event_bytes = 0).await
+        Self::start_with(|c| {
+            c.caches.timeline_event_bytes = 0;
+            c.caches.state_node_bytes = 0;
+        })
+        .await
     }
 
     async fn start_with(f: impl FnOnce(&mut spindle::Config)) -> Harness {
@@ -497,6 +501,56 @@ async fn state_point_lookup_reads_one_path() {
         "big room (400+ state entries) lookup read {} nodes",
         reads[1]
     );
+}
+
+/// Trie nodes are kept by hash: a state lookup walked once reads its path from memory
+/// the next time (no store read, one cache hit per node of the path), and the first
+/// walk read from the store exactly the nodes it missed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_path_is_read_from_the_store_once() {
+    let h = Harness::start_with(|c| c.caches.timeline_event_bytes = 0).await;
+    let (_erin, et) = h.register("erin").await;
+    let room = h.create_room(&et, json!({ "name": "cached" })).await;
+    for i in 0..100 {
+        let path = format!("/_matrix/client/v3/rooms/{room}/state/org.example.filler/key{i}");
+        let (status, _) = h
+            .call(
+                reqwest::Method::PUT,
+                &path,
+                Some(&et),
+                Some(json!({ "i": i })),
+            )
+            .await;
+        assert_eq!(status, 200);
+    }
+    h.quiesce().await;
+    let state = &h.server.projections.state;
+    let cache = state.node_cache();
+    let root = state.current_root(&room).unwrap();
+    let counts = || {
+        (
+            h.reads(),
+            cache.hits.load(Ordering::Relaxed),
+            cache.misses.load(Ordering::Relaxed),
+        )
+    };
+    let mut walks = Vec::new();
+    for _ in 0..2 {
+        let before = counts();
+        let id = state.lookup(root, "org.example.filler", "key7").unwrap();
+        let after = counts();
+        walks.push((after.0 - before.0, after.1 - before.1, after.2 - before.2));
+        let ev = h.server.projections.timeline.event(&id).unwrap();
+        assert_eq!(ev.pdu.content_value()["i"], 7);
+    }
+    let ((reads1, hits1, misses1), (reads2, hits2, misses2)) = (walks[0], walks[1]);
+    assert_eq!(reads1, misses1, "each miss is one store read: {walks:?}");
+    let path = hits1 + misses1;
+    assert!(
+        path >= 2,
+        "a 100-entry trie is deeper than its root: {walks:?}"
+    );
+    assert_eq!((reads2, hits2, misses2), (0, path, 0), "{walks:?}");
 }
 
 /// A waiting long-poll does not pay store reads for other users' traffic: the wake-up

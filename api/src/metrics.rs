@@ -393,6 +393,11 @@ impl Metrics {
                 s.projections.timeline.cache().usage().1,
                 s.projections.timeline.cache().budget(),
             ),
+            (
+                "state_node_bytes",
+                s.projections.state.node_cache().bytes(),
+                s.projections.state.node_cache().budget(),
+            ),
         ] {
             let labels = vec![("cache", cache.to_owned())];
             self.cache_entries.get_or_create(&labels).set(len as i64);

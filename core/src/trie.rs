@@ -234,12 +234,19 @@ impl std::error::Error for TrieError {}
 /// Content-addressed: the bytes under a hash never change, so `put_node` of a
 /// hash already present may be skipped and stores need no invalidation. The
 /// trie checks that the bytes it gets hash to the hash it asked for, so a store
-/// need not check. Implementations: [`MemStore`]; an on-disk KV store.
+/// need not check (a store that does, such as a cache of checked nodes, says so
+/// with [`NodeStore::verified`]). Implementations: [`MemStore`]; an on-disk KV
+/// store; the state projection's node cache.
 pub trait NodeStore {
     /// The encoded node stored under `hash`, or `None` if there is none.
     fn get_node(&self, hash: &NodeHash) -> Option<Arc<[u8]>>;
     /// Stores `bytes` under `hash` (`hash == blake3(bytes)`). Idempotent.
     fn put_node(&self, hash: NodeHash, bytes: Vec<u8>);
+    /// Whether every `get_node` answer was already checked against its hash (a cache
+    /// that checks what it admits): the trie then skips its own check. Default `false`.
+    fn verified(&self) -> bool {
+        false
+    }
 }
 
 impl<T: NodeStore + ?Sized> NodeStore for &T {
@@ -249,6 +256,9 @@ impl<T: NodeStore + ?Sized> NodeStore for &T {
     fn put_node(&self, hash: NodeHash, bytes: Vec<u8>) {
         (**self).put_node(hash, bytes);
     }
+    fn verified(&self) -> bool {
+        (**self).verified()
+    }
 }
 
 impl<T: NodeStore + ?Sized> NodeStore for Arc<T> {
@@ -257,6 +267,9 @@ impl<T: NodeStore + ?Sized> NodeStore for Arc<T> {
     }
     fn put_node(&self, hash: NodeHash, bytes: Vec<u8>) {
         (**self).put_node(hash, bytes);
+    }
+    fn verified(&self) -> bool {
+        (**self).verified()
     }
 }
 
@@ -887,7 +900,7 @@ impl<'a, S: NodeStore + ?Sized> Ctx<'a, S> {
             .store
             .get_node(hash)
             .ok_or(TrieError::MissingNode(*hash))?;
-        if blake3::hash(&bytes).as_bytes() != hash {
+        if !self.store.verified() && blake3::hash(&bytes).as_bytes() != hash {
             return Err(TrieError::Corrupt("node bytes do not match their hash"));
         }
         match decode(&bytes, self.hasher)? {

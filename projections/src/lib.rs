@@ -171,6 +171,9 @@ pub struct ProjectionOptions {
     /// Bytes of parsed events the timeline keeps by id ([`timeline::EventCache`];
     /// `[caches] timeline_event_bytes`; 0: none).
     pub timeline_event_bytes: usize,
+    /// Bytes of state-trie nodes kept by hash for queries ([`state::NodeCache`];
+    /// `[caches] state_node_bytes`; 0: none).
+    pub state_node_bytes: usize,
 }
 
 impl Default for ProjectionOptions {
@@ -179,6 +182,7 @@ impl Default for ProjectionOptions {
             search: Default::default(),
             storage: Default::default(),
             timeline_event_bytes: timeline::EVENT_CACHE_BYTES,
+            state_node_bytes: state::NODE_CACHE_BYTES,
         }
     }
 }
@@ -225,7 +229,7 @@ impl Projections {
             options.timeline_event_bytes,
             Some(journal.clone()),
         )?);
-        let state = Arc::new(state::State::open(&db)?);
+        let state = Arc::new(state::State::open_with(&db, options.state_node_bytes)?);
         let membership = Arc::new(membership::Memberships::open_local(
             &db,
             journal.key().server_name(),

@@ -19,7 +19,13 @@
 //! Point lookups read one path of the trie (depth + 1 node reads); nothing here
 //! materializes a whole room's state unless asked for all of it.
 
-use std::sync::Arc;
+use std::{
+    collections::{HashMap, VecDeque},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+};
 
 use serde::{Deserialize, Serialize};
 use spindle_core::trie::{self, NodeHash, NodeStore, Root};
@@ -56,24 +62,166 @@ pub struct RoomMeta {
     pub creator: String,
 }
 
-struct TableNodes<'a>(&'a Table);
+/// Default bytes of trie nodes kept in memory ([`NodeCache`], `[caches]
+/// state_node_bytes`).
+pub const NODE_CACHE_BYTES: usize = 16 * 1024 * 1024;
+
+/// Trie nodes read from the `nodes` table, checked against their hash, kept by hash.
+///
+/// Nodes are content-addressed: the bytes under a hash never change, so a hit is
+/// always right and nothing is ever invalidated (not even by an online rebuild, whose
+/// tables hold the same nodes under the same hashes). Every state read walks a path
+/// from the root (sliding sync asks some ten keys in each of its rooms, a send checks
+/// power levels, create and member events), and the nodes near the roots of active
+/// rooms are the same each time: kept here they cost a hash-map lookup instead of a
+/// store read and a blake3 check. Bounded in bytes (each node counted as its length
+/// plus [`NodeCache::OVERHEAD`]); full, the oldest admitted are dropped first.
+pub struct NodeCache {
+    inner: parking_lot::RwLock<NodeCacheInner>,
+    budget: usize,
+    /// Reads answered from memory.
+    pub hits: AtomicU64,
+    /// Reads that went to the store.
+    pub misses: AtomicU64,
+}
+
+#[derive(Default)]
+struct NodeCacheInner {
+    map: HashMap<NodeHash, Arc<[u8]>, BuildNodeHasher>,
+    order: VecDeque<NodeHash>,
+    bytes: usize,
+}
+
+/// A node hash is already a uniform hash: its first 8 bytes are the map's hash.
+#[derive(Default, Clone, Copy)]
+struct BuildNodeHasher;
+
+#[derive(Default)]
+struct NodeHasher(u64);
+
+impl std::hash::Hasher for NodeHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for (i, b) in bytes.iter().take(8).enumerate() {
+            self.0 ^= u64::from(*b) << (8 * i);
+        }
+    }
+    fn write_usize(&mut self, _: usize) {}
+}
+
+impl std::hash::BuildHasher for BuildNodeHasher {
+    type Hasher = NodeHasher;
+    fn build_hasher(&self) -> NodeHasher {
+        NodeHasher(0)
+    }
+}
+
+impl NodeCache {
+    /// Bytes counted per node beside its encoding (the key, the map and queue slots).
+    pub const OVERHEAD: usize = 96;
+
+    /// A cache of at most about `budget` bytes (0: none; every read goes to the store).
+    pub fn new(budget: usize) -> NodeCache {
+        NodeCache {
+            inner: Default::default(),
+            budget,
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+        }
+    }
+
+    /// Bytes held now (as counted against the budget).
+    pub fn bytes(&self) -> usize {
+        self.inner.read().bytes
+    }
+
+    /// The budget in bytes.
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    fn get(&self, hash: &NodeHash) -> Option<Arc<[u8]>> {
+        if self.budget == 0 {
+            return None;
+        }
+        let hit = self.inner.read().map.get(hash).cloned();
+        let counter = if hit.is_some() {
+            &self.hits
+        } else {
+            &self.misses
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        hit
+    }
+
+    /// Admits a node read from the store if its bytes match its hash (`false`: they
+    /// do not, and it is not kept).
+    fn admit(&self, hash: NodeHash, bytes: &Arc<[u8]>) -> bool {
+        if blake3::hash(bytes).as_bytes() != &hash {
+            return false;
+        }
+        let cost = bytes.len() + Self::OVERHEAD;
+        if self.budget == 0 || cost > self.budget {
+            return true;
+        }
+        let mut inner = self.inner.write();
+        if inner.map.insert(hash, bytes.clone()).is_some() {
+            return true;
+        }
+        inner.order.push_back(hash);
+        inner.bytes += cost;
+        while inner.bytes > self.budget {
+            let Some(old) = inner.order.pop_front() else {
+                break;
+            };
+            if let Some(b) = inner.map.remove(&old) {
+                inner.bytes -= b.len() + Self::OVERHEAD;
+            }
+        }
+        true
+    }
+}
+
+/// The committed `nodes` table behind the [`NodeCache`]: what readers walk.
+struct TableNodes<'a> {
+    table: &'a Table,
+    cache: &'a NodeCache,
+}
 
 impl NodeStore for TableNodes<'_> {
     fn get_node(&self, hash: &NodeHash) -> Option<Arc<[u8]>> {
-        self.0.get(hash).map(Arc::from)
+        if let Some(hit) = self.cache.get(hash) {
+            return Some(hit);
+        }
+        let bytes: Arc<[u8]> = Arc::from(self.table.get(hash)?);
+        // Bytes that do not match their hash are neither kept nor handed out (the
+        // trie, told they are checked, would not look): the walk fails on a missing
+        // node instead.
+        self.cache.admit(*hash, &bytes).then_some(bytes)
     }
     fn put_node(&self, _hash: NodeHash, _bytes: Vec<u8>) {
         debug_assert!(false, "query-side node store is read-only");
     }
+    fn verified(&self) -> bool {
+        true
+    }
 }
 
+/// The nodes as a batch sees them (its staged nodes, then the table), after the
+/// queries' [`NodeCache`] (content-addressed: a node there is the node, staged or not).
 struct CtxNodes<'a> {
     ctx: &'a ApplyCtx,
     table: &'a Table,
+    cache: &'a NodeCache,
 }
 
 impl NodeStore for CtxNodes<'_> {
     fn get_node(&self, hash: &NodeHash) -> Option<Arc<[u8]>> {
+        if let Some(hit) = self.cache.get(hash) {
+            return Some(hit);
+        }
         self.ctx.get(self.table, hash).map(Arc::from)
     }
     fn put_node(&self, hash: NodeHash, bytes: Vec<u8>) {
@@ -89,6 +237,8 @@ pub struct State {
     current_others: Table,
     rooms: Table,
     partial: Table,
+    /// Trie nodes read by queries, by hash.
+    node_cache: Arc<NodeCache>,
     /// The `partial` table in memory (rooms ever joined with partial state are few):
     /// room id -> `None` while partial, `Some(position)` once complete. `/sync` asks
     /// for every joined room, so this is never a store read.
@@ -123,6 +273,11 @@ fn root_from(bytes: &[u8]) -> Option<Root> {
 impl State {
     /// Opens the tables.
     pub fn open(db: &ProjectionDb) -> Result<State, String> {
+        Self::open_with(db, NODE_CACHE_BYTES)
+    }
+
+    /// [`State::open`] with a node cache of `node_cache_bytes` ([`NodeCache`]; 0: none).
+    pub fn open_with(db: &ProjectionDb, node_cache_bytes: usize) -> Result<State, String> {
         Ok(State {
             nodes: db.table("state", "nodes")?,
             event_roots: db.table("state", "event_roots")?,
@@ -130,8 +285,22 @@ impl State {
             current_others: db.table("state", "current_others")?,
             rooms: db.table("state", "rooms")?,
             partial: db.table("state", "partial")?,
+            node_cache: Arc::new(NodeCache::new(node_cache_bytes)),
             partial_rooms: Default::default(),
         })
+    }
+
+    /// The trie nodes as queries read them: the cache, then the table.
+    fn reader(&self) -> TableNodes<'_> {
+        TableNodes {
+            table: &self.nodes,
+            cache: &self.node_cache,
+        }
+    }
+
+    /// The node cache (its counters and size).
+    pub fn node_cache(&self) -> &NodeCache {
+        &self.node_cache
     }
 
     /// Whether the room's state here is partial (MSC3902): joined with the members
@@ -210,7 +379,7 @@ impl State {
 
     /// Point lookup: the event id holding `(event_type, state_key)` at `root`.
     pub fn lookup(&self, root: Root, event_type: &str, state_key: &str) -> Option<String> {
-        trie::lookup(&TableNodes(&self.nodes), root, event_type, state_key)
+        trie::lookup(&self.reader(), root, event_type, state_key)
             .ok()
             .flatten()
             .map(|v| String::from_utf8_lossy(&v).into_owned())
@@ -218,7 +387,7 @@ impl State {
 
     /// Every (type, state key, event id) at `root`, ordered.
     pub fn entries(&self, root: Root) -> Vec<(String, String, String)> {
-        trie::entries(&TableNodes(&self.nodes), root)
+        trie::entries(&self.reader(), root)
             .unwrap_or_default()
             .into_iter()
             .map(|(t, k, v)| (t, k, String::from_utf8_lossy(&v).into_owned()))
@@ -227,7 +396,7 @@ impl State {
 
     /// Entries of one type at `root` (state key, event id).
     pub fn entries_of_type(&self, root: Root, event_type: &str) -> Vec<(String, String)> {
-        trie::entries_of_type(&TableNodes(&self.nodes), root, event_type)
+        trie::entries_of_type(&self.reader(), root, event_type)
             .unwrap_or_default()
             .into_iter()
             .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
@@ -236,7 +405,7 @@ impl State {
 
     /// Changes between two roots, cost proportional to the difference.
     pub fn diff(&self, from: Root, to: Root) -> Vec<trie::Change> {
-        trie::diff(&TableNodes(&self.nodes), from, to).unwrap_or_default()
+        trie::diff(&self.reader(), from, to).unwrap_or_default()
     }
 }
 
@@ -409,6 +578,7 @@ impl Projection for State {
                 let store = CtxNodes {
                     ctx,
                     table: &self.nodes,
+                    cache: &self.node_cache,
                 };
                 let id = pdu.event_id.as_str().as_bytes();
                 let after =
