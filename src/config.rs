@@ -105,7 +105,7 @@ pub struct Caches {
     pub timeline_event_bytes: usize,
     /// Bytes of state-trie nodes kept by hash (every state read walks a path from a
     /// room's state root, and active rooms' paths repeat); full, the oldest are
-    /// dropped (0: no cache). Counted as each node's length plus 96 bytes.
+    /// dropped (0: no cache). Counted as each node's length plus 128 bytes.
     pub state_node_bytes: usize,
 }
 
@@ -1209,7 +1209,7 @@ mod tests {
                 "config field `{field}` is missing from spindle.example.toml"
             );
         }
-        assert_eq!(want.len(), 181);
+        assert_eq!(want.len(), 182);
     }
 
     #[test]

@@ -594,3 +594,79 @@ async fn a_named_room_lazy_loads_no_hero_members() {
     assert_eq!(members, want);
     ts.stop().await;
 }
+
+/// An incremental sync looks only at the rooms the change indexes list, so each kind of
+/// news must put its room there: of four rooms, one gets a receipt only, one a typing
+/// notice only, one room account data only, and one nothing; the answer holds exactly
+/// the first three, each with its own news.
+#[tokio::test]
+async fn each_kind_of_room_news_alone_brings_its_room_into_an_incremental_sync() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    let mut rooms = Vec::new();
+    for _ in 0..4 {
+        let room = alice.create_room(json!({ "preset": "public_chat" })).await;
+        bob.join(&room).await;
+        rooms.push(room);
+    }
+    let read = alice.send_text(&rooms[0], "read me").await;
+    let s0 = alice.sync("").await;
+    bob.post(
+        &format!(
+            "{V3}/rooms/{}/receipt/m.read/{}",
+            enc(&rooms[0]),
+            enc(&read)
+        ),
+        &json!({}),
+    )
+    .await
+    .ok();
+    bob.put(
+        &format!("{V3}/rooms/{}/typing/{}", enc(&rooms[1]), enc(&bob.user_id)),
+        &json!({ "typing": true, "timeout": 30_000 }),
+    )
+    .await
+    .ok();
+    alice
+        .put(
+            &format!(
+                "{V3}/user/{}/rooms/{}/account_data/org.example.note",
+                enc(&alice.user_id),
+                enc(&rooms[2])
+            ),
+            &json!({ "n": 1 }),
+        )
+        .await
+        .ok();
+    let s1 = alice.sync(&format!("since={}", next_batch(&s0))).await;
+    let join = s1["rooms"]["join"].as_object().unwrap();
+    let mut got: Vec<&String> = join.keys().collect();
+    got.sort();
+    let mut want: Vec<&String> = rooms[..3].iter().collect();
+    want.sort();
+    assert_eq!(got, want, "{s1}");
+    let types = |room: &str, section: &str| -> Vec<String> {
+        join[room][section]["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["type"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    assert_eq!(types(&rooms[0], "ephemeral"), ["m.receipt"]);
+    let receipt = &join[&rooms[0]]["ephemeral"]["events"][0]["content"];
+    assert!(
+        receipt[&read]["m.read"][&bob.user_id]["ts"].is_u64(),
+        "{receipt}"
+    );
+    assert_eq!(types(&rooms[1], "ephemeral"), ["m.typing"]);
+    assert_eq!(
+        join[&rooms[1]]["ephemeral"]["events"][0]["content"]["user_ids"],
+        json!([bob.user_id])
+    );
+    assert_eq!(types(&rooms[2], "account_data"), ["org.example.note"]);
+    for room in &rooms[..3] {
+        assert_eq!(join[room]["timeline"]["events"], json!([]), "{room}: {s1}");
+    }
+}

@@ -1447,7 +1447,7 @@ pub(crate) fn has_updates(
 /// follows the rooms that changed rather than the rooms joined (a user in 500 rooms
 /// polling for one message). A superset: each room is still checked. `None` when an
 /// index cannot tell (a token older than the process knows, more rooms changed than
-/// joined, `joined` unsorted): check every joined room.
+/// joined): check every joined room.
 ///
 /// Room account data and the user's own membership changes are not here: `/sync`
 /// reads those from the user's own logs.
@@ -1469,7 +1469,7 @@ pub(crate) fn rooms_with_news<'a>(
         joined,
     )?);
     out.extend(changed_among(
-        s.typing.rooms_changed_among(since.1, limit),
+        s.typing.rooms_changed_within(since.1, limit),
         joined,
     )?);
     out.extend(changed_among(

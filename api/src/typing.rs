@@ -273,7 +273,7 @@ impl Typing {
 
     /// Rooms whose typing state changed after counter value `after`, at most `limit`
     /// (`None`: more did; ask [`Typing::room_serial`] room by room).
-    pub fn rooms_changed_among(&self, after: u64, limit: usize) -> Option<Vec<Arc<str>>> {
+    pub fn rooms_changed_within(&self, after: u64, limit: usize) -> Option<Vec<Arc<str>>> {
         self.rooms.lock().changed.changed_after(after, limit)
     }
 

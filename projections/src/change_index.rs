@@ -64,7 +64,8 @@ impl ChangeIndex {
         position
     }
 
-    /// Forgets a key (an evicted typing room): it no longer counts as changed.
+    /// Forgets a key (an evicted typing or presence room): it no longer counts as
+    /// changed.
     pub fn remove(&mut self, key: &str) {
         if let Some((k, p)) = self.latest.remove_entry(key) {
             self.by_position.remove(&(p, k));
@@ -124,11 +125,18 @@ impl SortedKeys {
         SortedKeys(keys.into())
     }
 
-    /// Keys read from an ordered map or set (already sorted and unique).
-    pub fn from_sorted<'a>(keys: impl Iterator<Item = &'a String>) -> SortedKeys {
-        let v: Vec<String> = keys.cloned().collect();
-        debug_assert!(v.windows(2).all(|w| w[0] < w[1]));
-        SortedKeys(v.into())
+    /// The keys of a `BTreeMap` (sorted and unique by construction) whose value
+    /// passes `keep`.
+    pub fn from_map<V>(
+        map: &std::collections::BTreeMap<String, V>,
+        keep: impl Fn(&V) -> bool,
+    ) -> SortedKeys {
+        SortedKeys(
+            map.iter()
+                .filter(|(_, v)| keep(v))
+                .map(|(k, _)| k.clone())
+                .collect(),
+        )
     }
 
     /// The kept copy of `key`, if it is one of the keys.

@@ -213,6 +213,8 @@ pub struct DeviceKeys {
     room_last: LastChange,
     user_last: LastChange,
     device_last: LastChange,
+    /// Where the checkpoint is read when the caches start again ([`Projection::reload`]).
+    db: ProjectionDb,
 }
 
 fn algorithm_of(key_id: &str) -> &str {
@@ -244,6 +246,7 @@ impl DeviceKeys {
             room_log: t("room_log")?,
             user_log: t("user_log")?,
             room_last: LastChange::known_after(db.checkpoint("device_keys")),
+            db: db.clone(),
             user_last: LastChange::default(),
             device_last: LastChange::default(),
         })
@@ -986,6 +989,15 @@ impl DeviceKeys {
 impl Projection for DeviceKeys {
     fn name(&self) -> &'static str {
         "device_keys"
+    }
+
+    /// At start, after a failed commit, or on new tables (an online rebuild, whose
+    /// rows may not match the remembered positions): start again from the checkpoint.
+    fn reload(&self) {
+        let checkpoint = self.db.checkpoint("device_keys");
+        for last in [&self.room_last, &self.user_last, &self.device_last] {
+            last.reset(checkpoint);
+        }
     }
 
     /// Facts and state events (member events): a message does not wake it.

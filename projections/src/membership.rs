@@ -83,12 +83,7 @@ impl Kept {
 }
 
 fn joined_of(rooms: &RoomList) -> SortedKeys {
-    SortedKeys::from_sorted(
-        rooms
-            .iter()
-            .filter(|(_, m)| m.membership == "join")
-            .map(|(room, _)| room),
-    )
+    SortedKeys::from_map(rooms, |m| m.membership == "join")
 }
 
 /// Replaces one room's entry in a user's kept room list. Runs after the commit that

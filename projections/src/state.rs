@@ -87,40 +87,15 @@ pub struct NodeCache {
 
 #[derive(Default)]
 struct NodeCacheInner {
-    map: HashMap<NodeHash, Arc<[u8]>, BuildNodeHasher>,
+    map: HashMap<NodeHash, Arc<[u8]>>,
     order: VecDeque<NodeHash>,
     bytes: usize,
 }
 
-/// A node hash is already a uniform hash: its first 8 bytes are the map's hash.
-#[derive(Default, Clone, Copy)]
-struct BuildNodeHasher;
-
-#[derive(Default)]
-struct NodeHasher(u64);
-
-impl std::hash::Hasher for NodeHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for (i, b) in bytes.iter().take(8).enumerate() {
-            self.0 ^= u64::from(*b) << (8 * i);
-        }
-    }
-    fn write_usize(&mut self, _: usize) {}
-}
-
-impl std::hash::BuildHasher for BuildNodeHasher {
-    type Hasher = NodeHasher;
-    fn build_hasher(&self) -> NodeHasher {
-        NodeHasher(0)
-    }
-}
-
 impl NodeCache {
-    /// Bytes counted per node beside its encoding (the key, the map and queue slots).
-    pub const OVERHEAD: usize = 96;
+    /// Bytes counted per node beside its encoding: the key, the map's slot with its
+    /// spare capacity, the queue's slot and the shared bytes' header (an estimate).
+    pub const OVERHEAD: usize = 128;
 
     /// A cache of at most about `budget` bytes (0: none; every read goes to the store).
     pub fn new(budget: usize) -> NodeCache {

@@ -445,7 +445,8 @@ pub struct LastChange {
 }
 
 impl Default for LastChange {
-    /// Answers [`LastChange::get`] only: [`LastChange::changed_after`] is always `None`.
+    /// Answers [`LastChange::get`] only: [`LastChange::changed_after`] answers `None`
+    /// for every real position.
     fn default() -> Self {
         LastChange::known_after(u64::MAX)
     }
@@ -488,6 +489,14 @@ impl LastChange {
     /// Records a new position (called after the commit that wrote it).
     pub fn bump(&self, k: String, position: u64) {
         self.index.write().bump(&k, position);
+    }
+
+    /// Forgets every position and knows every change after `checkpoint` from now on:
+    /// for a projection's `reload` (the tables may have been replaced by an online
+    /// rebuild, whose rows need not match what was bumped; `checkpoint` is the one
+    /// the tables now hold). `get` reads each key again.
+    pub fn reset(&self, checkpoint: u64) {
+        *self.index.write() = ChangeIndex::new(checkpoint);
     }
 
     /// Keys changed after `after`, at most `limit` (see [`ChangeIndex::changed_after`];

@@ -203,6 +203,8 @@ pub struct Receipts {
     log: Table,
     event_pos: Table,
     last: LastChange,
+    /// Where the checkpoint is read when `last` starts again ([`Projection::reload`]).
+    db: ProjectionDb,
 }
 
 impl Receipts {
@@ -213,6 +215,7 @@ impl Receipts {
             log: db.table("receipts", "log")?,
             event_pos: db.table("receipts", "event_pos")?,
             last: LastChange::known_after(db.checkpoint("receipts")),
+            db: db.clone(),
         })
     }
 
@@ -320,6 +323,11 @@ impl Receipts {
 impl Projection for Receipts {
     fn name(&self) -> &'static str {
         "receipts"
+    }
+    /// At start, after a failed commit, or on new tables (an online rebuild, whose
+    /// rows may not match the remembered positions): start again from the checkpoint.
+    fn reload(&self) {
+        self.last.reset(self.db.checkpoint("receipts"));
     }
     fn tables(&self) -> Vec<Table> {
         vec![
