@@ -121,6 +121,22 @@ impl Harness {
         assert_eq!(status, 200, "{v}");
     }
 
+    /// Puts `n` state events `org.example.filler` (state keys `key0`..) with content
+    /// `{"i": i}` into a room: a state that grows without members.
+    async fn put_fillers(&self, token: &str, room: &str, n: usize) {
+        for i in 0..n {
+            let (status, v) = self
+                .call(
+                    reqwest::Method::PUT,
+                    &format!("/_matrix/client/v3/rooms/{room}/state/org.example.filler/key{i}"),
+                    Some(token),
+                    Some(json!({ "i": i })),
+                )
+                .await;
+            assert_eq!(status, 200, "{v}");
+        }
+    }
+
     fn reads(&self) -> u64 {
         let stats = self.server.projections.db.stats();
         stats.reads.load(Ordering::Relaxed) + stats.rows_scanned.load(Ordering::Relaxed)
@@ -471,18 +487,7 @@ async fn state_point_lookup_reads_one_path() {
     let (_erin, et) = h.register("erin").await;
     let small = h.create_room(&et, json!({ "name": "small" })).await;
     let big = h.create_room(&et, json!({ "name": "big" })).await;
-    for i in 0..400 {
-        let path = format!("/_matrix/client/v3/rooms/{big}/state/org.example.filler/key{i}");
-        let (status, _) = h
-            .call(
-                reqwest::Method::PUT,
-                &path,
-                Some(&et),
-                Some(json!({ "i": i })),
-            )
-            .await;
-        assert_eq!(status, 200);
-    }
+    h.put_fillers(&et, &big, 400).await;
     h.quiesce().await;
     let state = &h.server.projections.state;
     let mut reads = Vec::new();
@@ -511,18 +516,7 @@ async fn a_state_path_is_read_from_the_store_once() {
     let h = Harness::start_with(|c| c.caches.timeline_event_bytes = 0).await;
     let (_erin, et) = h.register("erin").await;
     let room = h.create_room(&et, json!({ "name": "cached" })).await;
-    for i in 0..100 {
-        let path = format!("/_matrix/client/v3/rooms/{room}/state/org.example.filler/key{i}");
-        let (status, _) = h
-            .call(
-                reqwest::Method::PUT,
-                &path,
-                Some(&et),
-                Some(json!({ "i": i })),
-            )
-            .await;
-        assert_eq!(status, 200);
-    }
+    h.put_fillers(&et, &room, 100).await;
     h.quiesce().await;
     let state = &h.server.projections.state;
     let cache = state.node_cache();
@@ -1076,18 +1070,7 @@ async fn state_event_endpoint_reads_one_path() {
     let (_erin, et) = h.register("erin").await;
     let small = h.create_room(&et, json!({ "name": "small" })).await;
     let big = h.create_room(&et, json!({ "name": "big" })).await;
-    for i in 0..400 {
-        let path = format!("/_matrix/client/v3/rooms/{big}/state/org.example.filler/key{i}");
-        let (status, _) = h
-            .call(
-                reqwest::Method::PUT,
-                &path,
-                Some(&et),
-                Some(json!({ "i": i })),
-            )
-            .await;
-        assert_eq!(status, 200);
-    }
+    h.put_fillers(&et, &big, 400).await;
     let mut reads = Vec::new();
     for (room, name) in [(&small, "small"), (&big, "big")] {
         let (r, v) = h

@@ -1460,22 +1460,14 @@ pub(crate) fn rooms_with_news<'a>(
     let p = &s.projections;
     let limit = joined.len();
     let mut out = BTreeSet::new();
-    out.extend(changed_among(
+    for changed in [
         p.timeline.rooms_active_after(since.0, limit),
-        joined,
-    )?);
-    out.extend(changed_among(
         p.receipts.rooms_changed_after(since.0, limit),
-        joined,
-    )?);
-    out.extend(changed_among(
         s.typing.rooms_changed_within(since.1, limit),
-        joined,
-    )?);
-    out.extend(changed_among(
         p.state.completed_after(since.0, limit),
-        joined,
-    )?);
+    ] {
+        out.extend(changed_among(changed, joined)?);
+    }
     Some(out)
 }
 

@@ -602,11 +602,11 @@ impl Timeline {
     }
 }
 
-fn load_positions(table: &Table, map: &mut HashMap<String, u64>) {
-    map.clear();
+/// Each (room, position) row of a room -> position table (`rooms`, `bumps`).
+fn each_position(table: &Table, mut f: impl FnMut(String, u64)) {
     for (k, v) in table.all() {
         if v.len() == 8 {
-            map.insert(
+            f(
                 String::from_utf8_lossy(&k).into_owned(),
                 u64::from_be_bytes(v[..8].try_into().expect("8")),
             );
@@ -639,16 +639,15 @@ impl Projection for Timeline {
     fn reload(&self) {
         let mut recency = self.recency.write();
         recency.clear(0);
-        for (k, v) in self.rooms.all() {
-            if v.len() == 8 {
-                recency.bump(
-                    &String::from_utf8_lossy(&k),
-                    u64::from_be_bytes(v[..8].try_into().expect("8")),
-                );
-            }
-        }
+        each_position(&self.rooms, |room, pos| {
+            recency.bump(&room, pos);
+        });
         drop(recency);
-        load_positions(&self.bumps, &mut self.bumped.write());
+        let mut bumped = self.bumped.write();
+        bumped.clear();
+        each_position(&self.bumps, |room, pos| {
+            bumped.insert(room, pos);
+        });
         // New tables (an online rebuild) may hold redactions the counts never saw,
         // and rows the cached events were not read from.
         self.redaction_generations
