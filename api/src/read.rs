@@ -160,8 +160,38 @@ pub fn hidden_by_ignore(ignored: &std::collections::HashSet<String>, ev: &EventR
     !ignored.is_empty() && !ev.pdu.is_state() && ignored.contains(ev.pdu.sender.as_str())
 }
 
-/// [`render`] without bundled aggregations.
-pub fn render_unbundled(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &str)>) -> Value {
+/// [`render`] written as JSON text onto `out` (the same members; for answers written as
+/// text, such as the sliding sync's): the event's `content` is copied as stored, not
+/// parsed into a [`Value`] and serialized again. A redacted event takes [`render`]'s
+/// path (rare, and its content is rewritten anyway).
+pub fn write_render(
+    s: &AppState,
+    ev: &EventRecord,
+    viewer: Option<(&str, &str)>,
+    out: &mut Vec<u8>,
+) {
+    if redaction_of(s, ev).is_some() {
+        let _ = serde_json::to_writer(&mut *out, &render(s, ev, viewer));
+        return;
+    }
+    let mut unsigned = client_unsigned(s, ev, viewer);
+    if let Some(prev) = replaced_state(s, ev) {
+        unsigned.insert("prev_content".into(), client_content(s, &prev));
+    }
+    if let Some(b) = crate::relations::bundle(s, ev, viewer, 0) {
+        unsigned.insert("m.relations".into(), b);
+    }
+    ev.pdu.write_client_event(out, Some(&unsigned));
+}
+
+/// The per-viewer members of an event's `unsigned` ([`render_unbundled`]'s first part):
+/// `age`, then for the sender `org.matrix.msc4140.delay_id` (a fired delayed event) or
+/// `transaction_id` (the sending device), and `membership` (the viewer's, at the event).
+fn client_unsigned(
+    s: &AppState,
+    ev: &EventRecord,
+    viewer: Option<(&str, &str)>,
+) -> serde_json::Map<String, Value> {
     let mut unsigned = serde_json::Map::new();
     unsigned.insert(
         "age".into(),
@@ -188,6 +218,12 @@ pub fn render_unbundled(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &s
     if let Some((user, _)) = viewer {
         unsigned.insert("membership".into(), json!(membership_at_event(s, ev, user)));
     }
+    unsigned
+}
+
+/// [`render`] without bundled aggregations.
+pub fn render_unbundled(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &str)>) -> Value {
+    let mut unsigned = client_unsigned(s, ev, viewer);
     if let Some(redaction) = redaction_of(s, ev) {
         let mut out = ev.pdu.to_redacted_client_event(&redaction.pdu);
         if let Some(u) = out.get_mut("unsigned").and_then(|u| u.as_object_mut()) {
@@ -328,15 +364,15 @@ async fn get_state(
     )))
 }
 
-/// A `200` with a JSON body already written as text.
-pub fn raw_json(body: String) -> axum::response::Response {
+/// A `200` with a JSON body already written as text (a `String` or UTF-8 bytes).
+pub fn raw_json(body: impl Into<axum::body::Body>) -> axum::response::Response {
     use axum::response::IntoResponse;
     (
         [(
             axum::http::header::CONTENT_TYPE,
             axum::http::HeaderValue::from_static("application/json"),
         )],
-        body,
+        body.into(),
     )
         .into_response()
 }

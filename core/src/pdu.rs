@@ -64,6 +64,16 @@ pub struct PduTemplate {
     pub origin_server_ts: u64,
 }
 
+static CONTENT_PARSES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many times [`Pdu::content_value`] (and so [`Pdu::to_client_event`]) parsed an
+/// event's content into a [`serde_json::Value`] in this process: the counting tests'
+/// witness that answers written as text ([`Pdu::write_client_event`]) parse none. One
+/// relaxed atomic add per parse, next to the parse itself.
+pub fn content_parses() -> u64 {
+    CONTENT_PARSES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// A signed PDU, with its id, room id and a parsed view of its fields.
 #[derive(Debug, Clone)]
 pub struct Pdu {
@@ -498,6 +508,7 @@ impl Pdu {
 
     /// The content as a `serde_json::Value`.
     pub fn content_value(&self) -> serde_json::Value {
+        CONTENT_PARSES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         serde_json::from_str(self.content.get()).unwrap_or(serde_json::Value::Null)
     }
 
@@ -510,6 +521,51 @@ impl Pdu {
     /// with the given `unsigned` object (omitted when `None`).
     pub fn to_client_event(&self, unsigned: Option<serde_json::Value>) -> serde_json::Value {
         self.render(self.content_value(), unsigned)
+    }
+
+    /// [`Pdu::to_client_event`] written as JSON text onto `out`: the same members in the
+    /// same (sorted) order, with `content` copied as the PDU holds it instead of parsed
+    /// and serialized again, and `unsigned` (an object, omitted when `None`) serialized
+    /// in place. What answers written as text use (the sliding sync's events): about a
+    /// third of what building and serializing the [`serde_json::Value`] costs.
+    pub fn write_client_event(
+        &self,
+        out: &mut Vec<u8>,
+        unsigned: Option<&serde_json::Map<String, serde_json::Value>>,
+    ) {
+        use std::io::Write as _;
+        let string = |out: &mut Vec<u8>, value: &str| {
+            // Escaped as serde_json escapes; writing into a Vec cannot fail.
+            let _ = serde_json::to_writer(&mut *out, value);
+        };
+        out.extend_from_slice(b"{\"content\":");
+        out.extend_from_slice(self.content.get().as_bytes());
+        out.extend_from_slice(b",\"event_id\":");
+        string(out, self.event_id.as_str());
+        let _ = write!(
+            out,
+            ",\"origin_server_ts\":{}",
+            u64::from(self.origin_server_ts.0)
+        );
+        if let Some(r) = &self.redacts {
+            out.extend_from_slice(b",\"redacts\":");
+            string(out, r.as_str());
+        }
+        out.extend_from_slice(b",\"room_id\":");
+        string(out, self.room_id.as_str());
+        out.extend_from_slice(b",\"sender\":");
+        string(out, self.sender.as_str());
+        if let Some(sk) = &self.state_key {
+            out.extend_from_slice(b",\"state_key\":");
+            string(out, sk);
+        }
+        out.extend_from_slice(b",\"type\":");
+        string(out, &self.kind.to_string());
+        if let Some(u) = unsigned {
+            out.extend_from_slice(b",\"unsigned\":");
+            let _ = serde_json::to_writer(&mut *out, u);
+        }
+        out.push(b'}');
     }
 
     /// The event as a client sees it after redaction (content stripped per the room
@@ -829,6 +885,43 @@ mod tests {
         t.state_key = None;
         t.content = serde_json::json!({"body": "x".repeat(70_000)});
         assert!(matches!(t.build(&key), Err(PduError::TooLarge(_))));
+    }
+
+    #[test]
+    fn client_event_text_is_the_client_event_value() {
+        let key = ServerKey::generate("example.org");
+        let mut t = template("11", Some("!abc:example.org"));
+        t.kind = "m.room.message".into();
+        t.state_key = None;
+        t.content = serde_json::json!({
+            "msgtype": "m.text",
+            "body": "quote \" backslash \\ newline \n tab \t nul \u{0} é 😀",
+            "n": [1, -2, {"deep": null}],
+        });
+        let message = t.build(&key).unwrap();
+        let mut t = template("10", Some("!abc:example.org"));
+        t.kind = "m.room.redaction".into();
+        t.state_key = None;
+        t.redacts = Some(message.event_id.clone());
+        t.content = serde_json::json!({});
+        let redaction = t.build(&key).unwrap();
+        let mut t = template("11", Some("!abc:example.org"));
+        t.kind = "m.room.member".into();
+        t.state_key = Some("@al\"ice:example.org".into());
+        t.content = serde_json::json!({"membership": "join"});
+        let member = t.build(&key).unwrap();
+        let unsigned = serde_json::json!({"age": 5, "transaction_id": "t\"1"});
+        for pdu in [&message, &redaction, &member] {
+            for u in [None, unsigned.as_object()] {
+                let mut out = Vec::new();
+                pdu.write_client_event(&mut out, u);
+                let text: serde_json::Value = serde_json::from_slice(&out).unwrap();
+                let value = pdu.to_client_event(u.map(|u| serde_json::Value::Object(u.clone())));
+                assert_eq!(text, value, "{}", String::from_utf8_lossy(&out));
+                // Same members in the same order: the same bytes as the value's text.
+                assert_eq!(out, serde_json::to_vec(&value).unwrap());
+            }
+        }
     }
 
     #[test]

@@ -27,7 +27,7 @@ use std::{
     time::Duration,
 };
 
-use axum::{Json, Router, extract::State, routing::post};
+use axum::{Router, extract::State, routing::post};
 use serde_json::{Value, json};
 use spindle_core::trie::Root;
 use spindle_projections::{membership::Membership, timeline::EventRecord};
@@ -41,7 +41,7 @@ use request::{ExtensionConfig, ListFilters, RequiredState, RoomConfig, SlidingRe
 use crate::{
     ApiResult, AppState, MatrixError,
     extract::{JsonObject, Query, Requester},
-    read::{render, token},
+    read::{token, write_render},
     visibility::{Access, can_see, room_access},
 };
 
@@ -73,7 +73,7 @@ async fn sliding_sync(
     r: Requester,
     q: Query,
     JsonObject(body): JsonObject,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<axum::response::Response> {
     let req = SlidingRequest::parse(Value::Object(body))?;
     if let Some(p) = q.get("set_presence")
         && !["online", "offline", "unavailable"].contains(&p)
@@ -133,7 +133,7 @@ async fn sliding_sync(
         {
             wait_for_updates(&s, &r, since, wake, deadline).await;
         }
-        let (snapshot, mut response, changed) =
+        let (snapshot, answer, changed) =
             Build::run(&s, &r, &req, base.as_deref(), to_device_since).await?;
         let done = changed
             || base.is_none()
@@ -144,11 +144,9 @@ async fn sliding_sync(
             let new_pos = s
                 .sliding
                 .record(user, device, conn_id, pos.as_deref(), snapshot);
-            response["pos"] = json!(new_pos);
-            if let Some(t) = &req.txn_id {
-                response["txn_id"] = json!(t);
-            }
-            return Ok(Json(response));
+            return Ok(crate::read::raw_json(
+                answer.to_json(&new_pos, req.txn_id.as_deref()),
+            ));
         }
         since = Some((snapshot.upto, snapshot.typing));
         // Nothing for this device up to `snapshot.upto` (e.g. another connection of the
@@ -227,19 +225,128 @@ fn room_type(s: &AppState, room: &str) -> Option<String> {
     t
 }
 
-/// Renders a state event for `required_state`: like [`render`] but without
-/// `prev_content`, which would cost a lookup in the full state (whose depth grows with
-/// the member count) and which room-state consumers do not need.
-fn render_state(s: &AppState, ev: &EventRecord) -> Value {
+/// Writes a state event for `required_state` onto `out`: like [`write_render`] but
+/// without `prev_content`, which would cost a lookup in the full state (whose depth
+/// grows with the member count) and which room-state consumers do not need.
+fn write_state(s: &AppState, ev: &EventRecord, out: &mut Vec<u8>) {
     let age = crate::now_ms().saturating_sub(u64::from(ev.pdu.origin_server_ts.0));
     if let Some(redaction_id) = s.projections.timeline.redacted_by(ev.pdu.event_id.as_str())
         && let Some(redaction) = s.projections.timeline.event(&redaction_id)
     {
-        let mut out = ev.pdu.to_redacted_client_event(&redaction.pdu);
-        out["unsigned"]["age"] = json!(age);
-        return out;
+        let mut v = ev.pdu.to_redacted_client_event(&redaction.pdu);
+        v["unsigned"]["age"] = json!(age);
+        let _ = serde_json::to_writer(&mut *out, &v);
+        return;
     }
-    ev.pdu.to_client_event(Some(json!({ "age": age })))
+    let mut unsigned = serde_json::Map::new();
+    unsigned.insert("age".into(), json!(age));
+    ev.pdu.write_client_event(out, Some(&unsigned));
+}
+
+/// A JSON array of `events`, each written by `write` (text, see [`RoomOut`]).
+fn json_array<T>(events: &[T], mut write: impl FnMut(&T, &mut Vec<u8>)) -> Vec<u8> {
+    let mut out = Vec::with_capacity(events.len() * 512 + 2);
+    out.push(b'[');
+    for (i, e) in events.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        write(e, &mut out);
+    }
+    out.push(b']');
+    out
+}
+
+/// One room of the answer: its fields as a JSON object, and its event lists already
+/// written as JSON text (events are most of an answer's bytes; written as text, their
+/// content is copied as stored instead of parsed into a [`Value`] and serialized
+/// again).
+struct RoomOut {
+    /// Every member but the event lists.
+    fields: serde_json::Map<String, Value>,
+    /// `timeline`, a JSON array.
+    timeline: Option<Vec<u8>>,
+    /// `required_state`, a JSON array.
+    required_state: Option<Vec<u8>>,
+}
+
+impl RoomOut {
+    fn fields(fields: Value) -> RoomOut {
+        let Value::Object(fields) = fields else {
+            unreachable!("a room's fields are an object");
+        };
+        RoomOut {
+            fields,
+            timeline: None,
+            required_state: None,
+        }
+    }
+
+    /// Writes the room's JSON object onto `out`.
+    fn write(&self, out: &mut Vec<u8>) {
+        let _ = serde_json::to_writer(&mut *out, &self.fields);
+        out.pop(); // the closing brace: the event lists follow
+        for (name, events) in [
+            ("timeline", &self.timeline),
+            ("required_state", &self.required_state),
+        ] {
+            if let Some(events) = events {
+                if out.last() != Some(&b'{') {
+                    out.push(b',');
+                }
+                out.push(b'"');
+                out.extend_from_slice(name.as_bytes());
+                out.extend_from_slice(b"\":");
+                out.extend_from_slice(events);
+            }
+        }
+        out.push(b'}');
+    }
+}
+
+/// The answer before `pos` and `txn_id` are added.
+struct Answer {
+    lists: serde_json::Map<String, Value>,
+    rooms: BTreeMap<String, RoomOut>,
+    extensions: Value,
+}
+
+impl Answer {
+    /// The whole answer as JSON text.
+    fn to_json(&self, pos: &str, txn_id: Option<&str>) -> Vec<u8> {
+        let mut out = Vec::with_capacity(
+            4096 + self
+                .rooms
+                .values()
+                .map(|r| {
+                    r.timeline.as_ref().map_or(0, Vec::len)
+                        + r.required_state.as_ref().map_or(0, Vec::len)
+                })
+                .sum::<usize>(),
+        );
+        out.extend_from_slice(b"{\"extensions\":");
+        let _ = serde_json::to_writer(&mut out, &self.extensions);
+        out.extend_from_slice(b",\"lists\":");
+        let _ = serde_json::to_writer(&mut out, &self.lists);
+        out.extend_from_slice(b",\"pos\":");
+        let _ = serde_json::to_writer(&mut out, pos);
+        out.extend_from_slice(b",\"rooms\":{");
+        for (i, (id, room)) in self.rooms.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            let _ = serde_json::to_writer(&mut out, id);
+            out.push(b':');
+            room.write(&mut out);
+        }
+        out.push(b'}');
+        if let Some(t) = txn_id {
+            out.extend_from_slice(b",\"txn_id\":");
+            let _ = serde_json::to_writer(&mut out, t);
+        }
+        out.push(b'}');
+        out
+    }
 }
 
 /// One room selected by the request: its merged config and the lists naming it.
@@ -283,7 +390,7 @@ impl<'a> Build<'a> {
         req: &'a SlidingRequest,
         base: Option<&'a Snapshot>,
         to_device_since: Option<u64>,
-    ) -> ApiResult<(Snapshot, Value, bool)> {
+    ) -> ApiResult<(Snapshot, Answer, bool)> {
         let mut upto = s.projections.runtime.applied();
         // As in /sync: the membership projection may be ahead of the slowest one; let
         // everything reach the newest membership change so rooms classify consistently.
@@ -332,7 +439,7 @@ impl<'a> Build<'a> {
         &mut self,
         rooms: &BTreeMap<String, Membership>,
         typing: u64,
-    ) -> ApiResult<(Snapshot, Value, bool)> {
+    ) -> ApiResult<(Snapshot, Answer, bool)> {
         let s = self.s;
         // The user's room list, newest first (memory only: the timeline projection's
         // last activity per room, or the membership's own position when not joined).
@@ -412,7 +519,7 @@ impl<'a> Build<'a> {
             lists: list_counts,
             dm_rooms: self.dm_rooms.clone(),
         };
-        let mut rooms_out = serde_json::Map::new();
+        let mut rooms_out = BTreeMap::new();
         let mut initial_rooms = BTreeSet::new();
         for (room, sel) in &selected {
             let sent = base.rooms.get(room);
@@ -431,9 +538,12 @@ impl<'a> Build<'a> {
             self.extensions(&selected, &initial_rooms, base, typing, &mut next);
         let changed =
             !rooms_out.is_empty() || news || self.base.is_none_or(|b| b.lists != next.lists);
-        let mut response = json!({ "lists": lists_out, "rooms": rooms_out });
-        response["extensions"] = extensions;
-        Ok((next, response, changed))
+        let answer = Answer {
+            lists: lists_out,
+            rooms: rooms_out,
+            extensions,
+        };
+        Ok((next, answer, changed))
     }
 
     /// Whether a membership puts the room in the user's room list (MSC4186 "Lists"):
@@ -626,7 +736,7 @@ impl<'a> Build<'a> {
         room: &str,
         sel: &Selected,
         sent: Option<&RoomSent>,
-    ) -> Option<(Option<Value>, RoomSent, bool)> {
+    ) -> Option<(Option<RoomOut>, RoomSent, bool)> {
         let m = &sel.membership;
         match m.membership.as_str() {
             "invite" | "knock" => self.stripped_room(room, sel, sent),
@@ -640,7 +750,7 @@ impl<'a> Build<'a> {
         room: &str,
         sel: &Selected,
         sent: Option<&RoomSent>,
-    ) -> Option<(Option<Value>, RoomSent, bool)> {
+    ) -> Option<(Option<RoomOut>, RoomSent, bool)> {
         let m = &sel.membership;
         if sent.is_some_and(|x| x.membership == m.membership && x.upto >= m.position) {
             return None;
@@ -656,6 +766,7 @@ impl<'a> Build<'a> {
         if is_dm {
             v["is_dm"] = json!(true);
         }
+        let v = RoomOut::fields(v);
         let now = RoomSent {
             upto: m.position,
             membership: m.membership.clone(),
@@ -675,7 +786,7 @@ impl<'a> Build<'a> {
         room: &str,
         sel: &Selected,
         sent: Option<&RoomSent>,
-    ) -> Option<(Option<Value>, RoomSent, bool)> {
+    ) -> Option<(Option<RoomOut>, RoomSent, bool)> {
         let s = self.s;
         let m = &sel.membership;
         let config = &sel.config;
@@ -849,8 +960,11 @@ impl<'a> Build<'a> {
         if initial || fields.bump_stamp != old.bump_stamp {
             v["bump_stamp"] = json!(fields.bump_stamp);
         }
+        let mut timeline_json = None;
         if !timeline.is_empty() || initial || expanded {
-            v["timeline"] = Value::Array(timeline.iter().map(|e| render(s, e, viewer)).collect());
+            timeline_json = Some(json_array(&timeline, |e, out| {
+                write_render(s, e, viewer, out)
+            }));
             v["limited"] = json!(limited);
             v["num_live"] = json!(num_live);
             v["prev_batch"] = json!(
@@ -860,11 +974,13 @@ impl<'a> Build<'a> {
                     .unwrap_or_else(|| token(end))
             );
         }
+        let mut room_out = RoomOut::fields(v);
+        room_out.timeline = timeline_json;
         if !required_state.is_empty() || initial {
-            v["required_state"] =
-                Value::Array(required_state.iter().map(|e| render_state(s, e)).collect());
+            room_out.required_state =
+                Some(json_array(&required_state, |e, out| write_state(s, e, out)));
         }
-        Some((Some(v), now, initial))
+        Some((Some(room_out), now, initial))
     }
 
     /// (full, non-member) state roots after the room's last event at or before `pos`.
