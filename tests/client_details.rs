@@ -290,3 +290,149 @@ async fn push_rules_account_data_reads_back_as_the_ruleset() {
         .expect_err(405, "M_BAD_JSON");
     ts.stop().await;
 }
+
+/// Events written as JSON text (`/messages`, `/context`, `/sync`, sliding sync) are the
+/// events `/event/{id}` renders as values, member for member: a message with its
+/// transaction id, a bundled thread summary and characters that need escaping, a state event
+/// with `prev_content`, a redacted message and the redaction. Only `unsigned.age`
+/// (also of the events inside) differs between two requests, so it is left out of the
+/// comparison.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_written_as_text_are_the_rendered_events() {
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let bob = ts.register("bob").await;
+    let room = alice
+        .create_room(json!({ "preset": "public_chat", "name": "text" }))
+        .await;
+    bob.join(&room).await;
+    alice
+        .put_state(&room, "m.room.topic", "", json!({ "topic": "first" }))
+        .await;
+    alice
+        .put_state(&room, "m.room.topic", "", json!({ "topic": "second" }))
+        .await;
+    let m1 = alice
+        .send_text(
+            &room,
+            "quote \" backslash \\ newline \n tab \t nul \u{0} é 😀",
+        )
+        .await;
+    bob.react(&room, &m1, "👍").await;
+    bob.send_txn(
+        &room,
+        "m.room.message",
+        "thread-reply",
+        &json!({
+            "msgtype": "m.text",
+            "body": "in a thread",
+            "m.relates_to": { "rel_type": "m.thread", "event_id": m1 },
+        }),
+    )
+    .await
+    .ok();
+    let m2 = alice.send_text(&room, "to be redacted").await;
+    alice
+        .put(
+            &format!("{V3}/rooms/{}/redact/{}/r1", enc(&room), enc(&m2)),
+            &json!({ "reason": "oops" }),
+        )
+        .await
+        .ok();
+    let without_age = |mut e: Value| {
+        strip_ages(&mut e);
+        e
+    };
+    let single = |id: String| {
+        let alice = &alice;
+        let room = &room;
+        async move {
+            alice
+                .get(&format!("{V3}/rooms/{}/event/{}", enc(room), enc(&id)))
+                .await
+                .ok()
+        }
+    };
+    let page = alice
+        .get(&format!(
+            "{V3}/rooms/{}/messages?dir=b&limit=50",
+            enc(&room)
+        ))
+        .await
+        .ok();
+    let chunk = page["chunk"].as_array().unwrap().clone();
+    assert_eq!(chunk.len(), 15, "{page}");
+    let mut checked = 0;
+    for e in &chunk {
+        let id = e["event_id"].as_str().unwrap().to_owned();
+        assert_eq!(without_age(e.clone()), without_age(single(id).await));
+        checked += 1;
+    }
+    // The cases named above are among them.
+    let find = |id: &str| chunk.iter().find(|e| e["event_id"] == id).unwrap().clone();
+    let first = find(&m1);
+    assert_eq!(
+        first["content"]["body"],
+        "quote \" backslash \\ newline \n tab \t nul \u{0} é 😀"
+    );
+    assert!(first["unsigned"]["transaction_id"].is_string(), "{first}");
+    assert_eq!(
+        first["unsigned"]["m.relations"]["m.thread"]["count"], 1,
+        "{first}"
+    );
+    assert_eq!(find(&m2)["content"], json!({}));
+    assert!(find(&m2)["unsigned"]["redacted_because"].is_object());
+    let topic = chunk
+        .iter()
+        .find(|e| e["type"] == "m.room.topic" && e["content"]["topic"] == "second")
+        .unwrap();
+    assert_eq!(
+        topic["unsigned"]["prev_content"],
+        json!({ "topic": "first" })
+    );
+    assert_eq!(checked, 15);
+    // `/context` and `/sync` write the same events.
+    let ctx = alice
+        .get(&format!(
+            "{V3}/rooms/{}/context/{}?limit=4",
+            enc(&room),
+            enc(&m1)
+        ))
+        .await
+        .ok();
+    assert_eq!(without_age(ctx["event"].clone()), without_age(find(&m1)));
+    for e in ctx["events_before"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(ctx["events_after"].as_array().unwrap())
+        .chain(ctx["state"].as_array().unwrap())
+    {
+        let id = e["event_id"].as_str().unwrap().to_owned();
+        assert_eq!(without_age(e.clone()), without_age(single(id).await));
+    }
+    let filter = enc(r#"{"room":{"timeline":{"limit":50}}}"#);
+    let sync = alice.sync(&format!("filter={filter}")).await;
+    let timeline = sync["rooms"]["join"][&room]["timeline"]["events"]
+        .as_array()
+        .unwrap();
+    assert_eq!(timeline.len(), 15);
+    for e in timeline {
+        let id = e["event_id"].as_str().unwrap().to_owned();
+        assert_eq!(without_age(e.clone()), without_age(single(id).await));
+    }
+}
+
+/// Removes `age` from every `unsigned` object in `v`.
+fn strip_ages(v: &mut Value) {
+    match v {
+        Value::Object(map) => {
+            if let Some(Value::Object(u)) = map.get_mut("unsigned") {
+                u.remove("age");
+            }
+            map.values_mut().for_each(strip_ages);
+        }
+        Value::Array(items) => items.iter_mut().for_each(strip_ages),
+        _ => {}
+    }
+}

@@ -18,6 +18,7 @@ pub mod error;
 pub mod extract;
 pub mod guest;
 pub mod hashing;
+pub mod json_text;
 pub mod key_backup;
 pub mod keys;
 pub mod lazy_members;

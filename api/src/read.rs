@@ -17,6 +17,7 @@ use crate::state_render::RenderedState;
 use crate::{
     ApiResult, AppState, MatrixError,
     extract::{Query, Requester},
+    json_text::JsonOut,
     sync::EventFilter,
     visibility::{Access, can_see, room_access, visible_event},
 };
@@ -91,20 +92,6 @@ pub fn render(s: &AppState, ev: &EventRecord, viewer: Option<(&str, &str)>) -> V
         u.insert("m.relations".into(), b);
     }
     v
-}
-
-/// [`render`], or with `federation` the event as a PDU ([`render_federation`]).
-pub fn render_as(
-    s: &AppState,
-    ev: &EventRecord,
-    viewer: Option<(&str, &str)>,
-    federation: bool,
-) -> Value {
-    if federation {
-        render_federation(s, ev)
-    } else {
-        render(s, ev, viewer)
-    }
 }
 
 /// An event in the federation format (spec: `Filter.event_format: federation`, "the
@@ -182,6 +169,32 @@ pub fn write_render(
         unsigned.insert("m.relations".into(), b);
     }
     ev.pdu.write_client_event(out, Some(&unsigned));
+}
+
+/// An event written as JSON text onto `out`: [`write_render`], or with `federation`
+/// the PDU ([`render_federation`]).
+pub fn write_render_as(
+    s: &AppState,
+    ev: &EventRecord,
+    viewer: Option<(&str, &str)>,
+    federation: bool,
+    out: &mut Vec<u8>,
+) {
+    if federation {
+        let _ = serde_json::to_writer(&mut *out, &render_federation(s, ev));
+    } else {
+        write_render(s, ev, viewer, out);
+    }
+}
+
+/// `evs` rendered ([`write_render_as`]) into one JSON array, written as text.
+pub fn events_json(
+    s: &AppState,
+    evs: &[EventRecord],
+    viewer: Option<(&str, &str)>,
+    federation: bool,
+) -> JsonOut {
+    crate::json_text::array(evs, |e, out| write_render_as(s, e, viewer, federation, out))
 }
 
 /// The per-viewer members of an event's `unsigned` ([`render_unbundled`]'s first part):
@@ -460,7 +473,7 @@ async fn messages(
     r: Requester,
     Path(room_id): Path<String>,
     q: Query,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<axum::response::Response> {
     let access = room_access(&s, &r.user_id, &room_id)?;
     // `dir` is required (spec; Synapse answers 400 without it too).
     let dir = q
@@ -490,7 +503,9 @@ async fn messages(
             .get("from")
             .map(str::to_owned)
             .unwrap_or_else(|| token(access.cap.min(s.projections.runtime.applied())));
-        return Ok(Json(json!({ "start": start, "end": start, "chunk": [] })));
+        return Ok(
+            JsonOut::from(json!({ "start": start, "end": start, "chunk": [] })).into_response(),
+        );
     }
     let applied = s.projections.runtime.applied();
     let cap = access.cap.min(applied);
@@ -772,29 +787,26 @@ fn respond(
     filter: &EventFilter,
     chunk: Vec<EventRecord>,
     end: Option<String>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<axum::response::Response> {
     let fed = filter.federation_format;
     let mut state = Vec::new();
     if filter.lazy_load_members
         && let Some(root) = readable_root(s, room_id, access)
     {
         let senders: Vec<String> = chunk.iter().map(|e| e.pdu.sender.to_string()).collect();
-        state = lazy_members(s, root, &senders)
-            .iter()
-            .map(|e| render_as(s, e, viewer(r), fed))
-            .collect();
+        state = lazy_members(s, root, &senders);
     }
-    let mut out = json!({
+    let mut out = JsonOut::from(json!({
         "start": q.get("from").map(str::to_owned).unwrap_or_else(|| token(from)),
-        "chunk": chunk.iter().map(|e| render_as(s, e, viewer(r), fed)).collect::<Vec<_>>(),
-    });
+    }));
+    out.set("chunk", events_json(s, &chunk, viewer(r), fed));
     if let Some(e) = end {
-        out["end"] = json!(e);
+        out.set("end", json!(e));
     }
     if !state.is_empty() {
-        out["state"] = json!(state);
+        out.set("state", events_json(s, &state, viewer(r), fed));
     }
-    Ok(Json(out))
+    Ok(out.into_response())
 }
 
 async fn context(
@@ -802,7 +814,7 @@ async fn context(
     r: Requester,
     Path((room_id, event_id)): Path<(String, String)>,
     q: Query,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<axum::response::Response> {
     let (access, ev) = visible_event(&s, &r.user_id, &room_id, &event_id)?;
     let limit = q.u64("limit")?.unwrap_or(10).min(MAX_PAGE as u64) as usize;
     let filter = parse_filter(&q)?;
@@ -848,7 +860,7 @@ async fn context(
         .map(|e| e.pdu.event_id.to_string())
         .unwrap_or_else(|| event_id.clone());
     let root = s.projections.state.roots_at(&last_event).map(|(_, a)| a);
-    let state: Vec<Value> = match root {
+    let state: Vec<EventRecord> = match root {
         Some(root) if filter.lazy_load_members => {
             let senders: Vec<String> = before
                 .iter()
@@ -857,9 +869,6 @@ async fn context(
                 .map(|e| e.pdu.sender.to_string())
                 .collect();
             lazy_members(&s, root, &senders)
-                .iter()
-                .map(|e| render_as(&s, e, viewer(&r), fed))
-                .collect()
         }
         Some(root) => s
             .projections
@@ -867,18 +876,21 @@ async fn context(
             .entries(root)
             .into_iter()
             .filter_map(|(_, _, id)| s.projections.timeline.event(&id))
-            .map(|e| render_as(&s, &e, viewer(&r), fed))
             .collect(),
         None => vec![],
     };
-    Ok(Json(json!({
+    let viewer = viewer(&r);
+    let mut out = JsonOut::from(json!({
         "start": token(first_pos.unwrap_or(ev.position).saturating_sub(1)),
         "end": token(last_pos.unwrap_or(ev.position)),
-        "event": render_as(&s, &ev, viewer(&r), fed),
-        "events_before": before.iter().map(|e| render_as(&s, e, viewer(&r), fed)).collect::<Vec<_>>(),
-        "events_after": after.iter().map(|e| render_as(&s, e, viewer(&r), fed)).collect::<Vec<_>>(),
-        "state": state,
-    })))
+    }));
+    let mut event = Vec::with_capacity(1024);
+    write_render_as(&s, &ev, viewer, fed, &mut event);
+    out.set("event", JsonOut::Text(event));
+    out.set("events_before", events_json(&s, &before, viewer, fed));
+    out.set("events_after", events_json(&s, &after, viewer, fed));
+    out.set("state", events_json(&s, &state, viewer, fed));
+    Ok(out.into_response())
 }
 
 async fn members(
@@ -934,7 +946,11 @@ async fn members(
         crate::now_ms(),
         rendered.bytes(),
     );
-    Ok(raw_json(format!("{{\"chunk\":{chunk}}}")))
+    let mut body = Vec::with_capacity(chunk.len() + 16);
+    body.extend_from_slice(b"{\"chunk\":");
+    body.extend_from_slice(&chunk);
+    body.push(b'}');
+    Ok(raw_json(body))
 }
 
 async fn joined_members(

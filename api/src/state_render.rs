@@ -22,7 +22,6 @@
 
 use std::{
     collections::{HashMap, VecDeque},
-    fmt::Write as _,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
@@ -128,22 +127,24 @@ impl RenderedStateEvent {
     }
 
     /// Appends the event's JSON for `viewer` (user, device) at `now_ms` to `out`.
-    pub fn write_to(&self, out: &mut String, viewer: Option<(&str, &str)>, now_ms: u64) {
-        out.push_str(&self.head);
-        if out.ends_with('{') {
+    pub fn write_to(&self, out: &mut Vec<u8>, viewer: Option<(&str, &str)>, now_ms: u64) {
+        use std::io::Write as _;
+        out.extend_from_slice(self.head.as_bytes());
+        if out.ends_with(b"{") {
             // Never: an event always has fields. Kept valid JSON regardless.
-            out.push_str("\"unsigned\":{");
+            out.extend_from_slice(b"\"unsigned\":{");
         } else {
-            out.push_str(",\"unsigned\":{");
+            out.extend_from_slice(b",\"unsigned\":{");
         }
+        // Writing into a Vec cannot fail.
         let _ = write!(
             out,
             "\"age\":{}",
             now_ms.saturating_sub(self.origin_server_ts)
         );
         if !self.unsigned.is_empty() {
-            out.push(',');
-            out.push_str(&self.unsigned);
+            out.push(b',');
+            out.extend_from_slice(self.unsigned.as_bytes());
         }
         let delay_id = self
             .txn_id
@@ -152,25 +153,17 @@ impl RenderedStateEvent {
         if let (Some((user, _)), Some(id)) = (viewer, delay_id)
             && user == self.sender
         {
-            out.push_str(",\"org.matrix.msc4140.delay_id\":");
-            out.push_str(&Value::from(id).to_string());
+            out.extend_from_slice(b",\"org.matrix.msc4140.delay_id\":");
+            let _ = serde_json::to_writer(&mut *out, id);
         } else if let (Some((user, device)), Some(dev), Some(txn)) =
             (viewer, &self.device_id, &self.txn_id)
             && user == self.sender
             && device == dev
         {
-            out.push_str(",\"transaction_id\":");
-            out.push_str(&Value::from(txn.strip_prefix("redact/").unwrap_or(txn)).to_string());
+            out.extend_from_slice(b",\"transaction_id\":");
+            let _ = serde_json::to_writer(&mut *out, txn.strip_prefix("redact/").unwrap_or(txn));
         }
-        out.push_str("}}");
-    }
-
-    /// The event for `viewer` at `now_ms` as a JSON value (for answers built as
-    /// values, such as `/sync`'s).
-    pub fn to_value(&self, viewer: Option<(&str, &str)>, now_ms: u64) -> Value {
-        let mut out = String::with_capacity(self.head.len() + self.unsigned.len() + 64);
-        self.write_to(&mut out, viewer, now_ms);
-        serde_json::from_str(&out).unwrap_or(Value::Null)
+        out.extend_from_slice(b"}}");
     }
 
     /// `content`, parsed from the rendering (redacted when a redaction applies).
@@ -200,16 +193,16 @@ impl RenderedState {
         viewer: Option<(&str, &str)>,
         now_ms: u64,
         capacity: usize,
-    ) -> String {
-        let mut out = String::with_capacity(capacity + 64);
-        out.push('[');
+    ) -> Vec<u8> {
+        let mut out = Vec::with_capacity(capacity + 64);
+        out.push(b'[');
         for (i, e) in events.enumerate() {
             if i > 0 {
-                out.push(',');
+                out.push(b',');
             }
             e.write_to(&mut out, viewer, now_ms);
         }
-        out.push(']');
+        out.push(b']');
         out
     }
 

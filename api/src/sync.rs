@@ -14,7 +14,7 @@ use std::{
     time::Duration,
 };
 
-use axum::{Json, Router, extract::State, routing::get};
+use axum::{Router, extract::State, routing::get};
 use serde_json::{Value, json};
 use spindle_core::{pdu::Pdu, trie::Root};
 use spindle_journal::{CommandBody, Fact};
@@ -25,8 +25,9 @@ use spindle_projections::{
 use crate::{
     ApiResult, AppState, MatrixError,
     extract::{Query, Requester},
+    json_text::{self, JsonOut},
     lazy_members::DeviceSent,
-    read::{hidden_by_ignore, lazy_members, render_as, token},
+    read::{events_json, hidden_by_ignore, lazy_members, render_federation, token},
     state_render::{RenderedState, RenderedStateEvent},
     visibility::{Access, can_see},
 };
@@ -410,29 +411,28 @@ impl Ctx<'_> {
         Some((self.r.user_id.as_str(), self.r.device_id.as_str()))
     }
 
-    fn render_all(&self, evs: &[EventRecord]) -> Vec<Value> {
-        evs.iter()
-            .map(|e| render_as(self.s, e, self.viewer(), self.filter.federation_format))
-            .collect()
+    /// The timeline's events as a JSON array written as text ([`write_render`]), or
+    /// as PDUs with `event_format: federation`.
+    fn render_all(&self, evs: &[EventRecord]) -> JsonOut {
+        events_json(self.s, evs, self.viewer(), self.filter.federation_format)
     }
 
     /// The `state` section: every state event rendered the way `/state` renders it
     /// (as Synapse's sync: no bundled aggregations, no `unsigned.membership`), or as
-    /// PDUs with `event_format: federation`.
-    fn render_state(&self, evs: &[StateOut]) -> Vec<Value> {
+    /// PDUs with `event_format: federation`; a JSON array written as text (a cached
+    /// rendering is copied, not parsed).
+    fn render_state(&self, evs: &[StateOut]) -> JsonOut {
         let now = crate::now_ms();
-        evs.iter()
-            .map(|e| match (e, e.cached()) {
-                (StateOut::Loaded(ev), _) if self.filter.federation_format => {
-                    crate::read::render_federation(self.s, ev)
-                }
-                (StateOut::Loaded(ev), _) => {
-                    RenderedStateEvent::render(self.s, ev).to_value(self.viewer(), now)
-                }
-                (_, Some(c)) => c.to_value(self.viewer(), now),
-                _ => Value::Null,
-            })
-            .collect()
+        json_text::array(evs, |e, out| match (e, e.cached()) {
+            (StateOut::Loaded(ev), _) if self.filter.federation_format => {
+                let _ = serde_json::to_writer(&mut *out, &render_federation(self.s, ev));
+            }
+            (StateOut::Loaded(ev), _) => {
+                RenderedStateEvent::render(self.s, ev).write_to(out, self.viewer(), now)
+            }
+            (_, Some(c)) => c.write_to(out, self.viewer(), now),
+            _ => out.extend_from_slice(b"null"),
+        })
     }
 
     /// The requester's own member events in `room` after `since`, newest first from
@@ -1022,7 +1022,7 @@ impl Ctx<'_> {
         Value::Object(out)
     }
 
-    fn joined_room(&self, room: &str, m: &Membership) -> Option<Value> {
+    fn joined_room(&self, room: &str, m: &Membership) -> Option<JsonOut> {
         let since = self.since.map(|s| s.0);
         // Newly joined = not joined at the token, or left and joined again since (as
         // Synapse: the client may have dropped the room, and what changed while the
@@ -1075,7 +1075,7 @@ impl Ctx<'_> {
             if self.filter.timeline.unread_thread_notifications {
                 out["unread_thread_notifications"] = self.thread_unread(room, m);
             }
-            return Some(out);
+            return Some(out.into());
         }
         let access = Access {
             membership: Some(m.clone()),
@@ -1149,18 +1149,23 @@ impl Ctx<'_> {
             .first()
             .map(|e| token(e.position - 1))
             .unwrap_or_else(|| token(self.upto));
-        let mut out = json!({
-            "timeline": { "events": self.render_all(&timeline), "limited": limited, "prev_batch": prev_batch },
-            "state": { "events": self.render_state(&state) },
+        let mut out = JsonOut::from(json!({
             "ephemeral": { "events": ephemeral },
             "account_data": { "events": account_data },
             "unread_notifications": self.unread(room, m),
-        });
+        }));
+        out.set(
+            "timeline",
+            json!({ "limited": limited, "prev_batch": prev_batch }),
+        )
+        .set("events", self.render_all(&timeline));
+        out.set("state", JsonOut::object())
+            .set("events", self.render_state(&state));
         if self.filter.timeline.unread_thread_notifications {
-            out["unread_thread_notifications"] = self.thread_unread(room, m);
+            out.set("unread_thread_notifications", self.thread_unread(room, m));
         }
         if let Some((_, summary)) = summary {
-            out["summary"] = summary;
+            out.set("summary", summary);
         }
         Some(out)
     }
@@ -1218,7 +1223,7 @@ impl Ctx<'_> {
         Some(json!({ "invite_state": { "events": invite_state(self.s, m)? } }))
     }
 
-    fn left_room(&self, room: &str, m: &Membership) -> Option<Value> {
+    fn left_room(&self, room: &str, m: &Membership) -> Option<JsonOut> {
         let access =
             crate::visibility::room_access(self.s, &self.r.user_id, room).unwrap_or(Access {
                 membership: Some(m.clone()),
@@ -1273,11 +1278,15 @@ impl Ctx<'_> {
             .first()
             .map(|e| token(e.position - 1))
             .unwrap_or_else(|| token(after));
-        Some(json!({
-            "timeline": { "events": self.render_all(&timeline), "limited": limited, "prev_batch": prev_batch },
-            "state": { "events": self.render_state(&state) },
-            "account_data": { "events": [] },
-        }))
+        let mut out = JsonOut::from(json!({ "account_data": { "events": [] } }));
+        out.set(
+            "timeline",
+            json!({ "limited": limited, "prev_batch": prev_batch }),
+        )
+        .set("events", self.render_all(&timeline));
+        out.set("state", JsonOut::object())
+            .set("events", self.render_state(&state));
+        Some(out)
     }
 }
 
@@ -1495,7 +1504,11 @@ pub(crate) fn e2ee_has_updates(
     })
 }
 
-async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Json<Value>> {
+async fn sync(
+    State(s): State<AppState>,
+    r: Requester,
+    q: Query,
+) -> ApiResult<axum::response::Response> {
     let filter = match q.get("filter") {
         None => Filter::default(),
         // Inline JSON (Synapse: what starts with `{`); not JSON: 400 `M_NOT_JSON`.
@@ -1624,9 +1637,9 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
         ignored: crate::read::ignored_users(&s, &r.user_id),
         sent,
     };
-    let mut join = serde_json::Map::new();
+    let mut join = Vec::new();
     let mut invite = serde_json::Map::new();
-    let mut leave = serde_json::Map::new();
+    let mut leave = Vec::new();
     let mut knock = serde_json::Map::new();
     // On an incremental sync, the joined rooms that can have an entry: the rest cost
     // a comparison each, not a look at the timeline, receipts and typing of each.
@@ -1645,7 +1658,7 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
                     && !ctx.account_data_changes.iter().any(|(r, _)| r == room) => {}
             "join" => {
                 if let Some(v) = ctx.joined_room(room, m) {
-                    join.insert(room.clone(), v);
+                    join.push((room.clone(), v));
                 }
             }
             // An invite from an ignored user is not shown (spec: "Ignoring Users").
@@ -1665,7 +1678,7 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
                     Some(_) => changed_in_window,
                 };
                 if include && let Some(v) = ctx.left_room(room, m) {
-                    leave.insert(room.clone(), v);
+                    leave.push((room.clone(), v));
                 }
             }
             _ => {}
@@ -1731,16 +1744,20 @@ async fn sync(State(s): State<AppState>, r: Requester, q: Query) -> ApiResult<Js
         Some(td) => format!("s{}_{}_{}", upto, ctx.typing, td),
         None => format!("s{}_{}", upto, ctx.typing),
     };
-    Ok(Json(json!({
+    let mut answer = JsonOut::from(json!({
         "next_batch": next_batch,
-        "rooms": { "join": join, "invite": invite, "leave": leave, "knock": knock },
+        "rooms": { "invite": invite, "knock": knock },
         "account_data": { "events": account_data },
         "presence": { "events": presence },
         "to_device": { "events": e2ee.to_device },
         "device_lists": { "changed": e2ee.device.device_lists.changed, "left": e2ee.device.device_lists.left },
         "device_one_time_keys_count": e2ee.device.one_time_key_counts,
         "device_unused_fallback_key_types": e2ee.device.unused_fallback_key_types,
-    })))
+    }));
+    let rooms = answer.set("rooms", json!({ "invite": invite, "knock": knock }));
+    rooms.set("join", JsonOut::Object(join));
+    rooms.set("leave", JsonOut::Object(leave));
+    Ok(answer.into_response())
 }
 
 /// Journals that this device acknowledged every to-device message up to `upto`, when

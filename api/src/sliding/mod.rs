@@ -41,6 +41,7 @@ use request::{ExtensionConfig, ListFilters, RequiredState, RoomConfig, SlidingRe
 use crate::{
     ApiResult, AppState, MatrixError,
     extract::{JsonObject, Query, Requester},
+    json_text::{self, JsonOut},
     read::{token, write_render},
     visibility::{Access, can_see, room_access},
 };
@@ -144,9 +145,12 @@ async fn sliding_sync(
             let new_pos = s
                 .sliding
                 .record(user, device, conn_id, pos.as_deref(), snapshot);
-            return Ok(crate::read::raw_json(
-                answer.to_json(&new_pos, req.txn_id.as_deref()),
-            ));
+            let mut answer = answer;
+            answer.set("pos", json!(new_pos));
+            if let Some(t) = &req.txn_id {
+                answer.set("txn_id", json!(t));
+            }
+            return Ok(answer.into_response());
         }
         since = Some((snapshot.upto, snapshot.typing));
         // Nothing for this device up to `snapshot.upto` (e.g. another connection of the
@@ -243,112 +247,6 @@ fn write_state(s: &AppState, ev: &EventRecord, out: &mut Vec<u8>) {
     ev.pdu.write_client_event(out, Some(&unsigned));
 }
 
-/// A JSON array of `events`, each written by `write` (text, see [`RoomOut`]).
-fn json_array<T>(events: &[T], mut write: impl FnMut(&T, &mut Vec<u8>)) -> Vec<u8> {
-    let mut out = Vec::with_capacity(events.len() * 512 + 2);
-    out.push(b'[');
-    for (i, e) in events.iter().enumerate() {
-        if i > 0 {
-            out.push(b',');
-        }
-        write(e, &mut out);
-    }
-    out.push(b']');
-    out
-}
-
-/// One room of the answer: its fields as a JSON object, and its event lists already
-/// written as JSON text (events are most of an answer's bytes; written as text, their
-/// content is copied as stored instead of parsed into a [`Value`] and serialized
-/// again).
-struct RoomOut {
-    /// Every member but the event lists.
-    fields: serde_json::Map<String, Value>,
-    /// `timeline`, a JSON array.
-    timeline: Option<Vec<u8>>,
-    /// `required_state`, a JSON array.
-    required_state: Option<Vec<u8>>,
-}
-
-impl RoomOut {
-    fn fields(fields: Value) -> RoomOut {
-        let Value::Object(fields) = fields else {
-            unreachable!("a room's fields are an object");
-        };
-        RoomOut {
-            fields,
-            timeline: None,
-            required_state: None,
-        }
-    }
-
-    /// Writes the room's JSON object onto `out`.
-    fn write(&self, out: &mut Vec<u8>) {
-        let _ = serde_json::to_writer(&mut *out, &self.fields);
-        out.pop(); // the closing brace: the event lists follow
-        for (name, events) in [
-            ("timeline", &self.timeline),
-            ("required_state", &self.required_state),
-        ] {
-            if let Some(events) = events {
-                if out.last() != Some(&b'{') {
-                    out.push(b',');
-                }
-                out.push(b'"');
-                out.extend_from_slice(name.as_bytes());
-                out.extend_from_slice(b"\":");
-                out.extend_from_slice(events);
-            }
-        }
-        out.push(b'}');
-    }
-}
-
-/// The answer before `pos` and `txn_id` are added.
-struct Answer {
-    lists: serde_json::Map<String, Value>,
-    rooms: BTreeMap<String, RoomOut>,
-    extensions: Value,
-}
-
-impl Answer {
-    /// The whole answer as JSON text.
-    fn to_json(&self, pos: &str, txn_id: Option<&str>) -> Vec<u8> {
-        let mut out = Vec::with_capacity(
-            4096 + self
-                .rooms
-                .values()
-                .map(|r| {
-                    r.timeline.as_ref().map_or(0, Vec::len)
-                        + r.required_state.as_ref().map_or(0, Vec::len)
-                })
-                .sum::<usize>(),
-        );
-        out.extend_from_slice(b"{\"extensions\":");
-        let _ = serde_json::to_writer(&mut out, &self.extensions);
-        out.extend_from_slice(b",\"lists\":");
-        let _ = serde_json::to_writer(&mut out, &self.lists);
-        out.extend_from_slice(b",\"pos\":");
-        let _ = serde_json::to_writer(&mut out, pos);
-        out.extend_from_slice(b",\"rooms\":{");
-        for (i, (id, room)) in self.rooms.iter().enumerate() {
-            if i > 0 {
-                out.push(b',');
-            }
-            let _ = serde_json::to_writer(&mut out, id);
-            out.push(b':');
-            room.write(&mut out);
-        }
-        out.push(b'}');
-        if let Some(t) = txn_id {
-            out.extend_from_slice(b",\"txn_id\":");
-            let _ = serde_json::to_writer(&mut out, t);
-        }
-        out.push(b'}');
-        out
-    }
-}
-
 /// One room selected by the request: its merged config and the lists naming it.
 struct Selected {
     membership: Membership,
@@ -390,7 +288,7 @@ impl<'a> Build<'a> {
         req: &'a SlidingRequest,
         base: Option<&'a Snapshot>,
         to_device_since: Option<u64>,
-    ) -> ApiResult<(Snapshot, Answer, bool)> {
+    ) -> ApiResult<(Snapshot, JsonOut, bool)> {
         let mut upto = s.projections.runtime.applied();
         // As in /sync: the membership projection may be ahead of the slowest one; let
         // everything reach the newest membership change so rooms classify consistently.
@@ -439,7 +337,7 @@ impl<'a> Build<'a> {
         &mut self,
         rooms: &BTreeMap<String, Membership>,
         typing: u64,
-    ) -> ApiResult<(Snapshot, Answer, bool)> {
+    ) -> ApiResult<(Snapshot, JsonOut, bool)> {
         let s = self.s;
         // The user's room list, newest first (memory only: the timeline projection's
         // last activity per room, or the membership's own position when not joined).
@@ -519,7 +417,7 @@ impl<'a> Build<'a> {
             lists: list_counts,
             dm_rooms: self.dm_rooms.clone(),
         };
-        let mut rooms_out = BTreeMap::new();
+        let mut rooms_out = Vec::new();
         let mut initial_rooms = BTreeSet::new();
         for (room, sel) in &selected {
             let sent = base.rooms.get(room);
@@ -528,7 +426,7 @@ impl<'a> Build<'a> {
                     initial_rooms.insert(room.clone());
                 }
                 if let Some(v) = value {
-                    rooms_out.insert(room.clone(), v);
+                    rooms_out.push((room.clone(), v));
                 }
                 next.rooms.insert(room.clone(), now_sent);
             }
@@ -538,11 +436,10 @@ impl<'a> Build<'a> {
             self.extensions(&selected, &initial_rooms, base, typing, &mut next);
         let changed =
             !rooms_out.is_empty() || news || self.base.is_none_or(|b| b.lists != next.lists);
-        let answer = Answer {
-            lists: lists_out,
-            rooms: rooms_out,
-            extensions,
-        };
+        let mut answer = JsonOut::object();
+        answer.set("lists", Value::Object(lists_out));
+        answer.set("rooms", JsonOut::Object(rooms_out));
+        answer.set("extensions", extensions);
         Ok((next, answer, changed))
     }
 
@@ -736,7 +633,7 @@ impl<'a> Build<'a> {
         room: &str,
         sel: &Selected,
         sent: Option<&RoomSent>,
-    ) -> Option<(Option<RoomOut>, RoomSent, bool)> {
+    ) -> Option<(Option<JsonOut>, RoomSent, bool)> {
         let m = &sel.membership;
         match m.membership.as_str() {
             "invite" | "knock" => self.stripped_room(room, sel, sent),
@@ -750,7 +647,7 @@ impl<'a> Build<'a> {
         room: &str,
         sel: &Selected,
         sent: Option<&RoomSent>,
-    ) -> Option<(Option<RoomOut>, RoomSent, bool)> {
+    ) -> Option<(Option<JsonOut>, RoomSent, bool)> {
         let m = &sel.membership;
         if sent.is_some_and(|x| x.membership == m.membership && x.upto >= m.position) {
             return None;
@@ -766,7 +663,7 @@ impl<'a> Build<'a> {
         if is_dm {
             v["is_dm"] = json!(true);
         }
-        let v = RoomOut::fields(v);
+        let v = JsonOut::from(v);
         let now = RoomSent {
             upto: m.position,
             membership: m.membership.clone(),
@@ -786,7 +683,7 @@ impl<'a> Build<'a> {
         room: &str,
         sel: &Selected,
         sent: Option<&RoomSent>,
-    ) -> Option<(Option<RoomOut>, RoomSent, bool)> {
+    ) -> Option<(Option<JsonOut>, RoomSent, bool)> {
         let s = self.s;
         let m = &sel.membership;
         let config = &sel.config;
@@ -962,7 +859,7 @@ impl<'a> Build<'a> {
         }
         let mut timeline_json = None;
         if !timeline.is_empty() || initial || expanded {
-            timeline_json = Some(json_array(&timeline, |e, out| {
+            timeline_json = Some(json_text::array(&timeline, |e, out| {
                 write_render(s, e, viewer, out)
             }));
             v["limited"] = json!(limited);
@@ -974,11 +871,15 @@ impl<'a> Build<'a> {
                     .unwrap_or_else(|| token(end))
             );
         }
-        let mut room_out = RoomOut::fields(v);
-        room_out.timeline = timeline_json;
+        let mut room_out = JsonOut::from(v);
+        if let Some(t) = timeline_json {
+            room_out.set("timeline", t);
+        }
         if !required_state.is_empty() || initial {
-            room_out.required_state =
-                Some(json_array(&required_state, |e, out| write_state(s, e, out)));
+            room_out.set(
+                "required_state",
+                json_text::array(&required_state, |e, out| write_state(s, e, out)),
+            );
         }
         Some((Some(room_out), now, initial))
     }
