@@ -421,6 +421,32 @@ async fn events_written_as_text_are_the_rendered_events() {
         let id = e["event_id"].as_str().unwrap().to_owned();
         assert_eq!(without_age(e.clone()), without_age(single(id).await));
     }
+    // Sliding sync's timeline too (its required state has no `prev_content` by design).
+    let window = alice
+        .post(
+            "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync",
+            &json!({ "lists": { "all": {
+                "ranges": [[0, 0]],
+                "timeline_limit": 15,
+                "required_state": [["m.room.topic", ""]],
+            } } }),
+        )
+        .await
+        .ok();
+    let timeline = window["rooms"][&room]["timeline"].as_array().unwrap();
+    assert_eq!(timeline.len(), 15, "{window}");
+    for e in timeline {
+        let id = e["event_id"].as_str().unwrap().to_owned();
+        assert_eq!(without_age(e.clone()), without_age(single(id).await));
+    }
+    assert_eq!(
+        window["rooms"][&room]["required_state"][0]["content"],
+        json!({ "topic": "second" })
+    );
+    // Every answer above went through the test client's duplicate-key check; it
+    // does refuse one.
+    assert!(common::no_duplicate_keys(r#"{"a":{"b":1,"b":2}}"#).is_err());
+    assert!(common::no_duplicate_keys(r#"[{"a":1},{"a":1}]"#).is_ok());
 }
 
 /// Removes `age` from every `unsigned` object in `v`.

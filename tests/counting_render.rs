@@ -13,8 +13,9 @@ const SS: &str = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync";
 
 /// The Element X window over 11 named rooms of 6 messages each: the only contents
 /// parsed are the 11 `m.room.name` events the room names come from, whether the window
-/// carries 3 or 6 timeline events per room (44 or 77 events in all with the required
-/// state): neither the timeline nor the required state is parsed to be written.
+/// carries 3 or 6 timeline events per room (66 or 99 events in all with the 3 required
+/// state events a room; the value rendering parsed 77 and 110 contents): neither the
+/// timeline nor the required state is parsed to be written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sliding_window_parses_no_event_it_sends() {
     let ts = TestServer::start().await;

@@ -29,6 +29,7 @@ use std::{
 };
 
 use parking_lot::Mutex;
+use serde::Deserialize as _;
 use serde_json::Value;
 use spindle_core::trie::Root;
 use spindle_projections::timeline::{EventRecord, RedactionGeneration};
@@ -56,7 +57,7 @@ pub struct RenderedStateEvent {
     device_id: Option<String>,
     txn_id: Option<String>,
     /// The event object's JSON text without `unsigned` and without the closing brace.
-    head: String,
+    head: Vec<u8>,
     /// The cached `unsigned` members as JSON text (`"k":v,...`, no braces; may be empty):
     /// `prev_content`, `redacted_because`.
     unsigned: String,
@@ -69,38 +70,48 @@ impl RenderedStateEvent {
     pub fn render(s: &AppState, ev: &EventRecord) -> RenderedStateEvent {
         let redaction = crate::read::redaction_of(s, ev);
         let mut unsigned = serde_json::Map::new();
-        let mut v = match &redaction {
-            Some(r) => ev.pdu.to_redacted_client_event(&r.pdu),
-            None => ev.pdu.to_client_event(None),
+        let (mut head, peek) = match &redaction {
+            // Rare, and the content is rewritten: through a value.
+            Some(r) => {
+                let mut v = ev.pdu.to_redacted_client_event(&r.pdu);
+                if let Some(Value::Object(u)) = v.as_object_mut().and_then(|m| m.remove("unsigned"))
+                {
+                    unsigned.extend(u);
+                }
+                let peek = ContentPeek::deserialize(&v["content"]).unwrap_or_default();
+                (
+                    serde_json::to_vec(&v).unwrap_or_else(|_| b"{}".to_vec()),
+                    peek,
+                )
+            }
+            // The content is copied as stored; only the two members the filters and
+            // `/members` need are read from it.
+            None => {
+                if let Some(prev) = crate::read::replaced_state(s, ev) {
+                    unsigned.insert("prev_content".into(), crate::read::client_content(s, &prev));
+                }
+                let mut head = Vec::with_capacity(ev.pdu.content.get().len() + 256);
+                ev.pdu.write_client_event(&mut head, None);
+                let peek = serde_json::from_str(ev.pdu.content.get()).unwrap_or_default();
+                (head, peek)
+            }
         };
-        if let Some(Value::Object(u)) = v.as_object_mut().and_then(|m| m.remove("unsigned")) {
-            unsigned.extend(u);
-        }
-        if redaction.is_none()
-            && let Some(prev) = crate::read::replaced_state(s, ev)
-        {
-            unsigned.insert("prev_content".into(), crate::read::client_content(s, &prev));
-        }
+        head.pop(); // the closing brace: `unsigned` is appended per request
         let membership = (ev.pdu.kind.to_string() == "m.room.member")
             .then(|| {
-                v.get("content")
-                    .and_then(|c| c.get("membership"))
-                    .and_then(|m| m.as_str())
+                peek.membership
+                    .as_ref()
+                    .and_then(Value::as_str)
                     .map(str::to_owned)
             })
             .flatten();
-        let mut head = serde_json::to_string(&v).unwrap_or_else(|_| "{}".into());
-        head.pop(); // the closing brace: `unsigned` is appended per request
+        let has_url = peek.url.as_ref().is_some_and(Value::is_string);
         let unsigned = if unsigned.is_empty() {
             String::new()
         } else {
             let text = serde_json::to_string(&Value::Object(unsigned)).unwrap_or_default();
             text[1..text.len() - 1].to_owned()
         };
-        let has_url = v
-            .get("content")
-            .and_then(|c| c.get("url"))
-            .is_some_and(Value::is_string);
         RenderedStateEvent {
             event_id: ev.pdu.event_id.to_string(),
             has_url,
@@ -129,7 +140,7 @@ impl RenderedStateEvent {
     /// Appends the event's JSON for `viewer` (user, device) at `now_ms` to `out`.
     pub fn write_to(&self, out: &mut Vec<u8>, viewer: Option<(&str, &str)>, now_ms: u64) {
         use std::io::Write as _;
-        out.extend_from_slice(self.head.as_bytes());
+        out.extend_from_slice(&self.head);
         if out.ends_with(b"{") {
             // Never: an event always has fields. Kept valid JSON regardless.
             out.extend_from_slice(b"\"unsigned\":{");
@@ -169,12 +180,22 @@ impl RenderedStateEvent {
     /// `content`, parsed from the rendering (redacted when a redaction applies).
     pub fn content(&self) -> Value {
         let mut text = self.head.clone();
-        text.push('}');
-        serde_json::from_str::<Value>(&text)
+        text.push(b'}');
+        serde_json::from_slice::<Value>(&text)
             .ok()
             .and_then(|mut v| v.get_mut("content").map(Value::take))
             .unwrap_or(Value::Null)
     }
+}
+
+/// The two members of a state event's content that [`RenderedStateEvent`] keeps beside
+/// its text (any JSON value; the rest of the content is skipped, not built).
+#[derive(Default, serde::Deserialize)]
+struct ContentPeek {
+    #[serde(default)]
+    membership: Option<Value>,
+    #[serde(default)]
+    url: Option<Value>,
 }
 
 /// A room state, rendered: every event of the root, in the state projection's order.

@@ -411,8 +411,8 @@ impl Ctx<'_> {
         Some((self.r.user_id.as_str(), self.r.device_id.as_str()))
     }
 
-    /// The timeline's events as a JSON array written as text ([`write_render`]), or
-    /// as PDUs with `event_format: federation`.
+    /// The timeline's events as a JSON array written as text
+    /// ([`crate::read::write_render`]), or as PDUs with `event_format: federation`.
     fn render_all(&self, evs: &[EventRecord]) -> JsonOut {
         events_json(self.s, evs, self.viewer(), self.filter.federation_format)
     }
@@ -1746,7 +1746,6 @@ async fn sync(
     };
     let mut answer = JsonOut::from(json!({
         "next_batch": next_batch,
-        "rooms": { "invite": invite, "knock": knock },
         "account_data": { "events": account_data },
         "presence": { "events": presence },
         "to_device": { "events": e2ee.to_device },
@@ -1754,8 +1753,10 @@ async fn sync(
         "device_one_time_keys_count": e2ee.device.one_time_key_counts,
         "device_unused_fallback_key_types": e2ee.device.unused_fallback_key_types,
     }));
-    let rooms = answer.set("rooms", json!({ "invite": invite, "knock": knock }));
+    let rooms = answer.set("rooms", JsonOut::object());
     rooms.set("join", JsonOut::Object(join));
+    rooms.set("invite", Value::Object(invite));
+    rooms.set("knock", Value::Object(knock));
     rooms.set("leave", JsonOut::Object(leave));
     Ok(answer.into_response())
 }

@@ -219,6 +219,9 @@ impl Client {
             .await
             .unwrap_or_else(|e| panic!("{method} {path}: reading body: {e}"));
         let body = serde_json::from_str(&text).unwrap_or(Value::Null);
+        if let Err(e) = no_duplicate_keys(&text) {
+            panic!("{method} {path}: the answer is not strict JSON ({e}): {text}");
+        }
         assert!(
             status < 500,
             "{method} {path} answered {status} (no test may observe a 5xx): {text}"
@@ -569,4 +572,64 @@ pub fn device_keys(client: &Client) -> (Value, TestKey) {
         },
     });
     (key.sign(&client.user_id, keys), key)
+}
+
+/// Checks that JSON text has no object with the same key twice (`serde_json` keeps the
+/// last one silently, so a duplicate would pass every other assertion). Text that is not
+/// JSON at all passes (non-JSON answers are checked by their own tests). Answers
+/// assembled from text pieces (`api/src/json_text.rs`) rely on this being checked.
+pub fn no_duplicate_keys(text: &str) -> Result<(), String> {
+    use serde::de::{Deserialize, Deserializer, Error as _, MapAccess, SeqAccess, Visitor};
+
+    struct Strict;
+    impl<'de> Deserialize<'de> for Strict {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Strict, D::Error> {
+            d.deserialize_any(StrictVisitor)
+        }
+    }
+    struct StrictVisitor;
+    impl<'de> Visitor<'de> for StrictVisitor {
+        type Value = Strict;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("any JSON value")
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<Strict, E> {
+            Ok(Strict)
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<Strict, E> {
+            Ok(Strict)
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<Strict, E> {
+            Ok(Strict)
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<Strict, E> {
+            Ok(Strict)
+        }
+        fn visit_str<E>(self, _: &str) -> Result<Strict, E> {
+            Ok(Strict)
+        }
+        fn visit_unit<E>(self) -> Result<Strict, E> {
+            Ok(Strict)
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Strict, A::Error> {
+            while seq.next_element::<Strict>()?.is_some() {}
+            Ok(Strict)
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Strict, A::Error> {
+            let mut keys = std::collections::HashSet::new();
+            while let Some(k) = map.next_key::<String>()? {
+                map.next_value::<Strict>()?;
+                if !keys.insert(k.clone()) {
+                    return Err(A::Error::custom(format!("duplicate key {k:?}")));
+                }
+            }
+            Ok(Strict)
+        }
+    }
+    if serde_json::from_str::<serde::de::IgnoredAny>(text).is_err() {
+        return Ok(());
+    }
+    serde_json::from_str::<Strict>(text)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }

@@ -234,9 +234,8 @@ fn room_type(s: &AppState, room: &str) -> Option<String> {
 /// grows with the member count) and which room-state consumers do not need.
 fn write_state(s: &AppState, ev: &EventRecord, out: &mut Vec<u8>) {
     let age = crate::now_ms().saturating_sub(u64::from(ev.pdu.origin_server_ts.0));
-    if let Some(redaction_id) = s.projections.timeline.redacted_by(ev.pdu.event_id.as_str())
-        && let Some(redaction) = s.projections.timeline.event(&redaction_id)
-    {
+    // A redaction of the same room only, as everywhere else (`read::redaction_of`).
+    if let Some(redaction) = crate::read::redaction_of(s, ev) {
         let mut v = ev.pdu.to_redacted_client_event(&redaction.pdu);
         v["unsigned"]["age"] = json!(age);
         let _ = serde_json::to_writer(&mut *out, &v);
