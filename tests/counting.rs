@@ -2164,23 +2164,9 @@ async fn a_repeated_sliding_window_parses_no_event_again() {
     assert!(hits >= 11 * 10, "{hits} cached event reads");
     // Cached or parsed, the same answer (bar `unsigned.age`, which moves with the clock).
     let (mut first, mut second) = (first["rooms"].clone(), second["rooms"].clone());
-    strip_ages(&mut first);
-    strip_ages(&mut second);
+    common::strip_ages(&mut first);
+    common::strip_ages(&mut second);
     assert_eq!(first, second);
-}
-
-/// Removes every `unsigned.age` from `v`.
-fn strip_ages(v: &mut Value) {
-    match v {
-        Value::Object(o) => {
-            if let Some(Value::Object(u)) = o.get_mut("unsigned") {
-                u.remove("age");
-            }
-            o.values_mut().for_each(strip_ages);
-        }
-        Value::Array(a) => a.iter_mut().for_each(strip_ages),
-        _ => {}
-    }
 }
 
 /// A projection that ignores messages keeps its stored checkpoint in place while they

@@ -946,11 +946,9 @@ async fn members(
         crate::now_ms(),
         rendered.bytes(),
     );
-    let mut body = Vec::with_capacity(chunk.len() + 16);
-    body.extend_from_slice(b"{\"chunk\":");
-    body.extend_from_slice(&chunk);
-    body.push(b'}');
-    Ok(raw_json(body))
+    let mut out = JsonOut::object();
+    out.set("chunk", JsonOut::Text(chunk));
+    Ok(out.into_response())
 }
 
 async fn joined_members(

@@ -27,7 +27,7 @@ use crate::{
     extract::{Query, Requester},
     json_text::{self, JsonOut},
     lazy_members::DeviceSent,
-    read::{events_json, hidden_by_ignore, lazy_members, render_federation, token},
+    read::{events_json, hidden_by_ignore, lazy_members, token, write_render_as},
     state_render::{RenderedState, RenderedStateEvent},
     visibility::{Access, can_see},
 };
@@ -425,7 +425,7 @@ impl Ctx<'_> {
         let now = crate::now_ms();
         json_text::array(evs, |e, out| match (e, e.cached()) {
             (StateOut::Loaded(ev), _) if self.filter.federation_format => {
-                let _ = serde_json::to_writer(&mut *out, &render_federation(self.s, ev));
+                write_render_as(self.s, ev, None, true, out)
             }
             (StateOut::Loaded(ev), _) => {
                 RenderedStateEvent::render(self.s, ev).write_to(out, self.viewer(), now)
@@ -433,6 +433,29 @@ impl Ctx<'_> {
             (_, Some(c)) => c.write_to(out, self.viewer(), now),
             _ => out.extend_from_slice(b"null"),
         })
+    }
+
+    /// Sets a room's `timeline` (its events, `limited`, and `prev_batch`: before the
+    /// first event, else at `empty_at`) and `state` sections in `out`.
+    fn set_timeline_and_state(
+        &self,
+        out: &mut JsonOut,
+        timeline: &[EventRecord],
+        limited: bool,
+        empty_at: u64,
+        state: &[StateOut],
+    ) {
+        let prev_batch = timeline
+            .first()
+            .map(|e| token(e.position - 1))
+            .unwrap_or_else(|| token(empty_at));
+        out.set(
+            "timeline",
+            json!({ "limited": limited, "prev_batch": prev_batch }),
+        )
+        .set("events", self.render_all(timeline));
+        out.set("state", JsonOut::object())
+            .set("events", self.render_state(state));
     }
 
     /// The requester's own member events in `room` after `since`, newest first from
@@ -1145,22 +1168,12 @@ impl Ctx<'_> {
         {
             return None;
         }
-        let prev_batch = timeline
-            .first()
-            .map(|e| token(e.position - 1))
-            .unwrap_or_else(|| token(self.upto));
         let mut out = JsonOut::from(json!({
             "ephemeral": { "events": ephemeral },
             "account_data": { "events": account_data },
             "unread_notifications": self.unread(room, m),
         }));
-        out.set(
-            "timeline",
-            json!({ "limited": limited, "prev_batch": prev_batch }),
-        )
-        .set("events", self.render_all(&timeline));
-        out.set("state", JsonOut::object())
-            .set("events", self.render_state(&state));
+        self.set_timeline_and_state(&mut out, &timeline, limited, self.upto, &state);
         if self.filter.timeline.unread_thread_notifications {
             out.set("unread_thread_notifications", self.thread_unread(room, m));
         }
@@ -1274,18 +1287,8 @@ impl Ctx<'_> {
         if lazy {
             self.mark_members_sent(room, &state, &timeline);
         }
-        let prev_batch = timeline
-            .first()
-            .map(|e| token(e.position - 1))
-            .unwrap_or_else(|| token(after));
         let mut out = JsonOut::from(json!({ "account_data": { "events": [] } }));
-        out.set(
-            "timeline",
-            json!({ "limited": limited, "prev_batch": prev_batch }),
-        )
-        .set("events", self.render_all(&timeline));
-        out.set("state", JsonOut::object())
-            .set("events", self.render_state(&state));
+        self.set_timeline_and_state(&mut out, &timeline, limited, after, &state);
         Some(out)
     }
 }

@@ -526,8 +526,8 @@ impl Pdu {
     /// [`Pdu::to_client_event`] written as JSON text onto `out`: the same members in the
     /// same (sorted) order, with `content` copied as the PDU holds it instead of parsed
     /// and serialized again, and `unsigned` (an object, omitted when `None`) serialized
-    /// in place. What answers written as text use (the sliding sync's events): about a
-    /// third of what building and serializing the [`serde_json::Value`] costs.
+    /// in place. What answers written as text use (`/sync`, sliding sync, `/messages`,
+    /// `/context`; `api/src/json_text.rs`).
     pub fn write_client_event(
         &self,
         out: &mut Vec<u8>,

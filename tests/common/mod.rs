@@ -574,6 +574,21 @@ pub fn device_keys(client: &Client) -> (Value, TestKey) {
     (key.sign(&client.user_id, keys), key)
 }
 
+/// Removes `age` from every `unsigned` object in `v` (it differs between two requests
+/// for the same event).
+pub fn strip_ages(v: &mut Value) {
+    match v {
+        Value::Object(map) => {
+            if let Some(Value::Object(u)) = map.get_mut("unsigned") {
+                u.remove("age");
+            }
+            map.values_mut().for_each(strip_ages);
+        }
+        Value::Array(items) => items.iter_mut().for_each(strip_ages),
+        _ => {}
+    }
+}
+
 /// Checks that JSON text has no object with the same key twice (`serde_json` keeps the
 /// last one silently, so a duplicate would pass every other assertion). Text that is not
 /// JSON at all passes (non-JSON answers are checked by their own tests). Answers
