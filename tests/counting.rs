@@ -547,6 +547,80 @@ async fn a_state_path_is_read_from_the_store_once() {
     assert_eq!((reads2, hits2, misses2), (0, path, 0), "{walks:?}");
 }
 
+/// Messages write no row of the state projection (issue 18 item 5: one per message
+/// was 94 bytes an event on disk), and the roots read for one are those of the last
+/// state change before it: the same roots, from one row of `changes`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_writes_no_state_row() {
+    let h = Harness::start().await;
+    let (_erin, et) = h.register("erin").await;
+    let room = h.create_room(&et, json!({ "name": "quiet state" })).await;
+    let topic = h
+        .call(
+            reqwest::Method::PUT,
+            &format!("/_matrix/client/v3/rooms/{room}/state/m.room.topic/"),
+            Some(&et),
+            Some(json!({ "topic": "t" })),
+        )
+        .await
+        .1["event_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    h.quiesce().await;
+    let runtime = &h.server.projections.runtime;
+    let rows = || -> Vec<(String, usize)> {
+        runtime
+            .tables("state")
+            .iter()
+            .map(|t| (t.name().to_owned(), t.scan_prefix(&[], usize::MAX).len()))
+            .collect()
+    };
+    let before = rows();
+    let mut sent = Vec::new();
+    for i in 0..20 {
+        sent.push(h.send(&et, &room, &format!("m{i}"), "no state here").await);
+    }
+    h.quiesce().await;
+    assert_eq!(rows(), before, "20 messages wrote state rows");
+    let state = &h.server.projections.state;
+    let timeline = &h.server.projections.timeline;
+    let topic_roots = state.state_event_roots(&topic).unwrap();
+    assert_ne!(topic_roots.before, topic_roots.after);
+    for id in &sent {
+        let ev = timeline.event(id).unwrap();
+        assert_eq!(state.state_event_roots(id), None, "{id} has a row by id");
+        let reads = h.reads();
+        let roots = state.roots_of(&ev).unwrap();
+        // One row of `changes` (the topic's), nothing else.
+        assert_eq!(h.reads() - reads, 1, "{id}");
+        assert_eq!(
+            (
+                roots.before,
+                roots.after,
+                roots.others_before,
+                roots.others_after
+            ),
+            (
+                topic_roots.after,
+                topic_roots.after,
+                topic_roots.others_after,
+                topic_roots.others_after
+            ),
+            "{id}"
+        );
+    }
+    // The room's roots at a position are the current ones after the last change.
+    let head = h.server.journal.durable_head();
+    assert_eq!(
+        state.roots_at_position(&room, head),
+        Some((
+            state.current_root(&room).unwrap(),
+            state.current_others_root(&room).unwrap()
+        ))
+    );
+}
+
 /// A waiting long-poll does not pay store reads for other users' traffic: the wake-up
 /// check answers from memory (BRIEF §4: "a user paid for strangers' traffic").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

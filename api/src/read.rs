@@ -268,7 +268,11 @@ pub fn redaction_of(s: &AppState, ev: &EventRecord) -> Option<EventRecord> {
 /// one. Reads: the event's roots, one state point lookup, one event.
 pub fn replaced_state(s: &AppState, ev: &EventRecord) -> Option<EventRecord> {
     let sk = ev.pdu.state_key.as_ref()?;
-    let (before, _) = s.projections.state.roots_at(ev.pdu.event_id.as_str())?;
+    let before = s
+        .projections
+        .state
+        .state_event_roots(ev.pdu.event_id.as_str())?
+        .before;
     let prev_id = s
         .projections
         .state
@@ -314,7 +318,7 @@ fn membership_at_event(s: &AppState, ev: &EventRecord, user: &str) -> String {
     }
     s.projections
         .state
-        .roots_at(ev.pdu.event_id.as_str())
+        .roots_at(ev)
         .and_then(|(_, after)| crate::visibility::membership_at(s, after, user))
         .unwrap_or_else(|| "leave".into())
 }
@@ -326,8 +330,8 @@ pub fn readable_root(s: &AppState, room_id: &str, access: &Access) -> Option<Roo
         Some(m) if m.membership == "leave" || m.membership == "ban" => s
             .projections
             .state
-            .roots_at(&m.event_id)
-            .map(|(_, after)| after),
+            .state_event_roots(&m.event_id)
+            .map(|r| r.after),
         _ => s.projections.state.current_root(room_id),
     }
 }
@@ -855,11 +859,11 @@ async fn context(
             .range_forward(&room_id, ev.position, cap, n_after * 2 + 1),
         n_after,
     );
-    let last_event = after
-        .last()
-        .map(|e| e.pdu.event_id.to_string())
-        .unwrap_or_else(|| event_id.clone());
-    let root = s.projections.state.roots_at(&last_event).map(|(_, a)| a);
+    let root = s
+        .projections
+        .state
+        .roots_at(after.last().unwrap_or(&ev))
+        .map(|(_, a)| a);
     let state: Vec<EventRecord> = match root {
         Some(root) if filter.lazy_load_members => {
             let senders: Vec<String> = before
@@ -914,13 +918,7 @@ async fn members(
         .ok_or_else(|| MatrixError::forbidden("Room state unavailable"))?;
     if let Some(at) = q.get("at") {
         let pos = parse_token(at)?.min(access.cap);
-        if let Some((_, id)) = s
-            .projections
-            .timeline
-            .range_backward(&room_id, pos.saturating_add(1), 0, 1)
-            .first()
-            && let Some((_, after)) = s.projections.state.roots_at(id)
-        {
+        if let Some((after, _)) = s.projections.state.roots_at_position(&room_id, pos) {
             root = after;
         }
     }

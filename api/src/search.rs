@@ -513,7 +513,7 @@ fn context(s: &AppState, r: &Requester, c: &Criteria, a: &Access, ev: &EventReco
     });
     if c.include_profile {
         let mut profiles = Map::new();
-        if let Some((root, _)) = s.projections.state.roots_at(ev.pdu.event_id.as_str()) {
+        if let Some((root, _)) = s.projections.state.roots_at(ev) {
             for e in before.iter().chain(after.iter()).chain(std::iter::once(ev)) {
                 let sender = e.pdu.sender.to_string();
                 if profiles.contains_key(&sender) {

@@ -494,8 +494,8 @@ impl Ctx<'_> {
                 h.non_join_in_window = true;
             }
             let Some(prev) = state
-                .roots_at(&id)
-                .and_then(|(before, _)| state.lookup(before, "m.room.member", &self.r.user_id))
+                .state_event_roots(&id)
+                .and_then(|r| state.lookup(r.before, "m.room.member", &self.r.user_id))
             else {
                 return h;
             };
@@ -520,7 +520,7 @@ impl Ctx<'_> {
         let from = self.root_at(room, after);
         let start = timeline
             .first()
-            .and_then(|f| state.roots_at(f.pdu.event_id.as_str()))
+            .and_then(|f| state.roots_at(f))
             .map(|(b, _)| b)
             .unwrap_or_else(|| self.root_at(room, end));
         let end = self.root_at(room, end);
@@ -599,13 +599,7 @@ impl Ctx<'_> {
         if want.is_empty() {
             return vec![];
         }
-        let Some(before) = self
-            .s
-            .projections
-            .state
-            .roots_at(first.pdu.event_id.as_str())
-            .map(|(b, _)| b)
-        else {
+        let Some(before) = self.s.projections.state.roots_at(first).map(|(b, _)| b) else {
             return vec![];
         };
         lazy_members(self.s, before, &want)
@@ -701,23 +695,14 @@ impl Ctx<'_> {
         }
     }
 
-    /// The state root after the last event of the room at or before `pos`.
+    /// The room's state root after every record at or before `pos`.
     fn root_at(&self, room: &str, pos: u64) -> Root {
-        self.last_event_at(room, pos)
-            .and_then(|id| self.s.projections.state.roots_at(&id))
-            .map(|(_, after)| after)
-            .unwrap_or_else(Root::empty)
-    }
-
-    /// The id of the room's last event at or before `pos`.
-    fn last_event_at(&self, room: &str, pos: u64) -> Option<String> {
         self.s
             .projections
-            .timeline
-            .range_backward(room, pos.saturating_add(1), 0, 1)
-            .into_iter()
-            .next()
-            .map(|(_, id)| id)
+            .state
+            .roots_at_position(room, pos)
+            .map(|(full, _)| full)
+            .unwrap_or_else(Root::empty)
     }
 
     /// Up to `limit` visible, filter-passing events in `(after, upto]` (less the
@@ -754,17 +739,12 @@ impl Ctx<'_> {
     }
 
     /// The (full, non-member) state roots before the timeline's first event, or after
-    /// the room's last event at or before `pos` when the timeline is empty.
+    /// every record of the room at or before `pos` when the timeline is empty.
     fn roots_before(&self, room: &str, timeline: &[EventRecord], pos: u64) -> (Root, Root) {
         let state = &self.s.projections.state;
         let roots = match timeline.first() {
-            Some(first) => state
-                .event_roots(first.pdu.event_id.as_str())
-                .map(|r| (r.before, r.others_before)),
-            None => self
-                .last_event_at(room, pos)
-                .and_then(|id| state.event_roots(&id))
-                .map(|r| (r.after, r.others_after)),
+            Some(first) => state.roots_of(first).map(|r| (r.before, r.others_before)),
+            None => state.roots_at_position(room, pos),
         };
         roots.unwrap_or((Root::empty(), Root::empty()))
     }
@@ -1205,7 +1185,12 @@ impl Ctx<'_> {
             events.push(stripped(&own.pdu));
             return Some(json!({ "knock_state": { "events": events } }));
         }
-        let (_, root) = self.s.projections.state.roots_at(&m.event_id)?;
+        let root = self
+            .s
+            .projections
+            .state
+            .state_event_roots(&m.event_id)?
+            .after;
         let mut events = self.stripped_room_state(root);
         events.push(stripped(&own.pdu));
         Some(json!({ "knock_state": { "events": events } }))
@@ -1304,7 +1289,7 @@ pub(crate) fn invite_state(s: &AppState, m: &Membership) -> Option<Vec<Value>> {
 /// application-service consumer puts it, less the invite itself, in the invite's
 /// `unsigned.invite_room_state`, as Synapse does).
 pub fn invite_state_of(p: &spindle_projections::Projections, event_id: &str) -> Option<Vec<Value>> {
-    let (_, root) = p.state.roots_at(event_id)?;
+    let root = p.state.state_event_roots(event_id)?.after;
     // An invite to a room on another server carries the inviter's stripped state.
     if let Some(invite) = p.timeline.event(event_id)
         && let Some(remote) = invite

@@ -103,8 +103,8 @@ pub fn room_access(s: &AppState, user_id: &str, room_id: &str) -> ApiResult<Acce
             let was_joined = s
                 .projections
                 .state
-                .roots_at(&m.event_id)
-                .and_then(|(before, _)| membership_at(s, before, user_id))
+                .state_event_roots(&m.event_id)
+                .and_then(|r| membership_at(s, r.before, user_id))
                 .is_some_and(|m| m == "join");
             // A world-readable room stays readable after leaving, like for anyone else.
             let world_readable = s
@@ -195,7 +195,7 @@ pub fn can_see(s: &AppState, user_id: &str, access: &Access, ev: &EventRecord) -
             return true;
         }
     }
-    let Some((before, after)) = s.projections.state.roots_at(ev.pdu.event_id.as_str()) else {
+    let Some((before, after)) = s.projections.state.roots_at(ev) else {
         return false;
     };
     let membership = membership_at(s, after, user_id);

@@ -28,6 +28,7 @@ use spindle_core::{
     pdu::Pdu,
     visibility::{HistoryVisibility, ServerView, server_view},
 };
+use spindle_projections::state::EventRoots;
 
 use crate::{FedState, auth::Signed, error::FedError, error::FedResult, now_ms, server_of};
 
@@ -134,7 +135,7 @@ impl<'a> Reader<'a> {
                 .state_key
                 .as_deref()
                 .is_some_and(|k| self.users.iter().any(|u| u == k));
-        let Some(roots) = self.st.projections.state.event_roots(pdu.event_id.as_str()) else {
+        let Some(roots) = event_roots(self.st, pdu.event_id.as_str()) else {
             // No state held at the event (history backfilled from another server):
             // judged open, as Synapse judges events it holds no state for.
             return (self.joined_now || own_member).then(|| seen(ServerView::Full));
@@ -182,9 +183,19 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// The state roots at `event_id`: a state event's or outlier's own, else those of its
+/// place in the room's log ([`spindle_projections::state::State::roots_of`]). `None`
+/// for an event not held here or backfilled history (no state is held at it).
+fn event_roots(st: &FedState, event_id: &str) -> Option<EventRoots> {
+    let state = &st.projections.state;
+    state
+        .state_event_roots(event_id)
+        .or_else(|| state.roots_of(&st.projections.timeline.event(event_id)?))
+}
+
 /// The state before `event_id`: event ids of every state entry.
 pub(crate) fn state_before(st: &FedState, event_id: &str) -> Option<Vec<String>> {
-    let roots = st.projections.state.event_roots(event_id)?;
+    let roots = event_roots(st, event_id)?;
     Some(
         st.projections
             .state
@@ -200,7 +211,7 @@ pub(crate) fn state_entries_before(
     st: &FedState,
     event_id: &str,
 ) -> Option<Vec<(String, String, String)>> {
-    let roots = st.projections.state.event_roots(event_id)?;
+    let roots = event_roots(st, event_id)?;
     Some(st.projections.state.entries(roots.before))
 }
 

@@ -224,6 +224,7 @@ impl Projections {
         let db = ProjectionDb::open_with(dir, options.storage)?;
         // Projections whose row shapes changed since an earlier release are rebuilt.
         db.ensure_layout("push", push::LAYOUT)?;
+        db.ensure_layout("state", state::LAYOUT)?;
         let timeline = Arc::new(timeline::Timeline::open_on(
             &db,
             options.timeline_event_bytes,

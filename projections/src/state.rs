@@ -1,10 +1,19 @@
 //! State projection: the content-addressed state trie after every event, each room's
 //! current state root, and room metadata.
 //!
-//! Tables:
+//! Tables (layout [`LAYOUT`]):
 //! - `nodes`: trie node hash -> encoded node (shared by every room and every version)
-//! - `event_roots`: event id -> state root before ++ after ++ non-member root before ++
-//!   non-member root after (4 × 32 bytes)
+//! - `event_roots`: state event id -> state root before ++ after ++ non-member root
+//!   before ++ non-member root after (4 × 32 bytes), for every event with a state key
+//!   (and outlier) this server applied; a resolved-state record writes none (the event
+//!   keeps the roots of its own place in the log)
+//! - `changes`: room id, 0x00, position BE u64 -> state root after ++ non-member root
+//!   after (2 × 32 bytes), for every record that changed the room's roots (a state
+//!   event, an outlier, resolved state). A message changes nothing, so it writes
+//!   nothing here: its roots are those of the last change at or before its position
+//!   ([`State::roots_of`], one short reverse scan). Issue 18 item 5: one row per
+//!   message cost 94 bytes an event on disk and filled the table's memtable with
+//!   keys every read of a state event searched through.
 //! - `current`: room id -> current state root
 //! - `current_others`: room id -> current root of the state without `m.room.member`
 //!
@@ -34,7 +43,8 @@ use spindle_journal::StoredRecord;
 use crate::{
     change_index::ChangeIndex,
     runtime::Projection,
-    store::{ApplyCtx, ProjectionDb, Table},
+    store::{ApplyCtx, ProjectionDb, Table, key},
+    timeline::EventRecord,
 };
 
 /// The state roots recorded for one event: the full state and the non-member state,
@@ -50,6 +60,11 @@ pub struct EventRoots {
     /// State without `m.room.member` after the event.
     pub others_after: Root,
 }
+
+/// The version of this projection's row shapes ([`ProjectionDb::ensure_layout`]):
+/// 2 since `event_roots` holds state events only and `changes` the room's roots by
+/// position (tables written in layout 1 are rebuilt from the journal).
+pub const LAYOUT: u32 = 2;
 
 /// Per-room facts fixed at creation.
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
@@ -208,6 +223,7 @@ impl NodeStore for CtxNodes<'_> {
 pub struct State {
     nodes: Table,
     event_roots: Table,
+    changes: Table,
     current: Table,
     current_others: Table,
     rooms: Table,
@@ -256,6 +272,7 @@ impl State {
         Ok(State {
             nodes: db.table("state", "nodes")?,
             event_roots: db.table("state", "event_roots")?,
+            changes: db.table("state", "changes")?,
             current: db.table("state", "current")?,
             current_others: db.table("state", "current_others")?,
             rooms: db.table("state", "rooms")?,
@@ -333,8 +350,10 @@ impl State {
         root_from(&self.current_others.get(room_id.as_bytes())?)
     }
 
-    /// Every state root recorded for an event (one point read).
-    pub fn event_roots(&self, event_id: &str) -> Option<EventRoots> {
+    /// Every state root recorded for a state event or outlier, by id (one point read).
+    /// `None` for an event without a state key: ask [`State::roots_of`], which knows
+    /// where such an event sits.
+    pub fn state_event_roots(&self, event_id: &str) -> Option<EventRoots> {
         let v = self.event_roots.get(event_id.as_bytes())?;
         if v.len() != 128 {
             return None;
@@ -347,9 +366,46 @@ impl State {
         })
     }
 
-    /// State roots (before, after) an event.
-    pub fn roots_at(&self, event_id: &str) -> Option<(Root, Root)> {
-        self.event_roots(event_id).map(|r| (r.before, r.after))
+    /// The room's roots (full, non-member) after every record at or before
+    /// `position`: the last change at or before it (one reverse scan of at most one
+    /// row). `None` before the room's first state here.
+    pub fn roots_at_position(&self, room_id: &str, position: u64) -> Option<(Root, Root)> {
+        let start = key::prefix(&[room_id]);
+        let end = key::with_pos(&[room_id], position.saturating_add(1));
+        let (_, v) = self
+            .changes
+            .scan_range(&start, &end, true, 1)
+            .into_iter()
+            .next()?;
+        if v.len() != 64 {
+            return None;
+        }
+        Some((root_from(&v[..32])?, root_from(&v[32..])?))
+    }
+
+    /// The state roots at a timeline event: a state event's own (before and after
+    /// it, [`State::state_event_roots`]); for any other event the room's roots at its
+    /// position, which it did not change (before = after). `None` for backfilled
+    /// history (no state is held at it) and for an event with no state before it.
+    pub fn roots_of(&self, ev: &EventRecord) -> Option<EventRoots> {
+        if ev.backfill.is_some() {
+            return None;
+        }
+        if ev.pdu.state_key.is_some() {
+            return self.state_event_roots(ev.pdu.event_id.as_str());
+        }
+        let (full, others) = self.roots_at_position(ev.pdu.room_id.as_str(), ev.position)?;
+        Some(EventRoots {
+            before: full,
+            after: full,
+            others_before: others,
+            others_after: others,
+        })
+    }
+
+    /// State roots (before, after) a timeline event ([`State::roots_of`]).
+    pub fn roots_at(&self, ev: &EventRecord) -> Option<(Root, Root)> {
+        self.roots_of(ev).map(|r| (r.before, r.after))
     }
 
     /// Point lookup: the event id holding `(event_type, state_key)` at `root`.
@@ -436,9 +492,34 @@ impl Projection for State {
             }
             out.push('\n');
         }
+        let rows: Vec<(Vec<u8>, Vec<u8>)> = self.changes.all().collect();
+        out.push_str(&format!(
+            "## state.changes ({} records that changed a room's roots)\n",
+            rows.len()
+        ));
+        for (k, v) in rows {
+            let room = String::from_utf8_lossy(&k[..k.len().saturating_sub(9)]).into_owned();
+            let roots = (v.len() == 64)
+                .then(|| Some((root_from(&v[..32])?, root_from(&v[32..])?)))
+                .flatten();
+            let Some((full, others)) = roots else {
+                out.push_str(&format!(
+                    "{room} @{} => unreadable roots\n",
+                    key::trailing_pos(&k)
+                ));
+                continue;
+            };
+            out.push_str(&format!(
+                "{room} @{} => {} entries, {} without members\n",
+                key::trailing_pos(&k),
+                self.entries(full).len(),
+                self.entries(others).len()
+            ));
+        }
+        out.push('\n');
         let rows: Vec<(Vec<u8>, Vec<u8>)> = self.event_roots.all().collect();
         out.push_str(&format!(
-            "## state.event_roots ({} events, as state changes)\n",
+            "## state.event_roots ({} state events, as state changes)\n",
             rows.len()
         ));
         for (event_id, v) in rows {
@@ -499,6 +580,7 @@ impl Projection for State {
         vec![
             self.nodes.clone(),
             self.event_roots.clone(),
+            self.changes.clone(),
             self.current.clone(),
             self.current_others.clone(),
             self.rooms.clone(),
@@ -579,19 +661,31 @@ impl Projection for State {
                 serde_json::to_vec(&meta).map_err(|e| e.to_string())?,
             );
         }
-        let mut roots = before.0.to_vec();
-        roots.extend_from_slice(&after.0);
-        roots.extend_from_slice(&others_before.0);
-        roots.extend_from_slice(&others_after.0);
-        // A resolved-state record puts an older event back: that event keeps the roots
-        // of its own place in the log.
-        if !record.is_state_resolved() {
+        // A state event (or outlier) keeps its own roots; resolved state puts an older
+        // event back, which keeps the roots of its own place in the log.
+        if pdu.state_key.is_some() && !record.is_state_resolved() {
+            let mut roots = before.0.to_vec();
+            roots.extend_from_slice(&after.0);
+            roots.extend_from_slice(&others_before.0);
+            roots.extend_from_slice(&others_after.0);
             ctx.put(
                 &self.event_roots,
                 pdu.event_id.to_string().into_bytes(),
                 roots,
             );
         }
+        if (after, others_after) == (before, others_before) {
+            // A message (or a state event put back as it was): the room's roots stay,
+            // nothing is written.
+            return Ok(());
+        }
+        let mut now = after.0.to_vec();
+        now.extend_from_slice(&others_after.0);
+        ctx.put(
+            &self.changes,
+            key::with_pos(&[&room], record.position()),
+            now,
+        );
         ctx.put(
             &self.current_others,
             room.clone().into_bytes(),

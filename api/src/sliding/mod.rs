@@ -481,8 +481,8 @@ impl<'a> Build<'a> {
         self.s
             .projections
             .state
-            .roots_at(&m.event_id)
-            .and_then(|(before, _)| crate::visibility::membership_at(self.s, before, self.user))
+            .state_event_roots(&m.event_id)
+            .and_then(|r| crate::visibility::membership_at(self.s, r.before, self.user))
             .is_some_and(|prev| prev == "join" || prev == "invite" || prev == "knock")
     }
 
@@ -587,7 +587,7 @@ impl<'a> Build<'a> {
         } else {
             s.projections
                 .state
-                .event_roots(&m.event_id)
+                .state_event_roots(&m.event_id)
                 .map(|r| r.others_after)
         };
         let encrypted = root
@@ -883,16 +883,13 @@ impl<'a> Build<'a> {
         Some((Some(room_out), now, initial))
     }
 
-    /// (full, non-member) state roots after the room's last event at or before `pos`.
+    /// (full, non-member) state roots after every record of the room at or before
+    /// `pos`.
     fn roots_at(&self, room: &str, pos: u64) -> (Root, Root) {
-        let s = self.s;
-        s.projections
-            .timeline
-            .range_backward(room, pos.saturating_add(1), 0, 1)
-            .into_iter()
-            .next()
-            .and_then(|(_, id)| s.projections.state.event_roots(&id))
-            .map(|r| (r.after, r.others_after))
+        self.s
+            .projections
+            .state
+            .roots_at_position(room, pos)
             .unwrap_or_else(|| (Root::empty(), Root::empty()))
     }
 
