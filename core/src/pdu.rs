@@ -312,7 +312,16 @@ impl PduTemplate {
                 (event_id, room_id)
             }
         };
-        Pdu::parse(&json, &self.room_version, Some(event_id), Some(room_id))
+        // The event was just built from `obj`: its fields are read from there instead
+        // of parsing the bytes back.
+        Pdu::from_object(
+            &obj,
+            &json,
+            &self.room_version,
+            &rules,
+            Some(event_id),
+            Some(room_id),
+        )
     }
 }
 
@@ -369,8 +378,21 @@ impl Pdu {
     ) -> Result<Pdu, PduError> {
         let rules = rules(room_version)?;
         let obj = canonical::from_bytes(json).map_err(|e| PduError::Invalid(e.to_string()))?;
-        let event_id = if room_version::event_id_in_json(&rules) {
-            let in_json = OwnedEventId::try_from(string_field(&obj, "event_id")?)
+        Self::from_object(&obj, json, room_version, &rules, event_id, room_id)
+    }
+
+    /// [`Pdu::parse`] of `json` already parsed as `obj` (the two must be the same
+    /// event: `json` is kept as the stored bytes, the fields are read from `obj`).
+    fn from_object(
+        obj: &CanonicalJsonObject,
+        json: &[u8],
+        room_version: &str,
+        rules: &RoomVersionRules,
+        event_id: Option<OwnedEventId>,
+        room_id: Option<OwnedRoomId>,
+    ) -> Result<Pdu, PduError> {
+        let event_id = if room_version::event_id_in_json(rules) {
+            let in_json = OwnedEventId::try_from(string_field(obj, "event_id")?)
                 .map_err(|e| PduError::Invalid(format!("event_id: {e}")))?;
             if event_id.as_ref().is_some_and(|given| *given != in_json) {
                 return Err(PduError::Invalid(format!(
@@ -382,11 +404,11 @@ impl Pdu {
         } else {
             match event_id {
                 Some(id) => id,
-                None => OwnedEventId::try_from(format!("${}", reference_id(&obj, &rules)?))
+                None => OwnedEventId::try_from(format!("${}", reference_id(obj, rules)?))
                     .map_err(|e| PduError::Invalid(e.to_string()))?,
             }
         };
-        let with_hashes = room_version::references_carry_hashes(&rules);
+        let with_hashes = room_version::references_carry_hashes(rules);
         let room_id_in_json = obj.contains_key("room_id");
         let room_id = match obj.get("room_id").and_then(|v| v.as_str()) {
             Some(r) => OwnedRoomId::try_from(r).map_err(|e| PduError::Invalid(e.to_string()))?,
@@ -396,9 +418,9 @@ impl Pdu {
                     .map_err(|e| PduError::Invalid(e.to_string()))?,
             },
         };
-        let sender = OwnedUserId::try_from(string_field(&obj, "sender")?)
+        let sender = OwnedUserId::try_from(string_field(obj, "sender")?)
             .map_err(|e| PduError::Invalid(e.to_string()))?;
-        let kind = TimelineEventType::from(string_field(&obj, "type")?);
+        let kind = TimelineEventType::from(string_field(obj, "type")?);
         let state_key = match obj.get("state_key") {
             None => None,
             Some(v) => Some(
@@ -407,16 +429,16 @@ impl Pdu {
                     .to_owned(),
             ),
         };
-        let content_obj = field(&obj, "content")?
+        let content_obj = field(obj, "content")?
             .as_object()
             .ok_or_else(|| PduError::Invalid("content is not an object".into()))?;
         let content = serde_json::value::to_raw_value(content_obj)
             .map_err(|e| PduError::Invalid(e.to_string()))?;
-        let ts = field(&obj, "origin_server_ts")?
+        let ts = field(obj, "origin_server_ts")?
             .as_integer()
             .and_then(|i| UInt::try_from(i64::from(i)).ok())
             .ok_or_else(|| PduError::Invalid("origin_server_ts".into()))?;
-        let depth = field(&obj, "depth")?
+        let depth = field(obj, "depth")?
             .as_integer()
             .and_then(|i| u64::try_from(i64::from(i)).ok())
             .ok_or_else(|| PduError::Invalid("depth".into()))?;
@@ -434,8 +456,8 @@ impl Pdu {
             content,
             origin_server_ts: MilliSecondsSinceUnixEpoch(ts),
             depth,
-            prev_events: id_list(&obj, "prev_events", with_hashes)?,
-            auth_events: id_list(&obj, "auth_events", with_hashes)?,
+            prev_events: id_list(obj, "prev_events", with_hashes)?,
+            auth_events: id_list(obj, "auth_events", with_hashes)?,
             redacts,
             room_version: room_version.to_owned(),
             json: json.into(),
@@ -761,6 +783,48 @@ mod tests {
         )
         .unwrap();
         assert_eq!(verified, ruma::signatures::Verified::All);
+    }
+
+    /// A built PDU is read from the object it was built from, not parsed back from its
+    /// bytes: every field must equal what parsing the bytes gives.
+    #[test]
+    fn a_built_pdu_equals_its_bytes_parsed_back() {
+        let key = ServerKey::generate("example.org");
+        for (version, room) in [
+            ("1", Some("!abc:example.org")),
+            ("10", Some("!abc:example.org")),
+            ("11", Some("!abc:example.org")),
+            ("12", None),
+        ] {
+            let create = template(version, room).build(&key).unwrap();
+            let mut t = template(version, Some(create.room_id.as_str()));
+            t.kind = "m.room.redaction".into();
+            t.state_key = None;
+            t.content = serde_json::json!({"reason": "quote \" and \u{1F600}"});
+            t.redacts = Some(create.event_id.clone());
+            t.prev_events = vec![create.event_id.clone()];
+            t.auth_events = vec![create.event_id.clone()];
+            t.depth = 2;
+            let hash = create.reference_hash().unwrap();
+            let built = t
+                .build_with_references(&key, &|e| (e == create.event_id).then(|| hash.clone()))
+                .unwrap();
+            for pdu in [&create, &built] {
+                let parsed = Pdu::parse(
+                    &pdu.json,
+                    version,
+                    Some(pdu.event_id.clone()),
+                    Some(pdu.room_id.clone()),
+                )
+                .unwrap();
+                assert_eq!(
+                    format!("{pdu:?}"),
+                    format!("{parsed:?}"),
+                    "room version {version}"
+                );
+            }
+            assert_eq!(built.redacts.as_ref(), Some(&create.event_id), "{version}");
+        }
     }
 
     #[test]
