@@ -183,7 +183,7 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// The state roots at `event_id`: a state event's or outlier's own, else those of its
+/// The state roots at `event_id`: a state event's own (outliers too), else those of its
 /// place in the room's log ([`spindle_projections::state::State::roots_of`]). `None`
 /// for an event not held here or backfilled history (no state is held at it).
 fn event_roots(st: &FedState, event_id: &str) -> Option<EventRoots> {

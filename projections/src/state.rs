@@ -5,8 +5,8 @@
 //! - `nodes`: trie node hash -> encoded node (shared by every room and every version)
 //! - `event_roots`: state event id -> state root before ++ after ++ non-member root
 //!   before ++ non-member root after (4 × 32 bytes), for every event with a state key
-//!   (and outlier) this server applied; a resolved-state record writes none (the event
-//!   keeps the roots of its own place in the log)
+//!   this server applied, outliers included; a resolved-state record writes none (the
+//!   event keeps the roots of its own place in the log)
 //! - `changes`: room id, 0x00, position BE u64 -> state root after ++ non-member root
 //!   after (2 × 32 bytes), for every record that changed the room's roots (a state
 //!   event, an outlier, resolved state). A message changes nothing, so it writes
@@ -230,10 +230,26 @@ pub struct State {
     partial: Table,
     /// Trie nodes read by queries, by hash.
     node_cache: Arc<NodeCache>,
+    /// Floor lookups of `changes` answered before ([`State::roots_at_position`]).
+    floors: parking_lot::Mutex<HashMap<String, Floor>>,
+    /// The checkpoint of the last committed batch ([`Projection::committed`]).
+    applied: AtomicU64,
     /// The `partial` table in memory (rooms ever joined with partial state are few):
     /// room id -> `None` while partial, `Some(position)` once complete. `/sync` asks
     /// for every joined room, so this is never a store read.
     partial_rooms: PartialRooms,
+}
+
+/// Most rooms [`State::roots_at_position`] remembers a floor for (emptied when full).
+pub const FLOOR_MEMO_ROOMS: usize = 4096;
+
+/// A floor lookup's answer: the room's last change at or before `through` was at
+/// `change`, leaving `roots`; so every position in `change..=through` has them.
+#[derive(Clone, Copy)]
+struct Floor {
+    change: u64,
+    through: u64,
+    roots: (Root, Root),
 }
 
 /// See [`State::partial_rooms`] (shared with the commit hook that flips a room).
@@ -278,6 +294,8 @@ impl State {
             rooms: db.table("state", "rooms")?,
             partial: db.table("state", "partial")?,
             node_cache: Arc::new(NodeCache::new(node_cache_bytes)),
+            floors: Default::default(),
+            applied: AtomicU64::new(0),
             partial_rooms: Default::default(),
         })
     }
@@ -350,7 +368,8 @@ impl State {
         root_from(&self.current_others.get(room_id.as_bytes())?)
     }
 
-    /// Every state root recorded for a state event or outlier, by id (one point read).
+    /// Every state root recorded for an event with a state key, by id (one point
+    /// read).
     /// `None` for an event without a state key: ask [`State::roots_of`], which knows
     /// where such an event sits.
     pub fn state_event_roots(&self, event_id: &str) -> Option<EventRoots> {
@@ -369,10 +388,21 @@ impl State {
     /// The room's roots (full, non-member) after every record at or before
     /// `position`: the last change at or before it (one reverse scan of at most one
     /// row). `None` before the room's first state here.
+    ///
+    /// The answer is remembered per room ([`FLOOR_MEMO_ROOMS`]) when `position` is
+    /// applied here: no change can appear at or below an applied position later, so
+    /// a position between the change found and `position` has the same roots without
+    /// a scan (a page of messages read back through history asks one position after
+    /// another, each event once for visibility and once for `unsigned.membership`).
     pub fn roots_at_position(&self, room_id: &str, position: u64) -> Option<(Root, Root)> {
+        if let Some(f) = self.floors.lock().get(room_id)
+            && (f.change..=f.through).contains(&position)
+        {
+            return Some(f.roots);
+        }
         let start = key::prefix(&[room_id]);
         let end = key::with_pos(&[room_id], position.saturating_add(1));
-        let (_, v) = self
+        let (k, v) = self
             .changes
             .scan_range(&start, &end, true, 1)
             .into_iter()
@@ -380,7 +410,20 @@ impl State {
         if v.len() != 64 {
             return None;
         }
-        Some((root_from(&v[..32])?, root_from(&v[32..])?))
+        let roots = (root_from(&v[..32])?, root_from(&v[32..])?);
+        if position <= self.applied.load(Ordering::Acquire) {
+            let mut floors = self.floors.lock();
+            if floors.len() >= FLOOR_MEMO_ROOMS {
+                floors.clear();
+            }
+            let floor = Floor {
+                change: key::trailing_pos(&k),
+                through: position,
+                roots,
+            };
+            floors.insert(room_id.to_owned(), floor);
+        }
+        Some(roots)
     }
 
     /// The state roots at a timeline event: a state event's own (before and after
@@ -441,7 +484,14 @@ impl State {
 }
 
 impl Projection for State {
+    fn committed(&self, checkpoint: u64) {
+        self.applied.store(checkpoint, Ordering::Release);
+    }
+
     fn reload(&self) {
+        // New tables (a rebuild) are checked again before anything is remembered.
+        self.floors.lock().clear();
+        self.applied.store(0, Ordering::Release);
         let mut m = self.partial_rooms.write();
         *m = PartialRoomsInner::default();
         for (k, v) in self.partial.scan_prefix(&[], usize::MAX) {
