@@ -232,8 +232,12 @@ pub struct State {
     node_cache: Arc<NodeCache>,
     /// Floor lookups of `changes` answered before ([`State::roots_at_position`]).
     floors: parking_lot::Mutex<HashMap<String, Floor>>,
-    /// The checkpoint of the last committed batch ([`Projection::committed`]).
+    /// The checkpoint of the last committed batch ([`Projection::committed`]; at open,
+    /// the stored one): every change at or below it is visible to readers.
     applied: AtomicU64,
+    /// Bumped by [`Projection::reload`] (new tables): a floor found before it is not
+    /// remembered after it.
+    floors_epoch: AtomicU64,
     /// The `partial` table in memory (rooms ever joined with partial state are few):
     /// room id -> `None` while partial, `Some(position)` once complete. `/sync` asks
     /// for every joined room, so this is never a store read.
@@ -295,7 +299,8 @@ impl State {
             partial: db.table("state", "partial")?,
             node_cache: Arc::new(NodeCache::new(node_cache_bytes)),
             floors: Default::default(),
-            applied: AtomicU64::new(0),
+            applied: AtomicU64::new(db.checkpoint("state")),
+            floors_epoch: AtomicU64::new(0),
             partial_rooms: Default::default(),
         })
     }
@@ -400,6 +405,12 @@ impl State {
         {
             return Some(f.roots);
         }
+        // Read before the scan: the changes at or below `applied` are visible to it, so
+        // what it finds for such a position cannot be overtaken by a later commit.
+        let (applied, epoch) = (
+            self.applied.load(Ordering::Acquire),
+            self.floors_epoch.load(Ordering::Acquire),
+        );
         let start = key::prefix(&[room_id]);
         let end = key::with_pos(&[room_id], position.saturating_add(1));
         let (k, v) = self
@@ -411,8 +422,11 @@ impl State {
             return None;
         }
         let roots = (root_from(&v[..32])?, root_from(&v[32..])?);
-        if position <= self.applied.load(Ordering::Acquire) {
+        if position <= applied {
             let mut floors = self.floors.lock();
+            if self.floors_epoch.load(Ordering::Acquire) != epoch {
+                return Some(roots);
+            }
             if floors.len() >= FLOOR_MEMO_ROOMS {
                 floors.clear();
             }
@@ -428,14 +442,16 @@ impl State {
 
     /// The state roots at a timeline event: a state event's own (before and after
     /// it, [`State::state_event_roots`]); for any other event the room's roots at its
-    /// position, which it did not change (before = after). `None` for backfilled
-    /// history (no state is held at it) and for an event with no state before it.
+    /// position, which it did not change (before = after). `None` for history
+    /// backfilled from another server (no state is held at it), for an event this
+    /// projection has not applied yet, and for an event with no state before it.
     pub fn roots_of(&self, ev: &EventRecord) -> Option<EventRoots> {
-        if ev.backfill.is_some() {
-            return None;
-        }
         if ev.pdu.state_key.is_some() {
+            // Also a backfilled event held earlier as an outlier (its row is that).
             return self.state_event_roots(ev.pdu.event_id.as_str());
+        }
+        if ev.backfill.is_some() || ev.position > self.applied.load(Ordering::Acquire) {
+            return None;
         }
         let (full, others) = self.roots_at_position(ev.pdu.room_id.as_str(), ev.position)?;
         Some(EventRoots {
@@ -489,9 +505,11 @@ impl Projection for State {
     }
 
     fn reload(&self) {
-        // New tables (a rebuild) are checked again before anything is remembered.
-        self.floors.lock().clear();
-        self.applied.store(0, Ordering::Release);
+        // New tables (a rebuild): nothing found in the old ones is remembered.
+        let mut floors = self.floors.lock();
+        self.floors_epoch.fetch_add(1, Ordering::AcqRel);
+        floors.clear();
+        drop(floors);
         let mut m = self.partial_rooms.write();
         *m = PartialRoomsInner::default();
         for (k, v) in self.partial.scan_prefix(&[], usize::MAX) {
