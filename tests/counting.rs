@@ -121,19 +121,34 @@ impl Harness {
         assert_eq!(status, 200, "{v}");
     }
 
+    /// Puts a state event (asserting 200); returns its event id.
+    async fn put_state(
+        &self,
+        token: &str,
+        room: &str,
+        event_type: &str,
+        state_key: &str,
+        content: Value,
+    ) -> String {
+        let (status, v) = self
+            .call(
+                reqwest::Method::PUT,
+                &format!("/_matrix/client/v3/rooms/{room}/state/{event_type}/{state_key}"),
+                Some(token),
+                Some(content),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+        v["event_id"].as_str().unwrap().to_owned()
+    }
+
     /// Puts `n` state events `org.example.filler` (state keys `key0`..) with content
     /// `{"i": i}` into a room: a state that grows without members.
     async fn put_fillers(&self, token: &str, room: &str, n: usize) {
         for i in 0..n {
-            let (status, v) = self
-                .call(
-                    reqwest::Method::PUT,
-                    &format!("/_matrix/client/v3/rooms/{room}/state/org.example.filler/key{i}"),
-                    Some(token),
-                    Some(json!({ "i": i })),
-                )
+            let key = format!("key{i}");
+            self.put_state(token, room, "org.example.filler", &key, json!({ "i": i }))
                 .await;
-            assert_eq!(status, 200, "{v}");
         }
     }
 
@@ -556,17 +571,8 @@ async fn a_message_writes_no_state_row() {
     let (_erin, et) = h.register("erin").await;
     let room = h.create_room(&et, json!({ "name": "quiet state" })).await;
     let topic = h
-        .call(
-            reqwest::Method::PUT,
-            &format!("/_matrix/client/v3/rooms/{room}/state/m.room.topic/"),
-            Some(&et),
-            Some(json!({ "topic": "t" })),
-        )
-        .await
-        .1["event_id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+        .put_state(&et, &room, "m.room.topic", "", json!({ "topic": "t" }))
+        .await;
     h.quiesce().await;
     let runtime = &h.server.projections.runtime;
     let rows = || -> Vec<(String, usize)> {
@@ -617,17 +623,8 @@ async fn a_message_writes_no_state_row() {
     assert_eq!(reads, expected);
     // A later change is found, and the earlier messages keep their roots.
     let topic2 = h
-        .call(
-            reqwest::Method::PUT,
-            &format!("/_matrix/client/v3/rooms/{room}/state/m.room.topic/"),
-            Some(&et),
-            Some(json!({ "topic": "t2" })),
-        )
-        .await
-        .1["event_id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+        .put_state(&et, &room, "m.room.topic", "", json!({ "topic": "t2" }))
+        .await;
     let last = h.send(&et, &room, "m-last", "after the second topic").await;
     h.quiesce().await;
     let topic2_after = state.state_event_roots(&topic2).unwrap().after;
@@ -1878,16 +1875,9 @@ async fn state_of_an_unchanged_room_is_rendered_once() {
     assert!(joined.contains(&bob.as_str()));
 
     // A new name is a new root: rendered again, with the name it replaced.
-    let (status, v) = h
-        .call(
-            reqwest::Method::PUT,
-            &format!("/_matrix/client/v3/rooms/{room}/state/m.room.name"),
-            Some(&at),
-            Some(json!({ "name": "Hall" })),
-        )
+    let renamed = h
+        .put_state(&at, &room, "m.room.name", "", json!({ "name": "Hall" }))
         .await;
-    assert_eq!(status, 200, "{v}");
-    let renamed = v["event_id"].as_str().unwrap().to_owned();
     let (_, third) = h.counted_get(&state_path, &bt).await;
     assert_eq!(renders() - before, 208 + 208);
     let name = third
@@ -2072,16 +2062,9 @@ async fn a_state_rendered_ahead_of_the_timeline_is_not_kept() {
     h.quiesce().await;
     let runtime = &h.server.projections.runtime;
     let hold = runtime.hold("timeline").unwrap();
-    let (status, v) = h
-        .call(
-            reqwest::Method::PUT,
-            &format!("/_matrix/client/v3/rooms/{room}/state/m.room.topic"),
-            Some(&at),
-            Some(json!({ "topic": "fresh" })),
-        )
+    let topic = h
+        .put_state(&at, &room, "m.room.topic", "", json!({ "topic": "fresh" }))
         .await;
-    assert_eq!(status, 200, "{v}");
-    let topic = v["event_id"].as_str().unwrap().to_owned();
     let head = h.server.journal.durable_head();
     while runtime.checkpoint("state").unwrap() < head {
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
