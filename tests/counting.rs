@@ -644,6 +644,80 @@ async fn a_message_writes_no_state_row() {
     );
 }
 
+/// Issue 18 item 5: a message costs the search projection no row of its own (the index
+/// is the record of what it holds) and the relations projection one compact row (its
+/// room and type as 8-byte digests, the sender spelled out), not the JSON with every id
+/// spelled out that both used to write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_costs_search_no_row_and_relations_one_small_row() {
+    let h = Harness::start().await;
+    let (erin, et) = h.register("erin").await;
+    let room = h.create_room(&et, json!({ "name": "quiet" })).await;
+    let runtime = &h.server.projections.runtime;
+    let head = h.server.journal.durable_head();
+    assert!(
+        runtime
+            .wait_for_all(head, std::time::Duration::from_secs(10))
+            .await
+    );
+    let rows = |projection: &str| -> Vec<(String, Vec<(Vec<u8>, Vec<u8>)>)> {
+        runtime
+            .tables(projection)
+            .iter()
+            .map(|t| (t.name().to_owned(), t.scan_prefix(&[], usize::MAX)))
+            .collect()
+    };
+    let counts = |tables: &[(String, Vec<(Vec<u8>, Vec<u8>)>)]| -> Vec<(String, usize)> {
+        tables.iter().map(|(n, r)| (n.clone(), r.len())).collect()
+    };
+    let (search_before, relations_before) = (counts(&rows("search")), rows("relations"));
+    let mut sent = Vec::new();
+    for i in 0..20 {
+        sent.push(
+            h.send(&et, &room, &format!("m{i}"), &format!("word{i}"))
+                .await,
+        );
+    }
+    let head = h.server.journal.durable_head();
+    assert!(
+        runtime
+            .wait_for_all(head, std::time::Duration::from_secs(10))
+            .await
+    );
+    assert_eq!(
+        counts(&rows("search")),
+        search_before,
+        "messages wrote search rows"
+    );
+    let mut indexed: Vec<String> = h
+        .server
+        .projections
+        .search
+        .indexed()
+        .unwrap()
+        .into_iter()
+        .map(|d| d.event_id)
+        .filter(|id| sent.contains(id))
+        .collect();
+    indexed.sort();
+    let mut want = sent.clone();
+    want.sort();
+    assert_eq!(indexed, want);
+    let relations = rows("relations");
+    for ((name, after), (_, before)) in relations.iter().zip(&relations_before) {
+        if name != "relations.meta" {
+            assert_eq!(after.len(), before.len(), "{name}");
+            continue;
+        }
+        assert_eq!(after.len(), before.len() + 20);
+        for id in &sent {
+            let (_, row) = after.iter().find(|(k, _)| k == id.as_bytes()).unwrap();
+            // flags, two 8-byte digests, the sender with its 2-byte length
+            assert_eq!(row.len(), 1 + 8 + 8 + 2 + erin.len(), "{id}");
+        }
+    }
+}
+
 /// A waiting long-poll does not pay store reads for other users' traffic: the wake-up
 /// check answers from memory (BRIEF §4: "a user paid for strangers' traffic").
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -225,6 +225,8 @@ impl Projections {
         // Projections whose row shapes changed since an earlier release are rebuilt.
         db.ensure_layout("push", push::LAYOUT)?;
         db.ensure_layout("state", state::LAYOUT)?;
+        db.ensure_layout("search", search::LAYOUT)?;
+        db.ensure_layout("relations", relations::LAYOUT)?;
         let timeline = Arc::new(timeline::Timeline::open_on(
             &db,
             options.timeline_event_bytes,

@@ -3,9 +3,10 @@
 //! aggregations bundled into `unsigned.m.relations`, and each room's threads ordered by
 //! latest activity.
 //!
-//! Tables:
-//! - `meta`: event id -> [`EventMeta`] (what a later relation needs to know about its
-//!   parent: apply reads only its own tables)
+//! Tables (layout [`LAYOUT`]):
+//! - `meta`: event id -> [`EventMeta`] in a compact binary row ([`EventMeta::encode`]:
+//!   what a later relation needs to know about its parent, since apply reads only its
+//!   own tables; 19 bytes plus the sender for an event that relates to nothing)
 //! - `children`: parent, 0x00, position -> [`Child`]
 //! - `by_rel`: parent, 0x00, rel type, 0x00, position -> [`Child`]
 //! - `aggr`: parent -> [`Aggregation`] (latest edit, thread summary, reference count):
@@ -13,8 +14,11 @@
 //! - `participants`: thread root, 0x00, user -> empty
 //! - `room_threads`: room, 0x00, position -> root (one row per thread, at its latest
 //!   event; `GET /threads` pages through it newest first)
-//! - `redacted`: event id -> empty, for a redaction that came before its target
-//!   (federation), so the target is never indexed as a child
+//! - `redacted`: event id, 0x00, room id -> empty, for a redaction that came before its
+//!   target (federation), so the target is never indexed as a child
+//!
+//! A redaction counts only for an event of its own room (spec "Redactions": a
+//! redaction naming another room's event redacts nothing).
 //!
 //! A redacted child stops counting (as Synapse drops its `event_relations` row): its
 //! child rows go, and the aggregation is recomputed from the children left: the edit
@@ -29,29 +33,155 @@ use crate::{
     store::{ApplyCtx, ProjectionDb, Table, key},
 };
 
-/// What the projection remembers of every event.
-#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+/// The version of this projection's row shapes ([`ProjectionDb::ensure_layout`]): 2
+/// made `meta` rows binary with digests for the room and type (they were JSON with
+/// both ids spelled out, about 130 bytes an event on disk, issue 18 item 5) and keyed
+/// `redacted` by (target, room).
+pub const LAYOUT: u32 = 2;
+
+/// What the projection remembers of every event: enough to judge a later relation to
+/// it (same room; for an edit, same sender and type, neither a state event nor an edit
+/// itself; a thread root's sender is a participant), plus, for an event indexed as a
+/// child, what a redaction of it must remove.
+#[derive(Debug, Clone, PartialEq)]
 pub struct EventMeta {
-    /// Room.
-    pub room: String,
+    /// [`digest`] of the room id: relations count only within a room, and equality is
+    /// all that is asked of it.
+    pub room: u64,
     /// Sender.
     pub sender: String,
-    /// Event type.
-    pub kind: String,
-    /// `m.relates_to.rel_type`, "" if none.
-    pub rel_type: String,
+    /// [`digest`] of the event type (an edit must keep the type).
+    pub kind: u64,
+    /// Whether its `m.relates_to.rel_type` is `m.replace` (an edit cannot be edited);
+    /// `false` once it is redacted as a child.
+    pub is_edit: bool,
     /// Whether it is a state event.
     pub state: bool,
-    /// The event it relates to (`m.relates_to.event_id`) when it was indexed as a
-    /// child; "" otherwise (and in rows written before redactions were handled).
-    #[serde(default, skip_serializing_if = "String::is_empty")]
+    /// Set when it was indexed as a child of an event.
+    pub child: Option<ChildMeta>,
+}
+
+/// What a redaction of a child must remove ([`EventMeta::child`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChildMeta {
+    /// The event it relates to (`m.relates_to.event_id`).
     pub parent: String,
-    /// Its position, for the child rows a redaction removes (0 unless a child).
-    #[serde(default, skip_serializing_if = "is_zero")]
+    /// Its `rel_type`.
+    pub rel_type: String,
+    /// Its position (the key of its child rows).
     pub position: u64,
     /// Its `origin_server_ts` when it is a valid replacement of `parent`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub edit_ts: Option<u64>,
+}
+
+/// 8 bytes of the blake3 hash of `s` (a room id or an event type in [`EventMeta`]; a
+/// collision needs about 2^64 tries for one chosen id).
+pub fn digest(s: &str) -> u64 {
+    let h = blake3::hash(s.as_bytes());
+    u64::from_be_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
+}
+
+const STATE: u8 = 1;
+const IS_EDIT: u8 = 2;
+const CHILD: u8 = 4;
+const EDIT_TS: u8 = 8;
+
+impl EventMeta {
+    /// The row: flags (1 byte: state, is an edit, child, has `edit_ts`), room digest
+    /// and type digest (8 bytes each, big endian), the sender (2-byte length, UTF-8);
+    /// for a child then its position and, if set, `edit_ts` (8 bytes each), its
+    /// `rel_type` and parent (2-byte length, UTF-8 each).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut flags = 0;
+        for (on, bit) in [(self.state, STATE), (self.is_edit, IS_EDIT)] {
+            if on {
+                flags |= bit;
+            }
+        }
+        if let Some(c) = &self.child {
+            flags |= CHILD;
+            if c.edit_ts.is_some() {
+                flags |= EDIT_TS;
+            }
+        }
+        let mut out = Vec::with_capacity(19 + self.sender.len());
+        out.push(flags);
+        out.extend_from_slice(&self.room.to_be_bytes());
+        out.extend_from_slice(&self.kind.to_be_bytes());
+        let text = |out: &mut Vec<u8>, s: &str| {
+            // Ids are at most 255 bytes (spec "Identifier grammar"); longer text is cut
+            // at the 2-byte length's limit rather than written unreadable.
+            let b = &s.as_bytes()[..s.len().min(u16::MAX as usize)];
+            out.extend_from_slice(&(b.len() as u16).to_be_bytes());
+            out.extend_from_slice(b);
+        };
+        text(&mut out, &self.sender);
+        if let Some(c) = &self.child {
+            out.extend_from_slice(&c.position.to_be_bytes());
+            if let Some(ts) = c.edit_ts {
+                out.extend_from_slice(&ts.to_be_bytes());
+            }
+            text(&mut out, &c.rel_type);
+            text(&mut out, &c.parent);
+        }
+        out
+    }
+
+    /// Reads a row [`EventMeta::encode`] wrote; `None` if it is cut short or not UTF-8.
+    pub fn decode(row: &[u8]) -> Option<EventMeta> {
+        let mut r = Reader { row, at: 0 };
+        let flags = r.take(1)?[0];
+        let room = r.num()?;
+        let kind = r.num()?;
+        let sender = r.text()?;
+        let child = if flags & CHILD != 0 {
+            let position = r.num()?;
+            let edit_ts = if flags & EDIT_TS != 0 {
+                Some(r.num()?)
+            } else {
+                None
+            };
+            Some(ChildMeta {
+                rel_type: r.text()?,
+                parent: r.text()?,
+                position,
+                edit_ts,
+            })
+        } else {
+            None
+        };
+        Some(EventMeta {
+            room,
+            sender,
+            kind,
+            is_edit: flags & IS_EDIT != 0,
+            state: flags & STATE != 0,
+            child,
+        })
+    }
+}
+
+/// A cursor over an [`EventMeta`] row.
+struct Reader<'a> {
+    row: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Option<&[u8]> {
+        let b = self.row.get(self.at..self.at.checked_add(n)?)?;
+        self.at += n;
+        Some(b)
+    }
+
+    fn num(&mut self) -> Option<u64> {
+        Some(u64::from_be_bytes(self.take(8)?.try_into().ok()?))
+    }
+
+    fn text(&mut self) -> Option<String> {
+        let n = u16::from_be_bytes(self.take(2)?.try_into().ok()?) as usize;
+        String::from_utf8(self.take(n)?.to_vec()).ok()
+    }
 }
 
 /// One child of a parent event.
@@ -99,10 +229,6 @@ pub struct Relations {
     participants: Table,
     room_threads: Table,
     redacted: Table,
-}
-
-fn is_zero(n: &u64) -> bool {
-    *n == 0
 }
 
 fn json<T: Serialize>(v: &T) -> Vec<u8> {
@@ -190,7 +316,7 @@ impl Relations {
     }
 
     fn get_meta(&self, ctx: &ApplyCtx, event_id: &str) -> Option<EventMeta> {
-        serde_json::from_slice(&ctx.get(&self.meta, event_id.as_bytes())?).ok()
+        EventMeta::decode(&ctx.get(&self.meta, event_id.as_bytes())?)
     }
 
     fn get_aggr(&self, ctx: &ApplyCtx, event_id: &str) -> Aggregation {
@@ -208,22 +334,29 @@ impl Relations {
             .collect()
     }
 
-    /// A redaction of `target`: when it is an indexed child, its rows go and its
-    /// parent's aggregation is recomputed from the children left (module doc). A
-    /// target not seen yet is remembered in `redacted`.
-    fn redact(&self, ctx: &mut ApplyCtx, target: &str) {
+    /// A redaction in `room` of `target`: when it is a child indexed in that room, its
+    /// rows go and its parent's aggregation is recomputed from the children left
+    /// (module doc). A target not seen yet is remembered in `redacted`; a target in
+    /// another room is left alone.
+    fn redact(&self, ctx: &mut ApplyCtx, room: &str, target: &str) {
         let Some(mut meta) = self.get_meta(ctx, target) else {
-            ctx.put(&self.redacted, target.as_bytes().to_vec(), Vec::new());
+            ctx.put(&self.redacted, key::join(&[target, room]), Vec::new());
             return;
         };
-        if meta.parent.is_empty() {
+        if meta.room != digest(room) {
             return;
         }
-        let parent = std::mem::take(&mut meta.parent);
-        let rel_type = std::mem::take(&mut meta.rel_type);
-        let pos = meta.position;
-        meta.edit_ts = None;
-        ctx.put(&self.meta, target.as_bytes().to_vec(), json(&meta));
+        let Some(child) = meta.child.take() else {
+            return;
+        };
+        let ChildMeta {
+            parent,
+            rel_type,
+            position: pos,
+            ..
+        } = child;
+        meta.is_edit = false;
+        ctx.put(&self.meta, target.as_bytes().to_vec(), meta.encode());
         ctx.delete(&self.children, key::with_pos(&[&parent], pos));
         ctx.delete(&self.by_rel, key::with_pos(&[&parent, &rel_type], pos));
         let mut aggr = self.get_aggr(ctx, &parent);
@@ -234,7 +367,7 @@ impl Relations {
                         .remaining(ctx, &parent, "m.replace")
                         .into_iter()
                         .filter_map(|(_, c)| {
-                            let ts = self.get_meta(ctx, &c.event_id)?.edit_ts?;
+                            let ts = self.get_meta(ctx, &c.event_id)?.child?.edit_ts?;
                             Some((c.event_id, ts))
                         })
                         .max_by(|(a, ta), (b, tb)| (ta, a).cmp(&(tb, b)));
@@ -244,15 +377,13 @@ impl Relations {
                 let Some(summary) = aggr.thread.as_mut() else {
                     return;
                 };
-                let room = self
-                    .get_meta(ctx, &parent)
-                    .map(|m| m.room)
-                    .unwrap_or_default();
+                // The parent's room is the child's (a child is indexed only then), and
+                // the child's is the redaction's (checked above).
                 summary.count = summary.count.saturating_sub(1);
                 if summary.latest_event_id == target {
                     ctx.delete(
                         &self.room_threads,
-                        key::with_pos(&[&room], summary.latest_position),
+                        key::with_pos(&[room], summary.latest_position),
                     );
                     match self.remaining(ctx, &parent, "m.thread").pop() {
                         Some((latest_pos, latest)) if summary.count > 0 => {
@@ -260,7 +391,7 @@ impl Relations {
                             summary.latest_position = latest_pos;
                             ctx.put(
                                 &self.room_threads,
-                                key::with_pos(&[&room], latest_pos),
+                                key::with_pos(&[room], latest_pos),
                                 parent.clone().into_bytes(),
                             );
                         }
@@ -269,7 +400,7 @@ impl Relations {
                 } else if summary.count == 0 {
                     ctx.delete(
                         &self.room_threads,
-                        key::with_pos(&[&room], summary.latest_position),
+                        key::with_pos(&[room], summary.latest_position),
                     );
                     aggr.thread = None;
                 }
@@ -307,6 +438,53 @@ impl Projection for Relations {
         ]
     }
 
+    /// Every table row by row, `meta` decoded: `event id => sender, room #digest, type
+    /// #digest, flags` and, for a child, `child of <parent> (<rel_type>) @position`
+    /// with its `edit_ts`.
+    fn render(&self) -> String {
+        let mut tables = self.tables();
+        tables.sort_by(|a, b| a.name().cmp(b.name()));
+        let mut out = String::new();
+        for t in tables {
+            if t.name() != self.meta.name() {
+                crate::render::render_table_into(&mut out, &t);
+                continue;
+            }
+            let rows: Vec<(Vec<u8>, Vec<u8>)> = t.all().collect();
+            out.push_str(&format!("## {} ({} rows)\n", t.name(), rows.len()));
+            for (k, v) in rows {
+                out.push_str(&crate::render::render_key(&k));
+                out.push_str(" => ");
+                match EventMeta::decode(&v) {
+                    Some(m) => {
+                        out.push_str(&format!(
+                            "{} room #{:016x} type #{:016x}",
+                            m.sender, m.room, m.kind
+                        ));
+                        for (on, word) in [(m.state, " state"), (m.is_edit, " edit")] {
+                            if on {
+                                out.push_str(word);
+                            }
+                        }
+                        if let Some(c) = m.child {
+                            out.push_str(&format!(
+                                ", child of {} ({}) @{}",
+                                c.parent, c.rel_type, c.position
+                            ));
+                            if let Some(ts) = c.edit_ts {
+                                out.push_str(&format!(" edit_ts {ts}"));
+                            }
+                        }
+                    }
+                    None => out.push_str(&crate::render::render_value(&v)),
+                }
+                out.push('\n');
+            }
+            out.push('\n');
+        }
+        out
+    }
+
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
         if !record.is_event() {
             return Ok(());
@@ -323,23 +501,23 @@ impl Projection for Relations {
         if kind == "m.room.redaction"
             && let Some(target) = &pdu.redacts
         {
-            self.redact(ctx, target.as_str());
+            self.redact(ctx, &room, target.as_str());
         }
+        let room_digest = digest(&room);
         let mut meta = EventMeta {
-            room: room.clone(),
+            room: room_digest,
             sender: sender.clone(),
-            kind: kind.clone(),
-            rel_type: rel_type.clone(),
+            kind: digest(&kind),
+            is_edit: rel_type == "m.replace",
             state: pdu.state_key.is_some(),
-            parent: String::new(),
-            position: 0,
-            edit_ts: None,
+            child: None,
         };
-        if ctx.get(&self.redacted, event_id.as_bytes()).is_some() {
+        let redacted_key = key::join(&[&event_id, &room]);
+        if ctx.get(&self.redacted, &redacted_key).is_some() {
             // Redacted before it arrived: no relation, no content worth indexing.
-            ctx.delete(&self.redacted, event_id.clone().into_bytes());
-            meta.rel_type = String::new();
-            ctx.put(&self.meta, event_id.into_bytes(), json(&meta));
+            ctx.delete(&self.redacted, redacted_key);
+            meta.is_edit = false;
+            ctx.put(&self.meta, event_id.into_bytes(), meta.encode());
             return Ok(());
         }
         let parent = rel["event_id"].as_str().map(str::to_owned);
@@ -349,27 +527,29 @@ impl Projection for Relations {
             .as_deref()
             .filter(|_| !rel_type.is_empty())
             .and_then(|p| self.get_meta(ctx, p))
-            .filter(|m| m.room == room);
+            .filter(|m| m.room == room_digest);
         let (Some(parent), Some(parent_meta)) = (parent, parent_meta) else {
-            ctx.put(&self.meta, event_id.clone().into_bytes(), json(&meta));
+            ctx.put(&self.meta, event_id.clone().into_bytes(), meta.encode());
             return Ok(());
         };
-        meta.parent = parent.clone();
-        meta.position = pos;
         // A valid replacement (spec: "Validity of replacement events"): same sender
         // and type, neither a state event, the original not itself an edit, and new
         // content given.
-        if rel_type == "m.replace"
+        let edit_ts = (rel_type == "m.replace"
             && parent_meta.sender == sender
-            && parent_meta.kind == kind
+            && parent_meta.kind == meta.kind
             && !parent_meta.state
             && pdu.state_key.is_none()
-            && parent_meta.rel_type != "m.replace"
-            && content["m.new_content"].is_object()
-        {
-            meta.edit_ts = Some(u64::from(pdu.origin_server_ts.0));
-        }
-        ctx.put(&self.meta, event_id.clone().into_bytes(), json(&meta));
+            && !parent_meta.is_edit
+            && content["m.new_content"].is_object())
+        .then(|| u64::from(pdu.origin_server_ts.0));
+        meta.child = Some(ChildMeta {
+            parent: parent.clone(),
+            rel_type: rel_type.clone(),
+            position: pos,
+            edit_ts,
+        });
+        ctx.put(&self.meta, event_id.clone().into_bytes(), meta.encode());
         let child = Child {
             event_id: event_id.clone(),
             rel_type: rel_type.clone(),
@@ -384,7 +564,7 @@ impl Projection for Relations {
         let mut aggr = self.get_aggr(ctx, &parent);
         match rel_type.as_str() {
             "m.replace" => {
-                let Some(ts) = meta.edit_ts else {
+                let Some(ts) = edit_ts else {
                     return Ok(());
                 };
                 let newer = aggr
@@ -428,5 +608,53 @@ impl Projection for Relations {
         }
         ctx.put(&self.aggr, parent.into_bytes(), json(&aggr));
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn meta_rows_read_back_as_written_and_stay_small() {
+        let plain = EventMeta {
+            room: digest("!room:example.org"),
+            sender: "@alice:example.org".into(),
+            kind: digest("m.room.message"),
+            is_edit: false,
+            state: false,
+            child: None,
+        };
+        // flags 1 + room 8 + type 8 + sender 2 + 18
+        assert_eq!(plain.encode().len(), 37);
+        assert_eq!(EventMeta::decode(&plain.encode()), Some(plain.clone()));
+        let edit = EventMeta {
+            is_edit: true,
+            state: true,
+            child: Some(ChildMeta {
+                parent: "$parent".into(),
+                rel_type: "m.replace".into(),
+                position: 42,
+                edit_ts: Some(1_700_000_000_123),
+            }),
+            ..plain.clone()
+        };
+        // + position 8 + edit_ts 8 + rel_type 2 + 9 + parent 2 + 7
+        assert_eq!(edit.encode().len(), 37 + 36);
+        assert_eq!(EventMeta::decode(&edit.encode()), Some(edit.clone()));
+        let child = EventMeta {
+            child: Some(ChildMeta {
+                edit_ts: None,
+                ..edit.child.clone().unwrap()
+            }),
+            ..edit.clone()
+        };
+        assert_eq!(EventMeta::decode(&child.encode()), Some(child.clone()));
+        // A row cut short anywhere reads as nothing, not as a wrong row.
+        let row = edit.encode();
+        for n in 0..row.len() {
+            assert_eq!(EventMeta::decode(&row[..n]), None, "cut at {n}");
+        }
+        assert_ne!(digest("m.room.message"), digest("m.room.messagE"));
     }
 }

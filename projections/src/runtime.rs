@@ -103,6 +103,13 @@ pub trait Projection: Send + Sync + 'static {
     fn render(&self) -> String {
         crate::render::render_tables(self.tables())
     }
+    /// What the projection keeps outside the projections database, as (key, value)
+    /// rows in key order, for [`digest`] (the search index: one row per event it
+    /// holds). A function of the records applied, like the tables; the default is
+    /// none. Read only at rest (digests and snapshots), never on a request's path.
+    fn outside_rows(&self) -> Vec<(Vec<u8>, Vec<u8>)> {
+        Vec::new()
+    }
 }
 
 struct Slot {
@@ -842,20 +849,29 @@ impl Runtime {
     }
 }
 
-/// Digest of one projection's tables: table names and every (key, value), length-prefixed.
+/// Digest of one projection's tables: table names and every (key, value), length-prefixed,
+/// then its [`Projection::outside_rows`] (if any) the same way.
 pub fn digest(p: &dyn Projection) -> String {
+    fn rows(h: &mut blake3::Hasher, rows: impl IntoIterator<Item = (Vec<u8>, Vec<u8>)>) {
+        for (k, v) in rows {
+            h.update(&(k.len() as u64).to_le_bytes());
+            h.update(&k);
+            h.update(&(v.len() as u64).to_le_bytes());
+            h.update(&v);
+        }
+    }
     let mut h = blake3::Hasher::new();
     let mut tables = p.tables();
     tables.sort_by(|a, b| a.name().cmp(b.name()));
     for t in tables {
         h.update(t.name().as_bytes());
         h.update(&[0]);
-        for (k, v) in t.all() {
-            h.update(&(k.len() as u64).to_le_bytes());
-            h.update(&k);
-            h.update(&(v.len() as u64).to_le_bytes());
-            h.update(&v);
-        }
+        rows(&mut h, t.all());
+    }
+    let outside = p.outside_rows();
+    if !outside.is_empty() {
+        h.update(b"(outside)\0");
+        rows(&mut h, outside);
     }
     h.finalize().to_hex().to_string()
 }

@@ -5,14 +5,12 @@
 //! What is indexed: `content.body` of every non-state event that has a string `body`
 //! (`m.room.message`, `m.sticker`, ...), `content.name` of `m.room.name` and
 //! `content.topic` of `m.room.topic` (the spec's three `keys`). Encrypted events have no
-//! body and are not indexed. A redaction removes its target from the index (and a target
-//! redacted before it arrives is never added).
+//! body and are not indexed. A redaction removes its target from the index if the target
+//! is an event of the redaction's room (a redaction naming another room's event redacts
+//! nothing, spec "Redactions"); a target redacted before it arrives is never added.
 //!
-//! Tables (fjall, committed with the checkpoint like every projection):
-//! - `docs`: event id -> `{room_id, position, type, sender}` for every event the index
-//!   holds: the projection's digest and snapshot rendering (a function of the records,
-//!   unlike tantivy's segment files, whose layout depends on merges and batch sizes).
-//! - `redacted`: event id -> the first redaction of it.
+//! Tables (layout [`LAYOUT`]; fjall, committed with the checkpoint like every projection):
+//! - `redacted`: event id, 0x00, room id of the redaction -> the first such redaction.
 //! - `index_state`: `changed_at` -> the position of the last record that changed the
 //!   index (so a batch that changes nothing skips the tantivy commit, and start-up can
 //!   tell an index that is merely older than the checkpoint from one that is behind).
@@ -28,6 +26,12 @@
 //! repaired by re-applying, so [`Search::open`] resets the projection (tables and
 //! checkpoint) and the index is rebuilt by replay. A fresh checkpoint (0: `replay
 //! rebuild search`, a deleted `projections/`) clears the index.
+//!
+//! **What the digest sees.** The events the index holds, read from its fast fields
+//! ([`Projection::outside_rows`]: event id -> room id and position, in event id order),
+//! a function of the records however tantivy laid out its segments. Until layout 2 a
+//! `docs` table kept the same per event beside the index (about 130 bytes an event on
+//! disk, issue 18 item 5); the index itself is the witness now.
 //!
 //! **Memory.** One indexing thread with an explicit heap budget
 //! ([`SearchOptions::writer_heap_bytes`], at least tantivy's 15 MB minimum) and one merge
@@ -48,7 +52,6 @@ use std::{
 };
 
 use parking_lot::Mutex;
-use serde::{Deserialize, Serialize};
 use spindle_journal::{Interest, StoredRecord};
 use tantivy::{
     DocAddress, Index, IndexReader, IndexWriter, ReloadPolicy, Searcher, SegmentReader,
@@ -100,17 +103,19 @@ impl Default for SearchOptions {
     }
 }
 
-/// What the index holds for one event (the `docs` table row).
-#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+/// The version of this projection's row shapes ([`ProjectionDb::ensure_layout`]): 2
+/// dropped the `docs` table and keyed `redacted` by (target, room).
+pub const LAYOUT: u32 = 2;
+
+/// What the index holds for one event ([`Search::indexed`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IndexedEvent {
-    /// Room id.
+    /// The event.
+    pub event_id: String,
+    /// Its room.
     pub room_id: String,
-    /// Journal position.
+    /// Its journal position.
     pub position: u64,
-    /// Event type.
-    pub r#type: String,
-    /// Sender.
-    pub sender: String,
 }
 
 /// Result order (spec: `order_by`).
@@ -241,7 +246,6 @@ fn schema() -> (Schema, Fields) {
 
 /// The search projection.
 pub struct Search {
-    docs: Table,
     redacted: Table,
     index_state: Table,
     index: Index,
@@ -335,7 +339,6 @@ impl Search {
             .try_into()
             .map_err(terr)?;
         Ok(Search {
-            docs: db.table("search", "docs")?,
             redacted: db.table("search", "redacted")?,
             index_state: db.table("search", "index_state")?,
             index,
@@ -353,8 +356,7 @@ impl Search {
         &self.stats
     }
 
-    /// Number of documents the searchable index holds (for tests: equals the `docs`
-    /// rows once committed).
+    /// Number of documents the searchable index holds (committed ones).
     pub fn num_docs(&self) -> u64 {
         self.reader.searcher().num_docs()
     }
@@ -543,10 +545,35 @@ impl Search {
         );
     }
 
-    /// The `docs` row of an event, if the index holds it.
-    pub fn indexed(&self, event_id: &str) -> Option<IndexedEvent> {
-        serde_json::from_slice(&self.docs.get(event_id.as_bytes())?).ok()
+    /// Every event the committed index holds, in event id order, read from the fast
+    /// fields of its live documents (a scan of the whole index: for digests, snapshots
+    /// and tests, never a request). A document without its fast fields is an error.
+    pub fn indexed(&self) -> Result<Vec<IndexedEvent>, String> {
+        let searcher = self.reader.searcher();
+        let mut out = Vec::with_capacity(searcher.num_docs() as usize);
+        for (ord, segment) in searcher.segment_readers().iter().enumerate() {
+            let positions = segment
+                .fast_fields()
+                .u64("position")
+                .map_err(terr)?
+                .first_or_default_col(0);
+            for doc in segment.doc_ids_alive() {
+                let (event_id, room_id) = self.ids(&searcher, DocAddress::new(ord as u32, doc))?;
+                out.push(IndexedEvent {
+                    event_id,
+                    room_id,
+                    position: positions.get_val(doc),
+                });
+            }
+        }
+        out.sort_by(|a, b| a.event_id.cmp(&b.event_id));
+        Ok(out)
     }
+}
+
+/// A query for one exact term of a `STRING` field.
+fn term_query(field: Field, text: &str) -> TermQuery {
+    TermQuery::new(Term::from_field_text(field, text), IndexRecordOption::Basic)
 }
 
 /// A clause that must match and adds nothing to the score (ranks stay BM25 of the words).
@@ -601,11 +628,7 @@ impl Projection for Search {
     }
 
     fn tables(&self) -> Vec<Table> {
-        vec![
-            self.docs.clone(),
-            self.redacted.clone(),
-            self.index_state.clone(),
-        ]
+        vec![self.redacted.clone(), self.index_state.clone()]
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
@@ -615,47 +638,54 @@ impl Projection for Search {
         let pdu = record.pdu().ok_or("unreadable PDU")?;
         let f = self.fields;
         let event_id = pdu.event_id.to_string();
+        let room_id = pdu.room_id.to_string();
         let writer = self.writer.lock();
         if pdu.kind.to_string() == "m.room.redaction"
             && let Some(target) = &pdu.redacts
         {
             let target = target.to_string();
-            if ctx.get(&self.redacted, target.as_bytes()).is_none() {
-                ctx.put(
-                    &self.redacted,
-                    target.clone().into_bytes(),
-                    event_id.into_bytes(),
-                );
+            let k = crate::store::key::join(&[&target, &room_id]);
+            if ctx.get(&self.redacted, &k).is_some() {
+                return Ok(());
             }
-            if ctx.get(&self.docs, target.as_bytes()).is_some() {
-                ctx.delete(&self.docs, target.clone().into_bytes());
-                writer.delete_term(Term::from_field_text(f.event_id, &target));
-                self.changed(ctx, record.position());
-            }
+            ctx.put(&self.redacted, k, event_id.into_bytes());
+            // Whether the index holds the target is not known without a search (its
+            // buffered documents are not searchable yet): the delete is unconditional,
+            // and matches only the target in this room. A redaction is rare; the
+            // commit it costs when it deleted nothing is the price of not keeping a
+            // row per indexed event.
+            let both: Vec<(Occur, Box<dyn Query>)> = vec![
+                (Occur::Must, Box::new(term_query(f.event_id, &target))),
+                (Occur::Must, Box::new(term_query(f.room_id, &room_id))),
+            ];
+            writer
+                .delete_query(Box::new(BooleanQuery::new(both)))
+                .map_err(terr)?;
+            self.changed(ctx, record.position());
             return Ok(());
         }
         let Some((body, name, topic, has_url)) = searchable(&pdu) else {
             return Ok(());
         };
-        if ctx.get(&self.redacted, event_id.as_bytes()).is_some() {
+        if ctx
+            .get(
+                &self.redacted,
+                &crate::store::key::join(&[&event_id, &room_id]),
+            )
+            .is_some()
+        {
             return Ok(());
         }
-        let row = IndexedEvent {
-            room_id: pdu.room_id.to_string(),
-            position: record.position(),
-            r#type: pdu.kind.to_string(),
-            sender: pdu.sender.to_string(),
-        };
         if record.position() <= self.index_checkpoint.load(Ordering::Acquire) {
             // The index may hold it already (module doc: tantivy ahead of fjall).
             writer.delete_term(Term::from_field_text(f.event_id, &event_id));
         }
         let mut doc = TantivyDocument::default();
         doc.add_text(f.event_id, &event_id);
-        doc.add_text(f.room_id, &row.room_id);
-        doc.add_text(f.sender, &row.sender);
-        doc.add_text(f.kind, &row.r#type);
-        doc.add_u64(f.position, row.position);
+        doc.add_text(f.room_id, &room_id);
+        doc.add_text(f.sender, pdu.sender.as_str());
+        doc.add_text(f.kind, pdu.kind.to_string());
+        doc.add_u64(f.position, record.position());
         doc.add_u64(f.has_url, u64::from(has_url));
         for (field, text) in [(f.body, &body), (f.name, &name), (f.topic, &topic)] {
             if !text.is_empty() {
@@ -663,11 +693,6 @@ impl Projection for Search {
             }
         }
         writer.add_document(doc).map_err(terr)?;
-        ctx.put(
-            &self.docs,
-            event_id.into_bytes(),
-            serde_json::to_vec(&row).map_err(|e| e.to_string())?,
-        );
         self.changed(ctx, record.position());
         Ok(())
     }
@@ -721,5 +746,42 @@ impl Projection for Search {
         if let Err(e) = self.reader.reload() {
             tracing::error!(error = %e, "search index reader reload failed");
         }
+    }
+
+    /// The events the index holds: event id -> room id, 0x00, position (8 bytes, big
+    /// endian). An unreadable index gives one row naming the error, so a digest
+    /// differs rather than passing.
+    fn outside_rows(&self) -> Vec<(Vec<u8>, Vec<u8>)> {
+        match self.indexed() {
+            Ok(docs) => docs
+                .into_iter()
+                .map(|d| {
+                    let mut v = d.room_id.into_bytes();
+                    v.push(0);
+                    v.extend_from_slice(&d.position.to_be_bytes());
+                    (d.event_id.into_bytes(), v)
+                })
+                .collect(),
+            Err(e) => vec![(b"(unreadable index)".to_vec(), e.into_bytes())],
+        }
+    }
+
+    /// The tables, then the index: one line per event it holds (`event id => room id
+    /// @position`), in event id order.
+    fn render(&self) -> String {
+        let mut out = crate::render::render_tables(self.tables());
+        match self.indexed() {
+            Ok(docs) => {
+                out.push_str(&format!("## search index ({} events)\n", docs.len()));
+                for d in docs {
+                    out.push_str(&format!(
+                        "{} => {} @{}\n",
+                        d.event_id, d.room_id, d.position
+                    ));
+                }
+            }
+            Err(e) => out.push_str(&format!("## search index unreadable: {e}\n")),
+        }
+        out
     }
 }
