@@ -646,7 +646,7 @@ async fn a_message_writes_no_state_row() {
 
 /// Issue 18 item 5: a message costs the search projection no row of its own (the index
 /// is the record of what it holds) and the relations projection one compact row (its
-/// room and type as 8-byte digests, the sender spelled out), not the JSON with every id
+/// room and type as 16- and 8-byte digests, the sender spelled out), not the JSON with every id
 /// spelled out that both used to write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_costs_search_no_row_and_relations_one_small_row() {
@@ -660,14 +660,16 @@ async fn a_message_costs_search_no_row_and_relations_one_small_row() {
             .wait_for_all(head, std::time::Duration::from_secs(10))
             .await
     );
-    let rows = |projection: &str| -> Vec<(String, Vec<(Vec<u8>, Vec<u8>)>)> {
+    // (table name, its rows)
+    type Tables = Vec<(String, Vec<(Vec<u8>, Vec<u8>)>)>;
+    let rows = |projection: &str| -> Tables {
         runtime
             .tables(projection)
             .iter()
             .map(|t| (t.name().to_owned(), t.scan_prefix(&[], usize::MAX)))
             .collect()
     };
-    let counts = |tables: &[(String, Vec<(Vec<u8>, Vec<u8>)>)]| -> Vec<(String, usize)> {
+    let counts = |tables: &Tables| -> Vec<(String, usize)> {
         tables.iter().map(|(n, r)| (n.clone(), r.len())).collect()
     };
     let (search_before, relations_before) = (counts(&rows("search")), rows("relations"));
@@ -712,8 +714,8 @@ async fn a_message_costs_search_no_row_and_relations_one_small_row() {
         assert_eq!(after.len(), before.len() + 20);
         for id in &sent {
             let (_, row) = after.iter().find(|(k, _)| k == id.as_bytes()).unwrap();
-            // flags, two 8-byte digests, the sender with its 2-byte length
-            assert_eq!(row.len(), 1 + 8 + 8 + 2 + erin.len(), "{id}");
+            // flags, the room and type digests, the sender with its 2-byte length
+            assert_eq!(row.len(), 1 + 16 + 8 + 2 + erin.len(), "{id}");
         }
     }
 }

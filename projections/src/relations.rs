@@ -6,7 +6,7 @@
 //! Tables (layout [`LAYOUT`]):
 //! - `meta`: event id -> [`EventMeta`] in a compact binary row ([`EventMeta::encode`]:
 //!   what a later relation needs to know about its parent, since apply reads only its
-//!   own tables; 19 bytes plus the sender for an event that relates to nothing)
+//!   own tables; 27 bytes plus the sender for an event that relates to nothing)
 //! - `children`: parent, 0x00, position -> [`Child`]
 //! - `by_rel`: parent, 0x00, rel type, 0x00, position -> [`Child`]
 //! - `aggr`: parent -> [`Aggregation`] (latest edit, thread summary, reference count):
@@ -45,9 +45,9 @@ pub const LAYOUT: u32 = 2;
 /// child, what a redaction of it must remove.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EventMeta {
-    /// [`digest`] of the room id: relations count only within a room, and equality is
-    /// all that is asked of it.
-    pub room: u64,
+    /// [`room_digest`] of the room id: relations count only within a room, and
+    /// equality is all that is asked of it.
+    pub room: u128,
     /// Sender.
     pub sender: String,
     /// [`digest`] of the event type (an edit must keep the type).
@@ -74,11 +74,20 @@ pub struct ChildMeta {
     pub edit_ts: Option<u64>,
 }
 
-/// 8 bytes of the blake3 hash of `s` (a room id or an event type in [`EventMeta`]; a
-/// collision needs about 2^64 tries for one chosen id).
+/// 8 bytes of the blake3 hash of an event type ([`EventMeta::kind`]). Someone who
+/// picks both types can find a colliding pair in about 2^32 tries; all it buys is an
+/// edit of their own event under another type being bundled.
 pub fn digest(s: &str) -> u64 {
     let h = blake3::hash(s.as_bytes());
     u64::from_be_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
+}
+
+/// 16 bytes of the blake3 hash of a room id ([`EventMeta::room`]): room ids of room
+/// versions 1-11 are picked by the creating server, so a colliding pair must cost
+/// more than 2^32 tries (about 2^64 here).
+pub fn room_digest(s: &str) -> u128 {
+    let h = blake3::hash(s.as_bytes());
+    u128::from_be_bytes(h.as_bytes()[..16].try_into().expect("16 bytes"))
 }
 
 const STATE: u8 = 1;
@@ -88,7 +97,7 @@ const EDIT_TS: u8 = 8;
 
 impl EventMeta {
     /// The row: flags (1 byte: state, is an edit, child, has `edit_ts`), room digest
-    /// and type digest (8 bytes each, big endian), the sender (2-byte length, UTF-8);
+    /// (16 bytes) and type digest (8 bytes), big endian, the sender (2-byte length, UTF-8);
     /// for a child then its position and, if set, `edit_ts` (8 bytes each), its
     /// `rel_type` and parent (2-byte length, UTF-8 each).
     pub fn encode(&self) -> Vec<u8> {
@@ -104,7 +113,7 @@ impl EventMeta {
                 flags |= EDIT_TS;
             }
         }
-        let mut out = Vec::with_capacity(19 + self.sender.len());
+        let mut out = Vec::with_capacity(27 + self.sender.len());
         out.push(flags);
         out.extend_from_slice(&self.room.to_be_bytes());
         out.extend_from_slice(&self.kind.to_be_bytes());
@@ -131,7 +140,7 @@ impl EventMeta {
     pub fn decode(row: &[u8]) -> Option<EventMeta> {
         let mut r = Reader { row, at: 0 };
         let flags = r.take(1)?[0];
-        let room = r.num()?;
+        let room = u128::from_be_bytes(r.take(16)?.try_into().ok()?);
         let kind = r.num()?;
         let sender = r.text()?;
         let child = if flags & CHILD != 0 {
@@ -343,7 +352,7 @@ impl Relations {
             ctx.put(&self.redacted, key::join(&[target, room]), Vec::new());
             return;
         };
-        if meta.room != digest(room) {
+        if meta.room != room_digest(room) {
             return;
         }
         let Some(child) = meta.child.take() else {
@@ -458,7 +467,7 @@ impl Projection for Relations {
                 match EventMeta::decode(&v) {
                     Some(m) => {
                         out.push_str(&format!(
-                            "{} room #{:016x} type #{:016x}",
+                            "{} room #{:032x} type #{:016x}",
                             m.sender, m.room, m.kind
                         ));
                         for (on, word) in [(m.state, " state"), (m.is_edit, " edit")] {
@@ -503,9 +512,9 @@ impl Projection for Relations {
         {
             self.redact(ctx, &room, target.as_str());
         }
-        let room_digest = digest(&room);
+        let room_hash = room_digest(&room);
         let mut meta = EventMeta {
-            room: room_digest,
+            room: room_hash,
             sender: sender.clone(),
             kind: digest(&kind),
             is_edit: rel_type == "m.replace",
@@ -527,7 +536,7 @@ impl Projection for Relations {
             .as_deref()
             .filter(|_| !rel_type.is_empty())
             .and_then(|p| self.get_meta(ctx, p))
-            .filter(|m| m.room == room_digest);
+            .filter(|m| m.room == room_hash);
         let (Some(parent), Some(parent_meta)) = (parent, parent_meta) else {
             ctx.put(&self.meta, event_id.clone().into_bytes(), meta.encode());
             return Ok(());
@@ -618,15 +627,15 @@ mod tests {
     #[test]
     fn meta_rows_read_back_as_written_and_stay_small() {
         let plain = EventMeta {
-            room: digest("!room:example.org"),
+            room: room_digest("!room:example.org"),
             sender: "@alice:example.org".into(),
             kind: digest("m.room.message"),
             is_edit: false,
             state: false,
             child: None,
         };
-        // flags 1 + room 8 + type 8 + sender 2 + 18
-        assert_eq!(plain.encode().len(), 37);
+        // flags 1 + room 16 + type 8 + sender 2 + 18
+        assert_eq!(plain.encode().len(), 45);
         assert_eq!(EventMeta::decode(&plain.encode()), Some(plain.clone()));
         let edit = EventMeta {
             is_edit: true,
@@ -640,7 +649,7 @@ mod tests {
             ..plain.clone()
         };
         // + position 8 + edit_ts 8 + rel_type 2 + 9 + parent 2 + 7
-        assert_eq!(edit.encode().len(), 37 + 36);
+        assert_eq!(edit.encode().len(), 45 + 36);
         assert_eq!(EventMeta::decode(&edit.encode()), Some(edit.clone()));
         let child = EventMeta {
             child: Some(ChildMeta {

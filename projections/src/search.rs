@@ -20,8 +20,9 @@
 //! ([`Projection::prepare_commit`]; skipped when the batch changed nothing), then the
 //! runtime commits the fjall tables and the checkpoint. A crash between the two leaves
 //! tantivy *ahead* of the fjall checkpoint; the runtime then re-applies those records,
-//! and apply is idempotent on the index: an add first deletes the event id's term (only
-//! for positions tantivy may already hold), a redaction deletes it again. tantivy
+//! and apply is idempotent on the index: an add first deletes the event's document in
+//! its room (only for positions tantivy may already hold), a redaction deletes it
+//! again. tantivy
 //! *behind* (its payload below `changed_at`: its directory lost or unreadable) cannot be
 //! repaired by re-applying, so [`Search::open`] resets the projection (tables and
 //! checkpoint) and the index is rebuilt by replay. A fresh checkpoint (0: `replay
@@ -545,9 +546,10 @@ impl Search {
         );
     }
 
-    /// Every event the committed index holds, in event id order, read from the fast
-    /// fields of its live documents (a scan of the whole index: for digests, snapshots
-    /// and tests, never a request). A document without its fast fields is an error.
+    /// Every event the committed index holds, in (event id, room, position) order, read
+    /// from the fast fields of its live documents (a scan of the whole index, held in
+    /// memory: for digests, snapshots and tests, never a request). A document without
+    /// its fast fields is an error.
     pub fn indexed(&self) -> Result<Vec<IndexedEvent>, String> {
         let searcher = self.reader.searcher();
         let mut out = Vec::with_capacity(searcher.num_docs() as usize);
@@ -566,9 +568,22 @@ impl Search {
                 });
             }
         }
-        out.sort_by(|a, b| a.event_id.cmp(&b.event_id));
+        // The whole row orders: one event id can be indexed in two rooms (room versions
+        // 1 and 2 let the sending server pick ids), and segment order is not stable.
+        out.sort_by(|a, b| {
+            (&a.event_id, &a.room_id, a.position).cmp(&(&b.event_id, &b.room_id, b.position))
+        });
         Ok(out)
     }
+}
+
+/// The document of `event_id` in `room_id` (a delete query).
+fn in_room(f: Fields, event_id: &str, room_id: &str) -> Box<dyn Query> {
+    let both: Vec<(Occur, Box<dyn Query>)> = vec![
+        (Occur::Must, Box::new(term_query(f.event_id, event_id))),
+        (Occur::Must, Box::new(term_query(f.room_id, room_id))),
+    ];
+    Box::new(BooleanQuery::new(both))
 }
 
 /// A query for one exact term of a `STRING` field.
@@ -648,19 +663,16 @@ impl Projection for Search {
             if ctx.get(&self.redacted, &k).is_some() {
                 return Ok(());
             }
-            ctx.put(&self.redacted, k, event_id.into_bytes());
             // Whether the index holds the target is not known without a search (its
             // buffered documents are not searchable yet): the delete is unconditional,
             // and matches only the target in this room. A redaction is rare; the
             // commit it costs when it deleted nothing is the price of not keeping a
-            // row per indexed event.
-            let both: Vec<(Occur, Box<dyn Query>)> = vec![
-                (Occur::Must, Box::new(term_query(f.event_id, &target))),
-                (Occur::Must, Box::new(term_query(f.room_id, &room_id))),
-            ];
+            // row per indexed event. The delete goes first: if it fails, no `redacted`
+            // row says it happened.
             writer
-                .delete_query(Box::new(BooleanQuery::new(both)))
+                .delete_query(in_room(f, &target, &room_id))
                 .map_err(terr)?;
+            ctx.put(&self.redacted, k, event_id.into_bytes());
             self.changed(ctx, record.position());
             return Ok(());
         }
@@ -677,8 +689,12 @@ impl Projection for Search {
             return Ok(());
         }
         if record.position() <= self.index_checkpoint.load(Ordering::Acquire) {
-            // The index may hold it already (module doc: tantivy ahead of fjall).
-            writer.delete_term(Term::from_field_text(f.event_id, &event_id));
+            // The index may hold it already (module doc: tantivy ahead of fjall); only
+            // this room's document (another room may hold the same id, in room
+            // versions 1 and 2).
+            writer
+                .delete_query(in_room(f, &event_id, &room_id))
+                .map_err(terr)?;
         }
         let mut doc = TantivyDocument::default();
         doc.add_text(f.event_id, &event_id);
