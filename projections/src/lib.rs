@@ -58,7 +58,7 @@ use spindle_journal::Journal;
 
 pub use runtime::{
     Projection, ProjectionHold, ProjectionStatus, RebuildError, RebuildProgress, Runtime,
-    TableDiff, diff_tables, render_key,
+    TableDiff, diff_outside, diff_tables, render_key,
 };
 pub use store::ProjectionDb;
 

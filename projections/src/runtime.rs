@@ -902,6 +902,15 @@ impl Runtime {
             .map(|s| s.projection.tables())
             .unwrap_or_default()
     }
+
+    /// Projection `name`'s [`Projection::outside_rows`] (empty for unknown names).
+    pub fn outside_rows(&self, name: &str) -> Vec<(Vec<u8>, Vec<u8>)> {
+        self.slots
+            .iter()
+            .find(|s| s.projection.name() == name)
+            .map(|s| s.projection.outside_rows())
+            .unwrap_or_default()
+    }
 }
 
 /// Compares two copies of a projection's tables (paired by name) row by row, in key
@@ -919,55 +928,67 @@ pub fn diff_tables(live: &[Table], rebuilt: &[Table]) -> Vec<TableDiff> {
                 .map(|t| t.all().collect())
                 .unwrap_or_default()
         };
-        let (a, b) = (rows(live), rows(rebuilt));
-        let mut d = TableDiff {
-            table: name.to_owned(),
-            only_live: 0,
-            only_rebuilt: 0,
-            changed: 0,
-            first_key: Vec::new(),
-            last_key: Vec::new(),
-        };
-        let note = |d: &mut TableDiff, k: &[u8]| {
-            if d.only_live + d.only_rebuilt + d.changed == 1 {
-                d.first_key = k.to_vec();
-            }
-            d.last_key = k.to_vec();
-        };
-        let (mut i, mut j) = (0, 0);
-        while i < a.len() || j < b.len() {
-            match (a.get(i), b.get(j)) {
-                (Some((ka, va)), Some((kb, vb))) if ka == kb => {
-                    if va != vb {
-                        d.changed += 1;
-                        note(&mut d, ka);
-                    }
-                    i += 1;
-                    j += 1;
-                }
-                (Some((ka, _)), Some((kb, _))) if ka < kb => {
-                    d.only_live += 1;
-                    note(&mut d, ka);
-                    i += 1;
-                }
-                (Some((ka, _)), None) => {
-                    d.only_live += 1;
-                    note(&mut d, ka);
-                    i += 1;
-                }
-                (_, Some((kb, _))) => {
-                    d.only_rebuilt += 1;
-                    note(&mut d, kb);
-                    j += 1;
-                }
-                (None, None) => unreachable!("loop condition"),
-            }
-        }
-        if d.only_live + d.only_rebuilt + d.changed > 0 {
-            out.push(d);
-        }
+        out.extend(diff_rows(name, &rows(live), &rows(rebuilt)));
     }
     out
+}
+
+/// Compares two copies of one projection's [`Projection::outside_rows`] the same way,
+/// reported as the table `<projection>.(outside)` (the search index's event list).
+pub fn diff_outside(
+    projection: &str,
+    live: &[(Vec<u8>, Vec<u8>)],
+    rebuilt: &[(Vec<u8>, Vec<u8>)],
+) -> Option<TableDiff> {
+    diff_rows(&format!("{projection}.(outside)"), live, rebuilt)
+}
+
+/// Two copies of one table's rows, each in key order: what differs, if anything.
+fn diff_rows(name: &str, a: &[(Vec<u8>, Vec<u8>)], b: &[(Vec<u8>, Vec<u8>)]) -> Option<TableDiff> {
+    let mut d = TableDiff {
+        table: name.to_owned(),
+        only_live: 0,
+        only_rebuilt: 0,
+        changed: 0,
+        first_key: Vec::new(),
+        last_key: Vec::new(),
+    };
+    let note = |d: &mut TableDiff, k: &[u8]| {
+        if d.only_live + d.only_rebuilt + d.changed == 1 {
+            d.first_key = k.to_vec();
+        }
+        d.last_key = k.to_vec();
+    };
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() || j < b.len() {
+        match (a.get(i), b.get(j)) {
+            (Some((ka, va)), Some((kb, vb))) if ka == kb => {
+                if va != vb {
+                    d.changed += 1;
+                    note(&mut d, ka);
+                }
+                i += 1;
+                j += 1;
+            }
+            (Some((ka, _)), Some((kb, _))) if ka < kb => {
+                d.only_live += 1;
+                note(&mut d, ka);
+                i += 1;
+            }
+            (Some((ka, _)), None) => {
+                d.only_live += 1;
+                note(&mut d, ka);
+                i += 1;
+            }
+            (_, Some((kb, _))) => {
+                d.only_rebuilt += 1;
+                note(&mut d, kb);
+                j += 1;
+            }
+            (None, None) => unreachable!("loop condition"),
+        }
+    }
+    (d.only_live + d.only_rebuilt + d.changed > 0).then_some(d)
 }
 
 /// A key for people: printable ASCII as is, the 0x00 separator as `|`, 8-byte
@@ -990,4 +1011,31 @@ pub fn render_key(key: &[u8]) -> String {
         i += 1;
     }
     s
+}
+
+#[cfg(test)]
+mod diff_tests {
+    use super::*;
+
+    fn row(k: &str, v: &str) -> (Vec<u8>, Vec<u8>) {
+        (k.as_bytes().to_vec(), v.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn outside_rows_are_diffed_like_a_table() {
+        let live = vec![row("$a", "r1"), row("$b", "r1"), row("$d", "r1")];
+        let rebuilt = vec![row("$a", "r1"), row("$b", "r2"), row("$c", "r1")];
+        assert_eq!(
+            diff_outside("search", &live, &rebuilt),
+            Some(TableDiff {
+                table: "search.(outside)".into(),
+                only_live: 1,
+                only_rebuilt: 1,
+                changed: 1,
+                first_key: b"$b".to_vec(),
+                last_key: b"$d".to_vec(),
+            })
+        );
+        assert_eq!(diff_outside("search", &live, &live), None);
+    }
 }

@@ -112,7 +112,8 @@ pub struct Verification {
     pub live: String,
     /// Digest of a rebuild from position 0 in a scratch directory.
     pub rebuilt: String,
-    /// When the digests differ: each table that differs and its differing key range.
+    /// When the digests differ: each table that differs and its differing key range
+    /// (`<projection>.(outside)` for what the projection keeps outside its tables).
     pub differences: Vec<spindle_projections::TableDiff>,
 }
 
@@ -137,10 +138,16 @@ pub async fn verify(data_dir: &Path, server_name: &str) -> anyhow::Result<Vec<Ve
             differences: if live_digest == rebuilt_digest {
                 Vec::new()
             } else {
-                spindle_projections::diff_tables(
+                let mut d = spindle_projections::diff_tables(
                     &live.runtime.tables(name),
                     &rebuilt.runtime.tables(name),
-                )
+                );
+                d.extend(spindle_projections::diff_outside(
+                    name,
+                    &live.runtime.outside_rows(name),
+                    &rebuilt.runtime.outside_rows(name),
+                ));
+                d
             },
             live: live_digest,
             rebuilt: rebuilt_digest,
