@@ -353,8 +353,18 @@ async fn invites_carry_invite_room_state_and_msc3202_and_presence_reach_the_serv
 
     bob.join(&room).await;
     // Bob joining a room of interest: he newly shares it (`changed`).
+    // (The transaction with his join event: an earlier one may name him already, and
+    // waiting for that one let alice's key upload below share his join's transaction.)
     svc.wait_txn("bob's join", |t| {
-        t["org.matrix.msc3202.device_lists"]["changed"] == json!([bob.user_id])
+        let joined = t["events"].as_array().is_some_and(|evs| {
+            evs.iter().any(|e| {
+                e["state_key"] == json!(bob.user_id) && e["content"]["membership"] == "join"
+            })
+        });
+        joined
+            && t["org.matrix.msc3202.device_lists"]["changed"]
+                .as_array()
+                .is_some_and(|c| c.contains(&json!(bob.user_id)))
     })
     .await;
 
