@@ -645,7 +645,8 @@ async fn a_message_writes_no_state_row() {
 }
 
 /// Issue 18 item 5: a message costs the search projection no row of its own (the index
-/// is the record of what it holds) and the relations projection one compact row (its
+/// is the record of what it holds), the event-time index a key and no value, and the
+/// relations projection one compact row (its
 /// room and type as 16- and 8-byte digests, the sender spelled out), not the JSON with every id
 /// spelled out that both used to write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -673,6 +674,7 @@ async fn a_message_costs_search_no_row_and_relations_one_small_row() {
         tables.iter().map(|(n, r)| (n.clone(), r.len())).collect()
     };
     let (search_before, relations_before) = (counts(&rows("search")), rows("relations"));
+    let times_before = rows("event_times");
     let mut sent = Vec::new();
     for i in 0..20 {
         sent.push(
@@ -690,6 +692,12 @@ async fn a_message_costs_search_no_row_and_relations_one_small_row() {
         counts(&rows("search")),
         search_before,
         "messages wrote search rows"
+    );
+    let times = rows("event_times");
+    assert_eq!(times[0].1.len(), times_before[0].1.len() + 20);
+    assert!(
+        times[0].1.iter().all(|(_, v)| v.is_empty()),
+        "event_times values"
     );
     let mut indexed: Vec<String> = h
         .server

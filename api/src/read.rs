@@ -998,7 +998,8 @@ pub const TIMESTAMP_SCAN_MAX: usize = 1000;
 /// `GET /_matrix/client/v1/rooms/{roomId}/timestamp_to_event?ts=&dir=f|b`: the closest
 /// event the requester may see at or after (`f`) or at or before (`b`) `ts` (ms), by
 /// `origin_server_ts`; one seek in the `event_times` index, then events in order until
-/// one is visible (at most [`TIMESTAMP_SCAN_MAX`]). None: 404 `M_NOT_FOUND`.
+/// one is visible (at most [`TIMESTAMP_SCAN_MAX`]), each found by its position in the
+/// timeline. None: 404 `M_NOT_FOUND`.
 async fn timestamp_to_event(
     State(s): State<AppState>,
     r: Requester,
@@ -1027,12 +1028,13 @@ async fn timestamp_to_event(
         if rows.is_empty() {
             break;
         }
-        for (t, pos, id) in &rows {
+        for (t, pos) in &rows {
             scanned += 1;
             if *pos > access.cap {
                 continue;
             }
-            if let Some(ev) = s.projections.timeline.event(id)
+            if let Some(id) = s.projections.timeline.event_id_at(&room_id, *pos)
+                && let Some(ev) = s.projections.timeline.event(&id)
                 && can_see(&s, &r.user_id, &access, &ev)
             {
                 return Ok(Json(json!({ "event_id": id, "origin_server_ts": t })));
@@ -1044,7 +1046,7 @@ async fn timestamp_to_event(
         batch = (batch * 2).min(64);
         // Continue past the last timestamp seen: events sharing that millisecond beyond
         // this batch are skipped (rare; the answer is then the next visible one).
-        let last = rows.last().map(|(t, _, _)| *t).unwrap_or(from);
+        let last = rows.last().map(|(t, _)| *t).unwrap_or(from);
         from = if forward {
             last.saturating_add(1)
         } else if last == 0 {

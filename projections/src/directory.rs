@@ -14,9 +14,11 @@
 //! - `network_published`: `<appservice id>|<network id>`, 0x00, room id -> empty, for
 //!   rooms an application service listed for one network (`AppserviceRoomListed`)
 //!
-//! [`EventTimes`] table:
-//! - `by_ts`: room, 0x00, origin_server_ts BE, position BE -> event id, so "the first
-//!   event at or after / at or before time T" is one range seek.
+//! [`EventTimes`] table (layout [`EVENT_TIMES_LAYOUT`]):
+//! - `by_ts`: room, 0x00, origin_server_ts BE, position BE -> empty, so "the first
+//!   event at or after / at or before time T" is one range seek; the event at a
+//!   position is the timeline's `room_events` row (layout 1 kept the event id here
+//!   too, about 35 bytes an event on disk, issue 18 item 5).
 
 use spindle_journal::{Fact, Interest, StoredRecord};
 
@@ -225,6 +227,10 @@ impl Projection for Directory {
     }
 }
 
+/// The version of [`EventTimes`]' row shapes ([`ProjectionDb::ensure_layout`]): 2
+/// dropped the event id from `by_ts` values.
+pub const EVENT_TIMES_LAYOUT: u32 = 2;
+
 /// The event-time index (spec: `GET /rooms/{roomId}/timestamp_to_event`).
 pub struct EventTimes {
     by_ts: Table,
@@ -246,14 +252,9 @@ impl EventTimes {
 
     /// Up to `limit` events of the room from time `ts` in direction `forward` (at or
     /// after `ts`, oldest first; else at or before `ts`, newest first): (timestamp,
-    /// position, event id). One range seek.
-    pub fn from(
-        &self,
-        room_id: &str,
-        ts: u64,
-        forward: bool,
-        limit: usize,
-    ) -> Vec<(u64, u64, String)> {
+    /// position); the event id at a position is
+    /// [`Timeline::event_id_at`](crate::timeline::Timeline::event_id_at). One range seek.
+    pub fn from(&self, room_id: &str, ts: u64, forward: bool, limit: usize) -> Vec<(u64, u64)> {
         let (start, end) = if forward {
             let mut end = key::prefix(&[room_id]);
             *end.last_mut().expect("non-empty") = 1;
@@ -268,11 +269,11 @@ impl EventTimes {
         self.by_ts
             .scan_range(&start, &end, !forward, limit)
             .into_iter()
-            .filter_map(|(k, v)| {
+            .filter_map(|(k, _)| {
                 let rest = k.get(prefix_len..)?;
                 let ts = u64::from_be_bytes(rest.get(..8)?.try_into().ok()?);
                 let pos = u64::from_be_bytes(rest.get(8..16)?.try_into().ok()?);
-                Some((ts, pos, String::from_utf8_lossy(&v).into_owned()))
+                Some((ts, pos))
             })
             .collect()
     }
@@ -299,7 +300,7 @@ impl Projection for EventTimes {
         let pdu = record.pdu().ok_or("unreadable PDU")?;
         let mut k = Self::ts_key(pdu.room_id.as_str(), u64::from(pdu.origin_server_ts.0));
         k.extend_from_slice(&record.position().to_be_bytes());
-        ctx.put(&self.by_ts, k, pdu.event_id.to_string().into_bytes());
+        ctx.put(&self.by_ts, k, Vec::new());
         Ok(())
     }
 }

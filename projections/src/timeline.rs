@@ -392,6 +392,15 @@ impl Timeline {
         }
     }
 
+    /// The id of the room's event at `position` in its live timeline (one point read
+    /// of `room_events`); `None` if there is none there (another room's position, an
+    /// outlier, a backfilled event).
+    pub fn event_id_at(&self, room_id: &str, position: u64) -> Option<String> {
+        self.room_events
+            .get(&key::with_pos(&[room_id], position))
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
+    }
+
     /// Loads an event by id: from the event cache, else one point read and a parse.
     pub fn event(&self, event_id: &str) -> Option<EventRecord> {
         if let Some(ev) = self.cache.get(event_id) {
