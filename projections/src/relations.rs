@@ -50,7 +50,7 @@ pub struct EventMeta {
     pub room: u128,
     /// Sender.
     pub sender: String,
-    /// [`digest`] of the event type (an edit must keep the type).
+    /// [`type_digest`] of the event type (an edit must keep the type).
     pub kind: u64,
     /// Whether its `m.relates_to.rel_type` is `m.replace` (an edit cannot be edited);
     /// `false` once it is redacted as a child.
@@ -77,7 +77,7 @@ pub struct ChildMeta {
 /// 8 bytes of the blake3 hash of an event type ([`EventMeta::kind`]). Someone who
 /// picks both types can find a colliding pair in about 2^32 tries; all it buys is an
 /// edit of their own event under another type being bundled.
-pub fn digest(s: &str) -> u64 {
+pub fn type_digest(s: &str) -> u64 {
     let h = blake3::hash(s.as_bytes());
     u64::from_be_bytes(h.as_bytes()[..8].try_into().expect("8 bytes"))
 }
@@ -516,7 +516,7 @@ impl Projection for Relations {
         let mut meta = EventMeta {
             room: room_hash,
             sender: sender.clone(),
-            kind: digest(&kind),
+            kind: type_digest(&kind),
             is_edit: rel_type == "m.replace",
             state: pdu.state_key.is_some(),
             child: None,
@@ -629,7 +629,7 @@ mod tests {
         let plain = EventMeta {
             room: room_digest("!room:example.org"),
             sender: "@alice:example.org".into(),
-            kind: digest("m.room.message"),
+            kind: type_digest("m.room.message"),
             is_edit: false,
             state: false,
             child: None,
@@ -664,6 +664,6 @@ mod tests {
         for n in 0..row.len() {
             assert_eq!(EventMeta::decode(&row[..n]), None, "cut at {n}");
         }
-        assert_ne!(digest("m.room.message"), digest("m.room.messagE"));
+        assert_ne!(type_digest("m.room.message"), type_digest("m.room.messagE"));
     }
 }

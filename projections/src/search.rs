@@ -518,22 +518,7 @@ impl Search {
     }
 
     fn ids(&self, searcher: &Searcher, addr: DocAddress) -> Result<(String, String), String> {
-        let segment = searcher.segment_reader(addr.segment_ord);
-        let read = |name: &str| -> Result<String, String> {
-            let col = segment
-                .fast_fields()
-                .str(name)
-                .map_err(terr)?
-                .ok_or_else(|| terr(format!("no fast field {name}")))?;
-            let ord = col
-                .term_ords(addr.doc_id)
-                .next()
-                .ok_or_else(|| terr("document without id"))?;
-            let mut s = String::new();
-            col.ord_to_str(ord, &mut s).map_err(terr)?;
-            Ok(s)
-        };
-        Ok((read("event_id")?, read("room_id")?))
+        IdColumns::open(searcher.segment_reader(addr.segment_ord))?.read(addr.doc_id)
     }
 
     /// Notes that the record at `position` changed the index (commit needed).
@@ -553,14 +538,15 @@ impl Search {
     pub fn indexed(&self) -> Result<Vec<IndexedEvent>, String> {
         let searcher = self.reader.searcher();
         let mut out = Vec::with_capacity(searcher.num_docs() as usize);
-        for (ord, segment) in searcher.segment_readers().iter().enumerate() {
+        for segment in searcher.segment_readers() {
             let positions = segment
                 .fast_fields()
                 .u64("position")
                 .map_err(terr)?
                 .first_or_default_col(0);
+            let ids = IdColumns::open(segment)?;
             for doc in segment.doc_ids_alive() {
-                let (event_id, room_id) = self.ids(&searcher, DocAddress::new(ord as u32, doc))?;
+                let (event_id, room_id) = ids.read(doc)?;
                 out.push(IndexedEvent {
                     event_id,
                     room_id,
@@ -574,6 +560,43 @@ impl Search {
             (&a.event_id, &a.room_id, a.position).cmp(&(&b.event_id, &b.room_id, b.position))
         });
         Ok(out)
+    }
+}
+
+/// The event id and room id fast-field columns of one segment (opened once, read per
+/// document).
+struct IdColumns {
+    event_id: tantivy::columnar::StrColumn,
+    room_id: tantivy::columnar::StrColumn,
+}
+
+impl IdColumns {
+    fn open(segment: &SegmentReader) -> Result<IdColumns, String> {
+        let col = |name: &str| {
+            segment
+                .fast_fields()
+                .str(name)
+                .map_err(terr)?
+                .ok_or_else(|| terr(format!("no fast field {name}")))
+        };
+        Ok(IdColumns {
+            event_id: col("event_id")?,
+            room_id: col("room_id")?,
+        })
+    }
+
+    /// (event id, room id) of document `doc`.
+    fn read(&self, doc: tantivy::DocId) -> Result<(String, String), String> {
+        let text = |col: &tantivy::columnar::StrColumn| -> Result<String, String> {
+            let ord = col
+                .term_ords(doc)
+                .next()
+                .ok_or_else(|| terr("document without id"))?;
+            let mut s = String::new();
+            col.ord_to_str(ord, &mut s).map_err(terr)?;
+            Ok(s)
+        };
+        Ok((text(&self.event_id)?, text(&self.room_id)?))
     }
 }
 

@@ -6,27 +6,15 @@
 //! Also: the search index is part of the search projection's digest (its rows left
 //! the fjall tables in layout 2), so a rebuild is compared on what the index holds.
 
+mod common;
+
 use std::{sync::Arc, time::Duration};
 
+use common::cmd;
 use serde_json::json;
 use spindle_core::keys::ServerKey;
-use spindle_journal::{
-    CommandBody, CommandEnvelope, EventSpec, FjallStore, Journal, SignedCommand,
-};
+use spindle_journal::{CommandBody, EventSpec, FjallStore, Journal};
 use spindle_projections::{Projections, relations::ThreadSummary};
-
-fn cmd(key: &ServerKey, principal: &str, body: CommandBody) -> SignedCommand {
-    SignedCommand::sign(
-        key,
-        CommandEnvelope {
-            principal: principal.into(),
-            device_id: Some("DEV".into()),
-            issued_at: 1_700_000_000_000,
-            body,
-        },
-    )
-    .unwrap()
-}
 
 fn ev(kind: &str, content: serde_json::Value, redacts: Option<&str>) -> EventSpec {
     EventSpec {

@@ -1,27 +1,15 @@
 //! BRIEF §3.2: deleting a projection and replaying from position 0 yields
 //! byte-identical contents, whatever batch boundaries the live run happened to use.
 
+mod common;
+
 use std::{sync::Arc, time::Duration};
 
+use common::cmd;
 use serde_json::json;
 use spindle_core::keys::ServerKey;
-use spindle_journal::{
-    CommandBody, CommandEnvelope, EventSpec, Fact, FjallStore, Journal, SignedCommand,
-};
+use spindle_journal::{CommandBody, EventSpec, Fact, FjallStore, Journal};
 use spindle_projections::Projections;
-
-fn cmd(key: &ServerKey, principal: &str, body: CommandBody) -> SignedCommand {
-    SignedCommand::sign(
-        key,
-        CommandEnvelope {
-            principal: principal.into(),
-            device_id: Some("DEV".into()),
-            issued_at: 1_700_000_000_000,
-            body,
-        },
-    )
-    .unwrap()
-}
 
 fn ev(kind: &str, state_key: Option<&str>, content: serde_json::Value) -> EventSpec {
     EventSpec {
