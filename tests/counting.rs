@@ -2049,11 +2049,12 @@ async fn sends_do_not_wait_for_the_projections() {
 }
 
 /// A projection's thread is woken only by records it reads
-/// (`Projection::interest`): five messages wake the eight projections that read
-/// messages and none of the fourteen that read facts or state events only (accounts,
-/// media, membership, room summaries…), yet every projection counts as having applied
-/// them (`Runtime::checkpoint` is the head for all), so a request's wait for the
-/// accounts projection (the token check of every send) never waits on a message.
+/// (`Projection::interest`): five messages wake the six projections that read
+/// messages and none of the sixteen that read facts, state events or redactions only
+/// (accounts, media, membership, room summaries, state, audit…), yet every projection
+/// counts as having applied them (`Runtime::checkpoint` is the head for all), so a
+/// request's wait for the accounts projection (the token check of every send) never
+/// waits on a message. A redaction wakes the audit trail too, not the state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_wakes_only_the_projections_that_read_messages() {
     let h = Harness::start().await;
@@ -2073,12 +2074,54 @@ async fn a_message_wakes_only_the_projections_that_read_messages() {
             .collect::<Vec<_>>()
     };
     let before = batches();
+    let mut sent = Vec::new();
     for i in 0..5 {
-        h.send(&at, &room, &format!("w{i}"), &format!("message {i}"))
-            .await;
+        sent.push(
+            h.send(&at, &room, &format!("w{i}"), &format!("message {i}"))
+                .await,
+        );
     }
     let head = h.server.journal.durable_head();
     assert_eq!(head, start + 5, "the five messages and nothing else");
+    assert!(runtime.wait_for_all(head, wait).await);
+    let mut woken: Vec<&str> = batches()
+        .into_iter()
+        .zip(&before)
+        .filter(|((_, after), (_, before))| after > before)
+        .map(|((name, _), _)| name)
+        .collect();
+    woken.sort_unstable();
+    assert_eq!(
+        woken,
+        [
+            "event_times",
+            "push",
+            "receipts",
+            "relations",
+            "search",
+            "timeline"
+        ]
+    );
+    assert_eq!(before.len(), 22);
+    for (name, checkpoint) in runtime.checkpoints() {
+        assert_eq!(checkpoint, head, "{name} covers the messages");
+    }
+    // The state projection, asleep, still answers the roots at the newest message
+    // (it stands at the head in effect).
+    let state = &h.server.projections.state;
+    assert_eq!(state.applied_in_effect(), head);
+    // A redaction wakes the audit trail (it may redact a state event) and not the state.
+    let before = batches();
+    let (status, v) = h
+        .call(
+            reqwest::Method::PUT,
+            &format!("/_matrix/client/v3/rooms/{room}/redact/{}/r1", sent[0]),
+            Some(&at),
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(status, 200, "{v}");
+    let head = h.server.journal.durable_head();
     assert!(runtime.wait_for_all(head, wait).await);
     let mut woken: Vec<&str> = batches()
         .into_iter()
@@ -2096,14 +2139,9 @@ async fn a_message_wakes_only_the_projections_that_read_messages() {
             "receipts",
             "relations",
             "search",
-            "state",
             "timeline"
         ]
     );
-    assert_eq!(before.len(), 22);
-    for (name, checkpoint) in runtime.checkpoints() {
-        assert_eq!(checkpoint, head, "{name} covers the messages");
-    }
     // A fact read by one of the sleepers wakes it, and no projection of room records.
     let before = batches();
     let (status, v) = h

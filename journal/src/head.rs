@@ -20,9 +20,10 @@ use tokio::sync::watch;
 
 /// Which records a tailer reads: a set of record classes. Every record is in exactly
 /// one class: a fact ([`Interest::FACTS`]), a room record whose PDU has a state key
-/// ([`Interest::STATE_EVENTS`]: state events, outliers, resolved state) or any other
-/// room record ([`Interest::OTHER_EVENTS`]: messages, reactions, redactions; also
-/// backfilled and soft-failed events without a state key).
+/// ([`Interest::STATE_EVENTS`]: state events, outliers, resolved state), a redaction
+/// without one ([`Interest::REDACTIONS`]: type `m.room.redaction`) or any other room
+/// record ([`Interest::OTHER_EVENTS`]: messages, reactions, edits; also backfilled and
+/// soft-failed events without a state key).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Interest(u8);
 
@@ -31,12 +32,16 @@ impl Interest {
     pub const FACTS: Interest = Interest(1);
     /// Room records whose PDU has a `state_key`.
     pub const STATE_EVENTS: Interest = Interest(2);
-    /// Room records whose PDU has no `state_key`.
+    /// Room records whose PDU has no `state_key` and is not a redaction.
     pub const OTHER_EVENTS: Interest = Interest(4);
+    /// Room records whose PDU is an `m.room.redaction` without a `state_key`: a
+    /// projection that keeps state only (the audit trail) reads these to see a state
+    /// event redacted without reading every message.
+    pub const REDACTIONS: Interest = Interest(8);
     /// Every room record.
-    pub const ROOM: Interest = Interest(2 | 4);
+    pub const ROOM: Interest = Interest(2 | 4 | 8);
     /// Every record.
-    pub const ALL: Interest = Interest(1 | 2 | 4);
+    pub const ALL: Interest = Interest(1 | 2 | 4 | 8);
 
     /// Both sets together.
     pub const fn and(self, other: Interest) -> Interest {
@@ -44,7 +49,7 @@ impl Interest {
     }
 
     /// The index of a single class in [`Heads::last`] (0 facts, 1 state events, 2
-    /// other events).
+    /// other events, 3 redactions).
     pub fn index(self) -> usize {
         self.0.trailing_zeros() as usize
     }
@@ -55,19 +60,27 @@ impl Interest {
     }
 
     /// The class of a record: `fact`, else by whether the PDU JSON in `payload` has a
-    /// top-level `state_key` (an unreadable payload counts as [`Interest::OTHER_EVENTS`]).
-    /// A scan that skips every value; the appender classifies each record with it.
+    /// top-level `state_key`, else whether its `type` is `m.room.redaction` (an
+    /// unreadable payload counts as [`Interest::OTHER_EVENTS`]). A scan that skips every
+    /// other value; the appender classifies each record with it.
     pub fn class_of(fact: bool, payload: &[u8]) -> Interest {
         #[derive(serde::Deserialize)]
-        struct Probe {
+        struct Probe<'a> {
             #[serde(default)]
             state_key: Option<serde::de::IgnoredAny>,
+            #[serde(default, rename = "type", borrow)]
+            kind: Option<std::borrow::Cow<'a, str>>,
         }
         if fact {
             return Interest::FACTS;
         }
         match serde_json::from_slice::<Probe>(payload) {
-            Ok(Probe { state_key: Some(_) }) => Interest::STATE_EVENTS,
+            Ok(Probe {
+                state_key: Some(_), ..
+            }) => Interest::STATE_EVENTS,
+            Ok(Probe {
+                kind: Some(kind), ..
+            }) if kind == "m.room.redaction" => Interest::REDACTIONS,
             _ => Interest::OTHER_EVENTS,
         }
     }
@@ -79,15 +92,16 @@ pub struct Heads {
     /// The highest durable position.
     pub head: u64,
     /// The last durable record of each class ([`Interest::FACTS`],
-    /// [`Interest::STATE_EVENTS`], [`Interest::OTHER_EVENTS`], in that order), or a
-    /// position at or below which every record of it is (the head at open).
-    pub last: [u64; 3],
+    /// [`Interest::STATE_EVENTS`], [`Interest::OTHER_EVENTS`],
+    /// [`Interest::REDACTIONS`], in that order), or a position at or below which every
+    /// record of it is (the head at open).
+    pub last: [u64; 4],
 }
 
 impl Heads {
     /// The last durable position of a record in `interest`.
     pub fn last_of(&self, interest: Interest) -> u64 {
-        (0..3)
+        (0..4)
             .filter(|i| interest.0 & (1 << i) != 0)
             .map(|i| self.last[i])
             .max()
@@ -111,8 +125,8 @@ impl Heads {
 /// [`DurableHead::publish`] takes for a durable group of records.
 pub(crate) fn last_of_each_class(
     records: impl IntoIterator<Item = (u64, Interest)>,
-) -> [Option<u64>; 3] {
-    let mut last = [None; 3];
+) -> [Option<u64>; 4] {
+    let mut last = [None; 4];
     for (position, class) in records {
         last[class.index()] = Some(position);
     }
@@ -120,7 +134,7 @@ pub(crate) fn last_of_each_class(
 }
 
 /// Condition variables for tailers, one per non-empty interest (indexed by its bits).
-const WAIT_SETS: usize = 8;
+const WAIT_SETS: usize = 16;
 
 /// See the module doc.
 pub(crate) struct DurableHead {
@@ -139,7 +153,7 @@ impl DurableHead {
                 heads: parking_lot::Mutex::new((
                     Heads {
                         head,
-                        last: [head; 3],
+                        last: [head; 4],
                     },
                     false,
                 )),
@@ -154,7 +168,7 @@ impl DurableHead {
     /// made durable with it (`None`: none of that class). The heads change first, then
     /// the async waiters hear of it (a submitter waiting for its fsync goes first),
     /// then the tailers that read one of the classes are woken.
-    pub(crate) fn publish(&self, head: u64, last: [Option<u64>; 3]) {
+    pub(crate) fn publish(&self, head: u64, last: [Option<u64>; 4]) {
         {
             let mut g = self.heads.lock();
             let h = &mut g.0;
@@ -216,7 +230,7 @@ mod tests {
     fn covered_is_the_head_only_when_nothing_read_is_pending() {
         let h = Heads {
             head: 10,
-            last: [7, 9, 10],
+            last: [7, 9, 10, 8],
         };
         assert_eq!(h.covered(Interest::FACTS, 7), 10);
         assert_eq!(h.covered(Interest::FACTS, 6), 6);
@@ -228,6 +242,9 @@ mod tests {
         assert_eq!(h.covered(Interest::ROOM, 9), 9);
         assert_eq!(h.covered(Interest::ROOM, 10), 10);
         assert_eq!(h.covered(Interest::ALL, 9), 9);
+        let redactions = Interest::FACTS.and(Interest::REDACTIONS);
+        assert_eq!(h.covered(redactions, 7), 7);
+        assert_eq!(h.covered(redactions, 8), 10);
     }
 
     #[test]
@@ -241,6 +258,18 @@ mod tests {
             Interest::OTHER_EVENTS
         );
         assert_eq!(Interest::class_of(true, state), Interest::FACTS);
+        let redaction = br#"{"content":{},"redacts":"$x","type":"m.room.redaction"}"#;
+        let v11_redaction = br#"{"content":{"redacts":"$x"},"type":"m.room.redaction"}"#;
+        let escaped = br#"{"content":{},"type":"m.room.redaction"}"#;
+        let state_redaction = br#"{"content":{},"state_key":"","type":"m.room.redaction"}"#;
+        assert_eq!(Interest::class_of(false, redaction), Interest::REDACTIONS);
+        assert_eq!(Interest::class_of(false, v11_redaction), Interest::REDACTIONS);
+        assert_eq!(Interest::class_of(false, escaped), Interest::REDACTIONS);
+        assert_eq!(
+            Interest::class_of(false, state_redaction),
+            Interest::STATE_EVENTS
+        );
+        assert_eq!(Interest::class_of(true, redaction), Interest::FACTS);
     }
 
     #[test]
@@ -251,16 +280,16 @@ mod tests {
             let d = d.clone();
             std::thread::spawn(move || d.wait(0, Interest::FACTS, Duration::from_secs(10)))
         };
-        d.publish(3, [None, Some(2), Some(3)]);
+        d.publish(3, [None, Some(2), Some(3), None]);
         std::thread::sleep(Duration::from_millis(50));
         assert!(!waiter.is_finished(), "woken by room records");
-        d.publish(4, [Some(4), None, None]);
+        d.publish(4, [Some(4), None, None, None]);
         let h = waiter.join().unwrap().expect("not closed");
         assert_eq!(
             h,
             Heads {
                 head: 4,
-                last: [4, 2, 3]
+                last: [4, 2, 3, 0]
             }
         );
         d.close();

@@ -21,7 +21,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use spindle_journal::{Fact, StoredRecord};
+use spindle_journal::{Fact, Interest, StoredRecord};
 
 use crate::{
     runtime::Projection,
@@ -362,6 +362,13 @@ impl Projection for Audit {
         ]
     }
 
+    /// Facts, state events and redactions (one may redact a state event): messages
+    /// change nothing here and do not wake it.
+    fn interest(&self) -> Interest {
+        Interest::FACTS
+            .and(Interest::STATE_EVENTS)
+            .and(Interest::REDACTIONS)
+    }
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
         if record.is_event() {
             self.apply_event(ctx, record)

@@ -134,7 +134,7 @@ fn open_by_name(
             timeline::EVENT_CACHE_BYTES,
             Some(journal.clone()),
         )),
-        "state" => arc(state::State::open(db)),
+        "state" => arc(state::State::open(db).map(|s| s.with_journal(journal.clone()))),
         "membership" => arc(membership::Memberships::open_local(db, server_name)),
         "accounts" => arc(accounts::Accounts::open(db)),
         "filters" => arc(user_data::Filters::open(db)),
@@ -233,7 +233,9 @@ impl Projections {
             options.timeline_event_bytes,
             Some(journal.clone()),
         )?);
-        let state = Arc::new(state::State::open_with(&db, options.state_node_bytes)?);
+        let state = Arc::new(
+            state::State::open_with(&db, options.state_node_bytes)?.with_journal(journal.clone()),
+        );
         let membership = Arc::new(membership::Memberships::open_local(
             &db,
             journal.key().server_name(),

@@ -38,7 +38,7 @@ use std::{
 
 use serde::{Deserialize, Serialize};
 use spindle_core::trie::{self, NodeHash, NodeStore, Root};
-use spindle_journal::StoredRecord;
+use spindle_journal::{Interest, StoredRecord};
 
 use crate::{
     change_index::ChangeIndex,
@@ -235,6 +235,10 @@ pub struct State {
     /// The checkpoint of the last committed batch ([`Projection::committed`]; at open,
     /// the stored one): every change at or below it is visible to readers.
     applied: AtomicU64,
+    /// The journal whose heads tell how far the projection stands in effect
+    /// ([`State::applied_in_effect`]): it is not woken by messages, so its checkpoint
+    /// stays at the last state record while messages pass it.
+    journal: Option<spindle_journal::Journal>,
     /// Bumped by [`Projection::reload`] (new tables): a floor found before it is not
     /// remembered after it.
     floors_epoch: AtomicU64,
@@ -243,6 +247,9 @@ pub struct State {
     /// for every joined room, so this is never a store read.
     partial_rooms: PartialRooms,
 }
+
+/// What the state projection reads ([`Projection::interest`]).
+const STATE_INTEREST: Interest = Interest::FACTS.and(Interest::STATE_EVENTS);
 
 /// Most rooms [`State::roots_at_position`] remembers a floor for (emptied when full).
 pub const FLOOR_MEMO_ROOMS: usize = 4096;
@@ -300,9 +307,33 @@ impl State {
             node_cache: Arc::new(NodeCache::new(node_cache_bytes)),
             floors: Default::default(),
             applied: AtomicU64::new(db.checkpoint("state")),
+            journal: None,
             floors_epoch: AtomicU64::new(0),
             partial_rooms: Default::default(),
         })
+    }
+
+    /// Reads positions against `journal`'s heads ([`State::applied_in_effect`]); without
+    /// one (tests, tools that apply by hand) a position counts as applied only once the
+    /// projection applied it itself.
+    pub fn with_journal(mut self, journal: spindle_journal::Journal) -> State {
+        self.journal = Some(journal);
+        self
+    }
+
+    /// Every position at or below this is applied in effect: the checkpoint, or the
+    /// journal's durable head when no record the projection reads (facts, state
+    /// events: [`Projection::interest`]) is after its checkpoint ([`Heads::covered`]).
+    /// The checkpoint is read first, so a state record arriving meanwhile leaves the
+    /// answer at the checkpoint.
+    ///
+    /// [`Heads::covered`]: spindle_journal::Heads::covered
+    pub fn applied_in_effect(&self) -> u64 {
+        let applied = self.applied.load(Ordering::Acquire);
+        match &self.journal {
+            Some(j) => j.heads().covered(STATE_INTEREST, applied),
+            None => applied,
+        }
     }
 
     /// The trie nodes as queries read them: the cache, then the table.
@@ -408,7 +439,7 @@ impl State {
         // Read before the scan: the changes at or below `applied` are visible to it, so
         // what it finds for such a position cannot be overtaken by a later commit.
         let (applied, epoch) = (
-            self.applied.load(Ordering::Acquire),
+            self.applied_in_effect(),
             self.floors_epoch.load(Ordering::Acquire),
         );
         let start = key::prefix(&[room_id]);
@@ -450,7 +481,7 @@ impl State {
             // Also a backfilled event held earlier as an outlier (its row is that).
             return self.state_event_roots(ev.pdu.event_id.as_str());
         }
-        if ev.backfill.is_some() || ev.position > self.applied.load(Ordering::Acquire) {
+        if ev.backfill.is_some() || ev.position > self.applied_in_effect() {
             return None;
         }
         let (full, others) = self.roots_at_position(ev.pdu.room_id.as_str(), ev.position)?;
@@ -656,6 +687,11 @@ impl Projection for State {
         ]
     }
 
+    /// Facts (partial state) and records with a state key: a message leaves the
+    /// roots as they are and is not read (its roots are the last change before it).
+    fn interest(&self) -> Interest {
+        STATE_INTEREST
+    }
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
         match record.fact() {
             // The memory copy changes with the staged write: a batch applied again
