@@ -2110,6 +2110,24 @@ async fn a_message_wakes_only_the_projections_that_read_messages() {
     // (it stands at the head in effect).
     let state = &h.server.projections.state;
     assert_eq!(state.applied_in_effect(), head);
+    // A fact it reads, durable while it is held: the messages stay applied in effect
+    // (the heads alone now answer its checkpoint, before the messages).
+    {
+        let _held = runtime.hold("state").unwrap();
+        let (status, v) = h
+            .call(
+                reqwest::Method::PUT,
+                &format!("/_matrix/client/v3/user/{amy}/account_data/org.example.held"),
+                Some(&at),
+                Some(json!({ "x": 1 })),
+            )
+            .await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(h.server.journal.durable_head(), head + 1);
+        assert_eq!(state.applied_in_effect(), head);
+    }
+    let head = h.server.journal.durable_head();
+    assert!(runtime.wait_for_all(head, wait).await);
     // A redaction wakes the audit trail (it may redact a state event) and not the state.
     let before = batches();
     let (status, v) = h

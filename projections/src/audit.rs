@@ -70,6 +70,12 @@ pub struct UserEntry {
     pub details: Value,
 }
 
+/// The version of this projection's rows ([`crate::ProjectionDb::ensure_layout`]): 2
+/// since only an `m.room.redaction` records a redaction (layout 1 also took any event
+/// with a `redacts` key naming a state event, and read every message; tables written
+/// in layout 1 are rebuilt from the journal).
+pub const LAYOUT: u32 = 2;
+
 /// The audit projection.
 pub struct Audit {
     room_log: Table,
@@ -264,7 +270,8 @@ impl Audit {
                     },
                 );
             }
-        } else if let Some(target) = &pdu.redacts
+        } else if pdu.kind.to_string() == "m.room.redaction"
+            && let Some(target) = &pdu.redacts
             && let Some(sk) = ctx.get(&self.state_events, target.as_bytes())
         {
             let parts: Vec<&[u8]> = sk.splitn(3, |b| *b == 0).collect();

@@ -228,6 +228,7 @@ impl Projections {
         db.ensure_layout("search", search::LAYOUT)?;
         db.ensure_layout("relations", relations::LAYOUT)?;
         db.ensure_layout("event_times", directory::EVENT_TIMES_LAYOUT)?;
+        db.ensure_layout("audit", audit::LAYOUT)?;
         let timeline = Arc::new(timeline::Timeline::open_on(
             &db,
             options.timeline_event_bytes,

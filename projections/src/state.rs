@@ -239,6 +239,13 @@ pub struct State {
     /// ([`State::applied_in_effect`]): it is not woken by messages, so its checkpoint
     /// stays at the last state record while messages pass it.
     journal: Option<spindle_journal::Journal>,
+    /// The highest position found applied in effect: never goes back (a fact or
+    /// state record arriving after it does not make the positions before it pending
+    /// again, though the heads alone then answer the checkpoint).
+    in_effect: AtomicU64,
+    /// Where [`Projection::reload`] reads the checkpoint again (an online rebuild's
+    /// swap moves it without a batch of this instance).
+    db: ProjectionDb,
     /// Bumped by [`Projection::reload`] (new tables): a floor found before it is not
     /// remembered after it.
     floors_epoch: AtomicU64,
@@ -308,6 +315,8 @@ impl State {
             floors: Default::default(),
             applied: AtomicU64::new(db.checkpoint("state")),
             journal: None,
+            in_effect: AtomicU64::new(0),
+            db: db.clone(),
             floors_epoch: AtomicU64::new(0),
             partial_rooms: Default::default(),
         })
@@ -323,17 +332,27 @@ impl State {
 
     /// Every position at or below this is applied in effect: the checkpoint, or the
     /// journal's durable head when no record the projection reads (facts, state
-    /// events: [`Projection::interest`]) is after its checkpoint ([`Heads::covered`]).
-    /// The checkpoint is read first, so a state record arriving meanwhile leaves the
-    /// answer at the checkpoint.
+    /// events: [`Projection::interest`]) is after its checkpoint ([`Heads::covered`]),
+    /// and never less than it answered before (a position once covered stays so: the
+    /// records of its classes at or below it were all applied). The checkpoint is read
+    /// first, so a state record arriving meanwhile leaves the answer at the checkpoint.
     ///
     /// [`Heads::covered`]: spindle_journal::Heads::covered
     pub fn applied_in_effect(&self) -> u64 {
         let applied = self.applied.load(Ordering::Acquire);
-        match &self.journal {
+        let now = match &self.journal {
             Some(j) => j.heads().covered(STATE_INTEREST, applied),
             None => applied,
-        }
+        };
+        self.in_effect.fetch_max(now, Ordering::AcqRel).max(now)
+    }
+
+    /// Whether `position` is applied in effect ([`State::applied_in_effect`]); the
+    /// heads are asked only when the remembered answer is below it.
+    fn is_applied(&self, position: u64) -> bool {
+        position <= self.in_effect.load(Ordering::Acquire)
+            || position <= self.applied.load(Ordering::Acquire)
+            || position <= self.applied_in_effect()
     }
 
     /// The trie nodes as queries read them: the cache, then the table.
@@ -439,7 +458,7 @@ impl State {
         // Read before the scan: the changes at or below `applied` are visible to it, so
         // what it finds for such a position cannot be overtaken by a later commit.
         let (applied, epoch) = (
-            self.applied_in_effect(),
+            self.is_applied(position),
             self.floors_epoch.load(Ordering::Acquire),
         );
         let start = key::prefix(&[room_id]);
@@ -453,7 +472,7 @@ impl State {
             return None;
         }
         let roots = (root_from(&v[..32])?, root_from(&v[32..])?);
-        if position <= applied {
+        if applied {
             let mut floors = self.floors.lock();
             if self.floors_epoch.load(Ordering::Acquire) != epoch {
                 return Some(roots);
@@ -481,7 +500,7 @@ impl State {
             // Also a backfilled event held earlier as an outlier (its row is that).
             return self.state_event_roots(ev.pdu.event_id.as_str());
         }
-        if ev.backfill.is_some() || ev.position > self.applied_in_effect() {
+        if ev.backfill.is_some() || !self.is_applied(ev.position) {
             return None;
         }
         let (full, others) = self.roots_at_position(ev.pdu.room_id.as_str(), ev.position)?;
@@ -536,6 +555,9 @@ impl Projection for State {
     }
 
     fn reload(&self) {
+        // An online rebuild's swap moved the checkpoint without a batch here.
+        self.applied
+            .fetch_max(self.db.checkpoint("state"), Ordering::AcqRel);
         // New tables (a rebuild): nothing found in the old ones is remembered.
         let mut floors = self.floors.lock();
         self.floors_epoch.fetch_add(1, Ordering::AcqRel);
