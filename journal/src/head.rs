@@ -263,7 +263,10 @@ mod tests {
         let escaped = br#"{"content":{},"type":"m.room.redaction"}"#;
         let state_redaction = br#"{"content":{},"state_key":"","type":"m.room.redaction"}"#;
         assert_eq!(Interest::class_of(false, redaction), Interest::REDACTIONS);
-        assert_eq!(Interest::class_of(false, v11_redaction), Interest::REDACTIONS);
+        assert_eq!(
+            Interest::class_of(false, v11_redaction),
+            Interest::REDACTIONS
+        );
         assert_eq!(Interest::class_of(false, escaped), Interest::REDACTIONS);
         assert_eq!(
             Interest::class_of(false, state_redaction),
