@@ -2073,6 +2073,17 @@ async fn a_message_wakes_only_the_projections_that_read_messages() {
             .map(|(name, _)| (name, runtime.batches(name).unwrap()))
             .collect::<Vec<_>>()
     };
+    // The projections that applied a batch since `before`, by name.
+    let woken_since = |before: &[(&'static str, u64)]| {
+        let mut woken: Vec<&str> = batches()
+            .into_iter()
+            .zip(before)
+            .filter(|((_, after), (_, before))| after > before)
+            .map(|((name, _), _)| name)
+            .collect();
+        woken.sort_unstable();
+        woken
+    };
     let before = batches();
     let mut sent = Vec::new();
     for i in 0..5 {
@@ -2084,15 +2095,8 @@ async fn a_message_wakes_only_the_projections_that_read_messages() {
     let head = h.server.journal.durable_head();
     assert_eq!(head, start + 5, "the five messages and nothing else");
     assert!(runtime.wait_for_all(head, wait).await);
-    let mut woken: Vec<&str> = batches()
-        .into_iter()
-        .zip(&before)
-        .filter(|((_, after), (_, before))| after > before)
-        .map(|((name, _), _)| name)
-        .collect();
-    woken.sort_unstable();
     assert_eq!(
-        woken,
+        woken_since(&before),
         [
             "event_times",
             "push",
@@ -2141,15 +2145,8 @@ async fn a_message_wakes_only_the_projections_that_read_messages() {
     assert_eq!(status, 200, "{v}");
     let head = h.server.journal.durable_head();
     assert!(runtime.wait_for_all(head, wait).await);
-    let mut woken: Vec<&str> = batches()
-        .into_iter()
-        .zip(&before)
-        .filter(|((_, after), (_, before))| after > before)
-        .map(|((name, _), _)| name)
-        .collect();
-    woken.sort_unstable();
     assert_eq!(
-        woken,
+        woken_since(&before),
         [
             "audit",
             "event_times",

@@ -455,8 +455,9 @@ impl State {
         {
             return Some(f.roots);
         }
-        // Read before the scan: the changes at or below `applied` are visible to it, so
-        // what it finds for such a position cannot be overtaken by a later commit.
+        // Asked before the scan: when `position` is applied (in effect), every change at
+        // or below it is visible to the scan, so what it finds cannot be overtaken by a
+        // later commit.
         let (applied, epoch) = (
             self.is_applied(position),
             self.floors_epoch.load(Ordering::Acquire),
