@@ -829,8 +829,16 @@ async fn sigkill_of_the_writer_during_writes_loses_no_acknowledged_event() {
     let alice_a = login(&a.base, &http, "alice", None).await;
     assert_eq!(timeline(&alice_a, &room).await, tl);
     let last = send_until_acked(&alice_a, &room, "after-restart", "after").await;
+    // Acknowledged by the writer (B) for A's client: B's own projections follow the
+    // stream on their own, so a read through B waits for them (bounded), as a client
+    // of another process would poll (it failed once under a full test run's load).
+    until("B serves the send made through A", async || {
+        timeline(&alice_b, &room).await.last() == Some(&last)
+    })
+    .await;
     let tl_b = timeline(&alice_b, &room).await;
     assert_eq!(tl_b.last(), Some(&last));
+    assert_eq!(tl_b[..tl_b.len() - 1], tl[..], "nothing else came between");
 
     // Killed outright, each process's mirror still holds the whole stream, chained.
     let stream_head = {
