@@ -670,3 +670,113 @@ async fn each_kind_of_room_news_alone_brings_its_room_into_an_incremental_sync()
         assert_eq!(join[room]["timeline"]["events"], json!([]), "{room}: {s1}");
     }
 }
+
+/// `/sync` and sliding sync give events as the spec's `ClientEventWithoutRoomID` (the
+/// room is the key they sit under; Synapse's `ClientV2WithoutRoomId` alike), in the
+/// timeline and in the state, redacted or not; `/messages`, `/context` and `/state`
+/// give `ClientEvent`s, with `room_id`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_events_carry_no_room_id_and_room_endpoints_do() {
+    const SS: &str = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync";
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let room = alice
+        .create_room(json!({ "name": "formats", "topic": "t" }))
+        .await;
+    let kept = alice.send_text(&room, "kept").await;
+    let gone = alice.send_text(&room, "gone").await;
+    alice
+        .put(
+            &format!("{V3}/rooms/{}/redact/{}/r1", enc(&room), enc(&gone)),
+            &json!({}),
+        )
+        .await
+        .ok();
+    // The topic is redacted too: a redacted state event in `state` / `required_state`.
+    let topic = state_event_id(&alice, &room, "m.room.topic", "").await;
+    alice
+        .put(
+            &format!("{V3}/rooms/{}/redact/{}/r2", enc(&room), enc(&topic)),
+            &json!({}),
+        )
+        .await
+        .ok();
+    let without = |evs: &Value, what: &str| -> Vec<String> {
+        let evs = evs.as_array().unwrap_or_else(|| panic!("{what}: {evs}"));
+        assert!(!evs.is_empty(), "{what}");
+        for ev in evs {
+            assert!(ev.get("room_id").is_none(), "{what}: {ev}");
+        }
+        ids(&Value::Array(evs.clone()))
+    };
+    let with = |evs: &Value, what: &str| {
+        let evs = evs.as_array().unwrap_or_else(|| panic!("{what}: {evs}"));
+        assert!(!evs.is_empty(), "{what}");
+        for ev in evs {
+            assert_eq!(ev["room_id"], json!(room), "{what}: {ev}");
+        }
+    };
+
+    // /sync: a full state (cached rendering) and a timeline holding the redactions.
+    let filter = json!({ "room": { "timeline": { "limit": 10 } } });
+    let s = alice.sync(&format!("filter={}", inline(&filter))).await;
+    let joined = &s["rooms"]["join"][&room];
+    let timeline = without(&joined["timeline"]["events"], "sync timeline");
+    assert!(
+        timeline.contains(&kept) && timeline.contains(&gone),
+        "{timeline:?}"
+    );
+    let redacted = joined["timeline"]["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["event_id"] == json!(gone))
+        .unwrap();
+    assert_eq!(redacted["content"], json!({}), "{redacted}");
+    // Lazy loading takes the other path (state loaded, not the cached full state).
+    let lazy =
+        json!({ "room": { "timeline": { "limit": 1 }, "state": { "lazy_load_members": true } } });
+    let l = alice.sync(&format!("filter={}", inline(&lazy))).await;
+    without(
+        &l["rooms"]["join"][&room]["state"]["events"],
+        "lazy sync state",
+    );
+    let s_full = alice
+        .sync(&format!(
+            "filter={}",
+            inline(&json!({ "room": { "timeline": { "limit": 1 } } }))
+        ))
+        .await;
+    let state = without(
+        &s_full["rooms"]["join"][&room]["state"]["events"],
+        "sync state",
+    );
+    assert!(state.contains(&topic), "{state:?}");
+
+    // Sliding sync: timeline and required_state (with the redacted topic).
+    let body = json!({ "lists": { "all": {
+        "ranges": [[0, 0]],
+        "timeline_limit": 5,
+        "required_state": [["m.room.topic", ""], ["m.room.name", ""], ["m.room.member", "$ME"]],
+    } } });
+    let v = alice.post(SS, &body).await.ok();
+    let r = &v["rooms"][&room];
+    without(&r["timeline"], "sliding timeline");
+    let rs = without(&r["required_state"], "sliding required_state");
+    assert!(rs.contains(&topic), "{rs:?}");
+
+    // Room endpoints: ClientEvent.
+    with(
+        &alice.messages(&room, "dir=b&limit=10").await["chunk"],
+        "messages",
+    );
+    let ctx = alice.context(&room, &kept, 2).await.ok();
+    assert_eq!(ctx["event"]["room_id"], json!(room));
+    with(&ctx["events_after"], "context after");
+    let st = alice
+        .get(&format!("{V3}/rooms/{}/state", enc(&room)))
+        .await
+        .ok();
+    with(&st, "state");
+    ts.stop().await;
+}

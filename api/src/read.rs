@@ -9,7 +9,7 @@ use axum::{
     routing::get,
 };
 use serde_json::{Value, json};
-use spindle_core::trie::Root;
+use spindle_core::{pdu::ClientFormat, trie::Root};
 use spindle_projections::timeline::EventRecord;
 
 use crate::state_render::RenderedState;
@@ -147,18 +147,59 @@ pub fn hidden_by_ignore(ignored: &std::collections::HashSet<String>, ev: &EventR
     !ignored.is_empty() && !ev.pdu.is_state() && ignored.contains(ev.pdu.sender.as_str())
 }
 
-/// [`render`] written as JSON text onto `out` (the same members; for answers written as
-/// text, such as the sliding sync's): the event's `content` is copied as stored, not
+/// How an answer writes its events: as clients get them, in one of the spec's two
+/// client formats ([`ClientFormat`]: `/messages` and `/context` with `room_id`, `/sync`
+/// and sliding sync without), or as the PDU (a sync filter's `event_format:
+/// federation`, [`render_federation`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventFormat {
+    /// [`write_render`] in the given client format.
+    Client(ClientFormat),
+    /// [`render_federation`].
+    Federation,
+}
+
+impl EventFormat {
+    /// `ClientEvent` or the PDU, as a filter's `event_format` says (`/messages`,
+    /// `/context`).
+    pub fn with_room_id(federation: bool) -> EventFormat {
+        if federation {
+            EventFormat::Federation
+        } else {
+            EventFormat::Client(ClientFormat::Event)
+        }
+    }
+
+    /// `ClientEventWithoutRoomID` or the PDU, as a filter's `event_format` says
+    /// (`/sync`).
+    pub fn without_room_id(federation: bool) -> EventFormat {
+        if federation {
+            EventFormat::Federation
+        } else {
+            EventFormat::Client(ClientFormat::WithoutRoomId)
+        }
+    }
+}
+
+/// [`render`] written as JSON text onto `out` (the same members, less `room_id` in
+/// [`ClientFormat::WithoutRoomId`]): the event's `content` is copied as stored, not
 /// parsed into a [`Value`] and serialized again. A redacted event takes [`render`]'s
 /// path (rare, and its content is rewritten anyway).
 pub fn write_render(
     s: &AppState,
     ev: &EventRecord,
     viewer: Option<(&str, &str)>,
+    format: ClientFormat,
     out: &mut Vec<u8>,
 ) {
     if redaction_of(s, ev).is_some() {
-        let _ = serde_json::to_writer(&mut *out, &render(s, ev, viewer));
+        let mut v = render(s, ev, viewer);
+        if format == ClientFormat::WithoutRoomId
+            && let Some(map) = v.as_object_mut()
+        {
+            map.remove("room_id");
+        }
+        let _ = serde_json::to_writer(&mut *out, &v);
         return;
     }
     let mut unsigned = client_unsigned(s, ev, viewer);
@@ -168,22 +209,23 @@ pub fn write_render(
     if let Some(b) = crate::relations::bundle(s, ev, viewer, 0) {
         unsigned.insert("m.relations".into(), b);
     }
-    ev.pdu.write_client_event(out, Some(&unsigned));
+    ev.pdu.write_client_event_as(out, format, Some(&unsigned));
 }
 
-/// An event written as JSON text onto `out`: [`write_render`], or with `federation`
-/// the PDU ([`render_federation`]).
+/// An event written as JSON text onto `out` in `format`: [`write_render`], or the PDU
+/// ([`render_federation`]).
 pub fn write_render_as(
     s: &AppState,
     ev: &EventRecord,
     viewer: Option<(&str, &str)>,
-    federation: bool,
+    format: EventFormat,
     out: &mut Vec<u8>,
 ) {
-    if federation {
-        let _ = serde_json::to_writer(&mut *out, &render_federation(s, ev));
-    } else {
-        write_render(s, ev, viewer, out);
+    match format {
+        EventFormat::Federation => {
+            let _ = serde_json::to_writer(&mut *out, &render_federation(s, ev));
+        }
+        EventFormat::Client(f) => write_render(s, ev, viewer, f, out),
     }
 }
 
@@ -192,9 +234,9 @@ pub fn events_json(
     s: &AppState,
     evs: &[EventRecord],
     viewer: Option<(&str, &str)>,
-    federation: bool,
+    format: EventFormat,
 ) -> JsonOut {
-    crate::json_text::array(evs, |e, out| write_render_as(s, e, viewer, federation, out))
+    crate::json_text::array(evs, |e, out| write_render_as(s, e, viewer, format, out))
 }
 
 /// The per-viewer members of an event's `unsigned` ([`render_unbundled`]'s first part):
@@ -375,6 +417,7 @@ async fn get_state(
     let rendered = s.state_render.get(&s, &room_id, root);
     Ok(raw_json(RenderedState::json_array(
         rendered.events.iter(),
+        &room_id,
         viewer(&r),
         crate::now_ms(),
         rendered.bytes(),
@@ -792,7 +835,7 @@ fn respond(
     chunk: Vec<EventRecord>,
     end: Option<String>,
 ) -> ApiResult<axum::response::Response> {
-    let fed = filter.federation_format;
+    let format = EventFormat::with_room_id(filter.federation_format);
     let mut state = Vec::new();
     if filter.lazy_load_members
         && let Some(root) = readable_root(s, room_id, access)
@@ -803,12 +846,12 @@ fn respond(
     let mut out = JsonOut::from(json!({
         "start": q.get("from").map(str::to_owned).unwrap_or_else(|| token(from)),
     }));
-    out.set("chunk", events_json(s, &chunk, viewer(r), fed));
+    out.set("chunk", events_json(s, &chunk, viewer(r), format));
     if let Some(e) = end {
         out.set("end", json!(e));
     }
     if !state.is_empty() {
-        out.set("state", events_json(s, &state, viewer(r), fed));
+        out.set("state", events_json(s, &state, viewer(r), format));
     }
     Ok(out.into_response())
 }
@@ -822,7 +865,7 @@ async fn context(
     let (access, ev) = visible_event(&s, &r.user_id, &room_id, &event_id)?;
     let limit = q.u64("limit")?.unwrap_or(10).min(MAX_PAGE as u64) as usize;
     let filter = parse_filter(&q)?;
-    let fed = filter.federation_format;
+    let format = EventFormat::with_room_id(filter.federation_format);
     // Events of ignored users are left out around the event, as in Synapse's
     // `/context` (the event asked for is still answered).
     let ignored = ignored_users(&s, &r.user_id);
@@ -889,11 +932,11 @@ async fn context(
         "end": token(last_pos.unwrap_or(ev.position)),
     }));
     let mut event = Vec::with_capacity(1024);
-    write_render_as(&s, &ev, viewer, fed, &mut event);
+    write_render_as(&s, &ev, viewer, format, &mut event);
     out.set("event", JsonOut::Text(event));
-    out.set("events_before", events_json(&s, &before, viewer, fed));
-    out.set("events_after", events_json(&s, &after, viewer, fed));
-    out.set("state", events_json(&s, &state, viewer, fed));
+    out.set("events_before", events_json(&s, &before, viewer, format));
+    out.set("events_after", events_json(&s, &after, viewer, format));
+    out.set("state", events_json(&s, &state, viewer, format));
     Ok(out.into_response())
 }
 
@@ -940,6 +983,7 @@ async fn members(
                 && want.is_none_or(|w| w == m)
                 && not.is_none_or(|n| n != m)
         }),
+        &room_id,
         viewer(&r),
         crate::now_ms(),
         rendered.bytes(),

@@ -31,7 +31,7 @@ use std::{
 use parking_lot::Mutex;
 use serde::Deserialize as _;
 use serde_json::Value;
-use spindle_core::trie::Root;
+use spindle_core::{pdu::ClientFormat, trie::Root};
 use spindle_projections::timeline::{EventRecord, RedactionGeneration};
 
 use crate::AppState;
@@ -56,7 +56,9 @@ pub struct RenderedStateEvent {
     /// The sending device and its transaction id (for `unsigned.transaction_id`).
     device_id: Option<String>,
     txn_id: Option<String>,
-    /// The event object's JSON text without `unsigned` and without the closing brace.
+    /// The event object's JSON text without `room_id`, without `unsigned` and without
+    /// the closing brace (`room_id` is written per answer: `/state` and `/members` have
+    /// it, `/sync`'s `ClientEventWithoutRoomID` does not).
     head: Vec<u8>,
     /// The cached `unsigned` members as JSON text (`"k":v,...`, no braces; may be empty):
     /// `prev_content`, `redacted_because`.
@@ -74,9 +76,11 @@ impl RenderedStateEvent {
             // Rare, and the content is rewritten: through a value.
             Some(r) => {
                 let mut v = ev.pdu.to_redacted_client_event(&r.pdu);
-                if let Some(Value::Object(u)) = v.as_object_mut().and_then(|m| m.remove("unsigned"))
-                {
-                    unsigned.extend(u);
+                if let Some(map) = v.as_object_mut() {
+                    map.remove("room_id");
+                    if let Some(Value::Object(u)) = map.remove("unsigned") {
+                        unsigned.extend(u);
+                    }
                 }
                 let peek = ContentPeek::deserialize(&v["content"]).unwrap_or_default();
                 (
@@ -91,7 +95,8 @@ impl RenderedStateEvent {
                     unsigned.insert("prev_content".into(), crate::read::client_content(s, &prev));
                 }
                 let mut head = Vec::with_capacity(ev.pdu.content.get().len() + 256);
-                ev.pdu.write_client_event(&mut head, None);
+                ev.pdu
+                    .write_client_event_as(&mut head, ClientFormat::WithoutRoomId, None);
                 let peek = serde_json::from_str(ev.pdu.content.get()).unwrap_or_default();
                 (head, peek)
             }
@@ -137,10 +142,21 @@ impl RenderedStateEvent {
             + 64
     }
 
-    /// Appends the event's JSON for `viewer` (user, device) at `now_ms` to `out`.
-    pub fn write_to(&self, out: &mut Vec<u8>, viewer: Option<(&str, &str)>, now_ms: u64) {
+    /// Appends the event's JSON for `viewer` (user, device) at `now_ms` to `out`, with
+    /// `room_id` when given (spec `ClientEvent`; `None`: `ClientEventWithoutRoomID`).
+    pub fn write_to(
+        &self,
+        out: &mut Vec<u8>,
+        room_id: Option<&str>,
+        viewer: Option<(&str, &str)>,
+        now_ms: u64,
+    ) {
         use std::io::Write as _;
         out.extend_from_slice(&self.head);
+        if let Some(room_id) = room_id {
+            out.extend_from_slice(b",\"room_id\":");
+            let _ = serde_json::to_writer(&mut *out, room_id);
+        }
         if out.ends_with(b"{") {
             // Never: an event always has fields. Kept valid JSON regardless.
             out.extend_from_slice(b"\"unsigned\":{");
@@ -208,9 +224,11 @@ pub struct RenderedState {
 }
 
 impl RenderedState {
-    /// A JSON array of `events` for `viewer` at `now_ms`.
+    /// A JSON array of `events` of `room_id` for `viewer` at `now_ms` (spec
+    /// `ClientEvent`s: `/state`, `/members`).
     pub fn json_array<'a>(
         events: impl Iterator<Item = &'a RenderedStateEvent>,
+        room_id: &str,
         viewer: Option<(&str, &str)>,
         now_ms: u64,
         capacity: usize,
@@ -221,7 +239,7 @@ impl RenderedState {
             if i > 0 {
                 out.push(b',');
             }
-            e.write_to(&mut out, viewer, now_ms);
+            e.write_to(&mut out, Some(room_id), viewer, now_ms);
         }
         out.push(b']');
         out

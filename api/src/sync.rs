@@ -27,7 +27,7 @@ use crate::{
     extract::{Query, Requester},
     json_text::{self, JsonOut},
     lazy_members::DeviceSent,
-    read::{events_json, hidden_by_ignore, lazy_members, token, write_render_as},
+    read::{EventFormat, events_json, hidden_by_ignore, lazy_members, token, write_render_as},
     state_render::{RenderedState, RenderedStateEvent},
     visibility::{Access, can_see},
 };
@@ -412,9 +412,15 @@ impl Ctx<'_> {
     }
 
     /// The timeline's events as a JSON array written as text
-    /// ([`crate::read::write_render`]), or as PDUs with `event_format: federation`.
+    /// ([`crate::read::write_render`], spec `ClientEventWithoutRoomID`), or as PDUs with
+    /// `event_format: federation`.
     fn render_all(&self, evs: &[EventRecord]) -> JsonOut {
-        events_json(self.s, evs, self.viewer(), self.filter.federation_format)
+        events_json(
+            self.s,
+            evs,
+            self.viewer(),
+            EventFormat::without_room_id(self.filter.federation_format),
+        )
     }
 
     /// The `state` section: every state event rendered the way `/state` renders it
@@ -425,12 +431,12 @@ impl Ctx<'_> {
         let now = crate::now_ms();
         json_text::array(evs, |e, out| match (e, e.cached()) {
             (StateOut::Loaded(ev), _) if self.filter.federation_format => {
-                write_render_as(self.s, ev, None, true, out)
+                write_render_as(self.s, ev, None, EventFormat::Federation, out)
             }
             (StateOut::Loaded(ev), _) => {
-                RenderedStateEvent::render(self.s, ev).write_to(out, self.viewer(), now)
+                RenderedStateEvent::render(self.s, ev).write_to(out, None, self.viewer(), now)
             }
-            (_, Some(c)) => c.write_to(out, self.viewer(), now),
+            (_, Some(c)) => c.write_to(out, None, self.viewer(), now),
             _ => out.extend_from_slice(b"null"),
         })
     }

@@ -74,6 +74,18 @@ pub fn content_parses() -> u64 {
     CONTENT_PARSES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// The two shapes a client gets an event in (spec, client-server API "Room Event
+/// Format"): `ClientEvent`, and `ClientEventWithoutRoomID` where the room is implied
+/// by where the event sits in the answer (`/sync`'s rooms, sliding sync's rooms; what
+/// Synapse calls `ClientV2WithoutRoomId`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientFormat {
+    /// `ClientEvent`: with `room_id` (`/messages`, `/context`, `/event`, `/state`).
+    Event,
+    /// `ClientEventWithoutRoomID`: without `room_id` (`/sync`, sliding sync).
+    WithoutRoomId,
+}
+
 /// A signed PDU, with its id, room id and a parsed view of its fields.
 #[derive(Debug, Clone)]
 pub struct Pdu {
@@ -548,11 +560,23 @@ impl Pdu {
     /// [`Pdu::to_client_event`] written as JSON text onto `out`: the same members in the
     /// same (sorted) order, with `content` copied as the PDU holds it instead of parsed
     /// and serialized again, and `unsigned` (an object, omitted when `None`) serialized
-    /// in place. What answers written as text use (`/sync`, sliding sync, `/messages`,
-    /// `/context`; `api/src/json_text.rs`).
+    /// in place. What answers written as text use (`/messages`, `/context`;
+    /// `api/src/json_text.rs`); `/sync` and sliding sync use
+    /// [`Pdu::write_client_event_as`] with [`ClientFormat::WithoutRoomId`].
     pub fn write_client_event(
         &self,
         out: &mut Vec<u8>,
+        unsigned: Option<&serde_json::Map<String, serde_json::Value>>,
+    ) {
+        self.write_client_event_as(out, ClientFormat::Event, unsigned)
+    }
+
+    /// [`Pdu::write_client_event`] in either client format: with
+    /// [`ClientFormat::WithoutRoomId`] the `room_id` member is left out.
+    pub fn write_client_event_as(
+        &self,
+        out: &mut Vec<u8>,
+        format: ClientFormat,
         unsigned: Option<&serde_json::Map<String, serde_json::Value>>,
     ) {
         use std::io::Write as _;
@@ -573,8 +597,10 @@ impl Pdu {
             out.extend_from_slice(b",\"redacts\":");
             string(out, r.as_str());
         }
-        out.extend_from_slice(b",\"room_id\":");
-        string(out, self.room_id.as_str());
+        if format == ClientFormat::Event {
+            out.extend_from_slice(b",\"room_id\":");
+            string(out, self.room_id.as_str());
+        }
         out.extend_from_slice(b",\"sender\":");
         string(out, self.sender.as_str());
         if let Some(sk) = &self.state_key {
@@ -984,6 +1010,12 @@ mod tests {
                 assert_eq!(text, value, "{}", String::from_utf8_lossy(&out));
                 // Same members in the same order: the same bytes as the value's text.
                 assert_eq!(out, serde_json::to_vec(&value).unwrap());
+                // `ClientEventWithoutRoomID`: the same less `room_id`.
+                let mut without = Vec::new();
+                pdu.write_client_event_as(&mut without, ClientFormat::WithoutRoomId, u);
+                let mut expected = value.clone();
+                expected.as_object_mut().unwrap().remove("room_id");
+                assert_eq!(without, serde_json::to_vec(&expected).unwrap());
             }
         }
     }

@@ -29,7 +29,7 @@ use std::{
 
 use axum::{Router, extract::State, routing::post};
 use serde_json::{Value, json};
-use spindle_core::trie::Root;
+use spindle_core::{pdu::ClientFormat, trie::Root};
 use spindle_projections::{membership::Membership, timeline::EventRecord};
 
 pub use conn::{
@@ -238,12 +238,16 @@ fn write_state(s: &AppState, ev: &EventRecord, out: &mut Vec<u8>) {
     if let Some(redaction) = crate::read::redaction_of(s, ev) {
         let mut v = ev.pdu.to_redacted_client_event(&redaction.pdu);
         v["unsigned"]["age"] = json!(age);
+        if let Some(map) = v.as_object_mut() {
+            map.remove("room_id");
+        }
         let _ = serde_json::to_writer(&mut *out, &v);
         return;
     }
     let mut unsigned = serde_json::Map::new();
     unsigned.insert("age".into(), json!(age));
-    ev.pdu.write_client_event(out, Some(&unsigned));
+    ev.pdu
+        .write_client_event_as(out, ClientFormat::WithoutRoomId, Some(&unsigned));
 }
 
 /// One room selected by the request: its merged config and the lists naming it.
@@ -859,7 +863,7 @@ impl<'a> Build<'a> {
         let mut timeline_json = None;
         if !timeline.is_empty() || initial || expanded {
             timeline_json = Some(json_text::array(&timeline, |e, out| {
-                write_render(s, e, viewer, out)
+                write_render(s, e, viewer, ClientFormat::WithoutRoomId, out)
             }));
             v["limited"] = json!(limited);
             v["num_live"] = json!(num_live);
