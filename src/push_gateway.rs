@@ -314,10 +314,7 @@ impl PushSender {
                 .receipts
                 .read_position(&room, user_id, None)
                 .unwrap_or(m.position);
-            let n = p
-                .push
-                .unread(&room, user_id, "", from, upto)
-                .notification_count;
+            let n = p.unread(&room, user_id, "", from, upto).notification_count;
             total += if self.config.group_unread_count_by_room {
                 u64::from(n > 0)
             } else {

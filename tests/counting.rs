@@ -244,6 +244,113 @@ async fn unread_count_reads_do_not_grow_with_unread_events() {
     assert!(big_reads <= 7, "unread count took {big_reads} store reads");
 }
 
+/// A local user's membership is answered from the kept room list: every event rendered
+/// for a viewer asks it (`unsigned.membership`, MSC4115), so a page of N events read N
+/// `user_rooms` rows before. A remote user's (never kept) is one point read, and the
+/// kept answer is the row's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_membership_is_read_from_memory() {
+    let h = Harness::start().await;
+    let (alice, at) = h.register("alice").await;
+    let room = h.create_room(&at, json!({ "preset": "public_chat" })).await;
+    h.ban_ghosts(&at, &room, 1).await;
+    h.quiesce().await;
+    let p = &h.server.projections;
+    let counted = |user: &str| {
+        let before = h.reads();
+        let m = p.membership.get(&room, user);
+        (m.map(|m| m.membership), h.reads() - before)
+    };
+    assert_eq!(counted(&alice), (Some("join".to_owned()), 0));
+    assert_eq!(
+        counted("@ghost0:elsewhere.example"),
+        (Some("ban".to_owned()), 1)
+    );
+    // A local user without a membership: no row either, and none read.
+    assert_eq!(
+        counted(&format!("@nobody:{}", alice.split_once(':').unwrap().1)),
+        (None, 0)
+    );
+    // The kept answer is the stored row's.
+    let stored = p
+        .membership
+        .rooms_of(&alice)
+        .into_iter()
+        .find(|(r, _)| *r == room)
+        .map(|(_, m)| m);
+    assert_eq!(p.membership.get(&room, &alice), stored);
+}
+
+/// A room read up to its last event (here: the reader wrote it) costs its unread count
+/// the two point reads and no count-row seek: `Projections::unread` bounds the span by
+/// the room's last event (in memory), and nothing after it can count, however far the
+/// stream went on in other rooms. A room with unread events still takes the seeks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_room_costs_its_unread_count_no_seek() {
+    let h = Harness::start().await;
+    let (_alice, at) = h.register("alice").await;
+    let (bob, bt) = h.register("bob").await;
+    let read = h.create_room(&at, json!({ "preset": "public_chat" })).await;
+    let unread = h.create_room(&at, json!({ "preset": "public_chat" })).await;
+    h.join(&bt, &read).await;
+    h.join(&bt, &unread).await;
+    for i in 0..3 {
+        h.send(&at, &read, &format!("r{i}"), "hello").await;
+        h.send(&at, &unread, &format!("u{i}"), "hello").await;
+    }
+    // Bob answers last in `read`; the stream then moves on elsewhere.
+    h.send(&bt, &read, "answer", "read it all").await;
+    let elsewhere = h.create_room(&at, json!({})).await;
+    for i in 0..5 {
+        h.send(&at, &elsewhere, &format!("e{i}"), "elsewhere").await;
+    }
+    h.quiesce().await;
+    let upto = h.server.projections.runtime.applied();
+    let p = &h.server.projections;
+    let join_pos = |room: &str| p.membership.get(room, &bob).unwrap().position;
+    let seeks = |room: &str| {
+        let stats = p.db.stats();
+        let (reads, rows) = (
+            stats.reads.load(std::sync::atomic::Ordering::Relaxed),
+            stats
+                .rows_scanned
+                .load(std::sync::atomic::Ordering::Relaxed),
+        );
+        let c = p.unread(room, &bob, "", join_pos(room), upto);
+        (
+            (c.notification_count, c.highlight_count),
+            stats.reads.load(std::sync::atomic::Ordering::Relaxed) - reads,
+            stats
+                .rows_scanned
+                .load(std::sync::atomic::Ordering::Relaxed)
+                - rows,
+        )
+    };
+    let (counts, reads, rows) = seeks(&read);
+    assert_eq!(counts, (0, 0));
+    assert_eq!((reads, rows), (2, 0), "the read room scanned count rows");
+    let (counts, _, rows) = seeks(&unread);
+    assert_eq!(counts, (3, 0));
+    assert!(
+        rows >= 1,
+        "the unread room's counts come from its count rows"
+    );
+    // Without the bound the read room takes the seeks too (the push projection's own
+    // answer at the stream's head).
+    let before =
+        p.db.stats()
+            .rows_scanned
+            .load(std::sync::atomic::Ordering::Relaxed);
+    let c = p.push.unread(&read, &bob, "", join_pos(&read), upto);
+    assert_eq!((c.notification_count, c.highlight_count), (0, 0));
+    assert!(
+        p.db.stats()
+            .rows_scanned
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > before
+    );
+}
+
 /// A room's unread counts in `/sync` cost the same in a room of 2 members and in a
 /// room of 40: counts are running rows written at append time (the room's default
 /// recipient's, and a member's own where its outcome differs), never a walk over the
@@ -852,9 +959,10 @@ async fn idle_rooms_cost_no_row_in_incremental_sync() {
         measure[1], measure[0],
         "20 more idle rooms must cost no more rows nor per-room checks: {measure:?}"
     );
-    // The active room alone is looked at: the idle ones are skipped by the change
+    // The active room alone is looked at (twice: its news, then the bound of its
+    // unread count, `Projections::unread`): the idle ones are skipped by the change
     // indexes, not asked one by one.
-    assert_eq!(measure[0].1, 1, "{measure:?}");
+    assert_eq!(measure[0].1, 2, "{measure:?}");
 }
 
 /// A lazy-loading initial sync of a room does not grow with its member count: the

@@ -990,7 +990,6 @@ impl Ctx<'_> {
         let c = self
             .s
             .projections
-            .push
             .unread(room, user, thread.unwrap_or(""), from, self.upto);
         json!({
             "notification_count": c.notification_count,
@@ -1020,7 +1019,7 @@ impl Ctx<'_> {
                 .receipts
                 .read_position(room, user, Some(&root))
                 .unwrap_or(m.position);
-            let c = p.push.unread(room, user, &root, from, self.upto);
+            let c = p.unread(room, user, &root, from, self.upto);
             if c.notification_count > 0 {
                 out.insert(
                     root,

@@ -188,6 +188,27 @@ impl Default for ProjectionOptions {
 }
 
 impl Projections {
+    /// Unread notification counts of `user_id` in `room_id` (`thread` as
+    /// [`push::Push::unread`]) in `(from, upto]`, with `upto` first lowered to the
+    /// room's last event (timeline, in memory): the push projection writes a count row
+    /// only at a room event's position, so nothing after the room's last event can
+    /// count, and a room read (or last written) up to its last event is answered
+    /// without scanning a count row.
+    pub fn unread(
+        &self,
+        room_id: &str,
+        user_id: &str,
+        thread: &str,
+        from: u64,
+        upto: u64,
+    ) -> push::Counts {
+        let upto = self
+            .timeline
+            .last_activity(room_id)
+            .map_or(upto, |last| last.min(upto));
+        self.push.unread(room_id, user_id, thread, from, upto)
+    }
+
     /// Starts rebuilding projection `name` online: from position 0 into the next
     /// generation of its tables, beside the live ones that keep serving, then swapped
     /// in (see [`runtime`], "Online rebuild"). Returns the generation being built.

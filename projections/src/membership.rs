@@ -2,7 +2,8 @@
 //! per-user log of membership changes, whose latest position tells a waiting `/sync`
 //! that the user's room list changed.
 //!
-//! Every local user's room list is also kept in memory ([`Memberships::rooms_kept`]),
+//! Every local user's room list is also kept in memory ([`Memberships::rooms_kept`],
+//! and [`Memberships::get`] for a local user),
 //! so a sync of a user in many rooms reads no row per room: loaded from `user_rooms` at
 //! reload (start-up, a rebuild's swap, both before any record is applied to the tables
 //! read), then each committed member event or forget replaces that room's entry. It is
@@ -171,9 +172,26 @@ impl Memberships {
             .collect()
     }
 
-    /// The user's current membership in a room.
+    /// The user's current membership in a room: from the kept room list for a local
+    /// user (no store read: every event rendered for a viewer asks it, for
+    /// `unsigned.membership`), else one point read of `user_rooms`.
     pub fn get(&self, room_id: &str, user_id: &str) -> Option<Membership> {
+        if self.keeps(user_id) {
+            return self
+                .kept
+                .read()
+                .get(user_id)
+                .and_then(|k| k.rooms.get(room_id).cloned());
+        }
         decode(&self.user_rooms.get(&key::join(&[user_id, room_id]))?)
+    }
+
+    /// Whether `user_id`'s room list is kept in memory (a local user, or everyone when
+    /// no server name was given): the same rule [`keep`] applies.
+    fn keeps(&self, user_id: &str) -> bool {
+        self.local
+            .as_deref()
+            .is_none_or(|suffix| user_id.ends_with(suffix))
     }
 
     /// Every member of a room (any membership), ordered by user id.

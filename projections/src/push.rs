@@ -461,6 +461,11 @@ impl Push {
         from: u64,
         upto: u64,
     ) -> Counts {
+        if upto <= from {
+            // Read up to `upto`: no read needed (the join and the own event only ever
+            // move `from` later).
+            return Counts::default();
+        }
         let Some(joined) = self.joined_at(room_id, user_id) else {
             return Counts::default();
         };

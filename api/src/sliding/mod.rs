@@ -1108,7 +1108,7 @@ impl<'a> Build<'a> {
                 .receipts
                 .read_position(room, self.user, None)
                 .unwrap_or(m.position);
-            let c = s.projections.push.unread(room, self.user, "", from, end);
+            let c = s.projections.unread(room, self.user, "", from, end);
             (c.notification_count, c.highlight_count)
         } else {
             (0, 0)
