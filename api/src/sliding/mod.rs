@@ -987,7 +987,8 @@ impl<'a> Build<'a> {
                 }
                 (kind, key) => {
                     let key = if key == "$ME" { self.user } else { key };
-                    if !rs.matches(kind, key, self.user) {
+                    // The entry is one of `include`'s: only `exclude` can drop it.
+                    if rs.excluded(kind, key, self.user) {
                         continue;
                     }
                     let id = if kind == "m.room.member" {

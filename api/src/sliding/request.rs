@@ -137,13 +137,20 @@ impl RequiredState {
     /// Whether a state entry is asked for (the requester's own member event matches
     /// `$ME`; lazy members are decided separately).
     pub fn matches(&self, kind: &str, state_key: &str, me: &str) -> bool {
-        let hit = |set: &BTreeSet<(String, String)>| {
-            set.iter().any(|(t, k)| {
-                (t == "*" || t == kind)
-                    && (k == "*" || k == state_key || (k == "$ME" && state_key == me))
-            })
-        };
-        hit(&self.include) && !hit(&self.exclude)
+        Self::hit(&self.include, kind, state_key, me) && !self.excluded(kind, state_key, me)
+    }
+
+    /// Whether an `exclude` entry names the state entry (an entry taken from `include`
+    /// itself needs only this check).
+    pub fn excluded(&self, kind: &str, state_key: &str, me: &str) -> bool {
+        !self.exclude.is_empty() && Self::hit(&self.exclude, kind, state_key, me)
+    }
+
+    fn hit(set: &BTreeSet<(String, String)>, kind: &str, state_key: &str, me: &str) -> bool {
+        set.iter().any(|(t, k)| {
+            (t == "*" || t == kind)
+                && (k == "*" || k == state_key || (k == "$ME" && state_key == me))
+        })
     }
 
     /// Whether any entry names every state key of `m.room.member` (or every type).
