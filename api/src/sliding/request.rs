@@ -437,6 +437,20 @@ mod tests {
         );
         assert!(l.config.required_state.lazy);
         assert_eq!(l.filters.is_invite, Some(true));
+        // `excluded` alone decides an entry taken from `include` (sliding sync's
+        // concrete entries), whatever `include` says.
+        let rs = &l.config.required_state;
+        assert!(rs.excluded("m.room.create", "", "@me:x"));
+        assert!(!rs.excluded("m.room.create", "other", "@me:x"));
+        assert!(!rs.excluded("m.room.topic", "", "@me:x"));
+        let me = RequiredState {
+            include: [("m.room.member".into(), "$ME".into())].into(),
+            exclude: [("m.room.member".into(), "$ME".into())].into(),
+            lazy: false,
+        };
+        assert!(me.excluded("m.room.member", "@me:x", "@me:x"));
+        assert!(!me.excluded("m.room.member", "@other:x", "@me:x"));
+        assert!(!me.matches("m.room.member", "@me:x", "@me:x"));
     }
 
     #[test]
