@@ -96,7 +96,8 @@ pub struct Caches {
     /// Lazy-loading devices whose sent member events `/sync` remembers (emptied when
     /// full: each device is sent its timeline senders' members once more).
     pub sync_lazy_loaded_members_devices: usize,
-    /// Bytes of room state rendered for `/state` and `/members`, kept by state root;
+    /// Bytes of room state rendered for `/state`, `/members`, `/sync` and sliding sync,
+    /// kept by state root;
     /// full, the oldest renderings are dropped (0: no cache).
     pub rendered_state_bytes: usize,
     /// Bytes of parsed events kept by id (room lists, `/sync` and sliding sync read the

@@ -429,7 +429,7 @@ async fn events_written_as_text_are_the_rendered_events() {
             without_room_id(without_age(single(id).await))
         );
     }
-    // Sliding sync's timeline too (its required state has no `prev_content` by design).
+    // Sliding sync's timeline too.
     let window = alice
         .post(
             "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync",
@@ -453,6 +453,12 @@ async fn events_written_as_text_are_the_rendered_events() {
     assert_eq!(
         window["rooms"][&room]["required_state"][0]["content"],
         json!({ "topic": "second" })
+    );
+    // Non-member state comes from the rendered-state cache, as `/state` renders it:
+    // with `prev_content` (Synapse's required_state has it too).
+    assert_eq!(
+        window["rooms"][&room]["required_state"][0]["unsigned"]["prev_content"],
+        json!({ "topic": "first" })
     );
     // Every answer above went through the test client's duplicate-key check; it
     // does refuse one.

@@ -163,7 +163,8 @@ pub struct CacheLimits {
     /// ([`lazy_members`]); full, the record is emptied (each device is sent its
     /// timeline senders' member events once more).
     pub sync_lazy_loaded_members_devices: usize,
-    /// Bytes of rendered room state (`/state`, `/members`, `/sync` state) kept by state root
+    /// Bytes of rendered room state (`/state`, `/members`, `/sync` state, sliding sync's
+    /// non-member `required_state`) kept by state root
     /// ([`state_render`]); full, the oldest renderings are dropped. 0 turns it off.
     pub rendered_state_bytes: usize,
 }

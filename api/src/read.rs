@@ -307,18 +307,22 @@ pub fn redaction_of(s: &AppState, ev: &EventRecord) -> Option<EventRecord> {
 
 /// The state event `ev` replaced (the same type and state key in the state right
 /// before it), if `ev` is a state event and had
-/// one. Reads: the event's roots, one state point lookup, one event.
+/// one. Reads: the event's roots, one state point lookup, one event. A non-member
+/// event is looked up in the non-member state (its depth does not grow with the
+/// member count).
 pub fn replaced_state(s: &AppState, ev: &EventRecord) -> Option<EventRecord> {
     let sk = ev.pdu.state_key.as_ref()?;
-    let before = s
+    let kind = ev.pdu.kind.to_string();
+    let roots = s
         .projections
         .state
-        .state_event_roots(ev.pdu.event_id.as_str())?
-        .before;
-    let prev_id = s
-        .projections
-        .state
-        .lookup(before, &ev.pdu.kind.to_string(), sk)?;
+        .state_event_roots(ev.pdu.event_id.as_str())?;
+    let before = if kind == "m.room.member" {
+        roots.before
+    } else {
+        roots.others_before
+    };
+    let prev_id = s.projections.state.lookup(before, &kind, sk)?;
     s.projections.timeline.event(&prev_id)
 }
 

@@ -43,6 +43,7 @@ use crate::{
     extract::{JsonObject, Query, Requester},
     json_text::{self, JsonOut},
     read::{token, write_render},
+    state_render::RenderedState,
     visibility::{Access, can_see, room_access},
 };
 
@@ -229,9 +230,11 @@ fn room_type(s: &AppState, room: &str) -> Option<String> {
     t
 }
 
-/// Writes a state event for `required_state` onto `out`: like [`write_render`] but
-/// without `prev_content`, which would cost a lookup in the full state (whose depth
-/// grows with the member count) and which room-state consumers do not need.
+/// Writes a state event loaded for `required_state` (a member event, a state delta)
+/// onto `out`: like [`write_render`] but without `prev_content`, which would cost a
+/// lookup in the full state (whose depth grows with the member count) and which
+/// room-state consumers do not need. Non-member state of an initial room comes from
+/// the rendered-state cache instead ([`StateItem::Rendered`]).
 fn write_state(s: &AppState, ev: &EventRecord, out: &mut Vec<u8>) {
     let age = crate::now_ms().saturating_sub(u64::from(ev.pdu.origin_server_ts.0));
     // A redaction of the same room only, as everywhere else (`read::redaction_of`).
@@ -248,6 +251,14 @@ fn write_state(s: &AppState, ev: &EventRecord, out: &mut Vec<u8>) {
     unsigned.insert("age".into(), json!(age));
     ev.pdu
         .write_client_event_as(out, ClientFormat::WithoutRoomId, Some(&unsigned));
+}
+
+/// A `required_state` entry to write: one event of a cached rendered state
+/// ([`crate::state_render`], with `prev_content`, as `/state`), or an event loaded for
+/// this answer ([`write_state`]: members and state deltas).
+enum StateItem {
+    Rendered(std::sync::Arc<RenderedState>, usize),
+    Event(EventRecord),
 }
 
 /// One room selected by the request: its merged config and the lists naming it.
@@ -776,6 +787,9 @@ impl<'a> Build<'a> {
                 &mut lazy_sent,
                 current,
             )
+            .into_iter()
+            .map(StateItem::Event)
+            .collect()
         };
         if lazy_sent.len() > MAX_LAZY_REMEMBERED {
             lazy_sent.clear();
@@ -881,7 +895,12 @@ impl<'a> Build<'a> {
         if !required_state.is_empty() || initial {
             room_out.set(
                 "required_state",
-                json_text::array(&required_state, |e, out| write_state(s, e, out)),
+                json_text::array(&required_state, |e, out| match e {
+                    StateItem::Rendered(r, i) => {
+                        r.events[*i].write_to(out, None, viewer, crate::now_ms())
+                    }
+                    StateItem::Event(ev) => write_state(s, ev, out),
+                }),
             );
         }
         Some((Some(room_out), now, initial))
@@ -931,9 +950,13 @@ impl<'a> Build<'a> {
         users
     }
 
-    /// Every state entry `required_state` asks for at the roots: concrete keys by point
-    /// lookup, wildcards by scanning (members only when asked for all of them), plus
-    /// the lazy members of the timeline.
+    /// Every state entry `required_state` asks for at the roots. The non-member entries
+    /// come from the rendered state of the non-member root (`crate::state_render`: keyed
+    /// by the root, so a room whose state did not change since any earlier request reads
+    /// and renders none of them, and the entries asked for are picked from a handful of
+    /// rendered events); members by point lookup (`$ME`, the lazy members of the
+    /// timeline) or by scanning the full root when asked for all of them. A wildcard
+    /// state key across every type (rare) walks the full state.
     #[allow(clippy::too_many_arguments)]
     fn full_state(
         &self,
@@ -944,75 +967,86 @@ impl<'a> Build<'a> {
         timeline: &[EventRecord],
         lazy_sent: &mut BTreeSet<String>,
         current: bool,
-    ) -> Vec<EventRecord> {
-        let state = &self.s.projections.state;
+    ) -> Vec<StateItem> {
+        let s = self.s;
+        let state = &s.projections.state;
+        let mut items: Vec<StateItem> = Vec::new();
         let mut ids: Vec<String> = Vec::new();
-        let push = |ids: &mut Vec<String>, id: String| {
+        let push_id = |ids: &mut Vec<String>, id: String| {
             if !ids.contains(&id) {
                 ids.push(id);
             }
         };
-        let any_type_all = rs.include.iter().any(|(t, k)| t == "*" && k == "*");
-        if any_type_all {
-            let root = if rs.all_members() { full } else { others };
-            for (t, k, id) in state.entries(root) {
-                if rs.matches(&t, &k, self.user) {
-                    push(&mut ids, id);
+        // Non-member state: every rendered event of `others` that is asked for.
+        let wants_others = rs
+            .include
+            .iter()
+            .any(|(t, k)| t != "m.room.member" && !(t == "*" && k != "*"));
+        if wants_others {
+            let rendered = s.state_render.get(s, room, others);
+            for (i, e) in rendered.events.iter().enumerate() {
+                if rs.matches(&e.event_type, &e.state_key, self.user) {
+                    ids.push(e.event_id.clone());
+                    items.push(StateItem::Rendered(rendered.clone(), i));
                 }
             }
         }
         for (t, k) in &rs.include {
             match (t.as_str(), k.as_str()) {
+                ("*", "*") if rs.all_members() => {
+                    for (k2, id) in state.entries_of_type(full, "m.room.member") {
+                        if rs.matches("m.room.member", &k2, self.user) {
+                            push_id(&mut ids, id);
+                        }
+                    }
+                }
                 ("*", "*") => {}
                 ("*", key) => {
                     // Rare: one state key across every type needs the whole state.
                     let key = if key == "$ME" { self.user } else { key };
                     for (t2, k2, id) in state.entries(full) {
                         if k2 == key && rs.matches(&t2, &k2, self.user) {
-                            push(&mut ids, id);
+                            push_id(&mut ids, id);
                         }
                     }
                 }
-                (kind, "*") => {
-                    let root = if kind == "m.room.member" {
-                        full
-                    } else {
-                        others
-                    };
-                    for (k2, id) in state.entries_of_type(root, kind) {
-                        if rs.matches(kind, &k2, self.user) {
-                            push(&mut ids, id);
+                ("m.room.member", "*") => {
+                    for (k2, id) in state.entries_of_type(full, "m.room.member") {
+                        if rs.matches("m.room.member", &k2, self.user) {
+                            push_id(&mut ids, id);
                         }
                     }
                 }
-                (kind, key) => {
+                ("m.room.member", key) => {
                     let key = if key == "$ME" { self.user } else { key };
                     // The entry is one of `include`'s: only `exclude` can drop it.
-                    if rs.excluded(kind, key, self.user) {
+                    if rs.excluded("m.room.member", key, self.user) {
                         continue;
                     }
-                    let id = if kind == "m.room.member" {
-                        self.member_event(room, key, full, current)
-                    } else {
-                        state.lookup(others, kind, key)
-                    };
-                    if let Some(id) = id {
-                        push(&mut ids, id);
+                    if let Some(id) = self.member_event(room, key, full, current) {
+                        push_id(&mut ids, id);
                     }
                 }
+                // Non-member entries: from the rendered state above.
+                _ => {}
             }
         }
         if rs.lazy {
             for u in self.lazy_users(timeline) {
                 if let Some(id) = self.member_event(room, &u, full, current) {
-                    push(&mut ids, id);
+                    push_id(&mut ids, id);
                 }
                 lazy_sent.insert(u);
             }
         }
-        ids.iter()
-            .filter_map(|id| self.s.projections.timeline.event(id))
-            .collect()
+        let rendered = items.len();
+        items.extend(
+            ids[rendered..]
+                .iter()
+                .filter_map(|id| s.projections.timeline.event(id))
+                .map(StateItem::Event),
+        );
+        items
     }
 
     /// The state that changed between `from` and `to` and that `required_state` asks
@@ -1082,11 +1116,15 @@ impl<'a> Build<'a> {
         end: u64,
     ) -> RoomFields {
         let s = self.s;
+        // The rendered non-member state (cached by root; `full_state` asked it already
+        // for an initial room) names the events: no trie lookup per field.
+        let rendered = s.state_render.get(s, room, others);
         let content = |kind: &str| {
-            s.projections
-                .state
-                .lookup(others, kind, "")
-                .and_then(|id| s.projections.timeline.event(&id))
+            rendered
+                .events
+                .iter()
+                .find(|e| e.event_type == kind && e.state_key.is_empty())
+                .and_then(|e| s.projections.timeline.event(&e.event_id))
                 .map(|e| e.pdu.content_value())
         };
         let non_empty = |v: &Value| v.as_str().filter(|x| !x.is_empty()).map(str::to_owned);
