@@ -388,14 +388,21 @@ impl<'a> Build<'a> {
                     .skip(start as usize)
                     .take((end - start + 1) as usize)
                 {
-                    let e = selected.entry((*room).clone()).or_insert_with(|| Selected {
-                        membership: (*m).clone(),
-                        config: list.config.clone(),
-                        lists: BTreeSet::new(),
-                        subscribed: false,
-                        recency: *recency,
-                    });
-                    e.config.merge(&list.config);
+                    let e = match selected.entry((*room).clone()) {
+                        // A room in several lists: the union of their configs.
+                        std::collections::btree_map::Entry::Occupied(o) => {
+                            let e = o.into_mut();
+                            e.config.merge(&list.config);
+                            e
+                        }
+                        std::collections::btree_map::Entry::Vacant(v) => v.insert(Selected {
+                            membership: (*m).clone(),
+                            config: list.config.clone(),
+                            lists: BTreeSet::new(),
+                            subscribed: false,
+                            recency: *recency,
+                        }),
+                    };
                     e.lists.insert(name.clone());
                 }
             }
@@ -410,15 +417,22 @@ impl<'a> Build<'a> {
                 continue;
             }
             let recency = self.recency(room, &m);
-            let e = selected.entry(room.clone()).or_insert_with(|| Selected {
-                membership: m,
-                config: config.clone(),
-                lists: BTreeSet::new(),
-                subscribed: true,
-                recency,
-            });
-            e.config.merge(config);
-            e.subscribed = true;
+            match selected.entry(room.clone()) {
+                std::collections::btree_map::Entry::Occupied(o) => {
+                    let e = o.into_mut();
+                    e.config.merge(config);
+                    e.subscribed = true;
+                }
+                std::collections::btree_map::Entry::Vacant(v) => {
+                    v.insert(Selected {
+                        membership: m,
+                        config: config.clone(),
+                        lists: BTreeSet::new(),
+                        subscribed: true,
+                        recency,
+                    });
+                }
+            }
         }
 
         let empty = Snapshot::default();
