@@ -780,3 +780,40 @@ async fn sync_events_carry_no_room_id_and_room_endpoints_do() {
     with(&st, "state");
     ts.stop().await;
 }
+
+/// A redacted `m.room.name` names no room in sliding sync (its content is gone, as for
+/// Synapse): both when the room's rendered state is cached (the window asks for the
+/// name) and when it is not (a window asking for no state).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redacted_room_name_names_no_room_in_sliding_sync() {
+    const SS: &str = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync";
+    let ts = TestServer::start().await;
+    let alice = ts.register("alice").await;
+    let room = alice.create_room(json!({ "name": "secret plans" })).await;
+    let window = |required_state: Value| {
+        json!({ "lists": { "all": {
+            "ranges": [[0, 0]], "timeline_limit": 1, "required_state": required_state,
+        } } })
+    };
+    let named = alice.post(SS, &window(json!([]))).await.ok();
+    assert_eq!(named["rooms"][&room]["name"], json!("secret plans"));
+    let name = state_event_id(&alice, &room, "m.room.name", "").await;
+    alice
+        .put(
+            &format!("{V3}/rooms/{}/redact/{}/r1", enc(&room), enc(&name)),
+            &json!({}),
+        )
+        .await
+        .ok();
+    // No cached rendering of the state after the redaction: point lookups.
+    let v = alice.post(SS, &window(json!([]))).await.ok();
+    assert!(v["rooms"][&room].get("name").is_none(), "{v}");
+    // The window asks for the name: from the rendered state (redacted).
+    let v = alice
+        .post(SS, &window(json!([["m.room.name", ""]])))
+        .await
+        .ok();
+    assert!(v["rooms"][&room].get("name").is_none(), "{v}");
+    assert_eq!(v["rooms"][&room]["required_state"][0]["content"], json!({}));
+    ts.stop().await;
+}

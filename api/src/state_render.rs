@@ -8,17 +8,21 @@
 //! entry also remembers the room's [`RedactionGeneration`], read *before* the events
 //! were read; an entry whose generation is not the room's current one is rendered
 //! again. Everything that depends on the request is added per request, never cached:
-//! `unsigned.age` (from `origin_server_ts`), `unsigned.transaction_id` for the sending
-//! device, and MSC4140's `delay_id` for the sender.
+//! `room_id` (written by `/state` and `/members`, not by `/sync`'s
+//! `ClientEventWithoutRoomID`), `unsigned.age` (from `origin_server_ts`),
+//! `unsigned.transaction_id` for the sending device, and MSC4140's `delay_id` for the
+//! sender.
 //!
 //! Each event is kept as JSON text, so a hit writes the answer by concatenation,
 //! without parsing or serializing anything: a `/state` of an unchanged room costs one
 //! root lookup, one generation read and the copy of the bytes.
 //!
-//! What it is not: a cache of `/sync`'s or `/messages`' renderings (those add bundled
-//! aggregations and `unsigned.membership`, which depend on more than the root). The
-//! cache is bounded in bytes (`[caches] rendered_state_bytes`); past it the oldest
-//! entries are dropped first.
+//! Its users: `/state` and `/members`, `/sync`'s `state` section, and sliding sync's
+//! non-member `required_state` and room fields (name, avatar). What it is not: a cache
+//! of timelines (`/sync`'s or `/messages`' events add bundled aggregations and
+//! `unsigned.membership`, which depend on more than the root). The cache is bounded in
+//! bytes (`[caches] rendered_state_bytes`); past it the oldest entries are dropped
+//! first.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -51,6 +55,8 @@ pub struct RenderedStateEvent {
     pub sender: String,
     /// Whether `content.url` is a string (the filters' `contains_url`).
     pub has_url: bool,
+    /// Whether a redaction applies (the rendering's content is the redacted one).
+    pub redacted: bool,
     /// `origin_server_ts`, ms (for `unsigned.age`).
     origin_server_ts: u64,
     /// The sending device and its transaction id (for `unsigned.transaction_id`).
@@ -120,6 +126,7 @@ impl RenderedStateEvent {
         RenderedStateEvent {
             event_id: ev.pdu.event_id.to_string(),
             has_url,
+            redacted: redaction.is_some(),
             event_type: ev.pdu.kind.to_string(),
             state_key: ev.pdu.state_key.clone().unwrap_or_default(),
             membership,
@@ -281,12 +288,10 @@ impl StateRenderCache {
     /// The rendering of `root`, a state of `room_id`: from the cache when current,
     /// else rendered now (one event read per state event) and kept.
     pub fn get(&self, s: &AppState, room_id: &str, root: Root) -> Arc<RenderedState> {
-        let generation = s.projections.timeline.redaction_generation(room_id);
-        if let Some(hit) = self.inner.lock().map.get(&root.0)
-            && hit.generation == generation
-        {
-            return hit.clone();
+        if let Some(hit) = self.peek(s, room_id, root) {
+            return hit;
         }
+        let generation = s.projections.timeline.redaction_generation(room_id);
         let entries = s.projections.state.entries(root);
         let wanted = entries.len();
         let events: Vec<RenderedStateEvent> = entries
@@ -311,6 +316,18 @@ impl StateRenderCache {
             self.insert(root, rendered.clone());
         }
         rendered
+    }
+
+    /// The rendering of `root` if the cache holds a current one; `None` renders
+    /// nothing (for callers with a cheaper way than a whole render).
+    pub fn peek(&self, s: &AppState, room_id: &str, root: Root) -> Option<Arc<RenderedState>> {
+        let generation = s.projections.timeline.redaction_generation(room_id);
+        self.inner
+            .lock()
+            .map
+            .get(&root.0)
+            .filter(|hit| hit.generation == generation)
+            .cloned()
     }
 
     fn insert(&self, root: Root, rendered: Arc<RenderedState>) {

@@ -1130,16 +1130,32 @@ impl<'a> Build<'a> {
         end: u64,
     ) -> RoomFields {
         let s = self.s;
-        // The rendered non-member state (cached by root; `full_state` asked it already
-        // for an initial room) names the events: no trie lookup per field.
-        let rendered = s.state_render.get(s, room, others);
-        let content = |kind: &str| {
-            rendered
+        // The rendered non-member state when the cache holds it (`full_state` rendered
+        // it for an initial room) names the events without a trie lookup; else three
+        // point lookups (a render of the whole non-member state would cost more). The
+        // content is the redacted one when a redaction applies.
+        let rendered = s.state_render.peek(s, room, others);
+        let content = |kind: &str| match &rendered {
+            Some(r) => r
                 .events
                 .iter()
                 .find(|e| e.event_type == kind && e.state_key.is_empty())
-                .and_then(|e| s.projections.timeline.event(&e.event_id))
-                .map(|e| e.pdu.content_value())
+                .and_then(|e| {
+                    if e.redacted {
+                        Some(e.content())
+                    } else {
+                        s.projections
+                            .timeline
+                            .event(&e.event_id)
+                            .map(|ev| ev.pdu.content_value())
+                    }
+                }),
+            None => s
+                .projections
+                .state
+                .lookup(others, kind, "")
+                .and_then(|id| s.projections.timeline.event(&id))
+                .map(|ev| crate::read::client_content(s, &ev)),
         };
         let non_empty = |v: &Value| v.as_str().filter(|x| !x.is_empty()).map(str::to_owned);
         let explicit_name = content("m.room.name").and_then(|c| non_empty(&c["name"]));
