@@ -244,6 +244,61 @@ async fn unread_count_reads_do_not_grow_with_unread_events() {
     assert!(big_reads <= 7, "unread count took {big_reads} store reads");
 }
 
+/// A room's newest timeline rows come from memory once the room was read: the tail is
+/// filled by one scan, then kept current by each committed event, and answers what
+/// the store would (checked against the store's own scan at every step).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_room_tail_is_read_from_memory_and_follows_appends() {
+    let h = Harness::start().await;
+    let (_, at) = h.register("tia").await;
+    let room = h.create_room(&at, json!({})).await;
+    for i in 0..30 {
+        h.send(&at, &room, &format!("t{i}"), "hello").await;
+    }
+    h.quiesce().await;
+    let tl = &h.server.projections.timeline;
+    let rows = || {
+        h.server
+            .projections
+            .db
+            .stats()
+            .rows_scanned
+            .load(Ordering::Relaxed)
+    };
+    let head = tl.last_activity(&room).unwrap();
+    let before = rows();
+    let first = tl.range_backward(&room, u64::MAX, 1, 4);
+    let filled = rows() - before;
+    assert_eq!(first.len(), 4);
+    assert_eq!(first[0].0, head);
+    assert_eq!(
+        filled,
+        spindle_projections::timeline::TAIL_ROWS as u64,
+        "the fill"
+    );
+    // Again, and with other spans inside the tail: no row read.
+    let before = rows();
+    assert_eq!(tl.range_backward(&room, u64::MAX, 1, 4), first);
+    let inside = tl.range_backward(&room, first[1].0, first[3].0, 10);
+    assert_eq!(rows() - before, 0);
+    assert_eq!(inside, first[2..4].to_vec());
+    // New events join the tail after their commit.
+    for i in 0..3 {
+        h.send(&at, &room, &format!("n{i}"), "news").await;
+    }
+    h.quiesce().await;
+    let before = rows();
+    let now = tl.range_backward(&room, u64::MAX, 1, 4);
+    assert_eq!(rows() - before, 0);
+    assert_eq!(now[0].0, tl.last_activity(&room).unwrap());
+    assert_eq!(now[3], first[0]);
+    // A span reaching below the tail reads the store, and every answer is the store's.
+    let deep = tl.range_backward(&room, u64::MAX, 1, 30);
+    assert_eq!(deep.len(), 30);
+    assert_eq!(deep[..4], now[..]);
+    assert!(tl.tails_kept() >= 1);
+}
+
 /// A local user's membership is answered from the kept room list: every event rendered
 /// for a viewer asks it (`unsigned.membership`, MSC4115), so a page of N events read N
 /// `user_rooms` rows before. A remote user's (never kept) is one point read, and the

@@ -201,6 +201,7 @@ pub struct Timeline {
     bumped: Arc<RwLock<HashMap<String, u64>>>,
     redaction_generations: Arc<RedactionGenerations>,
     cache: Arc<EventCache>,
+    tails: Arc<RwLock<Tails>>,
     /// Where PDUs are read from (`None`: the PDU is kept in the row, as before).
     journal: Option<spindle_journal::Journal>,
 }
@@ -337,6 +338,50 @@ pub struct RedactionGeneration {
     pub count: u64,
 }
 
+/// Rows of a room's live timeline kept in memory: the newest [`TAIL_ROWS`].
+pub const TAIL_ROWS: usize = 21;
+/// Rooms whose newest rows are kept in memory; past it the kept tails are dropped
+/// (every room reads its tail from the store once more).
+pub const TAIL_ROOMS: usize = 4096;
+
+/// The newest `room_events` rows of rooms read lately, in memory: what `/sync`,
+/// sliding sync and a `/messages` page from the live end ask first
+/// ([`Timeline::range_backward`]). A tail is filled from the store when a room is first
+/// read, then kept current by each committed event of the room (after the commit that
+/// wrote the row, as the room's recency), so it is exact: the newest rows the table
+/// holds. A fill inserts only if the room's recency still names the newest row it read
+/// (an event committed meanwhile makes it drop the fill).
+#[derive(Default)]
+struct Tails {
+    rooms: HashMap<String, Tail>,
+}
+
+struct Tail {
+    /// Newest first, at most [`TAIL_ROWS`].
+    rows: std::collections::VecDeque<(u64, Arc<str>)>,
+    /// Whether `rows` is every row of the room (fewer than [`TAIL_ROWS`] events).
+    complete: bool,
+}
+
+impl Tail {
+    /// Rows in `[from, before)`, newest first, at most `limit`, if the tail answers for
+    /// the whole span.
+    fn range(&self, before: u64, from: u64, limit: usize) -> Option<Vec<(u64, String)>> {
+        let mut out = Vec::new();
+        for (pos, id) in &self.rows {
+            if *pos >= before {
+                continue;
+            }
+            if *pos < from || out.len() == limit {
+                return Some(out);
+            }
+            out.push((*pos, id.to_string()));
+        }
+        // The tail ran out: it answers if nothing older exists.
+        (self.complete || out.len() == limit).then_some(out)
+    }
+}
+
 /// The default of [`Timeline::open_with`]'s event cache budget (16 MiB; the
 /// `[caches] timeline_event_bytes` setting).
 pub const EVENT_CACHE_BYTES: usize = 16 * 1024 * 1024;
@@ -372,6 +417,7 @@ impl Timeline {
             bumped: Arc::default(),
             redaction_generations: Arc::default(),
             cache: Arc::new(EventCache::new(cache_bytes)),
+            tails: Arc::default(),
             journal,
         })
     }
@@ -516,9 +562,57 @@ impl Timeline {
         if before <= from {
             return vec![];
         }
+        if let Some(rows) = self.tail_range(room_id, before, from, limit) {
+            return rows;
+        }
         let start = key::with_pos(&[room_id], from);
         let end = key::with_pos(&[room_id], before);
         self.decode(self.room_events.scan_range(&start, &end, true, limit))
+    }
+
+    /// [`Timeline::range_backward`] from the room's tail in memory ([`Tails`]), filling
+    /// the tail first (one scan of [`TAIL_ROWS`] rows) when the room has none. `None`
+    /// when the span reaches below the tail.
+    fn tail_range(
+        &self,
+        room_id: &str,
+        before: u64,
+        from: u64,
+        limit: usize,
+    ) -> Option<Vec<(u64, String)>> {
+        if let Some(t) = self.tails.read().rooms.get(room_id) {
+            return t.range(before, from, limit);
+        }
+        // The newest row the room's recency names: the fill is kept only if it is
+        // still the newest when the fill is inserted.
+        let head = self.recency.read().get(room_id)?;
+        let start = key::with_pos(&[room_id], 0);
+        let end = key::with_pos(&[room_id], u64::MAX);
+        let rows = self.decode(self.room_events.scan_range(&start, &end, true, TAIL_ROWS));
+        if rows.first().map(|(pos, _)| *pos) != Some(head) {
+            return None;
+        }
+        let tail = Tail {
+            complete: rows.len() < TAIL_ROWS,
+            rows: rows
+                .into_iter()
+                .map(|(pos, id)| (pos, Arc::from(id)))
+                .collect(),
+        };
+        let answer = tail.range(before, from, limit);
+        let mut tails = self.tails.write();
+        if self.recency.read().get(room_id) == Some(head) {
+            if tails.rooms.len() >= TAIL_ROOMS {
+                tails.rooms.clear();
+            }
+            tails.rooms.insert(room_id.to_owned(), tail);
+        }
+        answer
+    }
+
+    /// Rooms whose tail is kept in memory now (at most [`TAIL_ROOMS`]).
+    pub fn tails_kept(&self) -> usize {
+        self.tails.read().rooms.len()
     }
 
     /// Backfilled event ids of a room with sequence after `after_seq`, going back in
@@ -646,6 +740,7 @@ impl Projection for Timeline {
     }
 
     fn reload(&self) {
+        self.tails.write().rooms.clear();
         let mut recency = self.recency.write();
         recency.clear(0);
         each_position(&self.rooms, |room, pos| {
@@ -663,6 +758,7 @@ impl Projection for Timeline {
             .epoch
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         self.cache.clear();
+        self.tails.write().rooms.clear();
     }
 
     fn apply(&self, ctx: &mut ApplyCtx, record: &StoredRecord) -> Result<(), String> {
@@ -686,6 +782,7 @@ impl Projection for Timeline {
         if record.is_outlier() {
             return Ok(());
         }
+        let event_id_for_tail = event_id.clone();
         ctx.put(
             &self.room_events,
             key::with_pos(&[&room], record.position()),
@@ -717,6 +814,8 @@ impl Projection for Timeline {
         }
         let (recency, bumped) = (self.recency.clone(), self.bumped.clone());
         let generations = self.redaction_generations.clone();
+        let tails = self.tails.clone();
+        let tail_id: Arc<str> = Arc::from(event_id_for_tail);
         let pos = record.position();
         ctx.after_commit(move || {
             if bumps {
@@ -726,6 +825,17 @@ impl Projection for Timeline {
                 *generations.rooms.write().entry(room.clone()).or_insert(0) += 1;
             }
             recency.write().bump(&room, pos);
+            // After the recency: a fill that read the older head sees the move and
+            // drops itself; one inserted before this point gets the row here.
+            if let Some(t) = tails.write().rooms.get_mut(&room)
+                && t.rows.front().is_none_or(|(newest, _)| *newest < pos)
+            {
+                t.rows.push_front((pos, tail_id));
+                if t.rows.len() > TAIL_ROWS {
+                    t.rows.pop_back();
+                    t.complete = false;
+                }
+            }
         });
         Ok(())
     }
@@ -780,6 +890,45 @@ impl Timeline {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tail(positions: &[u64], complete: bool) -> Tail {
+        Tail {
+            rows: positions
+                .iter()
+                .map(|p| (*p, Arc::from(format!("$e{p}"))))
+                .collect(),
+            complete,
+        }
+    }
+
+    fn positions(rows: Option<Vec<(u64, String)>>) -> Option<Vec<u64>> {
+        rows.map(|r| r.into_iter().map(|(p, _)| p).collect())
+    }
+
+    #[test]
+    fn a_tail_answers_only_spans_it_covers() {
+        // Newest first; the room has older rows than these.
+        let t = tail(&[50, 40, 30, 20], false);
+        // From the head: the newest three.
+        assert_eq!(positions(t.range(u64::MAX, 1, 3)), Some(vec![50, 40, 30]));
+        // Below a position, down to a floor inside the tail.
+        assert_eq!(positions(t.range(45, 25, 10)), Some(vec![40, 30]));
+        // The span goes below the tail's oldest row: the store answers.
+        assert_eq!(positions(t.range(u64::MAX, 1, 10)), None);
+        assert_eq!(positions(t.range(20, 1, 2)), None);
+        // Exactly the tail.
+        assert_eq!(
+            positions(t.range(u64::MAX, 1, 4)),
+            Some(vec![50, 40, 30, 20])
+        );
+        // Nothing after the floor.
+        assert_eq!(positions(t.range(u64::MAX, 60, 5)), Some(vec![]));
+        // A complete tail is the whole room: any span is answered.
+        let all = tail(&[7, 5, 2], true);
+        assert_eq!(positions(all.range(u64::MAX, 1, 10)), Some(vec![7, 5, 2]));
+        assert_eq!(positions(all.range(5, 1, 10)), Some(vec![2]));
+        assert_eq!(positions(all.range(2, 1, 10)), Some(vec![]));
+    }
 
     fn record(position: u64) -> EventRecord {
         let json = br#"{"auth_events":[],"content":{"body":"hi","msgtype":"m.text"},"depth":2,"hashes":{"sha256":"aaaa"},"origin_server_ts":1,"prev_events":[],"room_id":"!r:x","sender":"@a:x","signatures":{},"type":"m.room.message"}"#;
