@@ -398,6 +398,11 @@ impl Metrics {
                 s.projections.state.node_cache().bytes(),
                 s.projections.state.node_cache().budget(),
             ),
+            (
+                "timeline_tail_rooms",
+                s.projections.timeline.tails_kept(),
+                spindle_projections::timeline::TAIL_ROOMS,
+            ),
         ] {
             let labels = vec![("cache", cache.to_owned())];
             self.cache_entries.get_or_create(&labels).set(len as i64);
