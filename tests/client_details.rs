@@ -414,6 +414,13 @@ async fn events_written_as_text_are_the_rendered_events() {
             e.as_object_mut().unwrap().remove("room_id"),
             Some(json!(room))
         );
+        // A redaction inside is given in the same format.
+        if let Some(because) = e["unsigned"]
+            .get_mut("redacted_because")
+            .and_then(Value::as_object_mut)
+        {
+            assert_eq!(because.remove("room_id"), Some(json!(room)));
+        }
         e
     };
     let filter = enc(r#"{"room":{"timeline":{"limit":50}}}"#);

@@ -701,11 +701,19 @@ async fn sync_events_carry_no_room_id_and_room_endpoints_do() {
         )
         .await
         .ok();
+    // The redaction inside a redacted event comes in the same format (the spec's
+    // `redacted_because` of a `ClientEventWithoutRoomID` is one too).
+    let redactions = std::cell::Cell::new(0);
     let without = |evs: &Value, what: &str| -> Vec<String> {
         let evs = evs.as_array().unwrap_or_else(|| panic!("{what}: {evs}"));
         assert!(!evs.is_empty(), "{what}");
         for ev in evs {
             assert!(ev.get("room_id").is_none(), "{what}: {ev}");
+            if let Some(because) = ev["unsigned"].get("redacted_because") {
+                assert!(because.get("room_id").is_none(), "{what}: {ev}");
+                assert_eq!(because["type"], json!("m.room.redaction"), "{what}: {ev}");
+                redactions.set(redactions.get() + 1);
+            }
         }
         ids(&Value::Array(evs.clone()))
     };
@@ -714,6 +722,10 @@ async fn sync_events_carry_no_room_id_and_room_endpoints_do() {
         assert!(!evs.is_empty(), "{what}");
         for ev in evs {
             assert_eq!(ev["room_id"], json!(room), "{what}: {ev}");
+            if let Some(because) = ev["unsigned"].get("redacted_because") {
+                assert_eq!(because["room_id"], json!(room), "{what}: {ev}");
+                redactions.set(redactions.get() + 1);
+            }
         }
     };
 
@@ -765,6 +777,10 @@ async fn sync_events_carry_no_room_id_and_room_endpoints_do() {
     let rs = without(&r["required_state"], "sliding required_state");
     assert!(rs.contains(&topic), "{rs:?}");
 
+    // Redacted: the message and the topic in the sync timeline (limit 10), the topic in
+    // the lazy and the full state sections, the message and the topic in the sliding
+    // timeline (limit 5), the topic in required_state.
+    assert_eq!(redactions.get(), 7);
     // Room endpoints: ClientEvent.
     with(
         &alice.messages(&room, "dir=b&limit=10").await["chunk"],
@@ -778,6 +794,9 @@ async fn sync_events_carry_no_room_id_and_room_endpoints_do() {
         .await
         .ok();
     with(&st, "state");
+    // /messages' message and topic, the message after `kept` in /context, /state's
+    // topic.
+    assert_eq!(redactions.get(), 11);
     ts.stop().await;
 }
 

@@ -194,10 +194,8 @@ pub fn write_render(
 ) {
     if redaction_of(s, ev).is_some() {
         let mut v = render(s, ev, viewer);
-        if format == ClientFormat::WithoutRoomId
-            && let Some(map) = v.as_object_mut()
-        {
-            map.remove("room_id");
+        if format == ClientFormat::WithoutRoomId {
+            without_room_id(&mut v);
         }
         let _ = serde_json::to_writer(&mut *out, &v);
         return;
@@ -210,6 +208,21 @@ pub fn write_render(
         unsigned.insert("m.relations".into(), b);
     }
     ev.pdu.write_client_event_as(out, format, Some(&unsigned));
+}
+
+/// Removes `room_id` from a client event and from its `unsigned.redacted_because`
+/// (spec `ClientEventWithoutRoomID`: the redaction is given in the same format).
+pub fn without_room_id(v: &mut Value) {
+    if let Some(map) = v.as_object_mut() {
+        map.remove("room_id");
+        if let Some(because) = map
+            .get_mut("unsigned")
+            .and_then(|u| u.get_mut("redacted_because"))
+            .and_then(Value::as_object_mut)
+        {
+            because.remove("room_id");
+        }
+    }
 }
 
 /// An event written as JSON text onto `out` in `format`: [`write_render`], or the PDU

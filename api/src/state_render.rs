@@ -67,8 +67,12 @@ pub struct RenderedStateEvent {
     /// it, `/sync`'s `ClientEventWithoutRoomID` does not).
     head: Vec<u8>,
     /// The cached `unsigned` members as JSON text (`"k":v,...`, no braces; may be empty):
-    /// `prev_content`, `redacted_because`.
+    /// `prev_content`.
     unsigned: String,
+    /// `unsigned.redacted_because` as JSON text without `room_id` and without its
+    /// closing brace (the redaction is of the same room: `room_id` is written with the
+    /// outer event's, in the same format).
+    redacted_because: Option<Vec<u8>>,
 }
 
 impl RenderedStateEvent {
@@ -78,13 +82,23 @@ impl RenderedStateEvent {
     pub fn render(s: &AppState, ev: &EventRecord) -> RenderedStateEvent {
         let redaction = crate::read::redaction_of(s, ev);
         let mut unsigned = serde_json::Map::new();
+        let mut redacted_because = None;
         let (mut head, peek) = match &redaction {
             // Rare, and the content is rewritten: through a value.
             Some(r) => {
                 let mut v = ev.pdu.to_redacted_client_event(&r.pdu);
                 if let Some(map) = v.as_object_mut() {
                     map.remove("room_id");
-                    if let Some(Value::Object(u)) = map.remove("unsigned") {
+                    if let Some(Value::Object(mut u)) = map.remove("unsigned") {
+                        if let Some(mut because) = u.remove("redacted_because") {
+                            if let Some(b) = because.as_object_mut() {
+                                b.remove("room_id");
+                            }
+                            let mut text = serde_json::to_vec(&because).unwrap_or_default();
+                            if text.pop() == Some(b'}') {
+                                redacted_because = Some(text);
+                            }
+                        }
                         unsigned.extend(u);
                     }
                 }
@@ -136,6 +150,7 @@ impl RenderedStateEvent {
             txn_id: ev.txn_id.clone(),
             head,
             unsigned,
+            redacted_because,
         }
     }
 
@@ -143,6 +158,7 @@ impl RenderedStateEvent {
         self.event_id.len()
             + self.head.len()
             + self.unsigned.len()
+            + self.redacted_because.as_ref().map_or(0, Vec::len)
             + self.event_type.len()
             + self.state_key.len()
             + self.sender.len()
@@ -179,6 +195,15 @@ impl RenderedStateEvent {
         if !self.unsigned.is_empty() {
             out.push(b',');
             out.extend_from_slice(self.unsigned.as_bytes());
+        }
+        if let Some(because) = &self.redacted_because {
+            out.extend_from_slice(b",\"redacted_because\":");
+            out.extend_from_slice(because);
+            if let Some(room_id) = room_id {
+                out.extend_from_slice(b",\"room_id\":");
+                let _ = serde_json::to_writer(&mut *out, room_id);
+            }
+            out.push(b'}');
         }
         let delay_id = self
             .txn_id

@@ -241,9 +241,7 @@ fn write_state(s: &AppState, ev: &EventRecord, out: &mut Vec<u8>) {
     if let Some(redaction) = crate::read::redaction_of(s, ev) {
         let mut v = ev.pdu.to_redacted_client_event(&redaction.pdu);
         v["unsigned"]["age"] = json!(age);
-        if let Some(map) = v.as_object_mut() {
-            map.remove("room_id");
-        }
+        crate::read::without_room_id(&mut v);
         let _ = serde_json::to_writer(&mut *out, &v);
         return;
     }
