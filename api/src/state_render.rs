@@ -200,7 +200,12 @@ impl RenderedStateEvent {
             out.extend_from_slice(b",\"redacted_because\":");
             out.extend_from_slice(because);
             if let Some(room_id) = room_id {
-                out.extend_from_slice(b",\"room_id\":");
+                // `because` is an object's text without its closing brace (never empty
+                // in practice: a redaction has fields; `{` alone takes no comma).
+                if because.len() > 1 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(b"\"room_id\":");
                 let _ = serde_json::to_writer(&mut *out, room_id);
             }
             out.push(b'}');
