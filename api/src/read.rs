@@ -207,7 +207,7 @@ pub fn write_render(
     if let Some(b) = crate::relations::bundle(s, ev, viewer, 0) {
         unsigned.insert("m.relations".into(), b);
     }
-    ev.pdu.write_client_event_as(out, format, Some(&unsigned));
+    ev.pdu.write_client_event(out, format, Some(&unsigned));
 }
 
 /// Removes `room_id` from a client event and from its `unsigned.redacted_because`

@@ -87,20 +87,17 @@ impl RenderedStateEvent {
             // Rare, and the content is rewritten: through a value.
             Some(r) => {
                 let mut v = ev.pdu.to_redacted_client_event(&r.pdu);
-                if let Some(map) = v.as_object_mut() {
-                    map.remove("room_id");
-                    if let Some(Value::Object(mut u)) = map.remove("unsigned") {
-                        if let Some(mut because) = u.remove("redacted_because") {
-                            if let Some(b) = because.as_object_mut() {
-                                b.remove("room_id");
-                            }
-                            let mut text = serde_json::to_vec(&because).unwrap_or_default();
-                            if text.pop() == Some(b'}') {
-                                redacted_because = Some(text);
-                            }
+                crate::read::without_room_id(&mut v);
+                if let Some(map) = v.as_object_mut()
+                    && let Some(Value::Object(mut u)) = map.remove("unsigned")
+                {
+                    if let Some(because) = u.remove("redacted_because") {
+                        let mut text = serde_json::to_vec(&because).unwrap_or_default();
+                        if text.pop() == Some(b'}') {
+                            redacted_because = Some(text);
                         }
-                        unsigned.extend(u);
                     }
+                    unsigned.extend(u);
                 }
                 let peek = ContentPeek::deserialize(&v["content"]).unwrap_or_default();
                 (
@@ -116,7 +113,7 @@ impl RenderedStateEvent {
                 }
                 let mut head = Vec::with_capacity(ev.pdu.content.get().len() + 256);
                 ev.pdu
-                    .write_client_event_as(&mut head, ClientFormat::WithoutRoomId, None);
+                    .write_client_event(&mut head, ClientFormat::WithoutRoomId, None);
                 let peek = serde_json::from_str(ev.pdu.content.get()).unwrap_or_default();
                 (head, peek)
             }

@@ -560,20 +560,10 @@ impl Pdu {
     /// [`Pdu::to_client_event`] written as JSON text onto `out`: the same members in the
     /// same (sorted) order, with `content` copied as the PDU holds it instead of parsed
     /// and serialized again, and `unsigned` (an object, omitted when `None`) serialized
-    /// in place. What answers written as text use (`/messages`, `/context`;
-    /// `api/src/json_text.rs`); `/sync` and sliding sync use
-    /// [`Pdu::write_client_event_as`] with [`ClientFormat::WithoutRoomId`].
+    /// in place; in [`ClientFormat::WithoutRoomId`] the `room_id` member is left out
+    /// (`/sync`, sliding sync). What answers written as text use
+    /// (`api/src/json_text.rs`).
     pub fn write_client_event(
-        &self,
-        out: &mut Vec<u8>,
-        unsigned: Option<&serde_json::Map<String, serde_json::Value>>,
-    ) {
-        self.write_client_event_as(out, ClientFormat::Event, unsigned)
-    }
-
-    /// [`Pdu::write_client_event`] in either client format: with
-    /// [`ClientFormat::WithoutRoomId`] the `room_id` member is left out.
-    pub fn write_client_event_as(
         &self,
         out: &mut Vec<u8>,
         format: ClientFormat,
@@ -1004,7 +994,7 @@ mod tests {
         for pdu in [&message, &redaction, &member] {
             for u in [None, unsigned.as_object()] {
                 let mut out = Vec::new();
-                pdu.write_client_event(&mut out, u);
+                pdu.write_client_event(&mut out, ClientFormat::Event, u);
                 let text: serde_json::Value = serde_json::from_slice(&out).unwrap();
                 let value = pdu.to_client_event(u.map(|u| serde_json::Value::Object(u.clone())));
                 assert_eq!(text, value, "{}", String::from_utf8_lossy(&out));
@@ -1012,7 +1002,7 @@ mod tests {
                 assert_eq!(out, serde_json::to_vec(&value).unwrap());
                 // `ClientEventWithoutRoomID`: the same less `room_id`.
                 let mut without = Vec::new();
-                pdu.write_client_event_as(&mut without, ClientFormat::WithoutRoomId, u);
+                pdu.write_client_event(&mut without, ClientFormat::WithoutRoomId, u);
                 let mut expected = value.clone();
                 expected.as_object_mut().unwrap().remove("room_id");
                 assert_eq!(without, serde_json::to_vec(&expected).unwrap());

@@ -740,7 +740,6 @@ impl Projection for Timeline {
     }
 
     fn reload(&self) {
-        self.tails.write().rooms.clear();
         let mut recency = self.recency.write();
         recency.clear(0);
         each_position(&self.rooms, |room, pos| {
@@ -758,6 +757,8 @@ impl Projection for Timeline {
             .epoch
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         self.cache.clear();
+        // After the recency is rebuilt: a fill that read the old one is checked
+        // against the new one, and whatever was filled before is gone.
         self.tails.write().rooms.clear();
     }
 
@@ -782,7 +783,7 @@ impl Projection for Timeline {
         if record.is_outlier() {
             return Ok(());
         }
-        let event_id_for_tail = event_id.clone();
+        let tail_id: Arc<str> = Arc::from(event_id.as_str());
         ctx.put(
             &self.room_events,
             key::with_pos(&[&room], record.position()),
@@ -815,7 +816,6 @@ impl Projection for Timeline {
         let (recency, bumped) = (self.recency.clone(), self.bumped.clone());
         let generations = self.redaction_generations.clone();
         let tails = self.tails.clone();
-        let tail_id: Arc<str> = Arc::from(event_id_for_tail);
         let pos = record.position();
         ctx.after_commit(move || {
             if bumps {

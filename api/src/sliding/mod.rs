@@ -248,7 +248,7 @@ fn write_state(s: &AppState, ev: &EventRecord, out: &mut Vec<u8>) {
     let mut unsigned = serde_json::Map::new();
     unsigned.insert("age".into(), json!(age));
     ev.pdu
-        .write_client_event_as(out, ClientFormat::WithoutRoomId, Some(&unsigned));
+        .write_client_event(out, ClientFormat::WithoutRoomId, Some(&unsigned));
 }
 
 /// A `required_state` entry to write: one event of a cached rendered state
@@ -983,9 +983,11 @@ impl<'a> Build<'a> {
         let s = self.s;
         let state = &s.projections.state;
         let mut items: Vec<StateItem> = Vec::new();
+        // The ids to write, in order, each once (a set beside: every member may be in).
         let mut ids: Vec<String> = Vec::new();
-        let push_id = |ids: &mut Vec<String>, id: String| {
-            if !ids.contains(&id) {
+        let mut seen: std::collections::HashSet<String> = std::collections::HashSet::new();
+        let mut push_id = |ids: &mut Vec<String>, id: String| {
+            if seen.insert(id.clone()) {
                 ids.push(id);
             }
         };
@@ -998,33 +1000,27 @@ impl<'a> Build<'a> {
             let rendered = s.state_render.get(s, room, others);
             for (i, e) in rendered.events.iter().enumerate() {
                 if rs.matches(&e.event_type, &e.state_key, self.user) {
-                    ids.push(e.event_id.clone());
+                    push_id(&mut ids, e.event_id.clone());
                     items.push(StateItem::Rendered(rendered.clone(), i));
+                }
+            }
+        }
+        // Every member (`["m.room.member", "*"]` or `["*", "*"]`): one scan.
+        if rs.all_members() {
+            for (k2, id) in state.entries_of_type(full, "m.room.member") {
+                if rs.matches("m.room.member", &k2, self.user) {
+                    push_id(&mut ids, id);
                 }
             }
         }
         for (t, k) in &rs.include {
             match (t.as_str(), k.as_str()) {
-                ("*", "*") if rs.all_members() => {
-                    for (k2, id) in state.entries_of_type(full, "m.room.member") {
-                        if rs.matches("m.room.member", &k2, self.user) {
-                            push_id(&mut ids, id);
-                        }
-                    }
-                }
-                ("*", "*") => {}
+                ("*", "*") | ("m.room.member", "*") => {}
                 ("*", key) => {
                     // Rare: one state key across every type needs the whole state.
                     let key = if key == "$ME" { self.user } else { key };
                     for (t2, k2, id) in state.entries(full) {
                         if k2 == key && rs.matches(&t2, &k2, self.user) {
-                            push_id(&mut ids, id);
-                        }
-                    }
-                }
-                ("m.room.member", "*") => {
-                    for (k2, id) in state.entries_of_type(full, "m.room.member") {
-                        if rs.matches("m.room.member", &k2, self.user) {
                             push_id(&mut ids, id);
                         }
                     }
