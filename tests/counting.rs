@@ -153,8 +153,43 @@ impl Harness {
     }
 
     fn reads(&self) -> u64 {
-        let stats = self.server.projections.db.stats();
-        stats.reads.load(Ordering::Relaxed) + stats.rows_scanned.load(Ordering::Relaxed)
+        self.point_reads() + self.rows_scanned()
+    }
+
+    /// Point reads of the projection store so far.
+    fn point_reads(&self) -> u64 {
+        self.server
+            .projections
+            .db
+            .stats()
+            .reads
+            .load(Ordering::Relaxed)
+    }
+
+    /// Rows returned by the projection store's range scans so far.
+    fn rows_scanned(&self) -> u64 {
+        self.server
+            .projections
+            .db
+            .stats()
+            .rows_scanned
+            .load(Ordering::Relaxed)
+    }
+
+    /// Alice's two public rooms with Bob joined to both (the unread-count tests'
+    /// reader): (alice's token, bob's id, bob's token, the two rooms).
+    async fn reader_in_two_rooms(&self) -> (String, String, String, [String; 2]) {
+        let (_alice, at) = self.register("alice").await;
+        let (bob, bt) = self.register("bob").await;
+        let a = self
+            .create_room(&at, json!({ "preset": "public_chat" }))
+            .await;
+        let b = self
+            .create_room(&at, json!({ "preset": "public_chat" }))
+            .await;
+        self.join(&bt, &a).await;
+        self.join(&bt, &b).await;
+        (at, bob, bt, [a, b])
     }
 
     /// Waits until every projection (the gating ones and the others: search, push
@@ -188,12 +223,7 @@ impl Harness {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unread_count_reads_do_not_grow_with_unread_events() {
     let h = Harness::start().await;
-    let (_alice, at) = h.register("alice").await;
-    let (bob, bt) = h.register("bob").await;
-    let small = h.create_room(&at, json!({ "preset": "public_chat" })).await;
-    let big = h.create_room(&at, json!({ "preset": "public_chat" })).await;
-    h.join(&bt, &small).await;
-    h.join(&bt, &big).await;
+    let (at, bob, bt, [small, big]) = h.reader_in_two_rooms().await;
     // Bob's own message does not count, and marks what came before it read.
     h.send(&at, &big, "early", "read by bob's own message")
         .await;
@@ -257,18 +287,10 @@ async fn a_room_tail_is_read_from_memory_and_follows_appends() {
     }
     h.quiesce().await;
     let tl = &h.server.projections.timeline;
-    let rows = || {
-        h.server
-            .projections
-            .db
-            .stats()
-            .rows_scanned
-            .load(Ordering::Relaxed)
-    };
     let head = tl.last_activity(&room).unwrap();
-    let before = rows();
+    let before = h.rows_scanned();
     let first = tl.range_backward(&room, u64::MAX, 1, 4);
-    let filled = rows() - before;
+    let filled = h.rows_scanned() - before;
     assert_eq!(first.len(), 4);
     assert_eq!(first[0].0, head);
     assert_eq!(
@@ -277,19 +299,19 @@ async fn a_room_tail_is_read_from_memory_and_follows_appends() {
         "the fill"
     );
     // Again, and with other spans inside the tail: no row read.
-    let before = rows();
+    let before = h.rows_scanned();
     assert_eq!(tl.range_backward(&room, u64::MAX, 1, 4), first);
     let inside = tl.range_backward(&room, first[1].0, first[3].0, 10);
-    assert_eq!(rows() - before, 0);
+    assert_eq!(h.rows_scanned() - before, 0);
     assert_eq!(inside, first[2..4].to_vec());
     // New events join the tail after their commit.
     for i in 0..3 {
         h.send(&at, &room, &format!("n{i}"), "news").await;
     }
     h.quiesce().await;
-    let before = rows();
+    let before = h.rows_scanned();
     let now = tl.range_backward(&room, u64::MAX, 1, 4);
-    assert_eq!(rows() - before, 0);
+    assert_eq!(h.rows_scanned() - before, 0);
     assert_eq!(now[0].0, tl.last_activity(&room).unwrap());
     assert_eq!(now[3], first[0]);
     // A span reaching below the tail reads the store, and every answer is the store's.
@@ -343,12 +365,7 @@ async fn a_local_membership_is_read_from_memory() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_room_costs_its_unread_count_no_seek() {
     let h = Harness::start().await;
-    let (_alice, at) = h.register("alice").await;
-    let (bob, bt) = h.register("bob").await;
-    let read = h.create_room(&at, json!({ "preset": "public_chat" })).await;
-    let unread = h.create_room(&at, json!({ "preset": "public_chat" })).await;
-    h.join(&bt, &read).await;
-    h.join(&bt, &unread).await;
+    let (at, bob, bt, [read, unread]) = h.reader_in_two_rooms().await;
     for i in 0..3 {
         h.send(&at, &read, &format!("r{i}"), "hello").await;
         h.send(&at, &unread, &format!("u{i}"), "hello").await;
@@ -364,21 +381,13 @@ async fn a_read_room_costs_its_unread_count_no_seek() {
     let p = &h.server.projections;
     let join_pos = |room: &str| p.membership.get(room, &bob).unwrap().position;
     let seeks = |room: &str| {
-        let stats = p.db.stats();
-        let (reads, rows) = (
-            stats.reads.load(std::sync::atomic::Ordering::Relaxed),
-            stats
-                .rows_scanned
-                .load(std::sync::atomic::Ordering::Relaxed),
-        );
-        let c = p.unread(room, &bob, "", join_pos(room), upto);
+        let from = join_pos(room);
+        let (reads, rows) = (h.point_reads(), h.rows_scanned());
+        let c = p.unread(room, &bob, "", from, upto);
         (
             (c.notification_count, c.highlight_count),
-            stats.reads.load(std::sync::atomic::Ordering::Relaxed) - reads,
-            stats
-                .rows_scanned
-                .load(std::sync::atomic::Ordering::Relaxed)
-                - rows,
+            h.point_reads() - reads,
+            h.rows_scanned() - rows,
         )
     };
     let (counts, reads, rows) = seeks(&read);
@@ -392,18 +401,10 @@ async fn a_read_room_costs_its_unread_count_no_seek() {
     );
     // Without the bound the read room takes the seeks too (the push projection's own
     // answer at the stream's head).
-    let before =
-        p.db.stats()
-            .rows_scanned
-            .load(std::sync::atomic::Ordering::Relaxed);
+    let before = h.rows_scanned();
     let c = p.push.unread(&read, &bob, "", join_pos(&read), upto);
     assert_eq!((c.notification_count, c.highlight_count), (0, 0));
-    assert!(
-        p.db.stats()
-            .rows_scanned
-            .load(std::sync::atomic::Ordering::Relaxed)
-            > before
-    );
+    assert!(h.rows_scanned() > before);
 }
 
 /// A room's unread counts in `/sync` cost the same in a room of 2 members and in a
@@ -413,12 +414,7 @@ async fn a_read_room_costs_its_unread_count_no_seek() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unread_count_reads_do_not_grow_with_room_size() {
     let h = Harness::start().await;
-    let (_alice, at) = h.register("alice").await;
-    let (bob, bt) = h.register("bob").await;
-    let small = h.create_room(&at, json!({ "preset": "public_chat" })).await;
-    let big = h.create_room(&at, json!({ "preset": "public_chat" })).await;
-    h.join(&bt, &small).await;
-    h.join(&bt, &big).await;
+    let (at, bob, _bt, [small, big]) = h.reader_in_two_rooms().await;
     for i in 0..38 {
         let (_, t) = h.register(&format!("member{i}")).await;
         h.join(&t, &big).await;

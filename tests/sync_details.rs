@@ -9,6 +9,8 @@ use common::{Client, TestServer, enc, ids};
 use serde_json::{Value, json};
 
 const V3: &str = "/_matrix/client/v3";
+/// Simplified Sliding Sync (MSC4186), on its unstable path.
+const SS: &str = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync";
 
 fn next_batch(v: &Value) -> String {
     v["next_batch"].as_str().unwrap().to_owned()
@@ -528,7 +530,6 @@ async fn invalid_filters_are_refused_with_400() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sliding_sync_leaves_ignored_users_out_too() {
-    const SS: &str = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync";
     let ts = TestServer::start().await;
     let alice = ts.register("alice").await;
     let bob = ts.register("bob").await;
@@ -677,7 +678,6 @@ async fn each_kind_of_room_news_alone_brings_its_room_into_an_incremental_sync()
 /// give `ClientEvent`s, with `room_id`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sync_events_carry_no_room_id_and_room_endpoints_do() {
-    const SS: &str = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync";
     let ts = TestServer::start().await;
     let alice = ts.register("alice").await;
     let room = alice
@@ -685,22 +685,10 @@ async fn sync_events_carry_no_room_id_and_room_endpoints_do() {
         .await;
     let kept = alice.send_text(&room, "kept").await;
     let gone = alice.send_text(&room, "gone").await;
-    alice
-        .put(
-            &format!("{V3}/rooms/{}/redact/{}/r1", enc(&room), enc(&gone)),
-            &json!({}),
-        )
-        .await
-        .ok();
+    alice.redact(&room, &gone).await;
     // The topic is redacted too: a redacted state event in `state` / `required_state`.
     let topic = state_event_id(&alice, &room, "m.room.topic", "").await;
-    alice
-        .put(
-            &format!("{V3}/rooms/{}/redact/{}/r2", enc(&room), enc(&topic)),
-            &json!({}),
-        )
-        .await
-        .ok();
+    alice.redact(&room, &topic).await;
     // The redaction inside a redacted event comes in the same format (the spec's
     // `redacted_because` of a `ClientEventWithoutRoomID` is one too).
     let redactions = std::cell::Cell::new(0);
@@ -805,7 +793,6 @@ async fn sync_events_carry_no_room_id_and_room_endpoints_do() {
 /// name) and when it is not (a window asking for no state).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redacted_room_name_names_no_room_in_sliding_sync() {
-    const SS: &str = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync";
     let ts = TestServer::start().await;
     let alice = ts.register("alice").await;
     let room = alice.create_room(json!({ "name": "secret plans" })).await;
@@ -817,13 +804,7 @@ async fn a_redacted_room_name_names_no_room_in_sliding_sync() {
     let named = alice.post(SS, &window(json!([]))).await.ok();
     assert_eq!(named["rooms"][&room]["name"], json!("secret plans"));
     let name = state_event_id(&alice, &room, "m.room.name", "").await;
-    alice
-        .put(
-            &format!("{V3}/rooms/{}/redact/{}/r1", enc(&room), enc(&name)),
-            &json!({}),
-        )
-        .await
-        .ok();
+    alice.redact(&room, &name).await;
     // No cached rendering of the state after the redaction: point lookups.
     let v = alice.post(SS, &window(json!([]))).await.ok();
     assert!(v["rooms"][&room].get("name").is_none(), "{v}");

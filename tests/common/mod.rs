@@ -305,6 +305,24 @@ impl Client {
         v["event_id"].as_str().expect("event_id").to_owned()
     }
 
+    /// Redacts `event_id` (`PUT /redact/{eventId}/{txnId}`, no reason); returns the
+    /// redaction's id.
+    pub async fn redact(&self, room: &str, event_id: &str) -> String {
+        let v = self
+            .put(
+                &format!(
+                    "/_matrix/client/v3/rooms/{}/redact/{}/{}",
+                    enc(room),
+                    enc(event_id),
+                    txn()
+                ),
+                &json!({}),
+            )
+            .await
+            .ok();
+        v["event_id"].as_str().expect("event_id").to_owned()
+    }
+
     /// `PUT /state/{type}/{key}`; returns the event id.
     pub async fn put_state(
         &self,
