@@ -1016,6 +1016,53 @@ async fn idle_rooms_cost_no_row_in_incremental_sync() {
     assert_eq!(measure[0].1, 2, "{measure:?}");
 }
 
+/// A sliding window orders every room of the user by recency, from memory: the
+/// timeline is asked once for all their stamps (`Timeline::recencies`, one read lock
+/// per map), not once per room, so 20 more rooms cost the window no more lookups.
+/// The rooms' order is checked too: newest first, by the last message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sliding_window_asks_room_recency_once_for_all_rooms() {
+    const SS: &str = "/_matrix/client/unstable/org.matrix.simplified_msc3575/sync";
+    let h = Harness::start().await;
+    let (_ivy, it) = h.register("ivy").await;
+    let mut rooms = Vec::new();
+    let mut measure = Vec::new();
+    for (round, count) in [(0u32, 3usize), (1, 23)] {
+        while rooms.len() < count {
+            rooms.push(h.create_room(&it, json!({})).await);
+        }
+        // The oldest room gets the newest message: it must lead the list.
+        h.send(&it, &rooms[0], &format!("r{round}"), "bump").await;
+        h.quiesce().await;
+        let body = json!({
+            "conn_id": format!("c{round}"),
+            "lists": { "all": { "ranges": [[0, 1]], "timeline_limit": 1 } }
+        });
+        let lookups = h.server.projections.timeline.activity_lookups();
+        let (status, v) = h
+            .call(reqwest::Method::POST, SS, Some(&it), Some(body))
+            .await;
+        measure.push(h.server.projections.timeline.activity_lookups() - lookups);
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["lists"]["all"]["count"], count);
+        let ops = v["rooms"].as_object().unwrap();
+        assert_eq!(ops.len(), 2, "{v}");
+        let newest = &v["rooms"][&rooms[0]];
+        let second = &v["rooms"][&rooms[count - 1]];
+        assert!(
+            newest["bump_stamp"].as_u64().unwrap() > second["bump_stamp"].as_u64().unwrap(),
+            "{v}"
+        );
+    }
+    assert_eq!(
+        measure[1], measure[0],
+        "20 more rooms must not cost the window per-room recency lookups: {measure:?}"
+    );
+    // One batch for the order, then one `last_activity` per room in the window (the
+    // bound of its unread count, `Projections::unread`).
+    assert_eq!(measure[0], 3, "{measure:?}");
+}
+
 /// A lazy-loading initial sync of a room does not grow with its member count: the
 /// non-member state has its own trie, and members are point lookups by sender.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -353,12 +353,21 @@ impl<'a> Build<'a> {
         let s = self.s;
         // The user's room list, newest first (memory only: the timeline projection's
         // last activity per room, or the membership's own position when not joined).
-        let mut ordered: Vec<(u64, &String, &Membership)> = rooms
+        let listed: Vec<(&String, &Membership)> = rooms
             .iter()
             .filter(|(room, m)| self.in_room_list(room, m))
-            .map(|(room, m)| (self.recency(room, m), room, m))
             .collect();
-        ordered.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(b.1)));
+        let stamps = s
+            .projections
+            .timeline
+            .recencies(listed.iter().map(|(room, _)| room.as_str()));
+        let mut ordered: Vec<(u64, &String, &Membership)> = listed
+            .into_iter()
+            .zip(stamps)
+            .map(|((room, m), stamp)| (self.recency_from(stamp, m), room, m))
+            .collect();
+        // Room ids are unique: an unstable sort orders them as a stable one would.
+        ordered.sort_unstable_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(b.1)));
 
         let mut selected: BTreeMap<String, Selected> = BTreeMap::new();
         let mut lists_out = serde_json::Map::new();
@@ -522,12 +531,19 @@ impl<'a> Build<'a> {
     ///
     /// [`BUMP_EVENT_TYPES`]: spindle_projections::timeline::BUMP_EVENT_TYPES
     fn recency(&self, room: &str, m: &Membership) -> u64 {
+        let stamp = (m.membership == "join")
+            .then(|| self.s.projections.timeline.recencies([room])[0])
+            .flatten();
+        self.recency_from(stamp, m)
+    }
+
+    /// [`Build::recency`] from the room's stamp as [`Timeline::recencies`] gives it
+    /// (asked for every room of the list at once).
+    ///
+    /// [`Timeline::recencies`]: spindle_projections::timeline::Timeline::recencies
+    fn recency_from(&self, stamp: Option<u64>, m: &Membership) -> u64 {
         if m.membership == "join" {
-            let tl = &self.s.projections.timeline;
-            tl.last_bump(room)
-                .or_else(|| tl.last_activity(room))
-                .unwrap_or(m.position)
-                .min(self.upto)
+            stamp.unwrap_or(m.position).min(self.upto)
         } else {
             m.position
         }
