@@ -407,6 +407,58 @@ async fn a_read_room_costs_its_unread_count_no_seek() {
     assert!(h.rows_scanned() > before);
 }
 
+/// A user's read position in a room (where every unread count starts) is read from
+/// the store once and then kept while the room's receipts do not change: a second ask
+/// costs no point read; another user's receipt in the room makes the next ask read
+/// again (and find the reader's position unchanged), the reader's own new receipt is
+/// answered at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_position_is_read_once_until_the_rooms_receipts_change() {
+    let h = Harness::start().await;
+    let (at, bob, bt, [room, _]) = h.reader_in_two_rooms().await;
+    let first = h.send(&at, &room, "m1", "one").await;
+    let second = h.send(&at, &room, "m2", "two").await;
+    let receipt = |token: &str, event: &str| {
+        let (token, event) = (token.to_owned(), event.to_owned());
+        let room = room.clone();
+        let h = &h;
+        async move {
+            let (status, v) = h
+                .call(
+                    reqwest::Method::POST,
+                    &format!("/_matrix/client/v3/rooms/{room}/receipt/m.read/{event}"),
+                    Some(&token),
+                    Some(json!({})),
+                )
+                .await;
+            assert_eq!(status, 200, "{v}");
+            h.quiesce().await;
+        }
+    };
+    receipt(&bt, &first).await;
+    let p = &h.server.projections;
+    let at_event = |id: &str| p.timeline.event(id).unwrap().position;
+    let ask = || {
+        let reads = h.point_reads();
+        let position = p.receipts.read_position(&room, &bob, None);
+        (position, h.point_reads() - reads)
+    };
+    let (position, reads) = ask();
+    assert_eq!(position, Some(at_event(&first)));
+    assert_eq!(reads, 4, "the first ask reads the four receipt rows");
+    assert_eq!(ask(), (Some(at_event(&first)), 0), "kept");
+    // Alice's receipt changes the room's receipts, not Bob's position.
+    receipt(&at, &second).await;
+    let (position, reads) = ask();
+    assert_eq!(position, Some(at_event(&first)));
+    assert_eq!(reads, 4, "read again after the room's receipts changed");
+    assert_eq!(ask(), (Some(at_event(&first)), 0));
+    // Bob's own receipt moves his position at once.
+    receipt(&bt, &second).await;
+    assert_eq!(ask().0, Some(at_event(&second)));
+    assert_eq!(ask(), (Some(at_event(&second)), 0));
+}
+
 /// A room's unread counts in `/sync` cost the same in a room of 2 members and in a
 /// room of 40: counts are running rows written at append time (the room's default
 /// recipient's, and a member's own where its outcome differs), never a walk over the

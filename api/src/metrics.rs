@@ -403,6 +403,11 @@ impl Metrics {
                 s.projections.timeline.tails_kept(),
                 spindle_projections::timeline::TAIL_ROOMS,
             ),
+            (
+                "receipt_read_positions",
+                s.projections.receipts.read_positions_kept(),
+                spindle_projections::user_data::READ_POSITIONS_KEPT,
+            ),
         ] {
             let labels = vec![("cache", cache.to_owned())];
             self.cache_entries.get_or_create(&labels).set(len as i64);

@@ -1,6 +1,10 @@
 //! Small per-user projections: filters, account data, receipts with unread counts,
 //! and room aliases. One job each.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
 use spindle_journal::{Fact, Interest, StoredRecord};
 
@@ -205,7 +209,16 @@ pub struct Receipts {
     last: LastChange,
     /// Where the checkpoint is read when `last` starts again ([`Projection::reload`]).
     db: ProjectionDb,
+    /// `read_position(room, user, None)` answers by `room\0user`, each with the room's
+    /// [`Receipts::last_change`] read before it: current while that is unchanged (every
+    /// receipt written bumps it after its commit). At most [`READ_POSITIONS_KEPT`],
+    /// dropped all at once when full.
+    read_positions: Arc<RwLock<HashMap<String, (u64, Option<u64>)>>>,
 }
+
+/// How many (room, user) read positions [`Receipts`] keeps in memory (about 100 bytes
+/// each): every `/sync`, sliding window and push badge asks one per room shown.
+pub const READ_POSITIONS_KEPT: usize = 65_536;
 
 impl Receipts {
     /// Opens the tables.
@@ -216,6 +229,7 @@ impl Receipts {
             event_pos: db.table("receipts", "event_pos")?,
             last: LastChange::known_after(db.checkpoint("receipts")),
             db: db.clone(),
+            read_positions: Arc::default(),
         })
     }
 
@@ -308,8 +322,41 @@ impl Receipts {
     /// read": the more recent of `m.read` and `m.read.private`). `thread`: `None` for
     /// the room as a whole (unthreaded and main-timeline receipts), `Some(t)` for one
     /// thread (`"main"` or a root: unthreaded receipts and that thread's). Four point
-    /// reads.
+    /// reads; for the room as a whole, memory while the room's receipts are unchanged
+    /// since the last ask (its [`Receipts::last_change`], memory too).
     pub fn read_position(&self, room_id: &str, user_id: &str, thread: Option<&str>) -> Option<u64> {
+        if thread.is_some() {
+            return self.stored_read_position(room_id, user_id, thread);
+        }
+        // The room's last change first, then the rows: a receipt committed in between
+        // is in the answer but not in `at`, so the next ask reads again.
+        let at = self.last_change(room_id);
+        let k = format!("{room_id}\0{user_id}");
+        if let Some(&(kept_at, position)) = self.read_positions.read().get(&k)
+            && kept_at == at
+        {
+            return position;
+        }
+        let position = self.stored_read_position(room_id, user_id, None);
+        let mut kept = self.read_positions.write();
+        if kept.len() >= READ_POSITIONS_KEPT {
+            kept.clear();
+        }
+        kept.insert(k, (at, position));
+        position
+    }
+
+    /// How many read positions are kept in memory (at most [`READ_POSITIONS_KEPT`]).
+    pub fn read_positions_kept(&self) -> usize {
+        self.read_positions.read().len()
+    }
+
+    fn stored_read_position(
+        &self,
+        room_id: &str,
+        user_id: &str,
+        thread: Option<&str>,
+    ) -> Option<u64> {
         let threads = ["", thread.unwrap_or("main")];
         ["m.read", "m.read.private"]
             .iter()
@@ -328,6 +375,8 @@ impl Projection for Receipts {
     /// rows may not match the remembered positions): start again from the checkpoint.
     fn reload(&self) {
         self.last.reset(self.db.checkpoint("receipts"));
+        // New tables may place receipts at positions the kept answers never saw.
+        self.read_positions.write().clear();
     }
     fn tables(&self) -> Vec<Table> {
         vec![
