@@ -2,7 +2,6 @@
 //! and room aliases. One job each.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use parking_lot::RwLock;
 use serde::{Deserialize, Serialize};
@@ -213,12 +212,13 @@ pub struct Receipts {
     /// [`Receipts::last_change`] read before it: current while that is unchanged (every
     /// receipt written bumps it after its commit). At most [`READ_POSITIONS_KEPT`],
     /// dropped all at once when full.
-    read_positions: Arc<RwLock<HashMap<String, (u64, Option<u64>)>>>,
+    read_positions: RwLock<HashMap<String, (u64, Option<u64>)>>,
 }
 
-/// How many (room, user) read positions [`Receipts`] keeps in memory (about 100 bytes
-/// each): every `/sync`, sliding window and push badge asks one per room shown.
-pub const READ_POSITIONS_KEPT: usize = 65_536;
+/// How many (room, user) read positions [`Receipts`] keeps in memory (about 200 bytes
+/// each with the map's own table: 6-7 MiB when full): every `/sync`, sliding window
+/// and push badge asks one per room shown.
+pub const READ_POSITIONS_KEPT: usize = 32_768;
 
 impl Receipts {
     /// Opens the tables.
@@ -229,7 +229,7 @@ impl Receipts {
             event_pos: db.table("receipts", "event_pos")?,
             last: LastChange::known_after(db.checkpoint("receipts")),
             db: db.clone(),
-            read_positions: Arc::default(),
+            read_positions: RwLock::default(),
         })
     }
 

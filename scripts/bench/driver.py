@@ -557,6 +557,8 @@ class Bench:
                 except Exception as e:  # reported, not lost in a child process
                     log(f"  concurrency client {k} failed: {e!r}")
                     errs += 1
+                    # The others (and the driver) must not wait for this client.
+                    barrier.abort()
                 results.put((k, lat, errs, time.perf_counter()))
 
             if procs:
@@ -565,12 +567,29 @@ class Bench:
                 workers = [threading.Thread(target=worker, args=(k,)) for k in range(c)]
             for w in workers:
                 w.start()
-            barrier.wait(timeout=120)
+            try:
+                barrier.wait(timeout=120)
+            except threading.BrokenBarrierError:
+                pass  # a client failed while warming up: the level is recorded as failed below
             start = time.perf_counter()
             stop_at.value = start + duration
-            got = {k: (lat, e, end) for k, lat, e, end in (results.get(timeout=duration + 120) for _ in range(c))}
+            got = {}
+            try:
+                for _ in range(c):
+                    k, lat_k, e, end = results.get(timeout=duration + 120)
+                    got[k] = (lat_k, e, end)
+            except queue.Empty:
+                log(f"  concurrency {c}: {c - len(got)} clients never answered")
             for w in workers:
-                w.join()
+                w.join(timeout=5)
+                if procs and w.is_alive():
+                    w.terminate()
+            if len(got) < c or any(not lat_k for lat_k, _, _ in got.values()):
+                rec = summarize("concurrency", "send_throughput", c, [], "per_s")
+                rec["errors"] = sum(e for _, e, _ in got.values()) + c - len(got)
+                self.cells.append(rec)
+                log(f"  concurrency {c}: NO SAMPLES (a client failed; see above)")
+                continue
             lat = [got[k][0] for k in range(c)]
             errs = [got[k][1] for k in range(c)]
             # Until the last client's last answer (CLOCK_MONOTONIC: one clock for all
@@ -740,7 +759,7 @@ class Bench:
                 "members_messages": a.members_messages, "concurrency": a.concurrency,
                 "duration_s": a.duration, "tenants": a.tenants, "rooms": a.rooms,
                 "rooms_messages": a.rooms_messages, "samples": a.samples, "warmup": a.warmup,
-                "preset": a.preset,
+                "preset": a.preset, "clients_as": a.clients_as,
             },
             "meta": dict(kv.split("=", 1) for kv in a.meta),
             "skipped": {k: v for k, v in self.skipped.items() if k != "sliding"},
