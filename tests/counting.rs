@@ -176,8 +176,8 @@ impl Harness {
             .load(Ordering::Relaxed)
     }
 
-    /// Alice's two public rooms with Bob joined to both (the unread-count tests'
-    /// reader): (alice's token, bob's id, bob's token, the two rooms).
+    /// Alice's two public rooms with Bob joined to both (the unread-count and history
+    /// tests' reader): (alice's token, bob's id, bob's token, the two rooms).
     async fn reader_in_two_rooms(&self) -> (String, String, String, [String; 2]) {
         let (_alice, at) = self.register("alice").await;
         let (bob, bt) = self.register("bob").await;
@@ -1239,16 +1239,7 @@ struct History {
 
 async fn history_rooms() -> History {
     let h = Harness::start().await;
-    let (_alice, alice) = h.register("alice").await;
-    let (_bob, bob) = h.register("bob").await;
-    let small = h
-        .create_room(&alice, json!({ "preset": "public_chat" }))
-        .await;
-    let big = h
-        .create_room(&alice, json!({ "preset": "public_chat" }))
-        .await;
-    h.join(&bob, &small).await;
-    h.join(&bob, &big).await;
+    let (alice, _bob, bob, [small, big]) = h.reader_in_two_rooms().await;
     let mut first = Vec::new();
     for (room, n) in [(&small, 30), (&big, 200)] {
         for i in 0..n {

@@ -423,23 +423,6 @@ async fn thread_list_and_per_thread_unread_counts() {
     ts.stop().await;
 }
 
-async fn redact(c: &Client, room: &str, event_id: &str) -> String {
-    c.put(
-        &format!(
-            "/_matrix/client/v3/rooms/{}/redact/{}/{}",
-            enc(room),
-            enc(event_id),
-            txn()
-        ),
-        &json!({}),
-    )
-    .await
-    .ok()["event_id"]
-        .as_str()
-        .unwrap()
-        .to_owned()
-}
-
 /// A redacted child stops counting (issue 15 item 5; Synapse drops its relation row):
 /// it leaves `/relations`, a redacted latest edit gives way to the edit before it, a
 /// thread's count and latest event move back (and a thread left empty leaves
@@ -485,10 +468,10 @@ async fn redacted_relations_leave_relations_and_bundles() {
     );
 
     // Redact the latest edit, the reaction, the latest thread reply and the reference.
-    redact(&alice, &room, &edit2).await;
-    redact(&bob, &room, &react).await;
-    redact(&bob, &room, &thread2).await;
-    redact(&bob, &room, &reference).await;
+    alice.redact(&room, &edit2).await;
+    bob.redact(&room, &react).await;
+    bob.redact(&room, &thread2).await;
+    bob.redact(&room, &reference).await;
     let all = relations(&alice, &room, &enc(&root)).await.ok();
     assert_eq!(ids(&all), vec![thread1.clone(), edit1.clone()]);
     let annotations = relations(&alice, &room, &format!("{}/m.annotation", enc(&root)))
@@ -506,8 +489,8 @@ async fn redacted_relations_leave_relations_and_bundles() {
     assert_eq!(bundle.get("m.reference"), None, "{bundle}");
 
     // The last thread reply and the last edit go: no thread, no replacement.
-    redact(&bob, &room, &thread1).await;
-    redact(&alice, &room, &edit1).await;
+    bob.redact(&room, &thread1).await;
+    alice.redact(&room, &edit1).await;
     let ev = alice.event(&room, &root).await.ok();
     assert_eq!(ev["unsigned"].get("m.relations"), None, "{ev}");
     let threads = alice
